@@ -1,0 +1,179 @@
+"""Process-group set-up and tear-down, the same under torchrun, SLURM or a single process.
+
+Launch one training on:
+
+* 1 CPU/GPU:       ``labkit train ...``
+* 1 node, N ranks: ``torchrun --nproc_per_node N -m labkit train --strategy ddp ...``
+* N nodes (SLURM): ``srun torchrun --nnodes $SLURM_NNODES --nproc_per_node G --rdzv-backend c10d
+  --rdzv-endpoint HOST:29500 -m labkit train ...`` or ``srun python -m labkit train ...`` with one
+  task per GPU (the SLURM variables are read when torchrun's are absent).
+
+Everything goes through one context manager::
+
+    with distributed(device="auto", seed=0) as env:
+        print0(f"rank {env.rank} of {env.world_size} on {env.device}")
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from labkit.errors import ConfigError, DeviceError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global rank, 0 .. world_size-1.
+        local_rank: rank on this node (selects the GPU).
+        world_size: number of processes in the job.
+        local_world_size: processes on this node.
+        backend: ``"nccl"``, ``"gloo"``, or ``None`` for a single process without a group.
+        device: the device this rank computes on.
+        distributed: whether a process group is initialised.
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    backend: str | None = None
+    device: torch.device = torch.device("cpu")
+    distributed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def first_host(nodelist: str) -> str:
+    """First host name of a SLURM node list, e.g. ``"gpu[07-09,12],cpu1"`` -> ``"gpu07"``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ConfigError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = match.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def launch_info(environ: Mapping[str, str] = os.environ) -> dict | None:
+    """Rank layout from torchrun's variables, else SLURM's, else ``None`` (one plain process)."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        world_size = int(environ["WORLD_SIZE"])
+        return dict(
+            rank=int(environ["RANK"]),
+            world_size=world_size,
+            local_rank=int(environ.get("LOCAL_RANK", 0)),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=environ.get("MASTER_PORT", "29500"),
+        )
+    if int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in environ:
+        tasks_per_node = environ.get("SLURM_NTASKS_PER_NODE", environ.get("SLURM_TASKS_PER_NODE", "1"))
+        return dict(
+            rank=int(environ["SLURM_PROCID"]),
+            world_size=int(environ["SLURM_NTASKS"]),
+            local_rank=int(environ.get("SLURM_LOCALID", 0)),
+            local_world_size=int(re.match(r"\d+", tasks_per_node).group()),
+            master_addr=environ.get("MASTER_ADDR") or first_host(environ.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            master_port=environ.get("MASTER_PORT", "29500"),
+        )
+    return None
+
+
+def resolve_device(device: str | torch.device = "auto", local_rank: int = 0) -> torch.device:
+    """Turn ``"auto" | "cpu" | "cuda"`` into this rank's device; ``cuda`` without a GPU is an error."""
+    kind = str(device)
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise DeviceError(f"--device {device} was asked for but this machine has no usable GPU "
+                              "(torch.cuda.is_available() is False); use --device cpu or run on a GPU node")
+        if kind == "cuda":
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
+        return torch.device(kind)
+    if kind != "cpu":
+        raise ConfigError(f"unknown device {device!r}; use auto, cpu or cuda")
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, torch (CPU and all GPUs)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def print0(*args, **kwargs) -> None:
+    """``print`` on rank 0 only (or when no process group is set up)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def _cpu_threads(local_world_size: int) -> None:
+    # Several ranks on one CPU node each default to all cores: split them instead, unless the user chose.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+
+
+@contextmanager
+def distributed(device: str = "auto", backend: str | None = None, seed: int | None = 0,
+                timeout_s: float = 1800.0, environ: Mapping[str, str] | None = None) -> Iterator[DistEnv]:
+    """Set up the process group (if launched as several ranks), yield a :class:`DistEnv`, always tear down.
+
+    Args:
+        device: ``"auto"`` (GPU if present), ``"cpu"`` or ``"cuda"``.
+        backend: ``"nccl"`` or ``"gloo"``; default nccl on CUDA, gloo on CPU.
+        seed: seeds every rank with the same value (identical initial weights); ``None`` skips seeding.
+        timeout_s: collective timeout; a dead peer makes the others fail after this long, not hang.
+        environ: variables to read instead of ``os.environ`` (tests).
+    """
+    environ = os.environ if environ is None else environ
+    info = launch_info(environ)
+    local_rank = info["local_rank"] if info else 0
+    dev = resolve_device(device, local_rank)
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ConfigError(f"unknown backend {backend!r}; use nccl (GPUs) or gloo (CPU)")
+    if backend == "nccl" and dev.type != "cuda":
+        raise DeviceError("backend nccl needs GPUs but the device is cpu; use --backend gloo on CPU nodes")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if seed is not None:
+        seed_everything(seed)
+    if info is None:
+        yield DistEnv(device=dev)
+        return
+
+    if dev.type == "cpu":
+        _cpu_threads(info["local_world_size"])
+    os.environ.setdefault("MASTER_ADDR", info["master_addr"])
+    os.environ.setdefault("MASTER_PORT", str(info["master_port"]))
+    dist.init_process_group(
+        backend=backend, rank=info["rank"], world_size=info["world_size"],
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=dev if dev.type == "cuda" else None,
+    )
+    env = DistEnv(rank=info["rank"], local_rank=local_rank, world_size=info["world_size"],
+                  local_world_size=info["local_world_size"], backend=backend, device=dev, distributed=True)
+    ok = False
+    try:
+        yield env
+        ok = True
+    finally:
+        if ok:
+            # Gloo aborts a fraction of runs if a rank destroys the group while a peer still talks.
+            dist.barrier()
+        dist.destroy_process_group()

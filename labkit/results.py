@@ -1,0 +1,155 @@
+"""One results format for every run: training, benchmarks, all-reduce measurements.
+
+A run directory holds::
+
+    metrics.jsonl   one JSON object per line, each with a "kind": "epoch", "bench", "step", "trace", ...
+    summary.json    {"schema": "labkit.run/1", "name", "kind", "config", "environment", "metrics"}
+
+Notebooks read runs back with :func:`load_run` and plot them with :func:`plot_metric`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+SCHEMA = "labkit.run/1"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (torch.device, Path)):
+        return str(value)
+    if isinstance(value, float) and value != value:
+        return None
+    return value
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file + rename, so readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def environment(env=None) -> dict:
+    """Where a run happened: versions, host, devices, world size, backend."""
+    info = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }
+    if env is not None:
+        info.update(world_size=env.world_size, backend=env.backend, device=str(env.device))
+    return info
+
+
+class RunWriter:
+    """Appends records to ``metrics.jsonl`` and writes ``summary.json``; a no-op when ``enabled`` is False
+    (every rank can call it, only rank 0 writes)."""
+
+    def __init__(self, out_dir: str | Path | None, enabled: bool = True, append: bool = False):
+        self.out_dir = Path(out_dir) if out_dir is not None else None
+        self.enabled = enabled and self.out_dir is not None
+        if self.enabled:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if not append:
+                (self.out_dir / METRICS_FILE).write_text("")
+
+    def log(self, record: dict) -> None:
+        """Append one record; it must carry a ``"kind"``."""
+        if "kind" not in record:
+            raise ValueError(f"a results record needs a 'kind', got keys {sorted(record)}")
+        if self.enabled:
+            with open(self.out_dir / METRICS_FILE, "a") as f:
+                f.write(json.dumps(_jsonable(record)) + "\n")
+
+    def finish(self, name: str, kind: str, config: dict, metrics: dict, env=None, **extra) -> dict:
+        """Write ``summary.json`` and return it."""
+        summary = {"schema": SCHEMA, "name": name, "kind": kind, "config": config,
+                   "environment": environment(env), "metrics": metrics, **extra}
+        summary = _jsonable(summary)
+        if self.enabled:
+            atomic_write_text(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+@dataclass
+class Run:
+    """A run read back from disk."""
+
+    path: Path
+    summary: dict
+    records: list[dict] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.summary.get("name") or self.path.name
+
+    def records_of(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r.get("kind") == kind]
+
+    def series(self, y: str, x: str = "epoch", kind: str = "epoch") -> tuple[list, list]:
+        rows = [r for r in self.records_of(kind) if y in r and x in r]
+        return [r[x] for r in rows], [r[y] for r in rows]
+
+
+def load_run(path: str | Path) -> Run:
+    """Read a run directory written by :class:`RunWriter`."""
+    path = Path(path)
+    summary_path = path / SUMMARY_FILE
+    if not summary_path.exists():
+        raise FileNotFoundError(f"no {SUMMARY_FILE} in {path}: the run did not finish or wrote elsewhere")
+    summary = json.loads(summary_path.read_text())
+    if summary.get("schema") != SCHEMA:
+        raise ValueError(f"{summary_path} has schema {summary.get('schema')!r}, expected {SCHEMA!r}")
+    records = []
+    metrics_path = path / METRICS_FILE
+    if metrics_path.exists():
+        records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    return Run(path, summary, records)
+
+
+def load_runs(paths: Iterable[str | Path]) -> list[Run]:
+    return [load_run(p) for p in paths]
+
+
+def plot_metric(runs: Run | Iterable[Run], y: str = "test_acc", x: str = "epoch", kind: str = "epoch",
+                ax=None, labels: Iterable[str] | None = None, **plot_kwargs):
+    """Plot ``y`` against ``x`` for one or more runs on one axis; returns the axis."""
+    import matplotlib.pyplot as plt
+
+    runs = [runs] if isinstance(runs, Run) else list(runs)
+    labels = list(labels) if labels is not None else [r.name for r in runs]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.5))
+    for run, label in zip(runs, labels):
+        xs, ys = run.series(y, x, kind)
+        ax.plot(xs, ys, marker="o", label=label, **plot_kwargs)
+    ax.set_xlabel(x.replace("_", " "))
+    ax.set_ylabel(y.replace("_", " "))
+    ax.grid(alpha=0.3)
+    if len(runs) > 1 or labels:
+        ax.legend()
+    return ax

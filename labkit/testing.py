@@ -1,0 +1,84 @@
+"""Run a function on N gloo ranks on this machine: the helper behind every multi-rank test and check.
+
+    def grads_on_rank(env, x):
+        ...                        # runs inside labkit.dist.distributed(device="cpu")
+        return tensor
+
+    per_rank = run_ranks(grads_on_rank, 3, x)   # [rank0_result, rank1_result, rank2_result]
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, timeout_s, results, args, kwargs):
+    from labkit.dist import distributed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        with distributed(device="cpu", backend="gloo", timeout_s=timeout_s) as env:
+            out = fn(env, *args, **kwargs)
+        results.put((rank, True, out))
+    except BaseException:  # the parent re-raises it with this rank's traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0, **kwargs) -> list[Any]:
+    """Spawn ``world_size`` processes, run ``fn(env, *args, **kwargs)`` on each, return their results.
+
+    Args:
+        fn: a module-level function (spawn pickles it by name) taking a :class:`labkit.dist.DistEnv`.
+        world_size: number of ranks (>= 1).
+        timeout: seconds for the whole run; also the collective timeout inside the ranks.
+
+    Returns:
+        ``[result of rank 0, result of rank 1, ...]``.
+
+    Raises:
+        RuntimeError: a rank raised; the message holds its traceback.
+        TimeoutError: the ranks did not finish within ``timeout`` (they are killed).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, timeout, results, args, kwargs),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world_size:
+            try:
+                rank, ok, out = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in {timeout:.0f} s")
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{out}")
+            collected[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [collected[r] for r in range(world_size)]

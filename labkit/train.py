@@ -1,0 +1,357 @@
+"""THE training loop. Every strategy (single device, DDP, model/tensor parallel, hybrid, GPipe, pipeline
+schedules) and every optimizer (SGD, Adam, SGD + K-FAC) runs through :func:`fit`.
+
+    labkit train --model lenet --dataset mnist-sample --epochs 2                      # 1 CPU/GPU
+    torchrun --nproc_per_node 4 -m labkit train --strategy ddp --model resnet32 \\
+        --dataset cifar10 --optimizer kfac --base-lr 0.1 --batch-size 128 --epochs 100 \\
+        --kfac-update-freq 10 --lr-decay 35 75 90                                      # 1 node, 4 GPUs
+
+Per step: ``strategy.forward_backward`` -> ``strategy.sync_gradients`` -> ``preconditioner.step``
+-> ``optimizer.step`` -> ``scheduler.step``. Each epoch reseeds from (seed, epoch), so a run resumed from
+its checkpoint continues bit-identically.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Subset
+
+from labkit import data as kdata
+from labkit import models as kmodels
+from labkit.dist import distributed, print0
+from labkit.errors import CheckpointError, ConfigError, LabkitError
+from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
+from labkit.optim import build_optimizer
+from labkit.results import RunWriter
+from labkit.strategies import Strategy, get_strategy
+
+
+class TrainingDiverged(LabkitError):
+    """The loss became NaN or infinite."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``labkit train`` takes. ``batch_size`` is per data-parallel rank; the global batch is
+    ``batch_size × strategy.data_parallel_size``."""
+
+    model: str = "lenet"
+    dataset: str = "mnist-sample"
+    epochs: int = 1
+    batch_size: int = 64
+    test_batch_size: int = 512
+    optimizer: str = "sgd"
+    base_lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    lr_decay: list[int] = field(default_factory=list)
+    lr_decay_factor: float = 0.1
+    warmup_epochs: float = 0.0
+    scale_lr: bool = False
+    strategy: str = "single"
+    device: str = "auto"
+    backend: str | None = None
+    seed: int = 0
+    out: str | None = None
+    name: str | None = None
+    resume: bool = False
+    checkpoint: bool = True
+    profile: bool = False
+    max_steps: int | None = None
+    train_size: int | None = None
+    test_size: int | None = None
+    augment: bool = False
+    data_root: str | None = None
+    download: bool = False
+    num_workers: int = 0
+    log_every: int = 20
+    timeout_s: float = 1800.0
+    strategy_options: dict = field(default_factory=dict)
+    optim_options: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad value."""
+        for key in ("epochs", "batch_size", "test_batch_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {getattr(self, key)}")
+        if self.base_lr <= 0:
+            raise ConfigError(f"--base-lr must be > 0, got {self.base_lr}")
+        if self.warmup_epochs < 0:
+            raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ConfigError(f"--max-steps must be > 0, got {self.max_steps}")
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.out or Path("runs") / self.run_name)
+
+    @property
+    def run_name(self) -> str:
+        return self.name or f"{self.model}-{self.dataset}-{self.strategy}-{self.optimizer}"
+
+
+def lr_factor(step: int, steps_per_epoch: int, decay_epochs: list[int], decay_factor: float,
+              warmup_epochs: float, warmup_start: float) -> float:
+    """Learning-rate multiplier at optimizer step ``step``.
+
+    Step decay: × ``decay_factor`` at each epoch in ``decay_epochs`` (``--lr-decay 35 75 90``).
+    Warm-up (Goyal et al. 2017): linear from ``warmup_start`` to 1 over the first ``warmup_epochs``.
+    """
+    epoch = step / steps_per_epoch
+    factor = decay_factor ** sum(epoch >= e for e in decay_epochs)
+    if epoch < warmup_epochs:
+        factor *= warmup_start + (1 - warmup_start) * epoch / warmup_epochs
+    return factor
+
+
+def _subset(dataset, size: int | None):
+    return dataset if size is None or size >= len(dataset) else Subset(dataset, range(size))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, strategy: Strategy, criterion: nn.Module) -> tuple[float, float]:
+    """Mean loss and accuracy over ``loader``, summed over the ranks that own outputs."""
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    for x, y in loader:
+        out = strategy.forward(model, x.to(strategy.input_device))
+        if out is not None and strategy.metric_owner():
+            y = y.to(out.device)
+            totals += torch.tensor([criterion(out, y).item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
+                                   dtype=torch.float64)
+    loss_sum, correct, count = strategy.all_reduce_sum(totals).tolist()
+    return loss_sum / max(count, 1), correct / max(count, 1)
+
+
+def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | None, optimizer: torch.optim.Optimizer,
+        *, epochs: int, strategy: Strategy | None = None, preconditioner=None, scheduler=None,
+        criterion: nn.Module | None = None, writer: RunWriter | None = None, start_epoch: int = 0, seed: int = 0,
+        max_steps: int | None = None, log_every: int = 20, on_epoch_end: Callable[[int], None] | None = None,
+        profiler=None, printer: Callable[[str], None] = print0) -> list[dict]:
+    """Train ``model`` for ``epochs`` epochs and evaluate after each; return one record per epoch.
+
+    Args:
+        model: already placed by ``strategy.prepare`` (a plain module on one device works as is).
+        strategy: where data and model live and how gradients meet (default: the single-device one).
+        preconditioner: e.g. K-FAC; ``step()`` rewrites gradients before ``optimizer.step()``.
+        scheduler: stepped after every optimizer step.
+        max_steps: stop each epoch after this many steps (quick runs).
+        on_epoch_end: called with the finished epoch index (checkpointing).
+        profiler: a ``torch.profiler.profile`` to ``step()`` every iteration.
+
+    Returns:
+        ``[{"kind": "epoch", "epoch", "train_loss", "train_acc", "test_loss", "test_acc",
+        "samples_per_sec", "lr", "time_s"}, ...]``.
+    """
+    if strategy is None:
+        strategy = Strategy(_single_env(model))
+    criterion = criterion or nn.CrossEntropyLoss()
+    history = []
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for epoch in range(start_epoch, epochs):
+        torch.manual_seed(seed * 100_003 + epoch * 1_009 + rank)  # dropout/augmentation: reproducible per epoch
+        if getattr(train_loader, "generator", None) is not None:
+            train_loader.generator.manual_seed(seed * 100_003 + epoch)  # same shuffle on every rank
+        strategy.set_epoch(epoch)
+        model.train()
+        steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
+        meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
+                                printer=printer)
+        totals = torch.zeros(3, dtype=torch.float64)
+        started = time.perf_counter()
+        batches = _progress(train_loader, steps, f"epoch {epoch + 1}/{epochs}", rank)
+        for step, (x, y) in enumerate(batches):
+            if step >= steps:
+                break
+            x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
+            y = y.to(strategy.target_device, non_blocking=True)  # (B,)
+            optimizer.zero_grad(set_to_none=True)
+            loss, out = strategy.forward_backward(model, x, y, criterion)
+            strategy.sync_gradients(model)
+            if preconditioner is not None:
+                preconditioner.step()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            if profiler is not None:
+                profiler.step()
+            if loss is not None and strategy.metric_owner():
+                if not math.isfinite(loss.item()):
+                    raise TrainingDiverged(f"loss became {loss.item()} at epoch {epoch + 1}, step {step}; "
+                                           "lower --base-lr, add --warmup-epochs, or check the data")
+                totals += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
+                                       dtype=torch.float64)
+            meter.update(len(x))
+        rate = meter.finish()
+        loss_sum, correct, count = strategy.all_reduce_sum(totals).tolist()
+        test_loss, test_acc = evaluate(model, test_loader, strategy, criterion) if test_loader else (math.nan,) * 2
+        record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": loss_sum / max(count, 1),
+                  "train_acc": correct / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
+                  "samples_per_sec": rate, "lr": optimizer.param_groups[0]["lr"],
+                  "time_s": time.perf_counter() - started}
+        printer(f"epoch {epoch + 1}/{epochs} | train loss {record['train_loss']:.4f} acc {record['train_acc']:.4f}"
+                f" | test loss {test_loss:.4f} acc {test_acc:.4f} | lr {record['lr']:.4g}")
+        history.append(record)
+        if writer is not None:
+            writer.log(record)
+        if on_epoch_end is not None:
+            on_epoch_end(epoch)
+    return history
+
+
+def _single_env(model: nn.Module):
+    from labkit.dist import DistEnv
+
+    param = next(model.parameters(), None)
+    return DistEnv(device=param.device if param is not None else torch.device("cpu"))
+
+
+def _progress(loader, steps: int, desc: str, rank: int):
+    if rank != 0 or not interactive():
+        return loader
+    from tqdm.auto import tqdm
+
+    return tqdm(loader, total=steps, desc=desc, leave=False)
+
+
+# ----- checkpoints -------------------------------------------------------------------------------------
+
+
+def checkpoint_path(out_dir: Path, strategy: Strategy) -> Path:
+    """``checkpoint.pt``, or ``checkpoint.rank{r}.pt`` when each rank holds different parameters."""
+    suffix = "" if strategy.replicated else f".rank{strategy.env.rank}"
+    return Path(out_dir) / f"checkpoint{suffix}.pt"
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write ``state`` atomically: a crash mid-write leaves the previous checkpoint intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Load a checkpoint with ``weights_only=True``; a corrupt file raises :class:`CheckpointError`."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated/garbled files
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a labkit checkpoint ({type(exc).__name__}); "
+                              "delete it or run without --resume") from None
+    if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
+        raise CheckpointError(f"checkpoint {path} is not a labkit checkpoint (no model/epoch); "
+                              "delete it or run without --resume")
+    return state
+
+
+# ----- the `labkit train` path -----------------------------------------------------------------------------
+
+
+def run(cfg: TrainConfig) -> dict:
+    """Build everything from ``cfg``, train, write results; return the summary (same on every rank)."""
+    cfg.validate()
+    strategy_cls = get_strategy(cfg.strategy)
+    with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s) as env:
+        strategy = strategy_cls(env, cfg.strategy_options)
+        info = kdata.dataset_info(cfg.dataset)
+        root = cfg.data_root
+        train_set = _subset(kdata.get_dataset(cfg.dataset, train=True, root=root, download=cfg.download,
+                                              augment=cfg.augment), cfg.train_size)
+        test_set = _subset(kdata.get_dataset(cfg.dataset, train=False, root=root, download=cfg.download), cfg.test_size)
+        dp = strategy.data_parallel_size
+        if len(train_set) < dp * cfg.batch_size:
+            raise ConfigError(f"the training set has {len(train_set)} samples, fewer than one global batch "
+                              f"({dp} ranks × --batch-size {cfg.batch_size}); use fewer ranks or a smaller batch")
+        model = kmodels.get_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels,
+                                  image_size=info.image_size, sequential=strategy.sequential_model)
+        model = strategy.prepare(model)
+        lr = cfg.base_lr * (dp if cfg.scale_lr else 1)
+        optimizer, preconditioner = build_optimizer(cfg.optimizer, strategy.unwrap(model), lr, cfg.momentum,
+                                                    cfg.weight_decay, cfg.optim_options, env)
+        train_loader = kdata.make_loader(train_set, cfg.batch_size, shuffle=True,
+                                         sampler=strategy.sampler(train_set, True, cfg.seed), seed=cfg.seed,
+                                         drop_last=dp > 1, num_workers=cfg.num_workers)
+        test_loader = kdata.make_loader(test_set, cfg.test_batch_size, shuffle=False,
+                                        sampler=strategy.sampler(test_set, False, cfg.seed), num_workers=cfg.num_workers)
+        steps = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
+        warmup_start = 1 / dp if cfg.scale_lr and dp > 1 else 1 / max(1.0, cfg.warmup_epochs * steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
+            s, steps, cfg.lr_decay, cfg.lr_decay_factor, cfg.warmup_epochs, warmup_start))
+        out_dir = cfg.out_dir
+        writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
+        ckpt = checkpoint_path(out_dir, strategy)
+        start_epoch = 0
+        if cfg.resume and ckpt.exists():
+            state = load_checkpoint(ckpt)
+            try:
+                strategy.unwrap(model).load_state_dict(state["model"])
+            except RuntimeError as exc:
+                raise CheckpointError(f"checkpoint {ckpt} does not fit model {cfg.model}: {str(exc)[:200]}") from None
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            if preconditioner is not None and state.get("preconditioner") is not None:
+                preconditioner.load_state_dict(state["preconditioner"])
+            start_epoch = state["epoch"]
+            print0(f"resumed from {ckpt} at epoch {start_epoch}")
+
+        def on_epoch_end(epoch: int) -> None:
+            if cfg.checkpoint and (env.is_main or not strategy.replicated):
+                save_checkpoint(ckpt, {"model": strategy.unwrap(model).state_dict(),
+                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                       "preconditioner": preconditioner.state_dict() if preconditioner else None,
+                                       "epoch": epoch + 1, "config": asdict(cfg)})
+
+        print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
+               f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
+        started = time.perf_counter()
+        with _profiler(cfg.profile, out_dir, env.rank) as prof:
+            history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
+                          preconditioner=preconditioner, scheduler=scheduler, writer=writer, start_epoch=start_epoch,
+                          seed=cfg.seed, max_steps=cfg.max_steps, log_every=cfg.log_every,
+                          on_epoch_end=on_epoch_end, profiler=prof)
+        lines = memory_lines(strategy.devices())
+        if env.distributed:
+            gathered = [None] * env.world_size
+            dist.all_gather_object(gathered, lines)
+            lines = list(dict.fromkeys(line for rank_lines in gathered for line in rank_lines))
+        for line in lines:
+            print0(line)
+        peak = torch.tensor([peak_memory_gb(strategy.devices())])
+        if env.distributed:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        last = history[-1] if history else {}
+        metrics = {"samples_per_sec": last.get("samples_per_sec"), "peak_memory_gb": peak.item(),
+                   "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
+                   "best_test_acc": max((r["test_acc"] for r in history), default=None),
+                   "epochs_run": len(history), "time_s": time.perf_counter() - started,
+                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines}
+        summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
+        strategy.close()
+    print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
+    return summary
+
+
+@contextlib.contextmanager
+def _profiler(enabled: bool, out_dir: Path, rank: int):
+    """``--profile``: a torch.profiler trace of a few steps, viewable in TensorBoard or Perfetto."""
+    if not enabled:
+        yield None
+        return
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    trace_dir = Path(out_dir) / "profile"
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
+                 on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"),
+                 record_shapes=True) as prof:
+        yield prof
+    print0(f"profiler trace written to {trace_dir} (open in TensorBoard or https://ui.perfetto.dev)")
