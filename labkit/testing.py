@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -35,7 +36,8 @@ def _rank_main(fn, rank, world_size, port, timeout_s, results, args, kwargs):
     try:
         with distributed(device="cpu", backend="gloo", timeout_s=timeout_s) as env:
             out = fn(env, *args, **kwargs)
-        results.put((rank, True, out))
+        # plain pickle copies tensors; torch's queue reducers would share memory that dies with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # the parent re-raises it with this rank's traceback
         results.put((rank, False, traceback.format_exc()))
 
@@ -65,16 +67,30 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     for p in procs:
         p.start()
     collected: dict[int, Any] = {}
+    failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(collected) < world_size:
+        while len(collected) + len(failures) < world_size:
+            wait = deadline - time.monotonic()
+            if failures:  # peers of a failed rank fail next (connection reset): gather them briefly
+                wait = min(wait, 3.0)
             try:
-                rank, ok, out = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, ok, out = results.get(timeout=max(0.1, wait))
             except queue.Empty:
+                if failures:
+                    break
                 raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in {timeout:.0f} s")
-            if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{out}")
-            collected[rank] = out
+            if ok:
+                collected[rank] = pickle.loads(out)
+            else:
+                failures[rank] = out
+        if failures:
+            # the root cause first: a rank whose error is not a lost connection to a peer
+            order = sorted(failures, key=lambda r: ("Connection reset" in failures[r] or "Connection closed" in
+                                                    failures[r], r))
+            first = order[0]
+            others = "".join(f"\n--- rank {r} also failed:\n{failures[r]}" for r in order[1:])
+            raise RuntimeError(f"rank {first} of {world_size} failed in {fn.__name__}:\n{failures[first]}{others}")
     finally:
         for p in procs:
             p.join(timeout=10)

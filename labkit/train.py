@@ -159,14 +159,15 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
     rank = dist.get_rank() if dist.is_initialized() else 0
     for epoch in range(start_epoch, epochs):
         torch.manual_seed(seed * 100_003 + epoch * 1_009 + rank)  # dropout/augmentation: reproducible per epoch
-        if getattr(train_loader, "generator", None) is not None:
-            train_loader.generator.manual_seed(seed * 100_003 + epoch)  # same shuffle on every rank
+        if isinstance(train_loader, DataLoader):
+            kdata.set_loader_epoch(train_loader, epoch, seed)  # same shuffle on every rank, fresh or resumed
         strategy.set_epoch(epoch)
         model.train()
         steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
                                 printer=printer)
-        totals = torch.zeros(3, dtype=torch.float64)
+        # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
+        totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
         batches = _progress(train_loader, steps, f"epoch {epoch + 1}/{epochs}", rank)
         for step, (x, y) in enumerate(batches):
@@ -185,14 +186,14 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             if profiler is not None:
                 profiler.step()
             if loss is not None and strategy.metric_owner():
-                if not math.isfinite(loss.item()):
-                    raise TrainingDiverged(f"loss became {loss.item()} at epoch {epoch + 1}, step {step}; "
-                                           "lower --base-lr, add --warmup-epochs, or check the data")
-                totals += torch.tensor([loss.item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
-                                       dtype=torch.float64)
+                y = y.to(out.device)
+                totals += torch.stack([loss.double() * len(y), (out.argmax(1) == y).sum().double(),
+                                       torch.tensor(float(len(y)), dtype=torch.float64, device=out.device)]).to(totals.device)
+                if (step + 1) % log_every == 0 or step + 1 == steps:
+                    _check_finite(totals[0], epoch, step)
             meter.update(len(x))
         rate = meter.finish()
-        loss_sum, correct, count = strategy.all_reduce_sum(totals).tolist()
+        loss_sum, correct, count = strategy.all_reduce_sum(totals.cpu()).tolist()
         test_loss, test_acc = evaluate(model, test_loader, strategy, criterion) if test_loader else (math.nan,) * 2
         record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": loss_sum / max(count, 1),
                   "train_acc": correct / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
@@ -206,6 +207,12 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         if on_epoch_end is not None:
             on_epoch_end(epoch)
     return history
+
+
+def _check_finite(loss_sum: torch.Tensor, epoch: int, step: int) -> None:
+    if not torch.isfinite(loss_sum):
+        raise TrainingDiverged(f"loss became {loss_sum.item()} by epoch {epoch + 1}, step {step}; "
+                               "lower --base-lr, add --warmup-epochs, or check the data")
 
 
 def _single_env(model: nn.Module):

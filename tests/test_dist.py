@@ -1,0 +1,84 @@
+"""labkit.dist: launch-variable parsing, device choice, and real process groups via run_ranks."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit.dist import distributed, first_host, launch_info, resolve_device
+from labkit.errors import ConfigError, DeviceError
+from labkit.testing import run_ranks
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("gpu07", "gpu07"), ("gpu[07-09,12]", "gpu07"), ("node[3,5]", "node3"), ("a1,b2", "a1"), ("c[001-004]x", "c001"),
+])
+def test_first_host_of_slurm_nodelist(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_launch_info_prefers_torchrun_then_slurm_then_single():
+    torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "n1", "MASTER_PORT": "1234", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
+    assert launch_info(torchrun) == dict(rank=3, world_size=8, local_rank=1, local_world_size=2,
+                                         master_addr="n1", master_port="1234")
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "2", "SLURM_NTASKS_PER_NODE": "3",
+             "SLURM_JOB_NODELIST": "gpu[10-11]"}
+    assert launch_info(slurm) == dict(rank=5, world_size=6, local_rank=2, local_world_size=3,
+                                      master_addr="gpu10", master_port="29500")
+    assert launch_info({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+    assert launch_info({}) is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_without_gpu_is_a_clear_error():
+    with pytest.raises(DeviceError, match="no usable GPU.*--device cpu"):
+        resolve_device("cuda")
+    with pytest.raises(DeviceError, match="nccl needs GPUs"):
+        with distributed(device="cpu", backend="nccl", environ={}):
+            pass
+
+
+def test_unknown_device_and_backend():
+    with pytest.raises(ConfigError, match="unknown device 'tpu'"):
+        resolve_device("tpu")
+    with pytest.raises(ConfigError, match="unknown backend 'mpi2'"):
+        with distributed(device="cpu", backend="mpi2", environ={}):
+            pass
+
+
+def test_single_process_has_no_group_and_is_seeded():
+    with distributed(device="cpu", seed=7, environ={}) as env:
+        assert (env.rank, env.world_size, env.distributed, env.is_main) == (0, 1, False, True)
+        a = torch.rand(3)
+    with distributed(device="cpu", seed=7, environ={}):
+        assert torch.equal(a, torch.rand(3))
+    assert not dist.is_initialized()
+
+
+def _sum_ranks(env, scale):
+    t = torch.full((4,), float(env.rank + 1)) * scale
+    dist.all_reduce(t)
+    return env.rank, env.world_size, env.backend, t, torch.rand(2), torch.get_num_threads()
+
+
+def test_run_ranks_real_gloo_group():
+    out = run_ranks(_sum_ranks, 3, 2.0)
+    assert [o[:3] for o in out] == [(0, 3, "gloo"), (1, 3, "gloo"), (2, 3, "gloo")]
+    for o in out:
+        assert torch.equal(o[3], torch.full((4,), 12.0))  # 2 * (1 + 2 + 3)
+        assert torch.equal(o[4], out[0][4])  # same seed on every rank -> same initial weights
+        assert o[5] == 1
+
+
+def _rank1_fails(env):
+    if env.rank == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 would wait here forever without run_ranks' failure handling
+
+
+def test_run_ranks_reports_failing_rank_without_hanging():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed.*boom on rank one"):
+        run_ranks(_rank1_fails, 2, timeout=60)
+    assert time.monotonic() - start < 50

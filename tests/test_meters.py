@@ -1,0 +1,30 @@
+"""labkit.meters: the seed-003 lines, exactly."""
+import re
+
+import torch
+
+from labkit.meters import ThroughputMeter, memory_lines, process_memory_gb, throughput_line
+
+
+def test_throughput_lines_match_seed_format():
+    assert throughput_line(1, 1, 4, 100, 692.34, True) == "train | 1/1 epoch (4%) | 692.340 samples/sec (estimated)"
+    assert throughput_line(1, 1, 99, 100, 718.4634, False) == "train | 1/1 epoch (99%) | 718.463 samples/sec"
+    assert throughput_line(3, 10, 0, 7, 1.0, False) == "train | 3/10 epoch (0%) | 1.000 samples/sec"
+
+
+def test_cpu_memory_line_is_labelled():
+    (line,) = memory_lines([torch.device("cpu")])
+    assert re.fullmatch(r"CPU \(process, all devices\): resident \d+\.\d{3} GB, peak \d+\.\d{3} GB", line)
+    rss, peak = process_memory_gb()
+    assert 0 < rss <= peak + 1e-3
+
+
+def test_meter_prints_estimates_then_final_line_and_counts_samples():
+    lines = []
+    meter = ThroughputMeter(2, 5, steps=10, every=3, warmup=1, printer=lines.append, world_factor=2)
+    for _ in range(10):
+        meter.update(8)
+    rate = meter.finish()
+    assert all(line.endswith("(estimated)") for line in lines[:-1]) and len(lines) == 3  # steps 3, 6, then final
+    assert re.fullmatch(r"train \| 2/5 epoch \(90%\) \| \d+\.\d{3} samples/sec", lines[-1])
+    assert meter.samples == 9 * 8 and rate > 0  # first step is warm-up, not throughput

@@ -1,0 +1,108 @@
+"""labkit.train: the one loop — LR schedule, metrics, checkpoints, resume, divergence, profiling, config errors."""
+import json
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from labkit.errors import CheckpointError, ConfigError
+from labkit.train import TrainConfig, TrainingDiverged, fit, load_checkpoint, lr_factor, run
+
+
+def small_cfg(tmp_path, **kw):
+    base = dict(model="mlp", dataset="synthetic-mnist", epochs=2, batch_size=32, train_size=256, test_size=128,
+                device="cpu", out=str(tmp_path / "run"), base_lr=0.05, log_every=4)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_lr_schedule_step_decay_and_warmup():
+    steps = 10
+    assert lr_factor(0, steps, [2, 4], 0.1, 0, 1) == 1
+    assert lr_factor(19, steps, [2, 4], 0.1, 0, 1) == 1
+    assert lr_factor(20, steps, [2, 4], 0.1, 0, 1) == pytest.approx(0.1)
+    assert lr_factor(45, steps, [2, 4], 0.1, 0, 1) == pytest.approx(0.01)
+    # warm-up over 2 epochs from 0.25 to 1, linear in steps
+    assert lr_factor(0, steps, [], 0.1, 2, 0.25) == pytest.approx(0.25)
+    assert lr_factor(10, steps, [], 0.1, 2, 0.25) == pytest.approx(0.625)
+    assert lr_factor(20, steps, [], 0.1, 2, 0.25) == 1
+
+
+def test_fit_records_match_a_manual_evaluation():
+    torch.manual_seed(0)
+    x = torch.randn(96, 5)
+    y = (x[:, 0] > 0).long()
+    loader = DataLoader(TensorDataset(x, y), batch_size=32)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    history = fit(model, loader, loader, opt, epochs=3, printer=lambda s: None)
+    assert [r["epoch"] for r in history] == [1, 2, 3]
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    with torch.no_grad():
+        out = model(x)
+        assert history[-1]["test_loss"] == pytest.approx(nn.functional.cross_entropy(out, y).item(), rel=1e-5)
+        assert history[-1]["test_acc"] == pytest.approx((out.argmax(1) == y).float().mean().item())
+
+
+def test_nan_loss_stops_with_a_clear_message():
+    x = torch.full((8, 3), float("nan"))
+    loader = DataLoader(TensorDataset(x, torch.zeros(8, dtype=torch.long)), batch_size=4)
+    model = nn.Linear(3, 2)
+    with pytest.raises(TrainingDiverged, match="loss became nan.*lower --base-lr"):
+        fit(model, loader, None, torch.optim.SGD(model.parameters(), lr=0.1), epochs=1, log_every=1,
+            printer=lambda s: None)
+
+
+def test_run_writes_results_and_checkpoint(tmp_path, capsys):
+    summary = run(small_cfg(tmp_path))
+    out = capsys.readouterr().out
+    assert "samples/sec (estimated)" in out and "CPU (process, all devices)" in out
+    files = {p.name for p in (tmp_path / "run").iterdir()}
+    assert {"summary.json", "metrics.jsonl", "checkpoint.pt"} <= files
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert on_disk == summary and summary["metrics"]["epochs_run"] == 2
+    epochs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    assert summary["metrics"]["final_test_acc"] == epochs[-1]["test_acc"]
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    run(small_cfg(tmp_path, out=str(tmp_path / "straight"), epochs=3, lr_decay=[2], warmup_epochs=1))
+    run(small_cfg(tmp_path, out=str(tmp_path / "resumed"), epochs=1, lr_decay=[2], warmup_epochs=1))
+    summary = run(small_cfg(tmp_path, out=str(tmp_path / "resumed"), epochs=3, lr_decay=[2], warmup_epochs=1,
+                            resume=True))
+    a = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "resumed" / "checkpoint.pt")
+    assert a["epoch"] == b["epoch"] == 3 and summary["metrics"]["epochs_run"] == 2
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="corrupt.*delete it or run without --resume"):
+        run(small_cfg(tmp_path, resume=True))
+
+
+def test_profile_writes_a_trace(tmp_path):
+    run(small_cfg(tmp_path, epochs=1, profile=True))
+    traces = list((tmp_path / "run" / "profile").glob("*.json*"))
+    assert traces, "no profiler trace written"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("batch_size", 0, "--batch-size must be > 0"), ("epochs", -1, "--epochs must be > 0"),
+    ("base_lr", 0.0, "--base-lr must be > 0"), ("max_steps", 0, "--max-steps must be > 0"),
+])
+def test_bad_config(tmp_path, field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        run(small_cfg(tmp_path, **{field: value}))
+
+
+def test_bad_names_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="unknown strategy 'warp'"):
+        run(small_cfg(tmp_path, strategy="warp"))
+    with pytest.raises(ConfigError, match="unknown optimizer 'lion'"):
+        run(small_cfg(tmp_path, optimizer="lion"))
