@@ -112,5 +112,6 @@ class ThroughputMeter:
 
     def finish(self) -> float:
         """Print the end-of-epoch line and return samples/sec."""
-        self.printer(throughput_line(self.epoch, self.epochs, max(self.step, 0), self.steps, self.rate, False))
-        return self.rate
+        rate = self.rate
+        self.printer(throughput_line(self.epoch, self.epochs, max(self.step, 0), self.steps, rate, False))
+        return rate

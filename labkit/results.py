@@ -147,6 +147,10 @@ def plot_metric(runs: Run | Iterable[Run], y: str = "test_acc", x: str = "epoch"
     for run, label in zip(runs, labels):
         xs, ys = run.series(y, x, kind)
         ax.plot(xs, ys, marker="o", label=label, **plot_kwargs)
+    if x == "epoch":
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(x.replace("_", " "))
     ax.set_ylabel(y.replace("_", " "))
     ax.grid(alpha=0.3)

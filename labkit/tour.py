@@ -16,7 +16,7 @@ from pathlib import Path
 
 NEXT_STEPS = """\
 Where to go next
-  jupyter lab notebooks/               then walk 00 -> 07 in order:
+  jupyter lab notebooks/               then walk 00 -> 06 in order:
     00_single_device      PyTorch in 4 steps, throughput and memory lines
     01_allreduce          seven all-reduce algorithms, animated and run for real
     02_data_parallel      DDP with torchrun, scaling, linear LR scaling + warm-up
@@ -96,6 +96,18 @@ def _plot(run, path: Path) -> Path:
 
 
 def _allreduce(out: Path) -> None:
-    from labkit.collectives import tour_demo
+    from labkit.collectives import get_schedule, simulate
+    from labkit.collectives.verify import format_verify, verify_rank
+    from labkit.testing import run_ranks
+    from labkit.viz.allreduce import save_animation
 
-    tour_demo(out)
+    schedule = get_schedule("ring", 4)
+    sim = simulate(schedule, n=12)  # raises if any rank does not end with the sum
+    sent = sim.counts.elements_sent
+    print(f"simulated ring on 4 ranks, 12 numbers each: {schedule.num_steps} steps = 2(p-1); "
+          f"each rank sent {sent[0]} numbers = 2(p-1)/p x 12; every rank holds the sum")
+    rows = run_ranks(verify_rank, 2, ["ring"], timeout=180)[0]
+    print("ring on 2 real gloo processes vs dist.all_reduce:")
+    print(format_verify(rows, 2))
+    path = save_animation(schedule, out / "ring_allreduce.html")
+    print(f"animation: {path}  (open it in a browser; notebook 01 has the interactive player)")

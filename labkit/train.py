@@ -194,7 +194,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             meter.update(len(x))
         rate = meter.finish()
         loss_sum, correct, count = strategy.all_reduce_sum(totals.cpu()).tolist()
-        test_loss, test_acc = evaluate(model, test_loader, strategy, criterion) if test_loader else (math.nan,) * 2
+        test_loss, test_acc = (evaluate(model, test_loader, strategy, criterion) if test_loader is not None
+                               else (math.nan,) * 2)
         record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": loss_sum / max(count, 1),
                   "train_acc": correct / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
                   "samples_per_sec": rate, "lr": optimizer.param_groups[0]["lr"],
@@ -269,6 +270,7 @@ def run(cfg: TrainConfig) -> dict:
     strategy_cls = get_strategy(cfg.strategy)
     with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
+        cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
         info = kdata.dataset_info(cfg.dataset)
         root = cfg.data_root
         train_set = _subset(kdata.get_dataset(cfg.dataset, train=True, root=root, download=cfg.download,
@@ -343,7 +345,7 @@ def run(cfg: TrainConfig) -> dict:
                    "global_batch_size": cfg.batch_size * dp, "memory_lines": lines}
         summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
         strategy.close()
-    print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
+        print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
     return summary
 
 

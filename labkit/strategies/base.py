@@ -56,6 +56,10 @@ class Strategy:
         """How many ranks each see a different shard of every batch (global batch = this × per-rank batch)."""
         return 1
 
+    def per_rank_batch_size(self, batch_size: int) -> int:
+        """This rank's batch given ``--batch-size``; a strategy may derive it from its own flags instead."""
+        return batch_size
+
     def prepare(self, model: nn.Module) -> nn.Module:
         return model.to(self.env.device)
 

@@ -1,0 +1,245 @@
+"""DDP scaling (samples/s, speedup, efficiency over 1, 2, 4 ranks) and labkit's DDP trainer vs plain PyTorch DDP.
+
+    labkit bench ddp --ranks 1,2,4                       # scaling sweep + the labkit/plain comparison
+    labkit bench ddp --ranks 1,2 --compare-ranks 0       # sweep only
+    labkit bench ddp --model resnet20 --dataset synthetic-cifar10 --device cuda --ranks 1,2,4,8
+
+Scaling is weak scaling: every rank keeps --batch-size, so the global batch grows with the ranks.
+speedup(n) = throughput(n) / throughput(1); efficiency(n) = speedup(n) / n (1.0 = perfect). Each rank
+count is one `labkit train --strategy ddp` run under torchrun.
+
+The comparison starts --compare-ranks ranks once (gloo on CPU); inside that one run every rank alternates the two
+contenders (labkit, plain, plain, labkit, ...) on the same model, data and batch: labkit =
+labkit.train.fit with the DDP strategy; plain = the textbook DDP loop (DistributedSampler,
+DistributedDataParallel, zero_grad/forward/backward/step). The ratio labkit/plain is the median over
+rounds of each back-to-back pair, so noise from other programs on the machine mostly cancels.
+Target: ratio >= 0.97.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+from labkit.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", default="1,2,4", help="rank counts of the scaling sweep, e.g. 1,2,4")
+    p.add_argument("--compare-ranks", type=int, default=2, help="ranks of the labkit/plain comparison (0: skip)")
+    p.add_argument("--model", default="lenet")
+    p.add_argument("--dataset", default="mnist-sample")
+    p.add_argument("--batch-size", type=int, default=64, help="per rank")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run / per contender and round")
+    p.add_argument("--rounds", type=int, default=4, help="comparison rounds (each runs both contenders)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per rank count, alternating; the median counts")
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one rank per GPU)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per rank (default 1: on a CPU each rank stands for one device of one core)")
+    p.add_argument("--out", default="runs/bench-ddp")
+    p.add_argument("--compare-worker", action="store_true", help=argparse.SUPPRESS)  # a rank of the comparison
+
+
+def parse_ranks(spec: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``; anything else is a ConfigError."""
+    try:
+        ranks = sorted({int(s) for s in spec.split(",") if s.strip()})
+    except ValueError:
+        raise ConfigError(f"--ranks {spec!r} is not a comma list of rank counts; e.g. --ranks 1,2,4") from None
+    if not ranks or ranks[0] < 1:
+        raise ConfigError(f"--ranks {spec!r} needs rank counts >= 1; e.g. --ranks 1,2,4")
+    return ranks
+
+
+def scaling_rows(rates: dict[int, float]) -> list[dict]:
+    """Speedup and efficiency from ``{ranks: samples/s}``, relative to the smallest rank count."""
+    base_n = min(rates)
+    rows = []
+    for n in sorted(rates):
+        speedup = rates[n] / rates[base_n]
+        rows.append({"kind": "bench", "ranks": n, "samples_per_sec": rates[n], "speedup": speedup,
+                     "efficiency": speedup / (n / base_n)})
+    return rows
+
+
+def plot_scaling(rows: list[dict], path: str | Path | None = None):
+    """Throughput, speedup (with the ideal line) and efficiency against the number of ranks."""
+    import matplotlib.pyplot as plt
+
+    n = [r["ranks"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    axes[0].plot(n, [r["samples_per_sec"] for r in rows], marker="o")
+    axes[0].set_ylabel("samples/s (all ranks)")
+    axes[0].set_ylim(bottom=0)
+    axes[1].plot(n, [r["speedup"] for r in rows], marker="o", label="measured")
+    axes[1].plot(n, [k / n[0] for k in n], "--", color="gray", label="ideal")
+    axes[1].set_ylabel("speedup")
+    axes[1].legend()
+    axes[2].plot(n, [r["efficiency"] for r in rows], marker="o")
+    axes[2].axhline(1.0, ls="--", color="gray")
+    axes[2].set_ylabel("efficiency")
+    axes[2].set_ylim(0, 1.1)
+    for ax in axes:
+        ax.set_xlabel("ranks")
+        ax.set_xticks(n)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=120)
+    return fig
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.compare_worker:
+        return _compare_worker(args)
+    from labkit.launch import torchrun
+    from labkit.results import RunWriter
+
+    ranks = parse_ranks(args.ranks)
+    out = Path(args.out)
+    common = ["--model", args.model, "--dataset", args.dataset, "--batch-size", str(args.batch_size),
+              "--device", args.device]
+    if args.repeat < 1 or args.steps < 3 or args.rounds < 1 or args.threads < 1:
+        raise ConfigError(f"need --repeat >= 1, --steps >= 3, --rounds >= 1, --threads >= 1; got {args.repeat}, "
+                          f"{args.steps}, {args.rounds}, {args.threads}")
+    env = {"OMP_NUM_THREADS": str(args.threads)}
+    measured: dict[int, list[float]] = {n: [] for n in ranks}
+    for r in range(args.repeat):
+        for n in ranks if r % 2 == 0 else ranks[::-1]:  # alternate the order: slow drifts hit all alike
+            print(f"--- {n} rank(s): labkit train --strategy ddp, {args.steps} steps", flush=True)
+            run = torchrun(["train", "--strategy", "ddp", *common, "--epochs", "1", "--max-steps", str(args.steps),
+                            "--test-size", "64", "--no-checkpoint", "--log-every", str(10 ** 6), "--out",
+                            str(out / f"ranks{n}-{r}")], nproc=n, env=env, echo=_quiet)
+            measured[n].append(run.summary["metrics"]["samples_per_sec"])
+    rows = scaling_rows({n: statistics.median(v) for n, v in measured.items()})
+    metrics = {"samples_per_sec": {r["ranks"]: r["samples_per_sec"] for r in rows},
+               "speedup": {r["ranks"]: r["speedup"] for r in rows},
+               "efficiency": {r["ranks"]: r["efficiency"] for r in rows}}
+    if args.compare_ranks:
+        print(f"--- labkit vs plain PyTorch DDP on {args.compare_ranks} ranks, {args.rounds} rounds", flush=True)
+        compare = torchrun(["bench", "ddp", "--compare-worker", *common, "--steps", str(args.steps),
+                            "--rounds", str(args.rounds), "--out", str(out / "compare")],
+                           nproc=args.compare_ranks, env=env, echo=_quiet)
+        metrics.update(compare.summary["metrics"])
+    writer = RunWriter(out)
+    for row in rows:
+        writer.log(row)
+    plot_scaling(rows, out / "scaling.png")
+    print(f"\n{'ranks':>5} {'samples/s':>11} {'speedup':>8} {'efficiency':>10}")
+    for r in rows:
+        print(f"{r['ranks']:>5} {r['samples_per_sec']:>11.1f} {r['speedup']:>8.2f} {r['efficiency']:>10.2f}")
+    if args.compare_ranks:
+        print(f"labkit {metrics['labkit_samples_per_sec']:.1f} vs plain {metrics['plain_samples_per_sec']:.1f} "
+              f"samples/s on {args.compare_ranks} ranks; ratio labkit/plain (median of "
+              f"{args.rounds} paired rounds) = {metrics['ratio']:.3f} (target >= 0.97)")
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "compare_worker")}
+    writer.finish("bench-ddp", "bench", config, metrics)
+    print(f"results written to {out}/summary.json, plot {out}/scaling.png")
+    return 0
+
+
+def _quiet(line: str) -> None:
+    """Pass on the throughput lines and errors of a launched run, not every log line."""
+    if "samples/sec" in line or "error" in line.lower():
+        print("   ", line, flush=True)
+
+
+def plain_ddp(model: nn.Module, dataset, batch_size: int, steps: int, device: torch.device) -> tuple[int, float]:
+    """The textbook DDP loop on this rank. Returns (samples this rank processed, seconds)."""
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+    _sync(device)
+    start = time.perf_counter()
+    seen = 0
+    for step, (x, y) in enumerate(loader):
+        if step >= steps:
+            break
+        x, y = x.to(device), y.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        criterion(ddp(x), y).backward()
+        optimizer.step()
+        seen += len(x)
+    _sync(device)
+    return seen, time.perf_counter() - start
+
+
+def _labkit_ddp(env, model: nn.Module, dataset, batch_size: int, steps: int) -> tuple[int, float]:
+    from labkit import data
+    from labkit.strategies.ddp import DDPStrategy
+    from labkit.train import fit
+
+    strategy = DDPStrategy(env, {})
+    model = strategy.prepare(model)
+    loader = data.make_loader(dataset, batch_size, shuffle=True, sampler=strategy.sampler(dataset, True, 0),
+                              drop_last=True)
+    optimizer = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=0.01, momentum=0.9)
+    _sync(env.device)
+    start = time.perf_counter()
+    fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=steps, log_every=10 ** 9,
+        printer=lambda line: None)
+    _sync(env.device)
+    return min(steps, len(loader)) * batch_size, time.perf_counter() - start
+
+
+def _compare_worker(args: argparse.Namespace) -> int:
+    from labkit import data, models
+    from labkit.dist import distributed, print0
+    from labkit.results import RunWriter
+
+    with distributed(args.device) as env:
+        info = data.dataset_info(args.dataset)
+        dataset = data.get_dataset(args.dataset, train=True)
+        template = models.get_model(args.model, num_classes=info.num_classes, in_channels=info.in_channels,
+                                    image_size=info.image_size)
+
+        def contender(name: str) -> tuple[int, float]:
+            model = models.get_model(args.model, num_classes=info.num_classes, in_channels=info.in_channels,
+                                     image_size=info.image_size).to(env.device)
+            model.load_state_dict(template.state_dict())
+            dist.barrier()  # start together: a late rank would stall the other's all-reduces
+            if name == "labkit":
+                seen, elapsed = _labkit_ddp(env, model, dataset, args.batch_size, args.steps)
+            else:
+                seen, elapsed = plain_ddp(model, dataset, args.batch_size, args.steps, env.device)
+            slowest = torch.tensor([elapsed], dtype=torch.float64, device=env.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the step rate is set by the slowest rank
+            return seen * env.world_size, slowest.item()
+
+        contender("plain")  # warm-up: first-call overheads are excluded from both
+        contender("labkit")
+        writer = RunWriter(args.out, enabled=env.is_main)
+        times, samples = {"labkit": 0.0, "plain": 0.0}, {"labkit": 0, "plain": 0}
+        ratios = []
+        for r in range(args.rounds):
+            rate = {}
+            for name in (("labkit", "plain") if r % 2 == 0 else ("plain", "labkit")):
+                seen, elapsed = contender(name)
+                times[name] += elapsed
+                samples[name] += seen
+                rate[name] = seen / elapsed
+                writer.log({"kind": "bench", "contender": name, "round": r, "ranks": env.world_size,
+                            "samples": seen, "time_s": elapsed, "samples_per_sec": rate[name]})
+            ratios.append(rate["labkit"] / rate["plain"])  # back-to-back pairs: shared noise cancels
+        rates = {k: samples[k] / times[k] for k in times}
+        ratio = statistics.median(ratios)
+        print0(f"    labkit {rates['labkit']:.1f} samples/sec, plain {rates['plain']:.1f} samples/sec, "
+               f"median ratio of {args.rounds} rounds {ratio:.3f}")
+        writer.finish("bench-ddp-compare", "bench", {k: v for k, v in vars(args).items() if k != "func"},
+                      {"labkit_samples_per_sec": rates["labkit"], "plain_samples_per_sec": rates["plain"],
+                       "ratio": ratio, "round_ratios": ratios, "compare_ranks": env.world_size}, env)
+    return 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
