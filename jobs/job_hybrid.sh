@@ -1,0 +1,76 @@
+#!/bin/bash
+# The hybrid strategy FlexFlow found for AlexNet (seed 000) on ONE node: convolutions replicated on every
+# GPU (data parallel), the fully-connected layers and the loss on GPU 0 only; features gathered to rank 0
+# and their gradient scattered back (labkit train --strategy hybrid). Then the same training with plain
+# DDP into <out>/ddp, to compare loss convergence and samples/sec (notebook 03 plots both).
+#
+# Usage (from the repository root):
+#   sbatch jobs/job_hybrid.sh                                    # 1 node, 2 GPUs (the seed's setting)
+#   sbatch --gres=gpu:4 jobs/job_hybrid.sh                       # 4 ranks
+#   COMPARE_DDP=0 sbatch jobs/job_hybrid.sh                      # the hybrid run only
+#   SBATCH_GRES=none LABKIT_QUICK=1 sbatch jobs/job_hybrid.sh    # CPU partition, tiny sizes (gloo)
+#   bash jobs/job_hybrid.sh                                      # no SLURM: torchrun on this machine
+#
+# Environment (all optional; defaults in brackets):
+#   DATASET [cifar10]   EPOCHS [10]   BATCH_SIZE [128, per rank]   OPTIMIZER [adam]   BASE_LR [0.001]
+#   (alexnet_small has no normalisation layers; plain SGD with momentum needs a small LR to stay stable)
+#   NPROC [the GPUs of the node; 2 on CPU]   COMPARE_DDP [1]
+#   LABKIT_QUICK=1: alexnet_small on the offline synthetic-cifar10, 1 short epoch, CPU/gloo
+#   LABKIT_OUT: results folder [runs/hybrid-<jobid>]; PYTHON [python3]
+#
+# Results: <LABKIT_OUT>/summary.json, metrics.jsonl (hybrid) and <LABKIT_OUT>/ddp/ (DDP); in a notebook:
+#   labkit.results.plot_metric(labkit.results.load_runs([out, out + "/ddp"]), y="train_loss")
+#
+#SBATCH --job-name=labkit-hybrid
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=8
+#SBATCH --gres=gpu:2
+#SBATCH --time=01:00:00
+#SBATCH --output=hybrid-%j.out
+
+set -euo pipefail
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+python="${PYTHON:-python3}"
+quick="${LABKIT_QUICK:-0}"
+
+gpus=0
+if [[ "$quick" == 0 ]] && command -v nvidia-smi >/dev/null 2>&1; then
+    gpus="${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}"
+fi
+if (( gpus > 0 )); then
+    device=cuda; backend=nccl; nproc="${NPROC:-$gpus}"
+else
+    # CPU: gloo, one thread per rank so the ranks do not fight over the cores
+    device=cpu; backend=gloo; nproc="${NPROC:-2}"
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+
+if [[ "$quick" != 0 ]]; then
+    sizes=(--dataset "${DATASET:-synthetic-cifar10}" --epochs "${EPOCHS:-1}" --batch-size "${BATCH_SIZE:-16}"
+           --max-steps 6 --train-size 256 --test-size 128 --log-every 2)
+else
+    sizes=(--dataset "${DATASET:-cifar10}" --epochs "${EPOCHS:-10}" --batch-size "${BATCH_SIZE:-128}" --augment)
+fi
+out="${LABKIT_OUT:-runs/hybrid-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
+launch=("$python" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc" -m labkit train
+        --model alexnet_small --device "$device" --backend "$backend" "${sizes[@]}"
+        --optimizer "${OPTIMIZER:-adam}" --base-lr "${BASE_LR:-0.001}")
+
+run() {
+    echo "+ ${*}"
+    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+        srun --nodes=1 --ntasks=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "$@"
+    else
+        "$@"
+    fi
+}
+
+echo "labkit hybrid job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $nproc rank(s) on $device ($backend)"
+run "${launch[@]}" --strategy hybrid --out "$out"
+results="$out/summary.json"
+if [[ "${COMPARE_DDP:-1}" != 0 ]]; then
+    run "${launch[@]}" --strategy ddp --out "$out/ddp"
+    results+=" and $out/ddp/summary.json"
+fi
+echo "results: $results"

@@ -1,0 +1,254 @@
+"""Model parallelism: the split-size sweep (throughput vs micro-batch size), and hybrid vs DDP on 2 ranks.
+
+    labkit bench model-parallel                                      # both parts, devices of this machine
+    labkit bench model-parallel --part sweep --batch-size 256 --split-sizes 8 16 32 64 128 256
+    labkit bench model-parallel --part hybrid-ddp --ranks 2          # starts torchrun itself
+
+Sweep: one process drives 2 devices (2 GPUs, or the CPU twice: then nothing overlaps and no split size
+can win). Contenders, alternated every round: the whole model on one device, the naive split (one
+micro-batch), and pipelined inputs with each split size. Hybrid vs DDP: alexnet_small through the
+training loop on ``--ranks`` ranks, alternated, global samples/s.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from labkit.dist import DistEnv, print0, resolve_device, seed_everything
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--part", default="all", choices=["all", "sweep", "hybrid-ddp"])
+    p.add_argument("--model", default="alexnet_small")
+    p.add_argument("--dataset", default="synthetic-cifar10")
+    p.add_argument("--batch-size", type=int, default=128, help="sweep: samples per step")
+    p.add_argument("--split-sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64], metavar="N")
+    p.add_argument("--mp-devices", type=int, default=2, help="sweep: devices (stages)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--ranks", type=int, default=2, help="hybrid vs DDP: ranks to start")
+    p.add_argument("--rank-batch-size", type=int, default=32, help="hybrid vs DDP: samples per rank per step")
+    p.add_argument("--out", default="runs/bench-model-parallel")
+
+
+def _sync(devices) -> None:
+    for d in dict.fromkeys(devices):
+        if torch.device(d).type == "cuda":
+            torch.cuda.synchronize(d)
+
+
+def _train_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, devices) -> float:
+    """Seconds for ``steps`` SGD steps on the fixed batch (x, y)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    _sync(devices)
+    start = time.perf_counter()
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    _sync(devices)
+    return time.perf_counter() - start
+
+
+def split_size_sweep(model_name: str = "alexnet_small", dataset: str = "synthetic-cifar10", batch_size: int = 128,
+                     split_sizes=(4, 8, 16, 32, 64), stages: int = 2, steps: int = 5, rounds: int = 3,
+                     device: str = "auto", writer=None, progress: bool = True) -> dict:
+    """Throughput of single device vs naive split vs pipelined inputs with each split size.
+
+    On the CPU the sweep runs on one thread (restored afterwards): one core plays one device, and on a shared
+    machine multi-threaded kernels wait for descheduled threads, which turns the numbers into noise.
+
+    Returns:
+        ``{"rates": {contender: samples/s}, "timelines": {contender: [BusyInterval dict, ...]},
+        "devices": [...]}``; contenders are ``"single"``, ``"naive"`` and ``"split N"``.
+    """
+    dev = resolve_device(device)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        return _sweep(model_name, dataset, batch_size, split_sizes, stages, steps, rounds, dev, writer, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sweep(model_name, dataset, batch_size, split_sizes, stages, steps, rounds, dev, writer, progress) -> dict:
+    from labkit import data, models
+    from labkit.strategies.model_parallel import ModelParallel
+
+    devices = ([torch.device("cuda", i % torch.cuda.device_count()) for i in range(stages)] if dev.type == "cuda"
+               else [dev] * stages)
+    info = data.dataset_info(dataset)
+    x, y = next(iter(data.make_loader(data.get_dataset(dataset), batch_size, shuffle=False)))
+    seed_everything(0)
+    template = models.get_model(model_name, info.num_classes, info.in_channels, info.image_size, sequential=True)
+    contenders = {"single": None, "naive": None, **{f"split {s}": s for s in split_sizes}}
+
+    def build(name: str, record: bool = False) -> nn.Module:
+        model = copy.deepcopy(template)
+        if name == "single":
+            return model.to(devices[0])
+        return ModelParallel(model, devices, "params", contenders[name], record=record)
+
+    seconds = dict.fromkeys(contenders, 0.0)
+    built = {name: build(name) for name in contenders}
+    for name, model in built.items():  # warm-up: first-call costs are not throughput
+        _train_steps(model, x.to(devices[0]), y.to(devices[-1]), 1, devices)
+    bar = _bar(rounds * len(contenders), progress)
+    for r in range(rounds):
+        order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
+        for name in order:
+            target = devices[0] if name == "single" else devices[-1]
+            elapsed = _train_steps(built[name], x.to(devices[0]), y.to(target), steps, devices)
+            seconds[name] += elapsed
+            if writer is not None:
+                writer.log({"kind": "bench", "experiment": "split-size", "contender": name,
+                            "split_size": contenders[name] or batch_size, "round": r,
+                            "samples_per_sec": steps * batch_size / elapsed})
+            bar.update(1)
+    bar.close()
+    rates = {name: rounds * steps * batch_size / s for name, s in seconds.items()}
+    timelines = {}
+    for name in ("naive", f"split {max(split_sizes, key=lambda s: rates[f'split {s}'])}"):
+        model = build(name, record=True)
+        for _ in range(2):  # the second step is the one kept: warm
+            model.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x.to(devices[0])), y.to(devices[-1])).backward()
+        timelines[name] = [asdict(iv) for iv in model.timeline()]
+        if writer is not None:
+            for iv in timelines[name]:
+                writer.log({"kind": "trace", "contender": name, **iv})
+    return {"rates": rates, "timelines": timelines, "devices": [str(d) for d in devices], "batch_size": batch_size}
+
+
+def plot_sweep(result: dict, ax=None):
+    """samples/s vs split size, with the single-device and naive-split rates as lines."""
+    import matplotlib.pyplot as plt
+
+    rates = result["rates"]
+    sizes = sorted(int(k.split()[1]) for k in rates if k.startswith("split "))
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(sizes, [rates[f"split {s}"] for s in sizes], marker="o", label="pipelined inputs")
+    ax.axhline(rates["single"], color="grey", linestyle="--", label="whole model on one device")
+    ax.axhline(rates["naive"], color="tab:red", linestyle=":", label="naive split (no micro-batches)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel(f"split size (samples per micro-batch, batch {result['batch_size']})")
+    ax.set_ylabel("samples/s")
+    devices = result["devices"]
+    ax.set_title(f"split-size sweep: {len(devices)} stages on {', '.join(dict.fromkeys(devices))}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def _bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="split-size sweep", disable=not enabled, leave=False)
+
+
+def hybrid_vs_ddp(env: DistEnv, dataset: str = "synthetic-cifar10", batch_size: int = 32, steps: int = 5,
+                  rounds: int = 3, writer=None) -> dict[str, float]:
+    """Global samples/s of the hybrid strategy and of DDP on this job's ranks (call on every rank)."""
+    import torch.distributed as dist
+
+    from labkit import data, models
+    from labkit.strategies.ddp import DDPStrategy
+    from labkit.strategies.hybrid import HybridStrategy
+    from labkit.train import fit
+
+    info = data.dataset_info(dataset)
+    train_set = data.get_dataset(dataset)
+    seconds = {"hybrid": 0.0, "ddp": 0.0}
+    for r in range(rounds + 1):  # round 0 warms up both
+        for name in (("hybrid", "ddp") if r % 2 == 0 else ("ddp", "hybrid")):
+            seed_everything(0)
+            model = models.get_model("alexnet_small", info.num_classes, info.in_channels, info.image_size)
+            strategy = (HybridStrategy if name == "hybrid" else DDPStrategy)(env, {})
+            model = strategy.prepare(model)
+            optimizer = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=0.01, momentum=0.9)
+            loader = data.make_loader(train_set, batch_size, shuffle=True, sampler=strategy.sampler(train_set, True, 0),
+                                      drop_last=True)
+            _sync([env.device])
+            if env.distributed:
+                dist.barrier()
+            start = time.perf_counter()
+            fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=steps, printer=lambda s: None)
+            _sync([env.device])
+            elapsed = time.perf_counter() - start
+            if r == 0:
+                continue
+            seconds[name] += elapsed
+            rate = env.world_size * batch_size * steps / elapsed
+            if writer is not None:
+                writer.log({"kind": "bench", "experiment": "hybrid-vs-ddp", "contender": name, "round": r,
+                            "world_size": env.world_size, "samples_per_sec": rate})
+            print0(f"{name:>6} | round {r} | {rate:.1f} samples/sec")
+    return {name: rounds * env.world_size * batch_size * steps / s for name, s in seconds.items()}
+
+
+def main(args: argparse.Namespace) -> int:
+    from labkit.dist import distributed, launch_info
+    from labkit.results import RunWriter
+
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    if args.part == "hybrid-ddp" and launch_info() is not None:  # one of the ranks torchrun started
+        with distributed(args.device) as env:
+            writer = RunWriter(args.out, enabled=env.is_main)
+            rates = hybrid_vs_ddp(env, args.dataset, args.rank_batch_size, args.steps, args.rounds, writer)
+            metrics = {"hybrid_samples_per_sec": rates["hybrid"], "ddp_samples_per_sec": rates["ddp"],
+                       "hybrid_over_ddp": rates["hybrid"] / rates["ddp"]}
+            writer.finish("bench-hybrid-vs-ddp", "bench", config, metrics, env)
+        return 0
+
+    out = Path(args.out)
+    writer = RunWriter(out)
+    metrics: dict = {}
+    if args.part in ("all", "sweep"):
+        result = split_size_sweep(args.model, args.dataset, args.batch_size, args.split_sizes, args.mp_devices,
+                                  args.steps, args.rounds, args.device, writer, progress=True)
+        rates = result["rates"]
+        print(f"{'contender':<12} {'samples/s':>10}")
+        for name, rate in rates.items():
+            print(f"{name:<12} {rate:>10.1f}")
+        best = max((k for k in rates if k.startswith("split ")), key=rates.get)
+        metrics.update(sweep_samples_per_sec=rates, best_split=best, samples_per_sec=rates[best],
+                       best_over_single=rates[best] / rates["single"], sweep_devices=result["devices"])
+        _save_plot(result, out / "split_size_sweep.png")
+    if args.part in ("all", "hybrid-ddp"):
+        from labkit.launch import torchrun
+
+        sub = out / "hybrid-ddp"
+        run = torchrun(["bench", "model-parallel", "--part", "hybrid-ddp", "--dataset", args.dataset,
+                        "--rank-batch-size", str(args.rank_batch_size), "--steps", str(args.steps), "--rounds",
+                        str(args.rounds), "--device", args.device, "--out", str(sub)], nproc=args.ranks)
+        metrics.update(run.summary["metrics"])
+        metrics.setdefault("samples_per_sec", metrics["hybrid_samples_per_sec"])
+        print(f"hybrid {metrics['hybrid_samples_per_sec']:.1f} samples/sec | ddp {metrics['ddp_samples_per_sec']:.1f}"
+              f" samples/sec | hybrid/ddp = {metrics['hybrid_over_ddp']:.3f} on {args.ranks} ranks")
+    writer.finish("bench-model-parallel", "bench", config, metrics, DistEnv(device=resolve_device(args.device)))
+    print(f"results written to {out}/summary.json" + (" and split_size_sweep.png" if "best_split" in metrics else ""))
+    return 0
+
+
+def _save_plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    if "ipykernel" not in sys.modules:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ax = plot_sweep(result)
+    ax.figure.tight_layout()
+    ax.figure.savefig(path, dpi=120)
+    plt.close(ax.figure)

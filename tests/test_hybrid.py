@@ -1,0 +1,132 @@
+"""The seed-000 hybrid strategy: one step on 2 gloo ranks == one single-process step on the whole batch (loss,
+logits, every gradient); three steps (the last with uneven shards) == the same weights; the per-rank
+checkpoint contents; `labkit train --strategy hybrid` under torchrun; bad models."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from labkit.dist import DistEnv
+from labkit.errors import ConfigError
+from labkit.models import get_model
+from labkit.strategies.hybrid import HybridStrategy
+from labkit.testing import run_ranks
+
+ATOL = 1e-5  # float32: the convolutions run per shard, the sums run in another order
+SHARDS = [(4, 4), (4, 4), (3, 5)]  # rows per rank at each step; the last step exercises the padding
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return get_model("alexnet_small", num_classes=10, in_channels=3, image_size=16)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 3, 16, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _hybrid_rank(env) -> dict:
+    strategy = HybridStrategy(env)
+    model = strategy.prepare(_model())
+    optimizer = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=0.01, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+    result = {}
+    for step, sizes in enumerate(SHARDS):
+        x, y = _batch(step)
+        start = sum(sizes[:env.rank])
+        x, y = x[start:start + sizes[env.rank]], y[start:start + sizes[env.rank]]
+        optimizer.zero_grad(set_to_none=True)
+        loss, out = strategy.forward_backward(model, x, y, criterion)
+        strategy.sync_gradients(model)
+        if step == 0:
+            result.update(loss=loss, logits=out, grads=_grads(model))
+        optimizer.step()
+    result["weights"] = {k: v.clone() for k, v in strategy.unwrap(model).state_dict().items()}
+    x, _ = _batch(0)
+    result["eval"] = strategy.forward(model, x)
+    return result
+
+
+def _single() -> dict:
+    model, criterion = _model(), nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    result = {}
+    for step in range(len(SHARDS)):
+        x, y = _batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        out = model(x)
+        loss = criterion(out, y)
+        loss.backward()
+        if step == 0:
+            result.update(loss=loss.detach(), logits=out.detach(), grads=_grads(model))
+        optimizer.step()
+    result["weights"] = model.state_dict()
+    result["eval"] = model(_batch(0)[0]).detach()
+    return result
+
+
+def test_hybrid_equals_single_process():
+    ranks, single = run_ranks(_hybrid_rank, 2, timeout=120), _single()
+    b = SHARDS[0][0]
+    # each rank gets back the logits of its own rows; its loss is the mean over them
+    assert torch.allclose(torch.cat([r["logits"] for r in ranks]), single["logits"], atol=ATOL)
+    assert ((ranks[0]["loss"] + ranks[1]["loss"]) / 2).item() == pytest.approx(single["loss"].item(), abs=ATOL)
+    assert set(ranks[0]["grads"]) == set(single["grads"])  # rank 0: every parameter
+    assert set(ranks[1]["grads"]) == {k for k in single["grads"] if k.startswith("features.")}
+    for rank, r in enumerate(ranks):
+        for name, grad in r["grads"].items():
+            assert torch.allclose(grad, single["grads"][name], atol=ATOL), (rank, name)
+        for name, weight in r["weights"].items():  # three SGD steps later
+            assert torch.allclose(weight, single["weights"][name], atol=ATOL), (rank, name)
+    assert len(ranks[0]["weights"]) == len(single["weights"])  # rank 0's checkpoint: the whole model
+    assert torch.allclose(ranks[0]["eval"], single["eval"], atol=ATOL)  # evaluation: rank 0 alone
+    assert ranks[1]["eval"] is None
+    assert ranks[0]["logits"].shape == (b, 10)
+
+
+def test_hybrid_needs_features_and_classifier():
+    strategy = HybridStrategy(DistEnv())
+    with pytest.raises(ConfigError, match=r"needs a model with \.features .* use --model alexnet_small"):
+        strategy.prepare(get_model("mlp"))
+    with pytest.raises(ConfigError, match="classifier has no nn.Linear"):
+        model = _model()
+        model.classifier = nn.Sequential(nn.Identity())
+        strategy.prepare(model)
+
+
+def test_hybrid_on_one_process_is_the_plain_model():
+    strategy = HybridStrategy(DistEnv())
+    model = strategy.prepare(_model())
+    reference = copy.deepcopy(model)
+    x, y = _batch(0)
+    _loss, out = strategy.forward_backward(model, x, y, nn.CrossEntropyLoss())
+    assert torch.allclose(out, reference(x), atol=ATOL) and strategy.sampler([0, 1], True, 0) is None
+
+
+def test_labkit_train_hybrid_under_torchrun(tmp_path):
+    from labkit.launch import torchrun
+
+    lines = []
+    run = torchrun(["train", "--strategy", "hybrid", "--model", "alexnet_small", "--dataset", "synthetic-cifar10",
+                    "--train-size", "64", "--test-size", "32", "--batch-size", "16", "--epochs", "1",
+                    "--device", "cpu", "--out", str(tmp_path)], nproc=2, echo=lines.append, timeout=300)
+    log = "\n".join(lines)
+    assert "samples/sec" in log and "CPU (process" in log
+    metrics = run.summary["metrics"]
+    assert metrics["global_batch_size"] == 32 and metrics["samples_per_sec"] > 0
+    assert 0.0 <= metrics["final_test_acc"] <= 1.0
+    rank0 = torch.load(tmp_path / "checkpoint.rank0.pt", weights_only=True)["model"]
+    rank1 = torch.load(tmp_path / "checkpoint.rank1.pt", weights_only=True)["model"]
+    assert set(rank1) == {k for k in rank0 if k.startswith("features.")}
+    for k, v in rank1.items():  # the replicated convolutions stayed identical
+        assert torch.equal(v, rank0[k]), k
+    single = get_model("alexnet_small", num_classes=10, in_channels=3, image_size=32)
+    single.load_state_dict(rank0)  # rank 0's file is a complete single-device model
