@@ -1,0 +1,66 @@
+"""Every ``jobs/**/job_*.sh`` submitted with ``sbatch`` to a real one-node SLURM cluster.
+
+All jobs are submitted at once (``--exclusive``: SLURM runs them one after another on the real
+cores) in CPU mode with tiny sizes, then polled with one global timeout. Each must end
+COMPLETED with exit code 0, print a throughput line and write ``summary.json`` under the
+``LABKIT_OUT`` it was given. Scripts added later are picked up by the glob; ``-k NAME`` submits
+only the selected ones. ``LABKIT_SYSTEM_JOBS_TIMEOUT`` (seconds, default 600) bounds the batch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from .jobs import check_finished_job, job_env, script_id, single_node_scripts
+from .provision import REPO
+from .slurm_cluster import TERMINAL, Job, SlurmCluster
+
+pytestmark = pytest.mark.system
+
+SCRIPTS = single_node_scripts()
+# For the whole batch; the jobs run one at a time, so this bounds their sum.
+BATCH_TIMEOUT_S = float(os.environ.get("LABKIT_SYSTEM_JOBS_TIMEOUT", "600"))
+# Per job (sbatch --time, minutes): a hung job ends as TIMEOUT and the queue moves on.
+JOB_TIME_LIMIT_MIN = 5
+
+
+@pytest.fixture(scope="module")
+def finished_jobs(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory,
+                  request: pytest.FixtureRequest) -> dict[Path, tuple[Job, Path]]:
+    """Submit the selected scripts, wait for all, cancel what still runs at the timeout."""
+    selected = [item.callspec.params["script"] for item in request.session.items
+                if item.originalname == "test_job_runs_under_sbatch"]  # honours -k
+    root = tmp_path_factory.mktemp("jobs")
+    jobs: dict[Path, tuple[Job, Path]] = {}
+    for script in selected:
+        name = script_id(script)
+        out_dir = root / name
+        job = slurm.submit(script, name=name, output=root / f"{name}.log", env=job_env(out_dir),
+                           args=("--exclusive", f"--time={JOB_TIME_LIMIT_MIN}"), cwd=REPO)
+        jobs[script] = (job, out_dir)
+    start = time.monotonic()
+    if not slurm.wait([job for job, _ in jobs.values()], BATCH_TIMEOUT_S):
+        for job, _ in jobs.values():
+            if job.state not in TERMINAL:
+                slurm.cancel(job)
+        slurm.wait([job for job, _ in jobs.values()], 30)
+    print(f"\n{len(jobs)} SLURM jobs in {time.monotonic() - start:.0f} s:")
+    for job, _ in jobs.values():
+        print(f"  {job.name:<28} {job.state:<10} exit {job.info.get('ExitCode')} "
+              f"run time {job.info.get('RunTime')}")
+    return jobs
+
+
+def test_job_scripts_exist() -> None:
+    assert SCRIPTS, "no jobs/job_*.sh batch scripts found"
+
+
+@pytest.mark.timeout(BATCH_TIMEOUT_S + 120)  # the first test waits for the whole batch
+@pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
+def test_job_runs_under_sbatch(script: Path, finished_jobs: dict[Path, tuple[Job, Path]]) -> None:
+    job, out_dir = finished_jobs[script]
+    check_finished_job(script, job, out_dir)
