@@ -1,0 +1,208 @@
+"""GPipe: labkit's GPipe trainer against a raw torchgpipe loop, and the micro-batch sweep.
+
+    labkit bench gpipe compare --model resnet50 --batch-size 64 --chunks 4 --steps 6 --rounds 3
+    labkit bench gpipe sweep --model resnet50 --batch-size 128 --chunks 1 2 4 8 --checkpoint always never
+    labkit bench gpipe point --chunks 4 --checkpoint never      # one sweep point (what sweep runs)
+
+``compare``: the same model, balance, chunks, checkpoint mode and batches; the trainer is
+``labkit.train.fit`` with :class:`~labkit.strategies.gpipe.GPipeStrategy`, the raw loop is the
+torchgpipe tutorial's loop. They alternate round by round so machine noise hits both alike; the ratio
+of summed samples/s labkit / raw is the result (target >= 0.97), printed with the median of the per-round
+ratios and the ratio of CPU seconds (robust when other jobs share the machine).
+
+``sweep``: every (chunks, checkpoint) point runs in a fresh process, so each peak memory is its own:
+on GPUs the largest ``max_memory_allocated`` over the partitions' devices; on CPU the process peak RSS
+minus the RSS just before the first step (that difference is what training added: activations,
+gradients and optimizer state, the same for every point but the activations).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from itertools import product
+
+import torch
+from torch import nn
+
+from labkit.strategies.gpipe import CHECKPOINT_MODES, compute_balance, gpipe_devices, make_gpipe
+
+GB = 1024 ** 3
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("mode", nargs="?", choices=("compare", "sweep", "point"), default="compare")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--dataset", default="mnist-sample")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--chunks", type=int, nargs="+", default=[4], help="micro-batches (several for sweep)")
+    p.add_argument("--checkpoint", nargs="+", choices=CHECKPOINT_MODES, default=["except_last"])
+    p.add_argument("--partitions", type=int, default=None, help="default: every GPU, or 2 on CPU")
+    p.add_argument("--balance", type=int, nargs="+", default=None, help="default: measured by time once")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per contender per round (after 1 warm-up)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="runs/bench-gpipe")
+
+
+def _setup(args: argparse.Namespace):
+    from labkit import data, models
+    from labkit.dist import resolve_device
+
+    device = resolve_device(args.device)
+    devices = gpipe_devices(args.partitions, device)
+    info = data.dataset_info(args.dataset)
+    batches = [b for _, b in zip(range(args.steps + 1), data.make_loader(
+        data.get_dataset(args.dataset, train=True), args.batch_size, shuffle=True, seed=0, drop_last=True))]
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return models.get_model(args.model, info.num_classes, info.in_channels, info.image_size, sequential=True)
+
+    balance = args.balance or compute_balance("time", len(devices), model(), batches[0][0], args.chunks[0], devices[0])
+    return device, devices, batches, model, balance
+
+
+def raw_steps(gpipe, batches, optimizer) -> int:
+    """The torchgpipe tutorial's loop: input to the first device, target to the last. Returns samples."""
+    in_device, out_device = gpipe.devices[0], gpipe.devices[-1]
+    for x, y in batches:
+        x, y = x.to(in_device, non_blocking=True), y.to(out_device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(gpipe(x), y)
+        loss.backward()
+        optimizer.step()
+    return sum(len(x) for x, _ in batches)
+
+
+def _sync(devices) -> None:
+    for d in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(d)
+
+
+def compare(args: argparse.Namespace) -> int:
+    from labkit.dist import DistEnv
+    from labkit.results import RunWriter
+    from labkit.strategies.gpipe import GPipeStrategy
+    from labkit.train import fit
+
+    device, devices, batches, model, balance = _setup(args)
+    chunks, checkpoint = args.chunks[0], args.checkpoint[0]
+    strategy = GPipeStrategy(DistEnv(device=device), {"num_microbatches": chunks, "checkpoint_mode": checkpoint,
+                                                      "balance": balance, "partitions": len(balance)})
+    labkit_model = strategy.prepare(model())
+    raw = make_gpipe(model(), devices, chunks, checkpoint, balance)
+    optimizers = {"labkit": torch.optim.SGD(strategy.unwrap(labkit_model).parameters(), lr=0.01, momentum=0.9),
+                  "raw": torch.optim.SGD(raw.parameters(), lr=0.01, momentum=0.9)}
+    warm, timed = batches[:1], batches[1:]
+
+    def contender(name: str, run_batches) -> tuple[int, float, float]:
+        _sync(devices)
+        start, cpu = time.perf_counter(), time.process_time()
+        if name == "labkit":
+            fit(labkit_model, run_batches, None, optimizers[name], epochs=1, strategy=strategy,
+                log_every=10 ** 9, printer=lambda line: None)
+            seen = sum(len(x) for x, _ in run_batches)
+        else:
+            seen = raw_steps(raw, run_batches, optimizers[name])
+        _sync(devices)
+        return seen, time.perf_counter() - start, time.process_time() - cpu
+
+    contender("labkit", warm)  # warm-up: balancing-free first calls, allocator growth
+    contender("raw", warm)
+    writer = RunWriter(args.out)
+    totals = {"labkit": [0, 0.0, 0.0], "raw": [0, 0.0, 0.0]}
+    paired = []  # per round: labkit's rate / raw's rate, measured back to back under the same load
+    for r in range(args.rounds):
+        rate = {}
+        for name in (("labkit", "raw") if r % 2 == 0 else ("raw", "labkit")):
+            seen, elapsed, cpu = contender(name, timed)
+            totals[name] = [totals[name][0] + seen, totals[name][1] + elapsed, totals[name][2] + cpu]
+            rate[name] = seen / elapsed
+            writer.log({"kind": "bench", "contender": name, "round": r, "samples": seen, "time_s": elapsed,
+                        "cpu_s": cpu, "samples_per_sec": rate[name]})
+        paired.append(rate["labkit"] / rate["raw"])
+    rates = {k: s / t for k, (s, t, _) in totals.items()}
+    ratio = rates["labkit"] / rates["raw"]
+    median = statistics.median(paired)
+    cpu_ratio = totals["raw"][2] / totals["labkit"][2]  # samples are equal: CPU seconds per sample, inverted
+    print(f"GPipe {args.model}, batch {args.batch_size}, {chunks} micro-batches, checkpoint {checkpoint}, "
+          f"balance {balance} on {', '.join(map(str, devices))}")
+    print(f"{'contender':<10} {'samples/s':>12}\n{'labkit':<10} {rates['labkit']:>12.2f}\n"
+          f"{'raw':<10} {rates['raw']:>12.2f}\nratio labkit/raw = {ratio:.3f} (target >= 0.97); median of the "
+          f"{len(paired)} back-to-back round ratios {median:.3f}; CPU-time ratio {cpu_ratio:.3f}")
+    writer.finish("bench-gpipe-compare", "bench", _config(args, balance),
+                  {"labkit_samples_per_sec": rates["labkit"], "raw_samples_per_sec": rates["raw"], "ratio": ratio,
+                   "median_round_ratio": median, "cpu_time_ratio": cpu_ratio, "samples_per_sec": rates["labkit"]},
+                  DistEnv(device=device))
+    print(f"results written to {args.out}/summary.json")
+    return 0
+
+
+def point(args: argparse.Namespace) -> dict:
+    """One (chunks, checkpoint) configuration in this process: samples/s and peak memory."""
+    from labkit.meters import process_memory_gb
+
+    _, devices, batches, model, balance = _setup(args)
+    chunks, checkpoint = args.chunks[0], args.checkpoint[0]
+    gpipe = make_gpipe(model(), devices, chunks, checkpoint, balance)
+    optimizer = torch.optim.SGD(gpipe.parameters(), lr=0.01, momentum=0.9)
+    before = process_memory_gb()[0]
+    for d in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.reset_peak_memory_stats(d)
+    raw_steps(gpipe, batches[:1], optimizer)
+    _sync(devices)
+    start = time.perf_counter()
+    seen = raw_steps(gpipe, batches[1:], optimizer)
+    _sync(devices)
+    rate = seen / (time.perf_counter() - start)
+    gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
+    if gpus:
+        per_device = [torch.cuda.max_memory_allocated(d) / GB for d in gpus]
+        peak, memory = max(per_device), {"per_device_peak_gb": per_device, "memory_kind": "cuda max allocated"}
+    else:
+        peak = process_memory_gb()[1] - before
+        memory = {"rss_before_gb": before, "memory_kind": "process peak RSS minus RSS before training"}
+    return {"kind": "bench", "chunks": chunks, "checkpoint": checkpoint, "batch_size": args.batch_size,
+            "balance": balance, "samples_per_sec": rate, "peak_memory_gb": peak, **memory}
+
+
+def sweep(args: argparse.Namespace) -> int:
+    from labkit.results import RunWriter
+
+    *_, balance = _setup(argparse.Namespace(**{**vars(args), "steps": 0}))
+    writer = RunWriter(args.out)
+    records = []
+    print(f"GPipe sweep: {args.model}, batch {args.batch_size}, balance {balance}, each point in a fresh process")
+    print(f"{'chunks':>6} {'checkpoint':>12} {'samples/s':>10} {'peak GB':>8}")
+    for chunks, mode in product(args.chunks, args.checkpoint):
+        cmd = [sys.executable, "-m", "labkit", "bench", "gpipe", "point", "--model", args.model, "--dataset",
+               args.dataset, "--batch-size", str(args.batch_size), "--chunks", str(chunks), "--checkpoint", mode,
+               "--steps", str(args.steps), "--device", args.device, "--balance", *map(str, balance)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # failures reported below
+        if proc.returncode != 0:
+            raise RuntimeError(f"sweep point chunks={chunks} checkpoint={mode} failed:\n{proc.stderr[-2000:]}")
+        record = json.loads(proc.stdout.strip().splitlines()[-1])
+        records.append(record)
+        writer.log(record)
+        print(f"{chunks:>6} {mode:>12} {record['samples_per_sec']:>10.2f} {record['peak_memory_gb']:>8.3f}")
+    best = max(records, key=lambda r: r["samples_per_sec"])
+    writer.finish("bench-gpipe-sweep", "bench", _config(args, balance),
+                  {"samples_per_sec": best["samples_per_sec"], "best_chunks": best["chunks"],
+                   "best_checkpoint": best["checkpoint"], "points": records})
+    print(f"results written to {args.out}/summary.json (records of kind 'bench' in metrics.jsonl)")
+    return 0
+
+
+def _config(args: argparse.Namespace, balance: list[int]) -> dict:
+    return {**{k: v for k, v in vars(args).items() if k not in ("func", "bench", "command")}, "balance": balance}
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.mode == "point":
+        print(json.dumps(point(args)))
+        return 0
+    return compare(args) if args.mode == "compare" else sweep(args)

@@ -1,0 +1,314 @@
+"""GPipe in one process: an ``nn.Sequential`` cut into partitions on several devices, and every mini-batch
+cut into micro-batches that flow through the partitions like work through a pipeline (``torchgpipe``).
+
+    labkit train --strategy gpipe --model resnet50 --dataset mnist --batch-size 512 \\
+        --partitions 2 --balance-by time --num-microbatches 8 --checkpoint-mode except_last
+
+With ``P`` partitions and ``M`` micro-batches, a fill-and-drain step keeps each device idle for a fraction
+``(P - 1) / (M + P - 1)`` of the step (the *bubble*); more micro-batches shrink it, but each one is smaller
+and so less efficient on a GPU. Checkpointing keeps only each partition's input per micro-batch and
+recomputes the rest during backward: peak activation memory drops from ``O(B)`` to ``O(B / M)`` per layer
+at the cost of one more forward.
+
+How the partitions are chosen (``--balance`` by hand, otherwise measured on the first training batch):
+
+* ``time``: forward + backward of every layer on one micro-batch, timed by torchgpipe's profiler (what
+  ``torchgpipe.balance.balance_by_time`` does, plus one uncounted warm-up pass); the layers are split so
+  the partitions' sums are as equal as possible.
+* ``memory``: on CUDA torchgpipe's allocation profiler (what ``balance_by_size`` does, parameters × 2 +
+  activations). On CPU, where that needs CUDA, :func:`estimate_layer_memory`: parameter bytes × 2 + the
+  bytes autograd saves for backward while the layer runs one micro-batch (counted with saved-tensor hooks).
+
+torchgpipe defaults to every CUDA device; labkit always passes ``devices`` (``P × cpu`` on CPU, where the
+partitions run one after another: a correct pipeline, but no overlap).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torchgpipe import GPipe
+from torchgpipe.balance import balance_cost
+from torchgpipe.balance.profile import profile_sizes, profile_times
+
+from labkit.dist import DistEnv, print0
+from labkit.errors import ConfigError
+from labkit.strategies.base import Strategy
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+BALANCE_METHODS = ("time", "memory")
+
+
+def check_sequential(model: nn.Module) -> nn.Sequential:
+    """Return ``model`` if it is an ``nn.Sequential`` that can be cut into partitions, else raise."""
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(f"pipelining cuts an nn.Sequential into partitions, got {type(model).__name__}; build it "
+                          "with labkit.models.get_model(name, sequential=True) or list its layers in nn.Sequential")
+    return model
+
+
+def check_chunks(chunks: int, batch_size: int) -> None:
+    """Every micro-batch needs at least one sample: ``1 <= chunks <= batch_size``."""
+    if chunks < 1:
+        raise ConfigError(f"--num-microbatches must be >= 1, got {chunks}")
+    if chunks > batch_size:
+        raise ConfigError(f"--num-microbatches {chunks} is larger than the batch ({batch_size} samples); every "
+                          f"micro-batch needs a sample: use --num-microbatches <= {batch_size} or a larger batch")
+
+
+def check_balance(balance: Sequence[int], num_layers: int, devices: Sequence) -> list[int]:
+    """``balance[i]`` layers go to partition ``i``: positive, summing to the layer count, one device each."""
+    balance = [int(b) for b in balance]
+    if not balance or any(b <= 0 for b in balance):
+        raise ConfigError(f"--balance {' '.join(map(str, balance))}: every partition needs >= 1 layer")
+    if sum(balance) != num_layers:
+        raise ConfigError(f"--balance {' '.join(map(str, balance))} sums to {sum(balance)} but the model has "
+                          f"{num_layers} layers; give layer counts that add up to {num_layers}")
+    if len(balance) > len(devices):
+        raise ConfigError(f"{len(balance)} partitions but only {len(devices)} device(s) "
+                          f"({', '.join(map(str, devices))}); use at most {len(devices)} partitions or add devices")
+    return balance
+
+
+def gpipe_devices(partitions: int | None, device: torch.device) -> list[torch.device]:
+    """``cuda:0 .. cuda:P-1`` on a GPU node (default: every GPU), ``P × cpu`` on CPU (default 2)."""
+    if device.type == "cuda":
+        available = torch.cuda.device_count()
+        partitions = partitions or available
+        if partitions > available:
+            raise ConfigError(f"--partitions {partitions} needs {partitions} GPUs but this node has {available}; "
+                              f"use --partitions <= {available}")
+        return [torch.device("cuda", i) for i in range(partitions)]
+    partitions = partitions or 2
+    if partitions < 1:
+        raise ConfigError(f"--partitions must be >= 1, got {partitions}")
+    return [torch.device("cpu")] * partitions
+
+
+class SavedActivations:
+    """Live and peak bytes of the tensors autograd keeps for backward (the activations), on this thread.
+
+        with SavedActivations(exclude=model.parameters()) as meter:
+            model(x).sum().backward()
+        meter.peak_bytes
+
+    A saved tensor counts ``numel × element_size`` bytes (a view counts its own elements, so the
+    micro-batch slices of one batch add up to the batch); the same memory saved twice (in-place ops)
+    counts once; parameters (saved for the input gradients, but not activations) are excluded. Autograd
+    frees a saved tensor after its backward, so ``live_bytes`` returns to zero after ``backward()``.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._exclude = {p.data_ptr() for p in exclude}
+        self._refs: Counter = Counter()  # (device, address, bytes) -> how many saved references
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+
+    def _pack(self, tensor: torch.Tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        key = (tensor.device, tensor.data_ptr(), nbytes)
+        if tensor.data_ptr() in self._exclude or tensor.device.type == "meta":
+            return _Held(tensor, None, key)
+        if self._refs[key] == 0:
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs[key] += 1
+        return _Held(tensor, self, key)
+
+    def _release(self, key) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live_bytes -= key[2]
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    """A saved tensor on its way through autograd; tells the meter when autograd lets go of it."""
+
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, meter: SavedActivations | None, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        if self.meter is not None:
+            self.meter._release(self.key)
+
+
+def estimate_layer_memory(model: nn.Sequential, sample: torch.Tensor, param_scale: float = 2.0) -> list[int]:
+    """Bytes per layer for training on one micro-batch ``sample`` (any device, no CUDA needed).
+
+    ``size[i] = param_scale × bytes(parameters of layer i) + bytes autograd saves while layer i runs``.
+    ``param_scale`` counts the copies an optimizer keeps (2: weights + gradients; 3 with SGD momentum).
+    Layers run on copies in training mode, so the model (and BatchNorm statistics) is left untouched.
+    """
+    sizes, x = [], sample.detach()
+    for layer in model:
+        layer = copy.deepcopy(layer).train()
+        params = list(layer.parameters())
+        with SavedActivations(exclude=params) as meter:
+            x = layer(x.detach().requires_grad_(x.is_floating_point()))
+        sizes.append(int(param_scale * sum(p.numel() * p.element_size() for p in params) + meter.peak_bytes))
+    return sizes
+
+
+def layer_costs(method: str, model: nn.Sequential, micro_batch: torch.Tensor, device: torch.device,
+                profile_seconds: float = 1.0) -> list[int]:
+    """Per layer: microseconds of forward + backward (``time``), or bytes (``memory``), on ``micro_batch``.
+
+    Times are summed over as many passes as fit in ``profile_seconds`` (at least one), after one warm-up
+    pass that is not counted: first calls pay for memory allocation and kernel selection.
+    """
+    if method not in BALANCE_METHODS:
+        raise ConfigError(f"--balance-by {method!r}: choose one of {', '.join(BALANCE_METHODS)}")
+    if method == "time":
+        profile_times(model, micro_batch.to(device), 0.0, torch.device(device))
+        return profile_times(model, micro_batch.to(device), profile_seconds, torch.device(device))
+    if device.type == "cuda":
+        return profile_sizes(model, micro_batch.to(device), 1, 2.0, device)
+    return estimate_layer_memory(model, micro_batch.to(device))
+
+
+def compute_balance(method: str, partitions: int, model: nn.Sequential, batch: torch.Tensor, chunks: int,
+                    device: torch.device, profile_seconds: float = 1.0) -> list[int]:
+    """Layers per partition, so the partitions' summed :func:`layer_costs` on one micro-batch are as equal as
+    possible (torchgpipe's block partition, as ``balance_by_time`` / ``balance_by_size`` do)."""
+    if partitions > len(model):
+        raise ConfigError(f"{partitions} partitions but the model has only {len(model)} layers; use fewer partitions")
+    # BatchNorm needs more than one value per channel in training mode, hence at least 2 samples.
+    micro = batch[:max(2, math.ceil(len(batch) / chunks))]
+    return balance_cost(layer_costs(method, model, micro, device, profile_seconds), partitions)
+
+
+def make_gpipe(model: nn.Module, devices: Sequence[str | torch.device], chunks: int = 4,
+               checkpoint: str = "except_last", balance: Sequence[int] | None = None, balance_by: str = "time",
+               sample: torch.Tensor | None = None, profile_seconds: float = 1.0) -> GPipe:
+    """Validate the configuration and wrap ``model`` in ``torchgpipe.GPipe``.
+
+    Args:
+        model: an ``nn.Sequential``; its layers (same parameter objects) move to their partitions' devices.
+        devices: one device per partition (``["cuda:0", "cuda:1"]``, or ``["cpu", "cpu"]``).
+        chunks: micro-batches per mini-batch.
+        checkpoint: ``always`` | ``except_last`` | ``never`` (recompute activations during backward).
+        balance: layers per partition; ``None`` measures it on ``sample`` by ``balance_by``.
+        sample: a mini-batch ``(B, C, H, W)`` for balancing and the micro-batch check.
+
+    Raises:
+        ConfigError: not sequential, bad balance, fewer devices than partitions, ``chunks`` > batch size.
+    """
+    model = check_sequential(model)
+    devices = [torch.device(d) for d in devices]
+    if checkpoint not in CHECKPOINT_MODES:
+        raise ConfigError(f"--checkpoint-mode {checkpoint!r}: choose one of {', '.join(CHECKPOINT_MODES)}")
+    check_chunks(chunks, len(sample) if sample is not None else chunks)
+    if balance is None:
+        if sample is None:
+            raise ConfigError("give a balance (layers per partition) or a sample batch to measure one on")
+        balance = compute_balance(balance_by, len(devices), model, sample, chunks, devices[0], profile_seconds)
+    balance = check_balance(balance, len(model), devices)
+    return GPipe(model, balance, devices=devices[:len(balance)], chunks=chunks, checkpoint=checkpoint)
+
+
+class LazyGPipe(nn.Module):
+    """An ``nn.Sequential`` that becomes a ``GPipe`` on its first call, so balancing can measure that batch.
+
+    The layers are shared, not copied: an optimizer built on ``sequential.parameters()`` before the first
+    call trains the pipelined model, and ``sequential.state_dict()`` is the plain model's checkpoint.
+    """
+
+    def __init__(self, sequential: nn.Sequential, build: Callable[[nn.Sequential, torch.Tensor], GPipe]):
+        super().__init__()
+        self.sequential = sequential
+        self._build = build
+        self.pipe: GPipe | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, ...)`` on the first device -> ``(B, num_classes)`` on the last."""
+        if self.pipe is None:
+            self.pipe = self._build(self.sequential, x)
+        self.pipe.train(self.training)  # GPipe checkpoints only in training mode
+        return self.pipe(x)
+
+
+class GPipeStrategy(Strategy):
+    """One process drives ``P`` partitions (one per GPU, or ``P × cpu``) with ``torchgpipe.GPipe``."""
+
+    name = "gpipe"
+    sequential_model = True
+
+    def __init__(self, env: DistEnv, options: dict | None = None):
+        super().__init__(env, options)
+        if env.world_size > 1:
+            raise ConfigError("--strategy gpipe runs in one process that drives all devices; launch it without "
+                              "torchrun (use --strategy pipeline for one stage per rank)")
+        for dest in ("schedule", "pipeline_trace", "trace_steps"):
+            if self.options.get(dest) is not None:
+                raise ConfigError(f"--{dest.replace('_', '-')} is a --strategy pipeline option (GPipe's schedule is "
+                                  "fixed: all forwards, then all backwards)")
+        self.chunks = int(self.options.get("num_microbatches") or 4)
+        self.checkpoint = self.options.get("checkpoint_mode") or "except_last"
+        self.balance_by = self.options.get("balance_by") or "time"
+        self.balance = self.options.get("balance")
+        partitions = self.options.get("partitions") or (len(self.balance) if self.balance else None)
+        self._devices = gpipe_devices(partitions, env.device)
+        check_chunks(self.chunks, self.chunks)
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--num-microbatches", type=int, default=None, metavar="M",
+                           help="micro-batches per mini-batch (gpipe, pipeline; default 4)")
+        group.add_argument("--partitions", type=int, default=None, metavar="P",
+                           help="gpipe: partitions (default: every GPU, or 2 on CPU)")
+        group.add_argument("--balance", type=int, nargs="+", default=None, metavar="N",
+                           help="layers per partition/stage, e.g. --balance 10 12 (gpipe, pipeline)")
+        group.add_argument("--balance-by", choices=BALANCE_METHODS, default=None,
+                           help="gpipe: measure the split on the first batch by time (default) or memory")
+        group.add_argument("--checkpoint-mode", choices=CHECKPOINT_MODES, default=None,
+                           help="gpipe: recompute activations in backward (default except_last)")
+
+    @property
+    def input_device(self) -> torch.device:
+        return self._devices[0]
+
+    @property
+    def target_device(self) -> torch.device:
+        return self._devices[-1]
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        model = check_sequential(model)
+        if self.balance:
+            check_balance(self.balance, len(model), self._devices)
+        return LazyGPipe(model, self._build)
+
+    def _build(self, model: nn.Sequential, sample: torch.Tensor) -> GPipe:
+        pipe = make_gpipe(model, self._devices, self.chunks, self.checkpoint, self.balance, self.balance_by, sample)
+        how = "given" if self.balance else f"by {self.balance_by}"
+        print0(f"gpipe | balance {pipe.balance} ({how}) on {', '.join(map(str, pipe.devices))} | "
+               f"{self.chunks} micro-batches | checkpoint {self.checkpoint}")
+        self.balance = pipe.balance
+        return pipe
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         criterion: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if model.pipe is None:
+            check_chunks(self.chunks, len(x))  # later batches may be smaller: GPipe then uses fewer chunks
+        return super().forward_backward(model, x, y, criterion)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.sequential
+
+    def devices(self) -> list[torch.device]:
+        return list(self._devices)

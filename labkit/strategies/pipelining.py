@@ -1,0 +1,305 @@
+"""Pipeline parallelism across processes: one stage per rank, micro-batches scheduled by
+``torch.distributed.pipelining`` (GPipe fill-drain, or 1F1B as in PipeDream-flush).
+
+    torchrun --nproc_per_node 2 -m labkit train --strategy pipeline --schedule 1f1b \\
+        --model resnet50 --dataset mnist --batch-size 256 --num-microbatches 8 \\
+        --pipeline-trace runs/pipe/timeline.json
+
+Rank ``r`` keeps layers ``balance[r]`` of the ``nn.Sequential`` (``--balance``, default: layer counts as
+even as possible). Every rank loads the same batches; rank 0 feeds the inputs, the last rank owns the
+outputs, the targets and the loss, so only it returns ``(loss, output)`` to the training loop.
+
+Schedules, per step with ``P`` stages and ``M`` micro-batches:
+
+* ``gpipe``: all ``M`` forwards, then all ``M`` backwards; every stage holds ``M`` micro-batches' activations.
+* ``1f1b``: after ``P - r`` warm-up forwards, stage ``r`` alternates one forward, one backward; it holds at
+  most ``P - r`` micro-batches' activations. Same bubble ``(P - 1) / (M + P - 1)``, less memory.
+
+Both scale gradients by ``1 / M`` (the loss is a mean per micro-batch), so a step equals one step on the
+whole batch. A batch must split into equal micro-batches; a smaller last batch uses the largest ``m <= M``
+that divides it.
+
+The timeline (``--pipeline-trace``, see :class:`Timeline`) is measured, not modelled: the stage's
+``forward_one_chunk`` / ``backward_one_chunk`` are wrapped with timers, and the schedule's waits on
+send/receive handles are timed by wrapping the schedules module's ``_batch_p2p`` / ``_wait_batch_p2p``
+(PyTorch internals: if a release renames them, the trace says ``"comm_recorded": false``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from typing import TYPE_CHECKING
+
+from labkit.dist import DistEnv, print0
+from labkit.errors import ConfigError
+from labkit.results import atomic_write_text
+from labkit.strategies.base import Strategy
+from labkit.strategies.gpipe import SavedActivations, check_balance, check_chunks, check_sequential
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def _pipelining():
+    """torch.distributed.pipelining, imported on first use: it costs seconds, and every `labkit train`
+    process imports this module to learn the strategy's flags."""
+    import torch.distributed.pipelining as pipelining
+    import torch.distributed.pipelining.schedules  # noqa: F401  (the module whose p2p helpers are timed)
+
+    return pipelining
+TRACE_SCHEMA = "labkit.pipeline-trace/1"
+
+
+def even_balance(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts as equal as possible, earlier stages taking the remainder: ``(7, 3) -> [3, 2, 2]``."""
+    if num_stages > num_layers:
+        raise ConfigError(f"{num_stages} stages but the model has only {num_layers} layers; use fewer ranks")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (i < extra) for i in range(num_stages)]
+
+
+def stage_layers(model: nn.Sequential, balance: list[int], stage: int) -> nn.Sequential:
+    """The layers of ``stage``: ``model[sum(balance[:stage]) : sum(balance[:stage + 1])]`` (same objects)."""
+    start = sum(balance[:stage])
+    return model[start:start + balance[stage]]
+
+
+def microbatches_for(batch: int, wanted: int, minimum: int = 1) -> int | None:
+    """Largest ``m <= wanted`` with ``batch % m == 0`` and ``m >= minimum``, or None."""
+    return next((m for m in range(min(wanted, batch), minimum - 1, -1) if batch % m == 0), None)
+
+
+class Timeline:
+    """Measured per-rank timeline of pipeline steps.
+
+    Events are ``{"rank", "step", "kind", "mb", "start", "end"}`` with ``kind`` ``"F"`` / ``"B"`` (compute
+    of micro-batch ``mb``) or ``"wait"`` (blocked on a send/receive handle; ``mb`` is None, ``label`` says
+    which, e.g. ``fwd_recv``). Times are seconds since the step's origin: every rank passes a barrier, then
+    reads its clock, so ranks share the origin up to the barrier's exit skew (microseconds on one node).
+    Memory per step: ``saved_peak_bytes`` (peak bytes autograd kept for backward on this stage,
+    :class:`~labkit.strategies.gpipe.SavedActivations`) and ``device_peak_bytes`` (CUDA only). On GPUs the
+    recorded steps synchronise the device around each forward/backward, so a box spans the kernels' real
+    run time; a wait then is time the host was blocked on a send/receive handle.
+    """
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.events: list[dict] = []
+        self.memory: list[dict] = []
+        self.comm_recorded = hasattr(_pipelining().schedules, "_batch_p2p") and \
+            hasattr(_pipelining().schedules, "_wait_batch_p2p")
+        self._step: int | None = None
+        self._origin = 0.0
+        self._labels: dict[int, str] = {}
+
+    def _add(self, kind: str, mb: int | None, start: float, end: float, label: str | None = None) -> None:
+        if self._step is not None:
+            self.events.append({"rank": self.rank, "step": self._step, "kind": kind, "mb": mb, "label": label,
+                                "start": start - self._origin, "end": end - self._origin})
+
+    def instrument(self, stage: PipelineStage) -> None:
+        """Time every forward and backward of every micro-batch this stage runs."""
+        device = torch.device(stage.device)
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            setattr(stage, name, self._timed(kind, getattr(stage, name), device))
+
+    def _timed(self, kind: str, fn, device: torch.device):
+        def run(chunk_id: int, *args, **kwargs):
+            recording = self._step is not None and device.type == "cuda"
+            if recording:  # kernels run asynchronously: wait for them so the box spans the real compute
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            out = fn(chunk_id, *args, **kwargs)
+            if recording:
+                torch.cuda.synchronize(device)
+            self._add(kind, chunk_id, start, time.perf_counter())
+            return out
+        return run
+
+    @contextlib.contextmanager
+    def record(self, step: int, device: torch.device, params):
+        """Record step ``step``: align the clock with the other ranks, time comm waits, meter memory."""
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        self._step, self._origin = step, time.perf_counter()
+        _schedules = _pipelining().schedules
+        originals = (getattr(_schedules, "_batch_p2p", None), getattr(_schedules, "_wait_batch_p2p", None))
+        if self.comm_recorded:
+            _schedules._batch_p2p = self._labelled(originals[0])
+            _schedules._wait_batch_p2p = self._waited(originals[1])
+        try:
+            with SavedActivations(exclude=params) as meter:
+                yield
+        finally:
+            if self.comm_recorded:
+                _schedules._batch_p2p, _schedules._wait_batch_p2p = originals
+            device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            self.memory.append({"rank": self.rank, "step": step, "saved_peak_bytes": meter.peak_bytes,
+                                "device_peak_bytes": device_peak})
+            self._step, self._labels = None, {}
+
+    def _labelled(self, batch_p2p):
+        def issue(ops, desc=None):
+            works = batch_p2p(ops, desc=desc)
+            for work in works:
+                self._labels[id(work)] = desc or "p2p"
+            return works
+        return issue
+
+    def _waited(self, wait):
+        def blocked(works):
+            start = time.perf_counter()
+            wait(works)
+            if works:
+                self._add("wait", None, start, time.perf_counter(), self._labels.get(id(works[0]), "p2p"))
+        return blocked
+
+
+class PipelineStrategy(Strategy):
+    """Stage ``rank`` of a ``world_size``-stage pipeline, driven by a torch.distributed.pipelining schedule."""
+
+    name = "pipeline"
+    sequential_model = True
+    replicated = False
+
+    def __init__(self, env: DistEnv, options: dict | None = None):
+        super().__init__(env, options)
+        self.schedule_name = self.options.get("schedule") or "gpipe"
+        if self.schedule_name not in SCHEDULES:
+            raise ConfigError(f"--schedule {self.schedule_name!r}: choose one of {', '.join(SCHEDULES)}")
+        if env.world_size < 2:
+            raise ConfigError("--strategy pipeline puts one stage on each rank and needs >= 2 ranks: "
+                              "torchrun --nproc_per_node 2 -m labkit train --strategy pipeline ...")
+        for dest in ("balance_by", "partitions", "checkpoint_mode"):
+            if self.options.get(dest) is not None:
+                raise ConfigError(f"--{dest.replace('_', '-')} is a --strategy gpipe option; pipeline stages are one "
+                                  "per rank, split evenly by layer count or by --balance")
+        self.num_microbatches = int(self.options.get("num_microbatches") or 4)
+        check_chunks(self.num_microbatches, self.num_microbatches)
+        if self.schedule_name == "1f1b" and self.num_microbatches < env.world_size:
+            raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages "
+                              f"({env.world_size}), got {self.num_microbatches}")
+        self.trace_path = self.options.get("pipeline_trace")
+        trace_steps = self.options.get("trace_steps")
+        self.trace_steps = int(trace_steps if trace_steps is not None else (3 if self.trace_path else 0))
+        self.timeline = Timeline(env.rank) if self.trace_steps > 0 else None
+        self.balance: list[int] | None = None
+        self._schedules: dict[tuple[int, bool], tuple] = {}
+        self._steps = 0
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        # --num-microbatches and --balance are shared with gpipe and defined there.
+        group.add_argument("--schedule", choices=tuple(SCHEDULES), default=None,
+                           help="pipeline: micro-batch schedule (default gpipe)")
+        group.add_argument("--pipeline-trace", default=None, metavar="FILE",
+                           help="pipeline: write the measured per-rank timeline (JSON) here")
+        group.add_argument("--trace-steps", type=int, default=None, metavar="N",
+                           help="pipeline: steps to record after the first (default 3 with --pipeline-trace)")
+
+    @property
+    def is_first(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.env.rank == self.env.world_size - 1
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        model = check_sequential(model)
+        given = self.options.get("balance")
+        if given and len(given) != self.env.world_size:
+            raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but there are "
+                              f"{self.env.world_size} ranks; give one layer count per rank")
+        ranks = [f"rank {r}" for r in range(self.env.world_size)]
+        self.balance = (check_balance(given, len(model), ranks) if given
+                        else even_balance(len(model), self.env.world_size))
+        print0(f"pipeline | {self.env.world_size} stages, balance {self.balance} | schedule {self.schedule_name} | "
+               f"{self.num_microbatches} micro-batches")
+        return stage_layers(model, self.balance, self.env.rank).to(self.env.device)
+
+    def _schedule(self, model: nn.Module, batch: int, train: bool, criterion: nn.Module | None):
+        """The (schedule, micro-batches) for this batch size, built once per size: stages have fixed shapes."""
+        key = (batch, train)
+        if key not in self._schedules:
+            pp = _pipelining()
+            cls = getattr(pp, SCHEDULES[self.schedule_name]) if train else pp.ScheduleGPipe
+            if not train:
+                m = 1
+            elif not any(is_train for _, is_train in self._schedules):
+                if batch % self.num_microbatches:
+                    raise ConfigError(f"batch of {batch} samples does not split into {self.num_microbatches} equal "
+                                      "micro-batches; choose --batch-size divisible by --num-microbatches")
+                m = self.num_microbatches
+            else:  # a smaller last batch
+                m = microbatches_for(batch, self.num_microbatches, self.env.world_size if cls is pp.Schedule1F1B else 1)
+                if m is None:
+                    cls, m = pp.ScheduleGPipe, microbatches_for(batch, self.num_microbatches)
+            stage = pp.PipelineStage(model, self.env.rank, self.env.world_size, self.env.device)
+            if self.timeline is not None and train:
+                self.timeline.instrument(stage)
+            self._schedules[key] = (cls(stage, m, loss_fn=criterion if train else None), m)
+        return self._schedules[key]
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         criterion: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self._schedules:
+            check_chunks(self.num_microbatches, len(x))
+        schedule, _ = self._schedule(model, len(x), True, criterion)
+        step, self._steps = self._steps, self._steps + 1
+        recording = self.timeline is not None and 1 <= step <= self.trace_steps
+        context = self.timeline.record(step, self.env.device, model.parameters()) if recording \
+            else contextlib.nullcontext()
+        losses: list[torch.Tensor] = []
+        with context:
+            if self.is_first:
+                out = schedule.step(x)
+            elif self.is_last:
+                out = schedule.step(target=y, losses=losses)
+            else:
+                out = schedule.step()
+        if not self.is_last:
+            return None, None
+        return torch.stack(losses).mean().detach(), out.detach()  # equal micro-batches: mean of means
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        schedule, _ = self._schedule(model, len(x), False, None)
+        out = schedule.eval(x) if self.is_first else schedule.eval()
+        return out if self.is_last else None
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def trace(self) -> dict | None:
+        """Gather every rank's timeline; the trace dict on rank 0 (None elsewhere). Collective: all ranks call."""
+        if self.timeline is None:
+            return None
+        local = {"events": self.timeline.events, "memory": self.timeline.memory}
+        gathered = [None] * self.env.world_size if self.is_first else None
+        dist.gather_object(local, gathered, dst=0)
+        if not self.is_first:
+            return None
+        return {"schema": TRACE_SCHEMA, "schedule": self.schedule_name, "num_stages": self.env.world_size,
+                "num_microbatches": self.num_microbatches, "balance": self.balance,
+                "device": self.env.device.type, "backend": self.env.backend,
+                "steps": sorted({e["step"] for g in gathered for e in g["events"]}),
+                "comm_recorded": self.timeline.comm_recorded,
+                "events": [e for g in gathered for e in g["events"]],
+                "memory": [m for g in gathered for m in g["memory"]]}
+
+    def close(self) -> None:
+        trace = self.trace()
+        if trace is not None and self.trace_path:
+            atomic_write_text(Path(self.trace_path), json.dumps(trace) + "\n")
+            print0(f"pipeline timeline written to {self.trace_path}")

@@ -1,0 +1,210 @@
+"""Pipeline schedules as they ran: Gantt charts of measured timelines, measured vs theoretical bubbles,
+peak activation memory per stage, and the GPipe micro-batch sweep.
+
+    trace = load_trace("runs/pipe-gpipe/timeline.json")   # written by --strategy pipeline --pipeline-trace
+    plot_schedule(trace)                                   # ranks × time, F/B boxes labelled by micro-batch
+    compare_schedules({"GPipe": load_trace(a), "1F1B": load_trace(b)})
+
+The bubble of one step is measured as ``1 - busy_r / span`` per rank, where ``busy_r`` is the time rank
+``r`` spent in forward/backward compute and ``span`` runs from the first compute start to the last
+compute end over all ranks; communication waits count as idle. It is printed next to the fill-drain
+model's ``(p - 1) / (m + p - 1)`` (equal stage times, free communication), never instead of it.
+:func:`ideal_trace` draws that model, for the concept figures only, and is labelled as such.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from labkit.viz.timeline import plot_timeline
+
+TRACE_SCHEMA = "labkit.pipeline-trace/1"
+COMPUTE = ("F", "B")
+
+
+def load_trace(path: str | Path) -> dict:
+    """Read a timeline written by ``labkit train --strategy pipeline --pipeline-trace FILE``."""
+    trace = json.loads(Path(path).read_text())
+    if trace.get("schema") != TRACE_SCHEMA:
+        raise ValueError(f"{path} is not a pipeline timeline (schema {trace.get('schema')!r}, "
+                         f"expected {TRACE_SCHEMA!r})")
+    return trace
+
+
+def theoretical_bubble(stages: int, microbatches: int) -> float:
+    """Idle fraction of a fill-drain pipeline with equal stage times: ``(p - 1) / (m + p - 1)``."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def step_events(trace: Mapping, step: int | None = None) -> list[dict]:
+    """Events of one recorded step (default: the last one), times shifted so the first compute starts at 0."""
+    steps = sorted({e["step"] for e in trace["events"]})
+    if not steps:
+        raise ValueError("the trace holds no recorded step; train for more steps than --trace-steps skips")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise ValueError(f"step {step} was not recorded; recorded steps: {steps}")
+    events = [e for e in trace["events"] if e["step"] == step]
+    origin = min(e["start"] for e in events if e["kind"] in COMPUTE)
+    return [{**e, "start": e["start"] - origin, "end": e["end"] - origin} for e in events]
+
+
+def bubble_fraction(trace: Mapping, step: int | None = None) -> dict:
+    """Measured idle fraction per rank and on average for one step, with the theoretical value beside it.
+
+    Returns:
+        ``{"per_rank": {rank: fraction}, "measured": mean over ranks, "theoretical": (p-1)/(m+p-1),
+        "span_s": span of the step, "wait_s": {rank: seconds blocked on communication}}``.
+    """
+    events = step_events(trace, step)
+    compute = [e for e in events if e["kind"] in COMPUTE]
+    span = max(e["end"] for e in compute) - min(e["start"] for e in compute)
+    ranks = sorted({e["rank"] for e in events})
+    busy = {r: sum(e["end"] - e["start"] for e in compute if e["rank"] == r) for r in ranks}
+    per_rank = {r: 1 - busy[r] / span for r in ranks}
+    waits = {r: sum(e["end"] - e["start"] for e in events if e["rank"] == r and e["kind"] == "wait") for r in ranks}
+    micro = max(e["mb"] for e in compute) + 1
+    return {"per_rank": per_rank, "measured": sum(per_rank.values()) / len(ranks),
+            "theoretical": theoretical_bubble(len(ranks), micro), "span_s": span, "wait_s": waits}
+
+
+def plot_schedule(trace: Mapping, step: int | None = None, ax=None, title: str | None = None, unit: str = "ms"):
+    """Gantt chart of one measured step: a row per rank, forward boxes solid, backward hatched, each labelled
+    with its micro-batch; grey bars underneath are waits on communication. The title gives the measured
+    bubble next to the theoretical one."""
+    import matplotlib.pyplot as plt
+
+    events = step_events(trace, step)
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.7 + 0.6 * trace["num_stages"]))
+    intervals = [{"stage": e["rank"], "device": f"rank {e['rank']}", "micro_batch": e["mb"],
+                  "phase": "forward" if e["kind"] == "F" else "backward", "start": e["start"], "end": e["end"]}
+                 for e in events if e["kind"] in COMPUTE]
+    plot_timeline(intervals, ax=ax, unit=unit)
+    ranks = sorted({e["stage"] for e in intervals})
+    for e in events:
+        if e["kind"] == "wait" and e["end"] > e["start"]:
+            y = ranks.index(e["rank"]) if e["rank"] in ranks else e["rank"]
+            ax.broken_barh([(e["start"] * scale, (e["end"] - e["start"]) * scale)], (y + 0.38, 0.12),
+                           facecolors="0.55", linewidth=0)
+    bubble = bubble_fraction(trace, step)
+    name = title or f"{trace['schedule']}: {trace['num_stages']} stages, {trace['num_microbatches']} micro-batches"
+    if trace.get("idealised"):
+        summary = f"IDEALISED (not measured): bubble = (p-1)/(m+p-1) = {bubble['theoretical']:.0%}"
+    else:
+        summary = f"bubble measured {bubble['measured']:.0%}, theory (p-1)/(m+p-1) = {bubble['theoretical']:.0%}"
+    ax.set_title(f"{name}\n{summary}", fontsize=10)
+    ax.set_xlabel(f"time in the step ({unit})\nnumber = micro-batch, hatched = backward, grey = comm wait",
+                  fontsize=8)
+    return ax
+
+
+def peak_memory(trace: Mapping) -> dict[int, float]:
+    """Per rank: the largest bytes of saved activations over the recorded steps, in MB."""
+    peaks: dict[int, float] = {}
+    for m in trace["memory"]:
+        peaks[m["rank"]] = max(peaks.get(m["rank"], 0.0), m["saved_peak_bytes"] / 2**20)
+    return dict(sorted(peaks.items()))
+
+
+def compare_schedules(traces: Mapping[str, Mapping], step: int | None = None, unit: str = "ms"):
+    """Measured Gantt charts side by side on one time axis, plus peak activation memory per stage."""
+    import matplotlib.pyplot as plt
+
+    stages = max(t["num_stages"] for t in traces.values())
+    fig, axes = plt.subplots(1, len(traces) + 1, figsize=(5.5 * len(traces) + 3.5, 1.2 + 0.7 * stages),
+                             gridspec_kw={"width_ratios": [3] * len(traces) + [1.4]})
+    for ax, (name, trace) in zip(axes, traces.items()):
+        plot_schedule(trace, step, ax=ax, title=name, unit=unit)
+    right = max(ax.get_xlim()[1] for ax in axes[:-1])
+    for ax in axes[:-1]:
+        ax.set_xlim(0, right)
+    if not any(t["memory"] for t in traces.values()):
+        axes[-1].set_axis_off()
+        fig.tight_layout()
+        return fig
+    width = 0.8 / len(traces)
+    for i, (name, trace) in enumerate(traces.items()):
+        peaks = peak_memory(trace)
+        axes[-1].bar([r + i * width for r in peaks], list(peaks.values()), width, label=name)
+    axes[-1].set_xticks([r + width * (len(traces) - 1) / 2 for r in range(stages)])
+    axes[-1].set_xticklabels([f"rank {r}" for r in range(stages)])
+    axes[-1].set_ylabel("peak saved activations (MB)")
+    axes[-1].set_title("memory per stage (measured)", fontsize=10)
+    axes[-1].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_sweep(records: Sequence[Mapping]):
+    """The GPipe micro-batch sweep (``labkit bench gpipe sweep`` records): throughput and peak memory against
+    the number of micro-batches, one line per checkpoint mode."""
+    import matplotlib.pyplot as plt
+
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for mode in dict.fromkeys(r["checkpoint"] for r in records):
+        rows = sorted((r for r in records if r["checkpoint"] == mode), key=lambda r: r["chunks"])
+        chunks = [r["chunks"] for r in rows]
+        speed.plot(chunks, [r["samples_per_sec"] for r in rows], marker="o", label=f"checkpoint {mode}")
+        memory.plot(chunks, [r["peak_memory_gb"] for r in rows], marker="o", label=f"checkpoint {mode}")
+    kind = records[0].get("memory_kind", "peak memory")
+    for ax, label in ((speed, "samples/sec"), (memory, f"peak memory (GB)\n{kind}")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("micro-batches per batch")
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"GPipe micro-batch sweep, batch {records[0]['batch_size']}, balance {records[0]['balance']} "
+                 "(measured)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ideal_trace(stages: int, microbatches: int, schedule: str = "gpipe", forward: float = 1.0,
+                backward: float = 2.0) -> dict:
+    """The textbook schedule with equal stage times and free communication, in the trace format.
+
+    For concept figures only: it is marked ``"idealised": True`` and :func:`plot_schedule` says so.
+    ``schedule``: ``gpipe`` (all forwards, then all backwards) or ``1f1b`` (PipeDream-flush).
+    """
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule {schedule!r}: choose gpipe or 1f1b")
+    free = [0.0] * stages
+    done: dict[tuple[str, int, int], float] = {}
+    events = []
+
+    def run(kind: str, rank: int, mb: int) -> None:
+        ready = done.get(("F", rank - 1, mb), 0.0) if kind == "F" else done.get(("B", rank + 1, mb), 0.0)
+        if kind == "B" and rank == stages - 1:
+            ready = done[("F", rank, mb)]
+        start = max(free[rank], ready)
+        free[rank] = done[(kind, rank, mb)] = start + (forward if kind == "F" else backward)
+        events.append({"rank": rank, "step": 0, "kind": kind, "mb": mb, "start": start, "end": free[rank]})
+
+    pending = [_order(schedule, stages, microbatches, r) for r in range(stages)]
+    while any(pending):
+        for rank in range(stages):  # start times follow from the dependencies, so sweeping order is free
+            while pending[rank] and _ready(pending[rank][0], rank, stages, done):
+                kind, mb = pending[rank].pop(0)
+                run(kind, rank, mb)
+    return {"schema": TRACE_SCHEMA, "schedule": schedule, "num_stages": stages, "num_microbatches": microbatches,
+            "idealised": True, "events": events, "memory": []}
+
+
+def _order(schedule: str, stages: int, microbatches: int, rank: int) -> list[tuple[str, int]]:
+    if schedule == "gpipe":
+        return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
+    warmup = min(microbatches, stages - rank)
+    order = [("F", m) for m in range(warmup)]
+    for m in range(microbatches - warmup):
+        order += [("B", m), ("F", warmup + m)]
+    return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
+
+
+def _ready(action: Sequence, rank: int, stages: int, done: Mapping) -> bool:
+    kind, mb = action
+    if kind == "F":
+        return rank == 0 or ("F", rank - 1, mb) in done
+    return ("F", rank, mb) in done and (rank == stages - 1 or ("B", rank + 1, mb) in done)
