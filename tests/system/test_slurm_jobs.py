@@ -33,7 +33,7 @@ def finished_jobs(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory,
                   request: pytest.FixtureRequest) -> dict[Path, tuple[Job, Path]]:
     """Submit the selected scripts, wait for all, cancel what still runs at the timeout."""
     selected = [item.callspec.params["script"] for item in request.session.items
-                if item.originalname == "test_job_runs_under_sbatch"]  # honours -k
+                if getattr(item, "originalname", None) == "test_job_runs_under_sbatch"]  # honours -k
     root = tmp_path_factory.mktemp("jobs")
     jobs: dict[Path, tuple[Job, Path]] = {}
     for script in selected:
