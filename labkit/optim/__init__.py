@@ -39,5 +39,5 @@ def build_optimizer(name: str, model: nn.Module, lr: float, momentum: float = 0.
     optimizer = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "kfac":
         kfac = importlib.import_module("labkit.optim.kfac")
-        return optimizer, kfac.from_options(model, dict(options or {}), env)
+        return optimizer, kfac.from_options(model, dict(options or {}), env, optimizer=optimizer)
     return optimizer, None
