@@ -34,17 +34,8 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 
-gpus=0
-if [[ "$quick" == 0 ]] && command -v nvidia-smi >/dev/null 2>&1; then
-    gpus="${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}"
-fi
-if (( gpus > 0 )); then
-    device=cuda; backend=nccl; nproc="${NPROC:-$gpus}"
-else
-    # CPU: 1 rank per node under SLURM, 2 on this machine without SLURM
-    device=cpu; backend=gloo; nproc="${NPROC:-$([[ -n "${SLURM_JOB_ID:-}" ]] && echo 1 || echo 2)}"
-    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per rank
-fi
+cpu_ranks=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo 1 || echo 2)  # CPU: 1 rank per node under SLURM, 2 without
+source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--model "${MODEL:-lenet}" --dataset "${DATASET:-mnist-sample}" --epochs "${EPOCHS:-1}"

@@ -34,17 +34,7 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 
-gpus=0
-if [[ "$quick" == 0 ]] && command -v nvidia-smi >/dev/null 2>&1; then
-    gpus="${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}"
-fi
-if (( gpus > 0 )); then
-    device=cuda; backend=nccl; nproc="${NPROC:-$gpus}"
-else
-    # CPU: gloo, one thread per rank so the ranks do not fight over the cores
-    device=cpu; backend=gloo; nproc="${NPROC:-2}"
-    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-fi
+source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--dataset "${DATASET:-synthetic-cifar10}" --epochs "${EPOCHS:-1}" --batch-size "${BATCH_SIZE:-16}"

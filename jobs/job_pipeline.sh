@@ -34,17 +34,8 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 
-gpus=0
-if [[ "$quick" == 0 ]] && command -v nvidia-smi >/dev/null 2>&1; then
-    gpus="${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}"
-fi
-if (( gpus >= 2 )); then
-    device=cuda; backend=nccl; nproc="${NPROC:-$gpus}"
-else
-    # CPU (or a single GPU, which cannot hold two NCCL ranks): gloo, one thread per rank
-    device=cpu; backend=gloo; nproc="${NPROC:-2}"
-    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-fi
+min_gpus=2  # a single GPU cannot hold two NCCL ranks: then the stages run on the CPU with gloo
+source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--model "${MODEL:-lenet}" --dataset "${DATASET:-mnist-sample}" --epochs "${EPOCHS:-1}"
