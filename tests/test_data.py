@@ -18,13 +18,7 @@ from labkit import data
 from labkit.errors import ConfigError, DatasetMissing
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops: a second intra-op thread only adds synchronisation, badly so on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

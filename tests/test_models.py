@@ -9,13 +9,7 @@ from labkit.errors import ConfigError
 SIZES = [(1, 28), (3, 32)]  # MNIST-like, CIFAR-like
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small batches: a second intra-op thread only adds synchronisation, badly so on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_registry_names():
