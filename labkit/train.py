@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from labkit.dist import distributed, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
 from labkit.optim import build_optimizer
-from labkit.results import RunWriter
+from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.strategies import Strategy, get_strategy
 
 
@@ -242,10 +241,7 @@ def checkpoint_path(out_dir: Path, strategy: Strategy) -> Path:
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write ``state`` atomically: a crash mid-write leaves the previous checkpoint intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(state, f), binary=True)
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -268,8 +264,10 @@ def run(cfg: TrainConfig) -> dict:
     """Build everything from ``cfg``, train, write results; return the summary (same on every rank)."""
     cfg.validate()
     strategy_cls = get_strategy(cfg.strategy)
+    make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
     with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
+        cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
         info = kdata.dataset_info(cfg.dataset)
         root = cfg.data_root
