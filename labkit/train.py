@@ -30,6 +30,7 @@ from labkit.dist import distributed, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
 from labkit.optim import build_optimizer
+from labkit.preempt import Preempted, StopSignals, clear_marker, write_marker
 from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.strategies import Strategy, get_strategy
 
@@ -49,7 +50,7 @@ class TrainConfig:
     batch_size: int = 64
     test_batch_size: int = 512
     optimizer: str = "sgd"
-    base_lr: float = 0.05
+    base_lr: float | None = None  # None: the model's default (labkit.models.default_lr)
     momentum: float = 0.9
     weight_decay: float = 0.0
     lr_decay: list[int] = field(default_factory=list)
@@ -74,6 +75,7 @@ class TrainConfig:
     num_workers: int = 0
     log_every: int = 20
     timeout_s: float = 1800.0
+    step_delay_s: float = 0.0
     strategy_options: dict = field(default_factory=dict)
     optim_options: dict = field(default_factory=dict)
 
@@ -82,7 +84,7 @@ class TrainConfig:
         for key in ("epochs", "batch_size", "test_batch_size"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {getattr(self, key)}")
-        if self.base_lr <= 0:
+        if self.base_lr is not None and self.base_lr <= 0:
             raise ConfigError(f"--base-lr must be > 0, got {self.base_lr}")
         if self.warmup_epochs < 0:
             raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
@@ -135,7 +137,9 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         *, epochs: int, strategy: Strategy | None = None, preconditioner=None, scheduler=None,
         criterion: nn.Module | None = None, writer: RunWriter | None = None, start_epoch: int = 0, seed: int = 0,
         max_steps: int | None = None, log_every: int = 20, on_epoch_end: Callable[[int], None] | None = None,
-        profiler=None, printer: Callable[[str], None] = print0) -> list[dict]:
+        profiler=None, printer: Callable[[str], None] = print0, position: dict | None = None,
+        stop: StopSignals | None = None, on_stop: Callable[[int, dict], None] | None = None,
+        step_delay_s: float = 0.0) -> list[dict]:
     """Train ``model`` for ``epochs`` epochs and evaluate after each; return one record per epoch.
 
     Args:
@@ -146,6 +150,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         max_steps: stop each epoch after this many steps (quick runs).
         on_epoch_end: called with the finished epoch index (checkpointing).
         profiler: a ``torch.profiler.profile`` to ``step()`` every iteration.
+        position: where in epoch ``start_epoch`` a mid-epoch checkpoint stopped (:func:`epoch_position`).
+        stop: checked after every step and epoch; when any rank got a stop signal, every rank stops after
+            the same step, calls ``on_stop(epoch, position)`` (checkpointing) and raises :class:`Preempted`.
+        step_delay_s: sleep after every step: a pre-emption drill needs a run slow enough to interrupt.
 
     Returns:
         ``[{"kind": "epoch", "epoch", "train_loss", "train_acc", "test_loss", "test_acc",
@@ -168,8 +176,11 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
-        batches = _progress(train_loader, steps, f"epoch {epoch + 1}/{epochs}", rank)
-        for step, (x, y) in enumerate(batches):
+        batches = iter(_progress(train_loader, steps, f"epoch {epoch + 1}/{epochs}", rank))
+        first = 0
+        if position is not None and epoch == start_epoch:
+            first = _resume_position(batches, position, totals, rank)
+        for step, (x, y) in enumerate(batches, start=first):
             if step >= steps:
                 break
             x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
@@ -191,6 +202,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 if (step + 1) % log_every == 0 or step + 1 == steps:
                     _check_finite(totals[0], epoch, step)
             meter.update(len(x))
+            if step_delay_s:
+                time.sleep(step_delay_s)
+            if stop is not None and step + 1 < steps and stop.requested(strategy):
+                _stop(stop, epoch, epoch_position(step + 1, totals, strategy), on_stop)
         rate = meter.finish()
         loss_sum, correct, count = strategy.all_reduce_sum(totals.cpu()).tolist()
         test_loss, test_acc = (evaluate(model, test_loader, strategy, criterion) if test_loader is not None
@@ -206,7 +221,45 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             writer.log(record)
         if on_epoch_end is not None:
             on_epoch_end(epoch)
+        if stop is not None and epoch + 1 < epochs and stop.requested(strategy):
+            raise Preempted(stop.received, epoch + 1, 0)
     return history
+
+
+# ----- where in the epoch a run is: what a mid-epoch checkpoint adds -----------------------------------
+
+
+def epoch_position(step: int, totals: torch.Tensor, strategy: Strategy) -> dict:
+    """The state that puts a run back at ``step`` of its epoch: the step, and every rank's RNG state and
+    running metric sums (``[rank]`` lists; gathered from all ranks, so rank 0's checkpoint holds them all).
+
+    The shuffle needs no state: each epoch reseeds it from (seed, epoch), and resuming skips ``step`` batches.
+    """
+    mine = {"rng": torch.get_rng_state(), "totals": totals.cpu(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    ranks = [mine]
+    if strategy.env.distributed:
+        ranks = [None] * strategy.env.world_size
+        dist.all_gather_object(ranks, mine)
+    return {"step": step, **{key: [r[key] for r in ranks] for key in mine}}
+
+
+def _resume_position(batches, position: dict, totals: torch.Tensor, rank: int) -> int:
+    """Skip the batches done before the checkpoint, then restore this rank's RNG and metric sums; return the
+    step to continue from. The RNG comes back after the skip: loading those batches drew augmentation noise."""
+    for _ in range(position["step"]):
+        next(batches)
+    torch.set_rng_state(position["rng"][rank])
+    if position["cuda_rng"][rank]:
+        torch.cuda.set_rng_state_all(position["cuda_rng"][rank])
+    totals.copy_(position["totals"][rank])
+    return position["step"]
+
+
+def _stop(stop: StopSignals, epoch: int, position: dict, on_stop: Callable[[int, dict], None] | None) -> None:
+    if on_stop is not None:
+        on_stop(epoch, position)
+    raise Preempted(stop.received, epoch, position["step"])
 
 
 def _check_finite(loss_sum: torch.Tensor, epoch: int, step: int) -> None:
@@ -265,6 +318,8 @@ def run(cfg: TrainConfig) -> dict:
     cfg.validate()
     strategy_cls = get_strategy(cfg.strategy)
     make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
+    if cfg.base_lr is None:
+        cfg.base_lr = kmodels.default_lr(cfg.model)
     with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
@@ -296,7 +351,7 @@ def run(cfg: TrainConfig) -> dict:
         out_dir = cfg.out_dir
         writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
         ckpt = checkpoint_path(out_dir, strategy)
-        start_epoch = 0
+        start_epoch, position = 0, None
         if cfg.resume and ckpt.exists():
             state = load_checkpoint(ckpt)
             try:
@@ -307,24 +362,34 @@ def run(cfg: TrainConfig) -> dict:
             scheduler.load_state_dict(state["scheduler"])
             if preconditioner is not None and state.get("preconditioner") is not None:
                 preconditioner.load_state_dict(state["preconditioner"])
-            start_epoch = state["epoch"]
-            print0(f"resumed from {ckpt} at epoch {start_epoch}")
+            start_epoch, position = state["epoch"], state.get("position")
+            within = f", step {position['step']}" if position else ""
+            print0(f"resumed from {ckpt} at epoch {start_epoch}{within}")
 
-        def on_epoch_end(epoch: int) -> None:
+        def save(epochs_done: int, position: dict | None = None) -> None:
+            """The checkpoint after ``epochs_done`` epochs and, mid-epoch, ``position`` steps into the next."""
             if cfg.checkpoint and (env.is_main or not strategy.replicated):
                 save_checkpoint(ckpt, {"model": strategy.unwrap(model).state_dict(),
                                        "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                                        "preconditioner": preconditioner.state_dict() if preconditioner else None,
-                                       "epoch": epoch + 1, "config": asdict(cfg)})
+                                       "epoch": epochs_done, "position": position, "config": asdict(cfg)})
 
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
         started = time.perf_counter()
-        with _profiler(cfg.profile, out_dir, env.rank) as prof:
-            history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
-                          preconditioner=preconditioner, scheduler=scheduler, writer=writer, start_epoch=start_epoch,
-                          seed=cfg.seed, max_steps=cfg.max_steps, log_every=cfg.log_every,
-                          on_epoch_end=on_epoch_end, profiler=prof)
+        with _profiler(cfg.profile, out_dir, env.rank) as prof, _stop_signals(cfg.checkpoint) as stop:
+            try:
+                history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
+                              preconditioner=preconditioner, scheduler=scheduler, writer=writer,
+                              start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps,
+                              log_every=cfg.log_every, on_epoch_end=lambda epoch: save(epoch + 1), profiler=prof,
+                              position=position, stop=stop, on_stop=save, step_delay_s=cfg.step_delay_s)
+            except Preempted as stopped:
+                if env.is_main:
+                    write_marker(out_dir, stopped.epoch, stopped.step, stopped.signal_name)
+                raise
+        if env.is_main:
+            clear_marker(out_dir)
         lines = memory_lines(strategy.devices())
         if env.distributed:
             gathered = [None] * env.world_size
@@ -345,6 +410,11 @@ def run(cfg: TrainConfig) -> dict:
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
     return summary
+
+
+def _stop_signals(enabled: bool):
+    """Catch the stop signals only when a checkpoint can be written: without one, stopping early saves nothing."""
+    return StopSignals() if enabled else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     g.add_argument("--batch-size", type=int, default=64, help="per data-parallel rank")
     g.add_argument("--test-batch-size", type=int, default=512)
     g.add_argument("--optimizer", default="sgd", help="sgd, adam, kfac (SGD + K-FAC preconditioner)")
-    g.add_argument("--base-lr", type=float, default=0.05)
+    g.add_argument("--base-lr", type=float, default=None, help="default: the model's (0.05; alexnet_small 0.005)")
     g.add_argument("--momentum", type=float, default=0.9)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--lr-decay", type=int, nargs="*", default=[], metavar="EPOCH",
@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
     g.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="do not write checkpoints")
     g.add_argument("--profile", action="store_true", help="write a torch.profiler trace to <out>/profile")
     g.add_argument("--log-every", type=int, default=20, help="print an estimated throughput line every N steps")
+    g.add_argument("--step-delay-s", type=float, default=0.0, metavar="SECONDS",
+                   help="sleep after every step: slow a tiny run down enough to practise pre-emption")
 
     owned: dict[str, list[str]] = {"strategy": [], "optim": []}
     for module_name in dict.fromkeys(_OPTIONAL_GROUPS.values()):
