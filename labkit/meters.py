@@ -115,8 +115,9 @@ class ThroughputMeter:
         """Call after each optimizer step with this rank's batch size."""
         self.step += 1
         self.samples += batch_size
-        if self.step + 1 == self.warmup:
-            self.start, self.samples = self._now(), 0
+        if self.step < self.warmup:  # no estimate from warm-up steps
+            if self.step + 1 == self.warmup:
+                self.start, self.samples = self._now(), 0
             return
         if self.step % self.every == 0 and self.step < self.steps - 1:
             self.printer(throughput_line(self.epoch, self.epochs, self.step, self.steps, self.rate, True))
