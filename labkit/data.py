@@ -256,6 +256,9 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampl
                 drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """A DataLoader whose order is reproducible: shuffling draws from ``loader.generator``.
 
+    For a :class:`labkit.tensor_data.TensorImages` it is a :class:`~labkit.tensor_data.TensorLoader`
+    with the same order.
+
     With a ``sampler`` (e.g. DistributedSampler) the sampler decides the order and ``shuffle`` is ignored.
     Call :func:`set_loader_epoch` at the start of each epoch so epoch ``e`` has the same order in a fresh
     run and in a resumed one.
@@ -267,6 +270,10 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampl
         raise ConfigError(f"batch size must be positive, got {batch_size}")
     if num_workers < 0:
         raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+    from labkit.tensor_data import TensorImages, TensorLoader
+
+    if isinstance(dataset, TensorImages):  # resident tensors: batches are gathered, no workers or pinning
+        return TensorLoader(dataset, batch_size, shuffle, sampler, seed, drop_last)
     generator = torch.Generator().manual_seed(epoch_seed(seed, 0))
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
                       generator=generator, drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
