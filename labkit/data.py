@@ -22,7 +22,6 @@ horizontal flip. MNIST is used without augmentation, as in LeCun et al. 1998.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.resources
 import importlib.util
@@ -318,24 +317,3 @@ def _present(name: str, base: Path) -> str:
         return f"corrupt: {state.path} ({state.reason}; delete it, then labkit data fetch {name})"
     return "present" if state.status == "ok" else f"missing (labkit data fetch {name})"
 
-
-def add_parser(subparsers) -> None:
-    """Add ``labkit data fetch NAME... [--root DIR]`` and ``labkit data list [--root DIR]``."""
-    parser = subparsers.add_parser("data", help="fetch datasets (on a login node) and list what is on disk",
-                                   description="Fetch datasets once on a machine with internet; list them.")
-    sub = parser.add_subparsers(dest="data_command", required=True, metavar="{fetch,list}")
-    p_fetch = sub.add_parser("fetch", help="download datasets with progress bars")
-    p_fetch.add_argument("names", nargs="+", metavar="NAME", help=f"dataset names: {', '.join(DATASETS)}")
-    p_list = sub.add_parser("list", help="show which datasets are available offline")
-    for p in (p_fetch, p_list):
-        p.add_argument("--root", default=None, help="data folder (default: $LABKIT_DATA or ./data)")
-    p_fetch.set_defaults(func=lambda args: fetch(args.names, args.root) or 0)
-    p_list.set_defaults(func=_list_command)
-
-
-def _list_command(args: argparse.Namespace) -> int:
-    base = data_root(args.root)
-    print(f"data root: {base}")
-    for name in DATASETS:
-        print(f"  {name:<18} {_present(name, base)}")
-    return 0

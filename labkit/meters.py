@@ -1,7 +1,7 @@
 """Throughput and memory meters that print the lines learners compare across strategies (seed 003)::
 
     train | 1/1 epoch (4%) | 692.340 samples/sec (estimated)
-    train | 1/1 epoch (99%) | 718.463 samples/sec
+    train | 1/1 epoch (100%) | 718.463 samples/sec
     GPU 0: allocated 0.271 GB, reserved 8.072 GB
 
 "allocated" is what live tensors hold (parameters, optimizer state) when training ends; "reserved" is what
@@ -21,13 +21,13 @@ import torch
 GB = 1024 ** 3
 
 
-def throughput_line(epoch: int, epochs: int, step: int, steps: int, samples_per_sec: float,
+def throughput_line(epoch: int, epochs: int, done: int, steps: int, samples_per_sec: float,
                     estimated: bool) -> str:
     """``train | {epoch}/{epochs} epoch ({percent}%) | {rate} samples/sec[ (estimated)]``.
 
-    ``step`` counts from 0, so the last step of 100 prints 99%, exactly as the seed's logs do.
+    ``percent = 100 * done // steps`` with ``done`` the steps finished, so a whole epoch ends at 100%.
     """
-    percent = 100 * step // max(steps, 1)
+    percent = 100 * done // max(steps, 1)
     line = f"train | {epoch}/{epochs} epoch ({percent}%) | {samples_per_sec:.3f} samples/sec"
     return line + " (estimated)" if estimated else line
 
@@ -120,7 +120,7 @@ class ThroughputMeter:
                 self.start, self.samples = self._now(), 0
             return
         if self.step % self.every == 0 and self.step < self.steps - 1:
-            self.printer(throughput_line(self.epoch, self.epochs, self.step, self.steps, self.rate, True))
+            self.printer(throughput_line(self.epoch, self.epochs, self.step + 1, self.steps, self.rate, True))
 
     @property
     def rate(self) -> float:
@@ -132,5 +132,5 @@ class ThroughputMeter:
     def finish(self) -> float:
         """Print the end-of-epoch line and return samples/sec."""
         rate = self.rate
-        self.printer(throughput_line(self.epoch, self.epochs, max(self.step, 0), self.steps, rate, False))
+        self.printer(throughput_line(self.epoch, self.epochs, self.step + 1, self.steps, rate, False))
         return rate

@@ -344,10 +344,10 @@ def run(cfg: TrainConfig) -> dict:
                           seed=cfg.seed, max_steps=cfg.max_steps, log_every=cfg.log_every,
                           on_epoch_end=on_epoch_end, profiler=prof, amp=cfg.amp, channels_last=cfg.channels_last)
         lines = memory_lines(strategy.devices())
-        if env.distributed:
+        if env.distributed:  # every rank measures its own process and devices: say whose line it is
             gathered = [None] * env.world_size
             dist.all_gather_object(gathered, lines)
-            lines = list(dict.fromkeys(line for rank_lines in gathered for line in rank_lines))
+            lines = [f"rank {r}: {line}" for r, rank_lines in enumerate(gathered) for line in rank_lines]
         for line in lines:
             print0(line)
         peak = torch.tensor([peak_memory_gb(strategy.devices())])

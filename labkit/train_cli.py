@@ -9,6 +9,7 @@ import argparse
 import importlib
 from dataclasses import fields
 
+from labkit.data_cli import ROOT_HELP
 from labkit.strategies import STRATEGIES
 
 _OPTIONAL_GROUPS: dict[str, str] = {name: target.partition(":")[0] for name, target in STRATEGIES.items()}
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
     g.add_argument("--model", default="lenet", help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
     g.add_argument("--dataset", default="mnist-sample",
                    help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10")
-    g.add_argument("--data-root", default=None, help="dataset folder (default $LABKIT_DATA or ./data)")
+    g.add_argument("--data-root", default=None, help=ROOT_HELP)
     g.add_argument("--download", action="store_true", help="download the dataset if missing (needs internet)")
     g.add_argument("--augment", action="store_true", help="random crop + flip (CIFAR10)")
     g.add_argument("--train-size", type=int, default=None, help="use only the first N training samples")
