@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     g.add_argument("--epochs", type=int, default=1)
     g.add_argument("--batch-size", type=int, default=64, help="per data-parallel rank")
     g.add_argument("--test-batch-size", type=int, default=512)
-    g.add_argument("--optimizer", default="sgd", help="sgd, adam, kfac (SGD + K-FAC preconditioner)")
+    g.add_argument("--optimizer", default="sgd", help="sgd, adam, lars, lamb, kfac (K-FAC preconditioning --kfac-base)")
     g.add_argument("--base-lr", type=float, default=0.05)
     g.add_argument("--momentum", type=float, default=0.9)
     g.add_argument("--weight-decay", type=float, default=0.0)
