@@ -164,13 +164,14 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         strategy.set_epoch(epoch)
         model.train()
         steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
+        bar = _progress(steps, f"epoch {epoch + 1}/{epochs}", rank)  # None: the throughput lines are the progress
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
-                                printer=printer)
+                                printer=printer, estimate_printer=None if bar is None else (
+                                    lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
-        batches = _progress(train_loader, steps, f"epoch {epoch + 1}/{epochs}", rank)
-        for step, (x, y) in enumerate(batches):
+        for step, (x, y) in enumerate(train_loader):
             if step >= steps:
                 break
             x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
@@ -192,6 +193,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 if (step + 1) % log_every == 0 or step + 1 == steps:
                     _check_finite(totals[0], epoch, step)
             meter.update(len(x))
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()  # before the epoch's line, so the bar does not share a line with it
         rate = meter.finish()
         loss_sum, correct, count = strategy.all_reduce_sum(totals.cpu()).tolist()
         test_loss, test_acc = (evaluate(model, test_loader, strategy, criterion) if test_loader is not None
@@ -223,12 +228,13 @@ def _single_env(model: nn.Module):
     return DistEnv(device=param.device if param is not None else torch.device("cpu"))
 
 
-def _progress(loader, steps: int, desc: str, rank: int):
+def _progress(steps: int, desc: str, rank: int):
+    """A tqdm bar over the epoch's steps in a terminal on rank 0, else None."""
     if rank != 0 or not interactive():
-        return loader
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(loader, total=steps, desc=desc, leave=False)
+    return tqdm(total=steps, desc=desc, leave=False)
 
 
 # ----- checkpoints -------------------------------------------------------------------------------------
