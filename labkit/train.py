@@ -30,6 +30,8 @@ from labkit import models as kmodels
 from labkit.dist import distributed, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
+from labkit.monitor import UtilisationMonitor, nvml_indices
+from labkit.monitor import gather as gather_utilisation
 from labkit.optim import build_optimizer
 from labkit.results import RunWriter
 from labkit.strategies import Strategy, get_strategy
@@ -328,7 +330,8 @@ def run(cfg: TrainConfig) -> dict:
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
         started = time.perf_counter()
-        with _profiler(cfg.profile, out_dir, env.rank) as prof:
+        monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
+        with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor:
             history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
                           preconditioner=preconditioner, scheduler=scheduler, writer=writer, start_epoch=start_epoch,
                           seed=cfg.seed, max_steps=cfg.max_steps, log_every=cfg.log_every,
@@ -348,7 +351,8 @@ def run(cfg: TrainConfig) -> dict:
                    "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
                    "best_test_acc": max((r["test_acc"] for r in history), default=None),
                    "epochs_run": len(history), "time_s": time.perf_counter() - started,
-                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines}
+                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
+                   "utilisation": gather_utilisation(monitor, env, writer)}
         summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")

@@ -62,7 +62,9 @@ def test_run_writes_results_and_checkpoint(tmp_path, capsys):
     assert {"summary.json", "metrics.jsonl", "checkpoint.pt"} <= files
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk == summary and summary["metrics"]["epochs_run"] == 2
-    epochs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert {r["kind"] for r in records} == {"epoch", "utilisation"}  # and the CPU use, sampled while training
     assert [e["epoch"] for e in epochs] == [1, 2]
     assert summary["metrics"]["final_test_acc"] == epochs[-1]["test_acc"]
 
