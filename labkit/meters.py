@@ -77,36 +77,55 @@ def interactive() -> bool:
 
 
 class ThroughputMeter:
-    """Counts samples over one epoch and reports samples/sec, skipping the first ``warmup`` steps
-    (allocator warm-up and first-call overheads are not throughput).
+    """Counts samples over one epoch and reports samples/sec, skipping the first ``warmup`` steps.
+
+    Two steps by default: the first pays allocator growth and first-call costs, and the second still differs
+    from the rest (DDP rebuilds its gradient buckets in the order the first backward produced them). An epoch
+    too short to spare them (``steps <= 2 warmup + 1``) is timed whole; :attr:`timed_steps` says what counted.
 
     Args:
         epoch, epochs: shown as ``epoch/epochs`` (1-based epoch).
         steps: batches in this epoch.
         every: print an ``(estimated)`` line every this many steps (plain mode).
+        warmup: steps excluded from the rate.
         printer: where lines go (``print`` on rank 0 by default).
+        world_factor: data-parallel ranks (the rate is per job).
+        device: a CUDA device is synchronised before reading the clock, so queued kernels are counted.
         estimate_printer: where the ``(estimated)`` lines go instead, e.g. a progress bar's postfix, so
             a terminal shows one progress display.
     """
 
-    def __init__(self, epoch: int, epochs: int, steps: int, every: int = 20, warmup: int = 1,
-                 printer: Callable[[str], None] = print, world_factor: int = 1,
+    def __init__(self, epoch: int, epochs: int, steps: int, every: int = 20, warmup: int = 2,
+                 printer: Callable[[str], None] = print, world_factor: int = 1, device: torch.device | None = None,
                  estimate_printer: Callable[[str], None] | None = None):
         self.epoch, self.epochs, self.steps = epoch, epochs, steps
         self.every, self.printer = max(1, every), printer
         self.estimate_printer = estimate_printer or printer
         self.warmup = warmup if steps > 2 * warmup + 1 else 0
         self.world_factor = world_factor
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.device = device
         self.samples = 0
         self.step = -1
         self.start = time.perf_counter()
+
+    @property
+    def timed_steps(self) -> int:
+        """Steps whose time the rate counts (all steps so far minus the warm-up)."""
+        return max(self.step + 1 - self.warmup, 0)
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def update(self, batch_size: int) -> None:
         """Call after each optimizer step with this rank's batch size."""
         self.step += 1
         self.samples += batch_size
-        if self.step + 1 == self.warmup:
-            self.start, self.samples = time.perf_counter(), 0
+        if self.step < self.warmup:  # no estimate from warm-up steps
+            if self.step + 1 == self.warmup:
+                self.start, self.samples = self._now(), 0
             return
         if self.step % self.every == 0 and self.step < self.steps - 1:
             self.estimate_printer(throughput_line(self.epoch, self.epochs, self.step + 1, self.steps, self.rate,
@@ -117,7 +136,7 @@ class ThroughputMeter:
         """Samples per second over the whole job (per-rank rate × data-parallel ranks)."""
         if self.samples == 0:
             return 0.0
-        return self.world_factor * self.samples / max(time.perf_counter() - self.start, 1e-9)
+        return self.world_factor * self.samples / max(self._now() - self.start, 1e-9)
 
     def finish(self) -> float:
         """Print the end-of-epoch line and return samples/sec."""

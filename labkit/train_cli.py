@@ -37,12 +37,15 @@ def add_parser(sub) -> None:
     g.add_argument("--augment", action="store_true", help="random crop + flip (CIFAR10)")
     g.add_argument("--train-size", type=int, default=None, help="use only the first N training samples")
     g.add_argument("--test-size", type=int, default=None, help="use only the first N test samples")
-    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (--loader torch)")
+    g.add_argument("--loader", default="tensor", choices=("tensor", "torch"),
+                   help="tensor: the dataset resident on the training device, batches normalised and augmented "
+                        "at once (default); torch: torchvision's per-sample DataLoader (data too big for memory)")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=1)
     g.add_argument("--batch-size", type=int, default=64, help="per data-parallel rank")
     g.add_argument("--test-batch-size", type=int, default=512)
-    g.add_argument("--optimizer", default="sgd", help="sgd, adam, kfac (SGD + K-FAC preconditioner)")
+    g.add_argument("--optimizer", default="sgd", help="sgd, adam, lars, lamb, kfac (K-FAC preconditioning --kfac-base)")
     g.add_argument("--base-lr", type=float, default=0.05)
     g.add_argument("--momentum", type=float, default=0.9)
     g.add_argument("--weight-decay", type=float, default=0.0)
@@ -53,6 +56,10 @@ def add_parser(sub) -> None:
     g.add_argument("--scale-lr", action="store_true", help="linear scaling: LR × number of data-parallel ranks")
     g.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--amp", default=None, choices=("bf16",),
+                   help="mixed precision: forward passes under bfloat16 autocast (CPU and CUDA); default float32")
+    g.add_argument("--channels-last", action="store_true",
+                   help="NHWC memory layout for conv models and their input batches (faster conv kernels)")
     g = p.add_argument_group("where and how")
     g.add_argument("--strategy", default="single", help=", ".join(STRATEGIES))
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")

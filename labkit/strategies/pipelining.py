@@ -41,7 +41,7 @@ from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.results import atomic_write_text
 from labkit.strategies.base import Strategy
-from labkit.strategies.gpipe import SavedActivations, check_balance, check_chunks, check_sequential
+from labkit.strategies.gpipe import SavedActivations, check_balance, check_chunks, check_sequential, num_microbatches
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -185,8 +185,7 @@ class PipelineStrategy(Strategy):
             if self.options.get(dest) is not None:
                 raise ConfigError(f"--{dest.replace('_', '-')} is a --strategy gpipe option; pipeline stages are one "
                                   "per rank, split evenly by layer count or by --balance")
-        self.num_microbatches = int(self.options.get("num_microbatches") or 4)
-        check_chunks(self.num_microbatches, self.num_microbatches)
+        self.num_microbatches = num_microbatches(self.options)
         if self.schedule_name == "1f1b" and self.num_microbatches < env.world_size:
             raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages "
                               f"({env.world_size}), got {self.num_microbatches}")
