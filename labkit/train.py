@@ -29,6 +29,8 @@ from labkit import models as kmodels
 from labkit.dist import distributed, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
+from labkit.monitor import UtilisationMonitor, nvml_indices
+from labkit.monitor import gather as gather_utilisation
 from labkit.optim import OptimizerSpec
 from labkit.precision import autocast, check_amp, to_channels_last
 from labkit.results import RunWriter, atomic_write, make_dirs
@@ -178,13 +180,15 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         strategy.set_epoch(epoch)
         model.train()
         steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
+        bar = _progress(steps, f"epoch {epoch + 1}/{epochs}", rank)  # None: the throughput lines are the progress
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
-                                printer=printer, device=strategy.input_device)
+                                printer=printer, device=strategy.input_device,
+                                estimate_printer=None if bar is None else (
+                                    lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
-        batches = _progress(train_loader, steps, f"epoch {epoch + 1}/{epochs}", rank)
-        for step, (x, y) in enumerate(batches):
+        for step, (x, y) in enumerate(train_loader):
             if step >= steps:
                 break
             x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
@@ -207,6 +211,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 if (step + 1) % log_every == 0 or step + 1 == steps:
                     _check_finite(totals[0], epoch, step)
             meter.update(len(x))
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()  # before the epoch's line, so the bar does not share a line with it
         rate = meter.finish()
         loss_sum, correct, count = strategy.all_reduce_sum(totals.cpu()).tolist()
         test_loss, test_acc = (evaluate(model, test_loader, strategy, criterion, amp, channels_last) if test_loader is not None
@@ -238,12 +246,13 @@ def _single_env(model: nn.Module):
     return DistEnv(device=param.device if param is not None else torch.device("cpu"))
 
 
-def _progress(loader, steps: int, desc: str, rank: int):
+def _progress(steps: int, desc: str, rank: int):
+    """A tqdm bar over the epoch's steps in a terminal on rank 0, else None."""
     if rank != 0 or not interactive():
-        return loader
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(loader, total=steps, desc=desc, leave=False)
+    return tqdm(total=steps, desc=desc, leave=False)
 
 
 # ----- checkpoints -------------------------------------------------------------------------------------
@@ -368,7 +377,8 @@ def run(cfg: TrainConfig) -> dict:
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
         started = time.perf_counter()
-        with _profiler(cfg.profile, out_dir, env.rank) as prof:
+        monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
+        with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor:
             history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
                           preconditioner=preconditioner, scheduler=scheduler, writer=writer, start_epoch=start_epoch,
                           seed=cfg.seed, max_steps=cfg.max_steps, log_every=cfg.log_every,
@@ -388,7 +398,8 @@ def run(cfg: TrainConfig) -> dict:
                    "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
                    "best_test_acc": max((r["test_acc"] for r in history), default=None),
                    "epochs_run": len(history), "time_s": time.perf_counter() - started,
-                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines}
+                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
+                   "utilisation": gather_utilisation(monitor, env, writer)}
         summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
