@@ -6,6 +6,7 @@
     labkit allreduce verify --ranks 4 --algo all
     labkit bench single
     labkit check allreduce
+    labkit advise --model lenet --ranks 2
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "allreduce": "labkit.collectives.cli",
     "bench": "labkit.bench",
     "check": "labkit.checks",
+    "advise": "labkit.advisor.cli",
 }
 
 
