@@ -11,6 +11,7 @@ import argparse
 import sys
 from dataclasses import fields
 
+from labkit.data_cli import ROOT_HELP
 from labkit.flags import add_flags
 from labkit.optim import OPTIMIZERS
 from labkit.optim import add_arguments as add_optimizer_arguments
@@ -113,19 +114,23 @@ def add_parser(sub) -> None:
     g.add_argument("--model", default="lenet", help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
     g.add_argument("--dataset", default="mnist-sample",
                    help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10")
-    g.add_argument("--data-root", default=None, help="dataset folder (default $LABKIT_DATA or ./data)")
+    g.add_argument("--data-root", default=None, help=ROOT_HELP)
     g.add_argument("--download", action="store_true", help="download the dataset if missing (needs internet)")
     g.add_argument("--augment", action="store_true", help="random crop + flip (CIFAR10)")
     g.add_argument("--train-size", type=int, default=None, help="use only the first N training samples (None: all)")
     g.add_argument("--test-size", type=int, default=None, help="use only the first N test samples (None: all)")
-    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (--loader torch)")
+    g.add_argument("--loader", default="tensor", choices=("tensor", "torch"),
+                   help="tensor: the dataset resident on the training device, batches normalised and augmented "
+                        "at once; torch: torchvision's per-sample DataLoader (data too big for memory)")
     g = p.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=1, help="passes over the training set")
     g.add_argument("--batch-size", type=int, default=64, help="samples per step on each data-parallel rank")
     g.add_argument("--test-batch-size", type=int, default=512, help="samples per evaluation batch")
-    g.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS), help="kfac = SGD + K-FAC preconditioner")
+    g.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS),
+                   help="kfac = K-FAC preconditioning the gradients of --kfac-base")
     g.add_argument("--base-lr", type=float, default=0.05, help="learning rate (before --scale-lr and warm-up)")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum")
     g.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty")
     g.add_argument("--lr-decay", type=int, nargs="*", default=[], metavar="EPOCH",
                    help="multiply the LR by --lr-decay-factor at these epochs, e.g. 35 75 90")
@@ -134,6 +139,10 @@ def add_parser(sub) -> None:
     g.add_argument("--scale-lr", action="store_true", help="linear scaling: LR × number of data-parallel ranks")
     g.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps (None: whole epoch)")
     g.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation")
+    g.add_argument("--amp", default=None, choices=("bf16",),
+                   help="mixed precision: forward passes under bfloat16 autocast (CPU and CUDA); None: float32")
+    g.add_argument("--channels-last", action="store_true",
+                   help="NHWC memory layout for conv models and their input batches (faster conv kernels)")
     g = p.add_argument_group("where and how")
     g.add_argument("--strategy", default="single", choices=list(STRATEGIES), help="how the work is split")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")

@@ -64,6 +64,16 @@ def check_sequential(model: nn.Module) -> nn.Sequential:
     return model
 
 
+def num_microbatches(options: dict, default: int = 4) -> int:
+    """``--num-microbatches`` (``default`` when not given), validated and written back into ``options`` so the
+    recorded configuration says what ran."""
+    given = options.get("num_microbatches")
+    chunks = default if given is None else int(given)
+    check_chunks(chunks, chunks)
+    options["num_microbatches"] = chunks
+    return chunks
+
+
 def check_chunks(chunks: int, batch_size: int) -> None:
     """Every micro-batch needs at least one sample: ``1 <= chunks <= batch_size``."""
     if chunks < 1:
@@ -266,9 +276,10 @@ class GPipeStrategy(Strategy):
         if env.world_size > 1:
             raise ConfigError("--strategy gpipe runs in one process that drives all devices; launch it without "
                               "torchrun (use --strategy pipeline for one stage per rank)")
-        self.chunks = int(self.options.get("num_microbatches") or 4)
+        self.chunks = num_microbatches(self.options)
         self.checkpoint = self.options.get("checkpoint_mode") or "except_last"
         self.balance_by = self.options.get("balance_by") or "time"
+        self.options.update(checkpoint_mode=self.checkpoint, balance_by=self.balance_by)
         self.balance = self.options.get("balance")
         partitions = self.options.get("partitions") or (len(self.balance) if self.balance else None)
         self._devices = gpipe_devices(partitions, env.device)

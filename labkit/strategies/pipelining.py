@@ -40,7 +40,7 @@ from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.results import atomic_write_text
 from labkit.strategies.base import Strategy
-from labkit.strategies.gpipe import SavedActivations, check_balance, check_chunks, check_sequential
+from labkit.strategies.gpipe import SavedActivations, check_balance, check_chunks, check_sequential, num_microbatches
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -192,8 +192,7 @@ class PipelineStrategy(Strategy):
         if env.world_size < 2:
             raise ConfigError("--strategy pipeline puts one stage on each rank and needs >= 2 ranks: "
                               "torchrun --nproc_per_node 2 -m labkit train --strategy pipeline ...")
-        self.num_microbatches = int(self.options.get("num_microbatches") or 4)
-        check_chunks(self.num_microbatches, self.num_microbatches)
+        self.num_microbatches = num_microbatches(self.options)
         if self.schedule_name == "1f1b" and self.num_microbatches < env.world_size:
             raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages "
                               f"({env.world_size}), got {self.num_microbatches}")
