@@ -15,6 +15,7 @@ STRATEGIES: dict[str, str] = {
     "hybrid": "labkit.strategies.hybrid:HybridStrategy",
     "gpipe": "labkit.strategies.gpipe:GPipeStrategy",
     "pipeline": "labkit.strategies.pipelining:PipelineStrategy",
+    "ps": "labkit.strategies.ps:ParameterServerStrategy",
 }
 
 
