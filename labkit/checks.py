@@ -21,6 +21,7 @@ CHECKS: dict[str, str] = {
     "kfac-factors": "labkit.exercises.kfac_factors:main",
     "lr-schedule": "labkit.exercises.lr_schedule:main",
     "zero-stage1": "labkit.exercises.zero_stage1:main",
+    "advisor-cost": "labkit.advisor.check:main",
 }
 
 #: exercise name -> "module:ATTRIBUTE", the text of its starting file (``--init FILE``)
@@ -32,6 +33,7 @@ STARTERS: dict[str, str] = {
     "kfac-factors": "labkit.exercises.kfac_factors:STARTER",
     "lr-schedule": "labkit.exercises.lr_schedule:STARTER",
     "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
+    "advisor-cost": "labkit.advisor.check:STARTER",
 }
 
 

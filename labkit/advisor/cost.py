@@ -56,9 +56,9 @@ def _common(prof: Profile, topo: Topology, params: float, loaded: float) -> dict
             "data": prof.data_s_per_sample * loaded, "overhead": prof.overhead_s}
 
 
-def _memory(topo: Topology, params: float, activations: float, buffers: float = 0.0) -> dict[str, float]:
+def _memory(prof: Profile, topo: Topology, params: float, activations: float, buffers: float = 0.0) -> dict[str, float]:
     return {"parameters": params, "gradients": params, "optimizer": params, "activations": activations,
-            "buffers": buffers, "runtime": topo.base_bytes}
+            "buffers": buffers, "runtime": prof.base_bytes if topo.device == "cpu" else 0.0}
 
 
 def _scale(topo: Topology, processes: int) -> float:
@@ -69,7 +69,7 @@ def price_single(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """One device: ``compute = s·T_all(B)``; memory ``3P + M_all(B)``."""
     B = plan.batch_size
     time = {"compute": _scale(topo, 1) * prof.time(B), **_common(prof, topo, prof.param_bytes, B)}
-    return Estimate(plan, time, _memory(topo, prof.param_bytes, prof.saved_bytes(B)))
+    return Estimate(plan, time, _memory(prof, topo, prof.param_bytes, prof.saved_bytes(B)))
 
 
 def price_ddp(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
@@ -84,7 +84,7 @@ def price_ddp(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     time = {"compute": _scale(topo, p) * prof.time(b),
             "communication": bucketed_allreduce(prof.param_bytes, p, algo, topo),
             **_common(prof, topo, prof.param_bytes, b)}
-    return Estimate(plan, time, _memory(topo, prof.param_bytes, prof.saved_bytes(b), prof.param_bytes))
+    return Estimate(plan, time, _memory(prof, topo, prof.param_bytes, prof.saved_bytes(b), prof.param_bytes))
 
 
 def price_hybrid(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
@@ -105,7 +105,7 @@ def price_hybrid(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
             + allreduce_time(prof.params(F), p, "ring", topo))
     time = {"compute": _scale(topo, p) * (prof.time(b, F) + prof.time(B, C)), "communication": comm,
             **_common(prof, topo, prof.param_bytes, b)}
-    memory = _memory(topo, prof.param_bytes, prof.saved_bytes(b, F) + prof.saved_bytes(B, C),
+    memory = _memory(prof, topo, prof.param_bytes, prof.saved_bytes(b, F) + prof.saved_bytes(B, C),
                      2 * B * feat + prof.params(F))
     return Estimate(plan, time, memory)
 
@@ -133,7 +133,7 @@ def price_tensor_parallel(plan: Plan, prof: Profile, topo: Topology) -> Estimate
     p_dev = prof.param_bytes - (1 - 1 / p) * p_sliced
     time = {"compute": _scale(topo, p) * compute, "communication": comm, **_common(prof, topo, p_dev, B)}
     acts = sum(prof.layers[k].saved_bytes for k in rest) * B + sum(prof.layers[k].saved_bytes for k in sliced) * B / p
-    return Estimate(plan, time, _memory(topo, p_dev, acts))
+    return Estimate(plan, time, _memory(prof, topo, p_dev, acts))
 
 
 def stages_of(balance) -> list[range]:
@@ -179,7 +179,7 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     comm = [2 * message_time(bm * prof.layers[s[-1]].out_bytes, topo, p) if j < p - 1 else 0.0
             for j, s in enumerate(stages)]
     held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
-    mem = [_memory(topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
+    mem = [_memory(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
     full = max(range(p), key=lambda j: sum(mem[j].values()))
     time = {**pipeline_terms(times, comm, m),
             **_common(prof, topo, max(prof.params(s) for s in stages), B)}
@@ -218,7 +218,7 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
     else:
         acts = prof.saved_bytes(B)
     time.update(_common(prof, topo, prof.param_bytes, B))
-    return Estimate(plan, time, _memory(topo, prof.param_bytes, acts))
+    return Estimate(plan, time, _memory(prof, topo, prof.param_bytes, acts))
 
 
 def _split_balance(points, n: int) -> list[int]:

@@ -166,7 +166,7 @@ def _loop_costs(model: nn.Sequential, dataset: str, batch: int, repeats: int) ->
     return data, update, whole
 
 
-def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 5) -> Profile:
+def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3) -> Profile:
     """Profile ``model`` on ``dataset`` shapes at ``threads`` CPU threads (one rank's share of the cores).
 
     Args:
@@ -212,26 +212,37 @@ def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Pa
 
 
 def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
-                    refresh: bool = False, repeats: int = 5) -> Profile:
+                    refresh: bool = False, repeats: int = 3) -> Profile:
     """The cached profile if it was measured here with these settings, else a fresh one (then cached)."""
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     where = _cache_dir(model, dataset, batch_size, threads, Path(root))
-    key = {"model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
-           "torch": torch.__version__, "host": os.uname().nodename}
     if not refresh and (where / "summary.json").exists():
         try:
             run = load_run(where)
-            if run.summary["config"].get("key") == key:
+            if run.summary["config"].get("key") == _key(model, dataset, batch_size, threads):
                 return profile_from_dict(run.summary["metrics"]["profile"])
         except (ValueError, KeyError, TypeError):
             pass  # an old or damaged cache is measured again
     prof = measure_profile(model, dataset, batch_size, threads, repeats)
+    save_profile(prof, batch_size, root)
+    return prof
+
+
+def _key(model: str, dataset: str, batch_size: int, threads: int) -> dict:
+    return {"model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
+            "torch": torch.__version__, "host": os.uname().nodename}
+
+
+def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Path:
+    """Write ``prof`` as a run (``"layer"`` records + summary) where :func:`load_or_measure` finds it."""
+    where = _cache_dir(prof.model, prof.dataset, batch_size, prof.threads, Path(root))
     writer = RunWriter(where)
     for layer in prof.layers:
         writer.log({"kind": "layer", **asdict(layer)})
-    writer.finish(f"profile {model}", "profile", {"key": key}, {"profile": asdict(prof)})
-    return prof
+    writer.finish(f"profile {prof.model}", "profile", {"key": _key(prof.model, prof.dataset, batch_size, prof.threads)},
+                  {"profile": asdict(prof)})
+    return where
 
 
 def profile_from_dict(d: dict) -> Profile:

@@ -35,7 +35,6 @@ class Topology:
         cores: CPU cores the ranks share (CPU topologies); a process gets ``cores // processes`` threads.
         separate_devices: the devices one process drives really run at once (GPUs); False on one CPU.
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
-        base_bytes: memory a process holds before any model (runtime, libraries; CPU only, GPU peaks exclude it).
     """
 
     name: str
@@ -48,7 +47,6 @@ class Topology:
     inter: CostModel | None = None
     separate_devices: bool = False
     compute_scale: float = 1.0
-    base_bytes: float = 0.0
 
     def __post_init__(self):
         if self.ranks < 1:
@@ -80,11 +78,8 @@ class Topology:
             link = read_fit(links_from, ranks) if links_from else read_fit(Path(cache) / f"links-{ranks}", ranks, False)
         if link is None:
             link = measure_link(ranks, Path(cache) / f"links-{ranks}")
-        from labkit.meters import process_memory_gb
-
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1,
-                   base_bytes=process_memory_gb()[0] * GB)
+        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1)
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,

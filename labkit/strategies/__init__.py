@@ -22,6 +22,7 @@ STRATEGIES: dict[str, str] = {
     "pipeline": "labkit.strategies.pipelining:PipelineStrategy",
     "zero": "labkit.strategies.zero:ZeroStrategy",
     "fsdp": "labkit.strategies.fsdp:FSDPStrategy",
+    "ps": "labkit.strategies.ps:ParameterServerStrategy",
 }
 
 
