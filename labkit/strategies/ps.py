@@ -24,7 +24,6 @@ forward pass, which runs on the workers while the update runs on the servers.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
@@ -38,8 +37,25 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
 from labkit.strategies.base import Strategy
-from labkit.strategies.ddp import ShardSampler
+from labkit.strategies.data_parallel import ShardSampler
 from labkit.strategies.ps_server import MODES, ServerState, shard_tensors, wait
+
+#: ``labkit train --strategy ps`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--ps-mode", "default": "sync", "choices": ["sync", "async", "ssp"],
+     "help": "sync: a round of every worker per update; async: each push applied as it arrives; ssp: async, but "
+             "no worker more than --max-staleness clocks ahead"},
+    {"flag": "--ps-servers", "type": "int", "default": 1, "metavar": "S", "help": "server ranks 0..S-1"},
+    {"flag": "--max-staleness", "type": "int", "default": None, "metavar": "K",
+     "help": "ssp: how many clocks a worker may run ahead of the slowest (None: 2)"},
+    {"flag": "--ps-slow-worker", "default": None, "metavar": "RANK:FACTOR",
+     "help": "straggler demo: worker RANK sleeps FACTOR-1 times its last step (compute, push, pull) before each "
+             "step (None: no straggler)"},
+    {"flag": "--ps-timeout-s", "type": "float", "default": 300.0,
+     "help": "a server or worker that hears nothing for this long stops with an error"},
+    {"flag": "--ps-record", "default": None, "metavar": "FILE",
+     "help": "write every update's staleness, clock and time as JSON (None: no record)"},
+]
 
 #: async workers i draw their order from seed + STREAM · i (worker 0: the sync order on one worker)
 STREAM = 1_000_003
@@ -109,22 +125,6 @@ class ParameterServerStrategy(Strategy):
         self._samplers: list[DistributedSampler] = []
         self._epoch_open = False
         self._step_s = 0.0  # this worker's last step, without the injected delay
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--ps-mode", default="sync", choices=MODES,
-                           help="sync: a round of every worker per update; async: each push applied as it "
-                                "arrives; ssp: async, but no worker more than --max-staleness clocks ahead")
-        group.add_argument("--ps-servers", type=int, default=1, metavar="S", help="server ranks 0..S-1 (default 1)")
-        group.add_argument("--max-staleness", type=int, default=None, metavar="K",
-                           help="ssp: how many clocks a worker may run ahead of the slowest (default 2)")
-        group.add_argument("--ps-slow-worker", default=None, metavar="RANK:FACTOR",
-                           help="straggler demo: worker RANK sleeps FACTOR-1 times its last step (compute, push, pull) "
-                                "before each step")
-        group.add_argument("--ps-timeout-s", type=float, default=300.0,
-                           help="a server or worker that hears nothing for this long stops with an error")
-        group.add_argument("--ps-record", default=None, metavar="FILE",
-                           help="write every update's staleness, clock and time as JSON")
 
     @property
     def data_parallel_size(self) -> int:
