@@ -16,6 +16,9 @@ BENCHMARKS: dict[str, str] = {
     "model-parallel": "labkit.bench.model_parallel",
     "gpipe": "labkit.bench.gpipe",
     "kfac": "labkit.bench.kfac",
+    "datapath": "labkit.bench.datapath",
+    "suite": "labkit.bench.suite",
+    "report": "labkit.bench.report",
 }
 
 
