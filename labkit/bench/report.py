@@ -174,3 +174,33 @@ def main(args: argparse.Namespace) -> int:
     page = render([load_suite(r) for r in args.runs], args.out)
     print(f"report written to {page} ({', '.join(n + '.png' for n in PLOTS)})")
     return 0
+
+
+def reference_suites(root: str | Path | None = None) -> list[dict]:
+    """Every committed reference suite (``results/reference/<machine tag>/suite.json`` of the checkout)."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2] / "results" / "reference"
+    return [load_suite(p) for p in sorted(root.glob("*/suite.json"))]
+
+
+def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", ax=None, references=None):
+    """Bars: the learner's ``run`` (a folder, :class:`labkit.results.Run` or summary dict) next to the reference
+    machines' value of ``metric`` for ``strategy`` (LeNet on mnist-sample there: compare like with like)."""
+    import matplotlib.pyplot as plt
+
+    from labkit.results import Run, load_run
+
+    summary = run.summary if isinstance(run, Run) else run if isinstance(run, dict) else load_run(run).summary
+    references = reference_suites() if references is None else references
+    labels, values = ["your run"], [summary["metrics"][metric]]
+    for suite in references:
+        value = _ok(suite["strategies"]).get(strategy, {}).get(metric)
+        if value is not None:
+            labels.append(_label(suite))
+            values.append(value)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 2.8))
+    ax.barh(labels, values, color=["tab:orange"] + ["tab:blue"] * (len(values) - 1))
+    ax.set_xlabel(metric.replace("_per_sec", "/s").replace("_", " "))
+    ax.set_title(f"{strategy}: your run beside the reference machines", fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    return ax
