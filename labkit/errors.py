@@ -13,8 +13,16 @@ class DeviceError(ConfigError):
     """A device or backend was asked for that this machine does not have (e.g. ``--device cuda``)."""
 
 
+class OutputError(ConfigError):
+    """A folder or file labkit must write cannot be created (read-only or missing parent, no permission)."""
+
+
 class DatasetMissing(LabkitError, FileNotFoundError):
     """The dataset is not on disk and downloading was not requested."""
+
+
+class DatasetCorrupt(LabkitError):
+    """A dataset file is on disk but truncated or fails its checksum."""
 
 
 class CheckpointError(LabkitError):

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from labkit.errors import ConfigError, LabkitError
-from labkit.results import Run, load_run
+from labkit.results import Run, load_run, make_dirs, output_errors
 
 TAIL_LINES = 30
 _ERROR_LINE = re.compile(r"^(labkit: error: |[\w.]*(Error|Exception)(\[\w+\])?: )")
@@ -158,7 +158,7 @@ def torchrun(args: Sequence[str], nproc: int = 2, *, env: Mapping[str, str] | No
     if nproc < 1:
         raise ConfigError(f"nproc must be >= 1, got {nproc}")
     args, out = _out_dir([str(a) for a in args], "launch")
-    out.mkdir(parents=True, exist_ok=True)
+    make_dirs(out)
     # one thread per core share: torchrun alone would pick 1 thread per rank, or all cores for nproc=1
     threads = max(1, (os.cpu_count() or 1) // nproc)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
@@ -169,7 +169,8 @@ def torchrun(args: Sequence[str], nproc: int = 2, *, env: Mapping[str, str] | No
         # group's addresses (pytorch issue 135712); a fresh store per attempt avoids that
         child.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     log = out / "launch.log"
-    log.write_text("$ " + " ".join(cmd) + "\n")
+    with output_errors(log):
+        log.write_text("$ " + " ".join(cmd) + "\n")
     rc, tail = stream(cmd, child, log, timeout, echo)
     if rc != 0:
         raise RunFailed(f"torchrun with {nproc} rank(s) exited with code {rc} (log: {log}); " + tail.text())
@@ -285,7 +286,7 @@ def sbatch(script: str | Path, *, env: Mapping[str, str] | None = None, args: Se
         raise ConfigError(f"job script {script} does not exist; the kit's scripts are in jobs/")
     out = Path(out) if out is not None else Path("runs") / f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)  # SLURM opens the output file before the script runs
+    make_dirs(out)  # SLURM opens the output file before the script runs
     child = _child_env(env, None)
     child["LABKIT_OUT"] = str(out)
     cmd = ["sbatch", "--parsable", f"--output={out}/slurm-%j.out", *sbatch_args, str(script), *args]

@@ -9,6 +9,7 @@ Notebooks read runs back with :func:`load_run` and plot them with :func:`plot_me
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -16,9 +17,11 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
+
+from labkit.errors import OutputError
 
 SCHEMA = "labkit.run/1"
 METRICS_FILE = "metrics.jsonl"
@@ -39,14 +42,52 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file + rename, so readers never see half a file."""
+@contextlib.contextmanager
+def output_errors(path: str | Path):
+    """Turn an ``OSError`` while writing ``path`` into one :class:`OutputError` line naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}; choose a writable folder "
+                          "(e.g. --out runs/NAME)") from None
+
+
+def make_dirs(path: str | Path) -> Path:
+    """``mkdir -p path``; a path that cannot be created raises :class:`OutputError`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    with output_errors(path):
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file: 0o666 minus the process umask."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def atomic_write(path: str | Path, write: Callable, binary: bool = False) -> None:
+    """Call ``write(file)`` on a temp file next to ``path``, then rename it over ``path``: readers never see
+    half a file, a crash mid-write keeps the previous one, and the file gets the umask's mode like any other."""
+    path = Path(path)
+    make_dirs(path.parent)
+    with output_errors(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            os.fchmod(fd, file_mode())  # mkstemp creates 0600: the group could not read a shared run
+            with os.fdopen(fd, "wb" if binary else "w") as f:
+                write(f)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda f: f.write(text))
 
 
 def environment(env=None) -> dict:
@@ -73,16 +114,17 @@ class RunWriter:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.enabled = enabled and self.out_dir is not None
         if self.enabled:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.out_dir)
             if not append:
-                (self.out_dir / METRICS_FILE).write_text("")
+                with output_errors(self.out_dir / METRICS_FILE):
+                    (self.out_dir / METRICS_FILE).write_text("")
 
     def log(self, record: dict) -> None:
         """Append one record; it must carry a ``"kind"``."""
         if "kind" not in record:
             raise ValueError(f"a results record needs a 'kind', got keys {sorted(record)}")
         if self.enabled:
-            with open(self.out_dir / METRICS_FILE, "a") as f:
+            with output_errors(self.out_dir / METRICS_FILE), open(self.out_dir / METRICS_FILE, "a") as f:
                 f.write(json.dumps(_jsonable(record)) + "\n")
 
     def finish(self, name: str, kind: str, config: dict, metrics: dict, env=None, **extra) -> dict:

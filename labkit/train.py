@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,9 +29,11 @@ from labkit import models as kmodels
 from labkit.dist import distributed, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
-from labkit.optim import build_optimizer
+from labkit.monitor import UtilisationMonitor, nvml_indices
+from labkit.monitor import gather as gather_utilisation
+from labkit.optim import OptimizerSpec
 from labkit.precision import autocast, check_amp, to_channels_last
-from labkit.results import RunWriter
+from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.strategies import Strategy, get_strategy
 from labkit.tensor_data import LOADERS, TensorLoader, load_split
 
@@ -179,13 +180,15 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         strategy.set_epoch(epoch)
         model.train()
         steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
+        bar = _progress(steps, f"epoch {epoch + 1}/{epochs}", rank)  # None: the throughput lines are the progress
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
-                                printer=printer, device=strategy.input_device)
+                                printer=printer, device=strategy.input_device,
+                                estimate_printer=None if bar is None else (
+                                    lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
-        batches = _progress(train_loader, steps, f"epoch {epoch + 1}/{epochs}", rank)
-        for step, (x, y) in enumerate(batches):
+        for step, (x, y) in enumerate(train_loader):
             if step >= steps:
                 break
             x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
@@ -208,6 +211,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 if (step + 1) % log_every == 0 or step + 1 == steps:
                     _check_finite(totals[0], epoch, step)
             meter.update(len(x))
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()  # before the epoch's line, so the bar does not share a line with it
         rate = meter.finish()
         loss_sum, correct, count = strategy.all_reduce_sum(totals.cpu()).tolist()
         test_loss, test_acc = (evaluate(model, test_loader, strategy, criterion, amp, channels_last) if test_loader is not None
@@ -239,29 +246,82 @@ def _single_env(model: nn.Module):
     return DistEnv(device=param.device if param is not None else torch.device("cpu"))
 
 
-def _progress(loader, steps: int, desc: str, rank: int):
+def _progress(steps: int, desc: str, rank: int):
+    """A tqdm bar over the epoch's steps in a terminal on rank 0, else None."""
     if rank != 0 or not interactive():
-        return loader
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(loader, total=steps, desc=desc, leave=False)
+    return tqdm(total=steps, desc=desc, leave=False)
 
 
 # ----- checkpoints -------------------------------------------------------------------------------------
 
 
 def checkpoint_path(out_dir: Path, strategy: Strategy) -> Path:
-    """``checkpoint.pt``, or ``checkpoint.rank{r}.pt`` when each rank holds different parameters."""
-    suffix = "" if strategy.replicated else f".rank{strategy.env.rank}"
-    return Path(out_dir) / f"checkpoint{suffix}.pt"
+    """Where this rank's checkpoint lives: the strategy decides (``checkpoint.pt`` or one file per rank)."""
+    return strategy.checkpoint_file(out_dir)
+
+
+def save_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler, preconditioner,
+                        progress: dict, config: dict) -> None:
+    """Checkpoint everything a resumed run needs, if this rank writes one.
+
+    What the model and optimizer parts hold (whole or this rank's shard) is the strategy's
+    :meth:`~labkit.strategies.base.Strategy.state_dict`; ``progress`` says where training stands
+    (``{"epoch": finished epochs}``); the loop decides when to call this.
+    """
+    if not strategy.writes_checkpoint():
+        return
+    state = strategy.state_dict(model, optimizer)
+    state.update(scheduler=scheduler.state_dict(), config=config,
+                 preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
+    save_checkpoint(path, state)
+
+
+def _checkpoint_on_every_rank(path: Path, strategy: Strategy) -> bool:
+    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error."""
+    if strategy.replicated or not strategy.env.distributed:
+        return path.exists()
+    have = int(strategy.all_reduce_sum(torch.tensor([float(path.exists())])).item())
+    if 0 < have < strategy.env.world_size:
+        raise CheckpointError(f"only {have} of {strategy.env.world_size} ranks find their checkpoint file "
+                              f"({path.name} on this rank): the set is incomplete; delete {path.parent}/checkpoint.rank*.pt"
+                              " or run without --resume")
+    return have > 0
+
+
+def load_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler,
+                        preconditioner) -> dict:
+    """Restore a checkpoint written by :func:`save_training_state`; return it (``state["epoch"]`` etc.).
+
+    With one file per rank, the ranks first agree that every file loads, so a corrupt shard on one rank stops
+    them all with a :class:`CheckpointError` instead of leaving the others waiting in a collective.
+    """
+    try:
+        state, error = load_checkpoint(path), None
+    except CheckpointError as exc:
+        state, error = None, exc
+    if not strategy.replicated and strategy.env.distributed:
+        failed = int(strategy.all_reduce_sum(torch.tensor([float(error is not None)])).item())
+        if failed and error is None:
+            error = CheckpointError(f"{failed} other rank(s) could not load their checkpoint file next to {path}; "
+                                    "delete the checkpoint.rank*.pt files or run without --resume")
+    if error is not None:
+        raise error
+    try:
+        strategy.load_state_dict(model, optimizer, state)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    scheduler.load_state_dict(state["scheduler"])
+    if preconditioner is not None and state.get("preconditioner") is not None:
+        preconditioner.load_state_dict(state["preconditioner"])
+    return state
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write ``state`` atomically: a crash mid-write leaves the previous checkpoint intact."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: torch.save(state, f), binary=True)
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -284,8 +344,10 @@ def run(cfg: TrainConfig) -> dict:
     """Build everything from ``cfg``, train, write results; return the summary (same on every rank)."""
     cfg.validate()
     strategy_cls = get_strategy(cfg.strategy)
+    make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
     with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
+        cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
         info = kdata.dataset_info(cfg.dataset)
         split = dict(loader=cfg.loader, name=cfg.dataset, root=cfg.data_root, download=cfg.download,
@@ -302,8 +364,8 @@ def run(cfg: TrainConfig) -> dict:
             model = model.to(memory_format=torch.channels_last)  # before DDP/partitioning take views of the weights
         model = strategy.prepare(model)
         lr = cfg.base_lr * (dp if cfg.scale_lr else 1)
-        optimizer, preconditioner = build_optimizer(cfg.optimizer, strategy.unwrap(model), lr, cfg.momentum,
-                                                    cfg.weight_decay, cfg.optim_options, env)
+        optimizer, preconditioner = strategy.build_optimizer(model, OptimizerSpec(
+            cfg.optimizer, lr, cfg.momentum, cfg.weight_decay, cfg.optim_options, env))
         train_loader = kdata.make_loader(train_set, cfg.batch_size, shuffle=True,
                                          sampler=strategy.sampler(train_set, True, cfg.seed), seed=cfg.seed,
                                          drop_last=dp > 1, num_workers=cfg.num_workers)
@@ -317,39 +379,29 @@ def run(cfg: TrainConfig) -> dict:
         writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
         ckpt = checkpoint_path(out_dir, strategy)
         start_epoch = 0
-        if cfg.resume and ckpt.exists():
-            state = load_checkpoint(ckpt)
-            try:
-                strategy.unwrap(model).load_state_dict(state["model"])
-            except RuntimeError as exc:
-                raise CheckpointError(f"checkpoint {ckpt} does not fit model {cfg.model}: {str(exc)[:200]}") from None
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            if preconditioner is not None and state.get("preconditioner") is not None:
-                preconditioner.load_state_dict(state["preconditioner"])
-            start_epoch = state["epoch"]
+        if cfg.resume and _checkpoint_on_every_rank(ckpt, strategy):
+            start_epoch = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner)["epoch"]
             print0(f"resumed from {ckpt} at epoch {start_epoch}")
 
         def on_epoch_end(epoch: int) -> None:
-            if cfg.checkpoint and (env.is_main or not strategy.replicated):
-                save_checkpoint(ckpt, {"model": strategy.unwrap(model).state_dict(),
-                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                       "preconditioner": preconditioner.state_dict() if preconditioner else None,
-                                       "epoch": epoch + 1, "config": asdict(cfg)})
+            if cfg.checkpoint:
+                save_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner,
+                                    {"epoch": epoch + 1}, asdict(cfg))
 
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
         started = time.perf_counter()
-        with _profiler(cfg.profile, out_dir, env.rank) as prof:
+        monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
+        with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor:
             history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
                           preconditioner=preconditioner, scheduler=scheduler, writer=writer, start_epoch=start_epoch,
                           seed=cfg.seed, max_steps=cfg.max_steps, log_every=cfg.log_every,
                           on_epoch_end=on_epoch_end, profiler=prof, amp=cfg.amp, channels_last=cfg.channels_last)
         lines = memory_lines(strategy.devices())
-        if env.distributed:
+        if env.distributed:  # every rank measures its own process and devices: say whose line it is
             gathered = [None] * env.world_size
             dist.all_gather_object(gathered, lines)
-            lines = list(dict.fromkeys(line for rank_lines in gathered for line in rank_lines))
+            lines = [f"rank {r}: {line}" for r, rank_lines in enumerate(gathered) for line in rank_lines]
         for line in lines:
             print0(line)
         peak = torch.tensor([peak_memory_gb(strategy.devices())])
@@ -360,7 +412,8 @@ def run(cfg: TrainConfig) -> dict:
                    "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
                    "best_test_acc": max((r["test_acc"] for r in history), default=None),
                    "epochs_run": len(history), "time_s": time.perf_counter() - started,
-                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines}
+                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
+                   "utilisation": gather_utilisation(monitor, env, writer)}
         summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")

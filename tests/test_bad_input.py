@@ -1,0 +1,109 @@
+"""Bad input found by testing the real commands: each case is one ``labkit: error:`` line and exit code 2,
+and files the kit writes are what the user asked for."""
+import json
+import os
+import stat
+
+import pytest
+
+from labkit.cli import main
+from labkit.dist import DistEnv
+from labkit.errors import ConfigError
+from labkit.strategies.pipelining import PipelineStrategy
+from labkit.results import RunWriter, atomic_write_text
+
+QUICK = ["--dataset", "synthetic-mnist", "--model", "mlp", "--train-size", "64", "--test-size", "32",
+         "--batch-size", "16", "--max-steps", "2", "--device", "cpu", "--log-every", "100"]
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("labkit: error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("out", ["/proc/labkit/run", "/dev/null/run"])
+def test_unwritable_out_is_one_line_and_exit_2(capsys, out):
+    assert main(["train", *QUICK, "--out", out]) == 2
+    line = _one_error_line(capsys)
+    assert f"cannot write {out}" in line and "--out" in line
+
+
+def test_unwritable_run_writer_and_atomic_write(tmp_path):
+    from labkit.errors import OutputError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OutputError, match="cannot write"):
+        RunWriter(blocker / "run")
+    with pytest.raises(OutputError, match="cannot write"):
+        atomic_write_text(blocker / "summary.json", "{}")
+
+
+def test_zero_microbatches_is_rejected(capsys, tmp_path):
+    assert main(["train", *QUICK, "--strategy", "gpipe", "--num-microbatches", "0", "--out", str(tmp_path)]) == 2
+    assert "--num-microbatches must be >= 1, got 0" in _one_error_line(capsys)
+    two_stages = DistEnv(world_size=2, local_world_size=2)  # the check comes before any communication
+    with pytest.raises(ConfigError, match="--num-microbatches must be >= 1, got 0"):
+        PipelineStrategy(two_stages, {"num_microbatches": 0})
+    assert PipelineStrategy(two_stages, {"num_microbatches": None}).options["num_microbatches"] == 4
+
+
+def test_recorded_microbatches_are_the_ones_that_ran(tmp_path):
+    assert main(["train", *QUICK, "--strategy", "gpipe", "--out", str(tmp_path)]) == 0
+    options = json.loads((tmp_path / "summary.json").read_text())["config"]["strategy_options"]
+    assert options["num_microbatches"] == 4 and options["checkpoint_mode"] == "except_last"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_written_files_respect_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        writer = RunWriter(tmp_path)
+        writer.log({"kind": "epoch", "epoch": 1})
+        writer.finish("r", "train", {}, {})
+        atomic_write_text(tmp_path / "trace.json", "{}")
+    finally:
+        os.umask(old)
+    for name in ("metrics.jsonl", "summary.json", "trace.json"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
+
+
+def _fake_cifar(root, broken: str | None):
+    """The CIFAR10 files with their real names; only MD5 checks can tell them from the download."""
+    from torchvision.datasets import CIFAR10
+
+    folder = root / CIFAR10.base_folder
+    folder.mkdir(parents=True)
+    for name, _ in [*CIFAR10.train_list, *CIFAR10.test_list, [CIFAR10.meta["filename"], None]]:
+        (folder / name).write_bytes(b"garbage" if name == broken else b"")
+    return folder
+
+
+def test_corrupt_dataset_is_told_apart_from_a_missing_one(capsys, tmp_path):
+    assert main(["data", "list", "--root", str(tmp_path / "empty")]) == 0
+    assert "cifar10            missing (labkit data fetch cifar10)" in capsys.readouterr().out
+
+    folder = _fake_cifar(tmp_path / "data", broken="data_batch_1")
+    assert main(["data", "list", "--root", str(tmp_path / "data")]) == 0
+    listed = capsys.readouterr().out
+    assert f"cifar10            corrupt: {folder / 'data_batch_1'} (MD5 mismatch" in listed
+    assert main(["train", *QUICK[2:], "--dataset", "cifar10", "--data-root", str(tmp_path / "data"),
+                 "--out", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys)
+    assert f"{folder / 'data_batch_1'} is corrupt (MD5 mismatch)" in line
+    assert f"rm {folder / 'data_batch_1'} && labkit data fetch cifar10" in line
+
+
+def test_truncated_mnist_file_is_corrupt(capsys, tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, count in (("train", 60_000), ("t10k", 10_000)):
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(b"\0\0\x08\x01" + count.to_bytes(4, "big") + bytes(count))
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(  # header of a full file, a tenth of the pixels
+            b"\0\0\x08\x03" + b"".join(n.to_bytes(4, "big") for n in (count, 28, 28)) + bytes(count * 784 // 10))
+    assert main(["data", "list", "--root", str(tmp_path)]) == 0
+    assert f"corrupt: {raw / 'train-images-idx3-ubyte'} (4704016 bytes, expected 47040016" in capsys.readouterr().out
+    assert main(["train", *QUICK[2:], "--dataset", "mnist", "--data-root", str(tmp_path),
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "train-images-idx3-ubyte is corrupt (4704016 bytes, expected 47040016)" in _one_error_line(capsys)
