@@ -51,14 +51,20 @@ def _ok(section: dict) -> dict:
     return {k: v for k, v in section.items() if "error" not in v}
 
 
+def _names(suites: list[dict]) -> tuple[list[str], list[str]]:
+    """Strategies in any suite, and their tick labels (the model where it is not LeNet)."""
+    runs = {n: r for s in suites for n, r in _ok(s["strategies"]).items()}
+    return list(runs), [n if r.get("model", "lenet") == "lenet" else f"{n}\n({r['model']})" for n, r in runs.items()]
+
+
 def plot_throughput(suites: list[dict], ax) -> None:
-    names = list(dict.fromkeys(n for s in suites for n in _ok(s["strategies"])))
+    names, ticks = _names(suites)
     width = 0.8 / len(suites)
     for i, suite in enumerate(suites):
         ok = _ok(suite["strategies"])
         ax.bar([k + i * width for k in range(len(names))], [ok.get(n, {}).get("samples_per_sec") or 0 for n in names],
                width, label=_label(suite))
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names, rotation=20)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], ticks, rotation=20)
     ax.set_ylabel("samples/s")
     ax.set_title("throughput, LeNet on mnist-sample")
 
@@ -81,13 +87,13 @@ def plot_scaling(suites: list[dict], ax) -> None:
 
 
 def plot_memory(suites: list[dict], ax) -> None:
-    names = list(dict.fromkeys(n for s in suites for n in _ok(s["strategies"])))
+    names, ticks = _names(suites)
     width = 0.8 / len(suites)
     for i, suite in enumerate(suites):
         ok = _ok(suite["strategies"])
         ax.bar([k + i * width for k in range(len(names))], [1024 * (ok.get(n, {}).get("peak_memory_gb") or 0)
                                                             for n in names], width, label=_label(suite))
-    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names, rotation=20)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], ticks, rotation=20)
     ax.set_ylabel("peak memory per device (MB)")
     ax.set_title("peak memory (GPU: allocator peak; CPU: process peak RSS)")
 

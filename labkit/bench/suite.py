@@ -8,7 +8,9 @@ Parts, each a real run whose own results folder is kept under ``--out``:
 
 - strategies: ``labkit train`` with every strategy on LeNet / mnist-sample, batch 64 per data-parallel rank
   (single, ddp, hybrid, tensor-parallel, pipeline on 2 ranks; model-parallel and gpipe driving 2 devices
-  from one process): samples/s, peak memory, test accuracy after each epoch and the time it took;
+  from one process): samples/s, peak memory, test accuracy after each epoch and the time it took. The
+  hybrid strategy needs a model split into convolutional features and FC classifier: it trains
+  alexnet_small on synthetic-cifar10, and the report names it so;
 - benchmarks on the shared harness: labkit vs plain PyTorch on one device and under DDP (with the 1 → 2 rank
   scaling), labkit's GPipe vs raw torchgpipe, K-FAC step time vs SGD, and the all-reduce algorithms.
 
@@ -34,7 +36,7 @@ SUITE_FILE = "suite.json"
 STRATEGY_RUNS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
     "ddp": (2, []),
-    "hybrid": (2, []),
+    "hybrid": (2, ["--model", "alexnet_small", "--dataset", "synthetic-cifar10"]),  # needs .features/.classifier
     "tensor-parallel": (2, []),
     "pipeline": (2, ["--num-microbatches", "4"]),
     "model-parallel": (1, ["--mp-devices", "2"]),
@@ -108,7 +110,8 @@ def strategy_part(name: str, quick: bool, device: str, out: Path) -> dict:
     epochs = [{k: r[k] for k in ("epoch", "test_acc", "time_s", "samples_per_sec")}
               for r in load_run(out / "strategies" / name).records_of("epoch")]
     metrics = summary["metrics"]
-    return {"ranks": ranks, "samples_per_sec": metrics["samples_per_sec"], "peak_memory_gb": metrics["peak_memory_gb"],
+    config = summary["config"]
+    return {"ranks": ranks, "model": config["model"], "dataset": config["dataset"], "samples_per_sec": metrics["samples_per_sec"], "peak_memory_gb": metrics["peak_memory_gb"],
             "memory_lines": metrics["memory_lines"], "final_test_acc": metrics["final_test_acc"], "epochs": epochs}
 
 
