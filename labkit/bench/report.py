@@ -190,19 +190,22 @@ def reference_suites(root: str | Path | None = None) -> list[dict]:
 
 def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", ax=None, references=None):
     """Bars: the learner's ``run`` (a folder, :class:`labkit.results.Run` or summary dict) next to the reference
-    machines' value of ``metric`` for ``strategy`` (LeNet on mnist-sample there: compare like with like)."""
+    machines' value of ``metric`` for ``strategy``. Each bar names its model: the references train LeNet on
+    mnist-sample with batch 64 per rank, so only a run of that setup compares like with like."""
     import matplotlib.pyplot as plt
 
     from labkit.results import Run, load_run
 
     summary = run.summary if isinstance(run, Run) else run if isinstance(run, dict) else load_run(run).summary
     references = reference_suites() if references is None else references
-    labels, values = ["your run"], [summary["metrics"][metric]]
+    config = summary.get("config", {})
+    labels = [f"your run ({config.get('model', config.get('model_name', '?'))})"]
+    values = [summary["metrics"][metric]]
     for suite in references:
-        value = _ok(suite["strategies"]).get(strategy, {}).get(metric)
-        if value is not None:
-            labels.append(_label(suite))
-            values.append(value)
+        ref = _ok(suite["strategies"]).get(strategy, {})
+        if ref.get(metric) is not None:
+            labels.append(f"{_label(suite)} ({ref.get('model', 'lenet')}, {ref['ranks']} rank(s))")
+            values.append(ref[metric])
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 2.8))
     ax.barh(labels, values, color=["tab:orange"] + ["tab:blue"] * (len(values) - 1))
