@@ -18,6 +18,9 @@ BENCHMARKS: dict[str, str] = {
     "gpipe": "labkit.bench.gpipe",
     "kfac": "labkit.bench.kfac",
     "zero": "labkit.bench.zero",
+    "datapath": "labkit.bench.datapath",
+    "suite": "labkit.bench.suite",
+    "report": "labkit.bench.report",
 }
 
 
