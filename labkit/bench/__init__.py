@@ -17,6 +17,8 @@ BENCHMARKS: dict[str, str] = {
     "model-parallel": "labkit.bench.model_parallel",
     "gpipe": "labkit.bench.gpipe",
     "kfac": "labkit.bench.kfac",
+    "largebatch": "labkit.bench.largebatch",
+    "ps": "labkit.bench.ps",
 }
 
 
