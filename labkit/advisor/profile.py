@@ -9,7 +9,7 @@ fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a pri
 the real loop has costs no layer shows; they are measured once per profile:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
-    data(b)    = data_s_per_sample · b      fetching b samples from the DataLoader
+    data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
     overhead   = step − Σ_i (fwd_i + bwd_i)(B) − update(P) − data(B)   loss, zero_grad, metrics, Python
 
 Memory per layer: parameter bytes, output bytes per sample (what crosses a cut) and saved bytes per
@@ -145,7 +145,9 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
 
 def _loop_costs(model: nn.Sequential, dataset: str, batch: int, repeats: int) -> tuple[float, float, float]:
     """(s per sample of data loading, s per parameter byte of SGD, s of one whole training step)."""
-    loader = kdata.make_loader(kdata.get_dataset(dataset, train=True), batch, shuffle=True)
+    from labkit.tensor_data import load_split
+
+    loader = kdata.make_loader(load_split("tensor", dataset, train=True), batch, shuffle=True)  # labkit train's default
     it = iter(loader)
     batches = [next(it) for _ in range(min(len(loader), repeats + 1))]
     fetch = iter(loader)
