@@ -131,3 +131,15 @@ def test_exhaustive_balance_equals_brute_force():
                       topo(ranks=3)).step_s
                 for m in (2, 4) for a in range(1, 5) for b in range(1, 6 - a))
     assert math.isclose(best.step_s, brute)
+
+
+def test_two_level_topology_prices_collectives_across_nodes_with_the_slower_link():
+    fast, slow = CostModel(1e-5, 1e-10), CostModel(1e-3, 1e-8)
+    two_nodes = Topology.gpu_node(2, nodes=2, link=fast, inter=slow, compute_scale=1.0)
+    assert two_nodes.ranks == 4
+    assert two_nodes.collective_link(2) is fast and two_nodes.collective_link(4) is slow
+    prof = tiny_profile()
+    inside = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
+    across = price(Plan("ddp", 4, 4, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
+    assert inside == pytest.approx(2 * (1e-5 + 1e-10 * 2220))          # ring over 2: 2 steps of 4440/2 bytes
+    assert across == pytest.approx(6 * (1e-3 + 1e-8 * 1112))           # ring over 4: 6 steps of 4440/4 bytes
