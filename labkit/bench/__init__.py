@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "model-parallel": "labkit.bench.model_parallel",
     "gpipe": "labkit.bench.gpipe",
     "kfac": "labkit.bench.kfac",
+    "zero": "labkit.bench.zero",
 }
 
 
