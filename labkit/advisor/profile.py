@@ -51,6 +51,7 @@ class LayerProfile:
     param_bytes: int
     out_bytes: int
     saved_bytes: int
+    units: int = 1                        # modules owning parameters directly (ZeRO/FSDP shard each one)
 
     def time(self, batch: float) -> float:
         """Forward + backward seconds on ``batch`` samples: ``fwd0 + bwd0 + (fwd1 + bwd1) · b``."""
@@ -202,6 +203,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                            _line(sizes[0], timed[0][i][1], sizes[1], timed[1][i][1]),
                            sum(p.numel() * p.element_size() for p in layer.parameters()), outs[i], saved[i])
               for i, (name, layer) in enumerate(seq.named_children())]
+    for layer, module in zip(layers, seq):
+        layer.units = sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s, 0.0,
                    base, len(features) if isinstance(features, nn.Sequential) else None, _tp_pairs(seq),
                    [seq[i].out_features for i, _ in _tp_pairs(seq)])
