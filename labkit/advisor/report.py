@@ -32,7 +32,7 @@ def table(advice: Advice) -> str:
                      f"{m['peak_bytes'] / MB:>8.1f}")
         lines.append(line + mark)
     lines.append("")
-    lines += [f"{i:>2} {e.plan.command(advice.model, advice.dataset)}" for i, e in enumerate(advice.table, 1)]
+    lines += [f"{i:>2} {advice.command(e)}" for i, e in enumerate(advice.table, 1)]
     return "\n".join(lines)
 
 

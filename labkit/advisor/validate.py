@@ -18,9 +18,9 @@ GB = 2**30
 def run_args(advice: Advice, label: str, out: Path, steps: int) -> list[str]:
     """The ``labkit train`` arguments a validation run of plan ``label`` uses."""
     plan = advice.find(label).plan
-    return [*plan.train_args(advice.model, advice.dataset), "--epochs", "1", "--max-steps", str(steps),
-            "--test-size", "64", "--no-checkpoint", "--device", advice.topology.device, "--log-every", "1000",
-            "--out", str(out)]
+    return [*plan.train_args(advice.model, advice.dataset), *advice.train_args, "--epochs", "1",
+            "--max-steps", str(steps), "--test-size", "64", "--no-checkpoint", "--device", advice.topology.device,
+            "--log-every", "1000", "--out", str(out)]
 
 
 def validate(advice: Advice, top: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
