@@ -1,28 +1,78 @@
-"""``labkit check NAME [ARGS]``: checkers that tell a learner whether an exercise is right, and what is wrong."""
+"""``labkit check NAME [ARGS]``: checkers that tell a learner whether an exercise is right, and what is wrong.
+
+    labkit check allreduce --init my_ring.py     # write the exercise's starting file
+    labkit check allreduce my_ring.py            # judge it: exit 0 when right, 1 with the reasons otherwise
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
 
 from labkit.errors import ConfigError
 
 #: exercise name -> "module:function" taking argv (list of str) and returning an exit code
 CHECKS: dict[str, str] = {
+    "training-step": "labkit.exercises.training_step:main",
     "allreduce": "labkit.collectives.check:main",
-    "gpipe-exercise": "labkit.strategies.gpipe_check:main",
+    "average-gradients": "labkit.exercises.average_gradients:main",
     "column-parallel": "labkit.strategies.tensor_parallel_check:main",
+    "gpipe-exercise": "labkit.strategies.gpipe_check:main",
+    "kfac-factors": "labkit.exercises.kfac_factors:main",
+    "lr-schedule": "labkit.exercises.lr_schedule:main",
+    "zero-stage1": "labkit.exercises.zero_stage1:main",
+    "advisor-cost": "labkit.advisor.check:main",
 }
+
+#: exercise name -> "module:ATTRIBUTE", the text of its starting file (``--init FILE``)
+STARTERS: dict[str, str] = {
+    "training-step": "labkit.exercises.training_step:STARTER",
+    "allreduce": "labkit.collectives.check:STARTER",
+    "average-gradients": "labkit.exercises.average_gradients:STARTER",
+    "column-parallel": "labkit.strategies.tensor_parallel_check:TEMPLATE",
+    "kfac-factors": "labkit.exercises.kfac_factors:STARTER",
+    "lr-schedule": "labkit.exercises.lr_schedule:STARTER",
+    "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
+    "advisor-cost": "labkit.advisor.check:STARTER",
+}
+
+
+def _target(spec: str):
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def write_starter(name: str, path: str | Path) -> Path:
+    """Write the starting file of exercise ``name`` to ``path`` (never over an existing file)."""
+    if name not in STARTERS:
+        raise ConfigError(f"check {name!r} has no starting file; these do: {', '.join(STARTERS)}")
+    path = Path(path)
+    if path.exists():
+        raise ConfigError(f"{path} exists; pick another name or check it: labkit check {name} {path}")
+    try:
+        path.write_text(_target(STARTERS[name]))
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror}") from exc
+    return path
 
 
 def run_check(name: str, argv: list[str] | None = None) -> int:
     if name not in CHECKS:
         raise ConfigError(f"unknown check {name!r}; choose one of: {', '.join(CHECKS)}")
-    module, _, func = CHECKS[name].partition(":")
-    return int(getattr(importlib.import_module(module), func)(list(argv or [])) or 0)
+    argv = list(argv or [])
+    if argv[:1] == ["--init"]:
+        if len(argv) != 2:
+            raise ConfigError(f"--init takes one FILE: labkit check {name} --init my_{name.replace('-', '_')}.py")
+        path = write_starter(name, argv[1])
+        print(f"wrote {path}: fill in the TODOs, then run  labkit check {name} {path}")
+        return 0
+    return int(_target(CHECKS[name])(argv) or 0)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("check", help="check a workshop exercise", description=__doc__)
+    p = sub.add_parser("check", help="check a workshop exercise", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("name", help=f"one of: {', '.join(CHECKS)}")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the checker (e.g. a FILE)")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="passed to the checker (e.g. a FILE), or --init FILE to write the starting file")
     p.set_defaults(func=lambda a: run_check(a.name, a.args))

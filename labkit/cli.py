@@ -6,41 +6,74 @@
     labkit allreduce verify --ranks 4 --algo all
     labkit bench single
     labkit check allreduce
+    labkit advise --model lenet --ranks 2
+
+Only the module of the sub-command named on the command line is imported (the others appear in the help
+by their one-line summary), and no parser imports torch, so ``--help`` and argument errors answer at once.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import sys
 
 from labkit.errors import LabkitError
 
-#: command name -> module that defines ``add_parser(subparsers)``
-COMMANDS: dict[str, str] = {
-    "tour": "labkit.tour",
-    "train": "labkit.train_cli",
-    "data": "labkit.data",
-    "allreduce": "labkit.collectives.cli",
-    "bench": "labkit.bench",
-    "check": "labkit.checks",
+#: command name -> (module that defines ``add_parser(subparsers)``, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "tour": ("labkit.tour", "a short CPU tour of the kit (start here)"),
+    "train": ("labkit.train_cli", "train a model with a parallel strategy"),
+    "data": ("labkit.data_cli", "fetch datasets (on a login node) and list what is on disk"),
+    "allreduce": ("labkit.collectives.cli", "verify, animate and benchmark the all-reduce algorithms"),
+    "bench": ("labkit.bench", "benchmarks (labkit vs plain PyTorch, scaling, sweeps)"),
+    "check": ("labkit.checks", "check a workshop exercise"),
+    "advise": ("labkit.advisor.cli", "recommend a parallelisation for a model and machine, and validate it"),
 }
 
+_words: list[str] = []
 
-def build_parser() -> argparse.ArgumentParser:
+
+def words() -> list[str]:
+    """The words of the command line being parsed that are not options, e.g. ``["bench", "ddp"]``.
+
+    A sub-command with sub-commands of its own uses it to import only the one named.
+    """
+    return list(_words)
+
+
+def summary_line(module: str) -> str:
+    """First line of ``module``'s docstring, read from its source without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        return ""
+    with open(spec.origin, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``labkit`` parser, with the full parser of the sub-command that ``argv`` names."""
+    _words[:] = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
     parser = argparse.ArgumentParser(prog="labkit", description="A hands-on kit for distributed deep learning.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for name, (module, help_line) in COMMANDS.items():
+        if _words[:1] != [name]:
+            sub.add_parser(name, help=help_line)
+            continue
         try:
             importlib.import_module(module).add_parser(sub)
         except ModuleNotFoundError as exc:
             if exc.name != module:
                 raise
+            sub.add_parser(name, help=help_line)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run a sub-command; a :class:`LabkitError` becomes one ``labkit: error: ...`` line and exit code 2."""
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

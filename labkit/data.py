@@ -22,7 +22,6 @@ horizontal flip. MNIST is used without augmentation, as in LeCun et al. 1998.
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.resources
 import importlib.util
@@ -256,6 +255,9 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampl
                 drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """A DataLoader whose order is reproducible: shuffling draws from ``loader.generator``.
 
+    For a :class:`labkit.tensor_data.TensorImages` it is a :class:`~labkit.tensor_data.TensorLoader`
+    with the same order.
+
     With a ``sampler`` (e.g. DistributedSampler) the sampler decides the order and ``shuffle`` is ignored.
     Call :func:`set_loader_epoch` at the start of each epoch so epoch ``e`` has the same order in a fresh
     run and in a resumed one.
@@ -267,6 +269,10 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampl
         raise ConfigError(f"batch size must be positive, got {batch_size}")
     if num_workers < 0:
         raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+    from labkit.tensor_data import TensorImages, TensorLoader
+
+    if isinstance(dataset, TensorImages):  # resident tensors: batches are gathered, no workers or pinning
+        return TensorLoader(dataset, batch_size, shuffle, sampler, seed, drop_last)
     generator = torch.Generator().manual_seed(epoch_seed(seed, 0))
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
                       generator=generator, drop_last=drop_last, num_workers=num_workers, pin_memory=pin_memory,
@@ -311,24 +317,3 @@ def _present(name: str, base: Path) -> str:
         return f"corrupt: {state.path} ({state.reason}; delete it, then labkit data fetch {name})"
     return "present" if state.status == "ok" else f"missing (labkit data fetch {name})"
 
-
-def add_parser(subparsers) -> None:
-    """Add ``labkit data fetch NAME... [--root DIR]`` and ``labkit data list [--root DIR]``."""
-    parser = subparsers.add_parser("data", help="fetch datasets (on a login node) and list what is on disk",
-                                   description="Fetch datasets once on a machine with internet; list them.")
-    sub = parser.add_subparsers(dest="data_command", required=True, metavar="{fetch,list}")
-    p_fetch = sub.add_parser("fetch", help="download datasets with progress bars")
-    p_fetch.add_argument("names", nargs="+", metavar="NAME", help=f"dataset names: {', '.join(DATASETS)}")
-    p_list = sub.add_parser("list", help="show which datasets are available offline")
-    for p in (p_fetch, p_list):
-        p.add_argument("--root", default=None, help="data folder (default: $LABKIT_DATA or ./data)")
-    p_fetch.set_defaults(func=lambda args: fetch(args.names, args.root) or 0)
-    p_list.set_defaults(func=_list_command)
-
-
-def _list_command(args: argparse.Namespace) -> int:
-    base = data_root(args.root)
-    print(f"data root: {base}")
-    for name in DATASETS:
-        print(f"  {name:<18} {_present(name, base)}")
-    return 0

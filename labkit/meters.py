@@ -1,7 +1,7 @@
 """Throughput and memory meters that print the lines learners compare across strategies (seed 003)::
 
     train | 1/1 epoch (4%) | 692.340 samples/sec (estimated)
-    train | 1/1 epoch (99%) | 718.463 samples/sec
+    train | 1/1 epoch (100%) | 718.463 samples/sec
     GPU 0: allocated 0.271 GB, reserved 8.072 GB
 
 "allocated" is what live tensors hold (parameters, optimizer state) when training ends; "reserved" is what
@@ -21,13 +21,13 @@ import torch
 GB = 1024 ** 3
 
 
-def throughput_line(epoch: int, epochs: int, step: int, steps: int, samples_per_sec: float,
+def throughput_line(epoch: int, epochs: int, done: int, steps: int, samples_per_sec: float,
                     estimated: bool) -> str:
     """``train | {epoch}/{epochs} epoch ({percent}%) | {rate} samples/sec[ (estimated)]``.
 
-    ``step`` counts from 0, so the last step of 100 prints 99%, exactly as the seed's logs do.
+    ``percent = 100 * done // steps`` with ``done`` the steps finished, so a whole epoch ends at 100%.
     """
-    percent = 100 * step // max(steps, 1)
+    percent = 100 * done // max(steps, 1)
     line = f"train | {epoch}/{epochs} epoch ({percent}%) | {samples_per_sec:.3f} samples/sec"
     return line + " (estimated)" if estimated else line
 
@@ -66,52 +66,80 @@ def peak_memory_gb(devices: Iterable[torch.device]) -> float:
 
 
 def interactive() -> bool:
-    """True in a terminal or notebook (show tqdm bars), False in batch jobs (print plain lines)."""
-    if os.environ.get("LABKIT_PLAIN") == "1" or os.environ.get("SLURM_JOB_ID"):
+    """True in a terminal (show a live progress bar), False in notebooks and batch jobs (print plain lines).
+
+    A notebook keeps its outputs: a bar would be saved half-drawn next to the throughput lines, which already
+    say how far the epoch is.
+    """
+    if os.environ.get("LABKIT_PLAIN") == "1" or os.environ.get("SLURM_JOB_ID") or "ipykernel" in sys.modules:
         return False
-    return "ipykernel" in sys.modules or sys.stderr.isatty()
+    return sys.stderr.isatty()
 
 
 class ThroughputMeter:
-    """Counts samples over one epoch and reports samples/sec, skipping the first ``warmup`` steps
-    (allocator warm-up and first-call overheads are not throughput).
+    """Counts samples over one epoch and reports samples/sec, skipping the first ``warmup`` steps.
+
+    Two steps by default: the first pays allocator growth and first-call costs, and the second still differs
+    from the rest (DDP rebuilds its gradient buckets in the order the first backward produced them). An epoch
+    too short to spare them (``steps <= 2 warmup + 1``) is timed whole; :attr:`timed_steps` says what counted.
 
     Args:
         epoch, epochs: shown as ``epoch/epochs`` (1-based epoch).
         steps: batches in this epoch.
         every: print an ``(estimated)`` line every this many steps (plain mode).
+        warmup: steps excluded from the rate.
         printer: where lines go (``print`` on rank 0 by default).
+        world_factor: data-parallel ranks (the rate is per job).
+        device: a CUDA device is synchronised before reading the clock, so queued kernels are counted.
+        estimate_printer: where the ``(estimated)`` lines go instead, e.g. a progress bar's postfix, so
+            a terminal shows one progress display.
     """
 
-    def __init__(self, epoch: int, epochs: int, steps: int, every: int = 20, warmup: int = 1,
-                 printer: Callable[[str], None] = print, world_factor: int = 1):
+    def __init__(self, epoch: int, epochs: int, steps: int, every: int = 20, warmup: int = 2,
+                 printer: Callable[[str], None] = print, world_factor: int = 1, device: torch.device | None = None,
+                 estimate_printer: Callable[[str], None] | None = None):
         self.epoch, self.epochs, self.steps = epoch, epochs, steps
         self.every, self.printer = max(1, every), printer
+        self.estimate_printer = estimate_printer or printer
         self.warmup = warmup if steps > 2 * warmup + 1 else 0
         self.world_factor = world_factor
+        self.cuda = device is not None and torch.device(device).type == "cuda"
+        self.device = device
         self.samples = 0
         self.step = -1
         self.start = time.perf_counter()
+
+    @property
+    def timed_steps(self) -> int:
+        """Steps whose time the rate counts (all steps so far minus the warm-up)."""
+        return max(self.step + 1 - self.warmup, 0)
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def update(self, batch_size: int) -> None:
         """Call after each optimizer step with this rank's batch size."""
         self.step += 1
         self.samples += batch_size
-        if self.step + 1 == self.warmup:
-            self.start, self.samples = time.perf_counter(), 0
+        if self.step < self.warmup:  # no estimate from warm-up steps
+            if self.step + 1 == self.warmup:
+                self.start, self.samples = self._now(), 0
             return
         if self.step % self.every == 0 and self.step < self.steps - 1:
-            self.printer(throughput_line(self.epoch, self.epochs, self.step, self.steps, self.rate, True))
+            self.estimate_printer(throughput_line(self.epoch, self.epochs, self.step + 1, self.steps, self.rate,
+                                                  True))
 
     @property
     def rate(self) -> float:
         """Samples per second over the whole job (per-rank rate × data-parallel ranks)."""
         if self.samples == 0:
             return 0.0
-        return self.world_factor * self.samples / max(time.perf_counter() - self.start, 1e-9)
+        return self.world_factor * self.samples / max(self._now() - self.start, 1e-9)
 
     def finish(self) -> float:
         """Print the end-of-epoch line and return samples/sec."""
         rate = self.rate
-        self.printer(throughput_line(self.epoch, self.epochs, max(self.step, 0), self.steps, rate, False))
+        self.printer(throughput_line(self.epoch, self.epochs, self.step + 1, self.steps, rate, False))
         return rate

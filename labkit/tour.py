@@ -12,21 +12,50 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import sys
 from pathlib import Path
 
-NEXT_STEPS = """\
-Where to go next
-  jupyter lab notebooks/               then walk 00 -> 06 in order:
-    00_single_device      PyTorch in 4 steps, throughput and memory lines
+NOTEBOOKS = """\
+    00_single_device      PyTorch in 4 steps, throughput, memory and utilisation
     01_allreduce          seven all-reduce algorithms, animated and run for real
     02_data_parallel      DDP with torchrun, scaling, linear LR scaling + warm-up
     03_model_parallel     layer split, vertical FC slicing, the FlexFlow hybrid strategy
     04_pipeline           GPipe micro-batches, GPipe vs 1F1B bubbles
     05_kfac               K-FAC, the Kronecker-factored preconditioner
-    06_cifar10_resnet32_multi_gpu   SGD vs K-FAC on N GPUs
-  labkit train --help                  every training flag
-  sbatch jobs/job_ddp.sh               the same runs on a GPU cluster (see jobs/README.md)
-"""
+    06_cifar10_resnet32_multi_gpu   SGD vs K-FAC on N GPUs"""
+
+
+def next_steps(cwd: Path | None = None) -> list[tuple[str, str]]:
+    """``(command, what it does)`` pairs that run as printed from ``cwd`` in the current shell.
+
+    A command of this environment is named by its path unless the shell's ``PATH`` already finds it (the
+    environment is not activated), and the checkout's folders by their path relative to ``cwd``.
+    """
+    cwd = Path.cwd() if cwd is None else cwd
+    checkout = Path(__file__).resolve().parents[1]
+
+    def exe(name: str) -> str:
+        mine = Path(sys.executable).parent / name
+        found = shutil.which(name)
+        if found and Path(found).resolve() == mine.resolve():
+            return name
+        return _relative(mine, cwd) if mine.exists() else name
+
+    steps = [(f"{exe('jupyter')} lab {_relative(checkout / 'notebooks', cwd)}", "then walk 00 -> 06 in order"),
+             (f"{exe('labkit')} train --help", "every training flag"),
+             (f"{exe('labkit')} check allreduce --init my_ring.py", "write the ring all-reduce yourself")]
+    if shutil.which("sbatch"):
+        steps.append((f"sbatch {_relative(checkout / 'jobs' / 'job_ddp.sh', cwd)}",
+                      "the same runs on this GPU cluster (see jobs/README.md)"))
+    return steps
+
+
+def _relative(path: Path, cwd: Path) -> str:
+    try:
+        return os.path.relpath(path, cwd)
+    except ValueError:  # another drive (Windows)
+        return str(path)
 
 
 def add_parser(sub) -> None:
@@ -70,7 +99,10 @@ def main(args: argparse.Namespace) -> int:
     _allreduce(out)
 
     _section("5. next")
-    print(NEXT_STEPS)
+    print("Where to go next")
+    for command, what in next_steps():
+        print(f"  {command:<48} {what}")
+    print(NOTEBOOKS)
     return 0
 
 

@@ -22,17 +22,21 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from labkit import data as kdata
 from labkit import models as kmodels
 from labkit.dist import distributed, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
-from labkit.optim import build_optimizer
+from labkit.monitor import UtilisationMonitor, nvml_indices
+from labkit.monitor import gather as gather_utilisation
+from labkit.optim import OptimizerSpec
 from labkit.preempt import Preempted, StopSignals, clear_marker, write_marker
+from labkit.precision import autocast, check_amp, to_channels_last
 from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.strategies import Strategy, get_strategy
+from labkit.tensor_data import LOADERS, TensorLoader, load_split
 
 
 class TrainingDiverged(LabkitError):
@@ -73,6 +77,9 @@ class TrainConfig:
     data_root: str | None = None
     download: bool = False
     num_workers: int = 0
+    loader: str = "tensor"
+    amp: str | None = None
+    channels_last: bool = False
     log_every: int = 20
     timeout_s: float = 1800.0
     step_delay_s: float = 0.0
@@ -90,6 +97,11 @@ class TrainConfig:
             raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ConfigError(f"--max-steps must be > 0, got {self.max_steps}")
+        if self.loader not in LOADERS:
+            raise ConfigError(f"--loader {self.loader!r} is not one of: {', '.join(LOADERS)}")
+        if self.loader == "tensor" and self.num_workers:
+            raise ConfigError("--num-workers applies to --loader torch; the tensor loader has no workers")
+        check_amp(self.amp, self.strategy)
 
     @property
     def out_dir(self) -> Path:
@@ -114,17 +126,16 @@ def lr_factor(step: int, steps_per_epoch: int, decay_epochs: list[int], decay_fa
     return factor
 
 
-def _subset(dataset, size: int | None):
-    return dataset if size is None or size >= len(dataset) else Subset(dataset, range(size))
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, strategy: Strategy, criterion: nn.Module) -> tuple[float, float]:
+def evaluate(model: nn.Module, loader: DataLoader, strategy: Strategy, criterion: nn.Module, amp: str | None = None,
+             channels_last: bool = False) -> tuple[float, float]:
     """Mean loss and accuracy over ``loader``, summed over the ranks that own outputs."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
     for x, y in loader:
-        out = strategy.forward(model, x.to(strategy.input_device))
+        x = x.to(strategy.input_device)
+        with autocast(amp, strategy.input_device):
+            out = strategy.forward(model, to_channels_last(x) if channels_last else x)
         if out is not None and strategy.metric_owner():
             y = y.to(out.device)
             totals += torch.tensor([criterion(out, y).item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
@@ -137,9 +148,9 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         *, epochs: int, strategy: Strategy | None = None, preconditioner=None, scheduler=None,
         criterion: nn.Module | None = None, writer: RunWriter | None = None, start_epoch: int = 0, seed: int = 0,
         max_steps: int | None = None, log_every: int = 20, on_epoch_end: Callable[[int], None] | None = None,
-        profiler=None, printer: Callable[[str], None] = print0, position: dict | None = None,
-        stop: StopSignals | None = None, on_stop: Callable[[int, dict], None] | None = None,
-        step_delay_s: float = 0.0) -> list[dict]:
+        profiler=None, printer: Callable[[str], None] = print0, amp: str | None = None,
+        channels_last: bool = False, position: dict | None = None, stop: StopSignals | None = None,
+        on_stop: Callable[[int, dict], None] | None = None, step_delay_s: float = 0.0) -> list[dict]:
     """Train ``model`` for ``epochs`` epochs and evaluate after each; return one record per epoch.
 
     Args:
@@ -148,6 +159,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         preconditioner: e.g. K-FAC; ``step()`` rewrites gradients before ``optimizer.step()``.
         scheduler: stepped after every optimizer step.
         max_steps: stop each epoch after this many steps (quick runs).
+        amp: ``"bf16"``: forward passes under autocast (:mod:`labkit.precision`).
+        channels_last: feed image batches in NHWC order (convert the model before ``strategy.prepare``).
         on_epoch_end: called with the finished epoch index (checkpointing).
         profiler: a ``torch.profiler.profile`` to ``step()`` every iteration.
         position: where in epoch ``start_epoch`` a mid-epoch checkpoint stopped (:func:`epoch_position`).
@@ -164,29 +177,37 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
     criterion = criterion or nn.CrossEntropyLoss()
     history = []
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if max_steps is not None and max_steps > len(train_loader):
+        printer(f"note: --max-steps {max_steps} is more than the {len(train_loader)} steps of an epoch; "
+                f"each epoch runs its {len(train_loader)} steps")
     for epoch in range(start_epoch, epochs):
         torch.manual_seed(seed * 100_003 + epoch * 1_009 + rank)  # dropout/augmentation: reproducible per epoch
-        if isinstance(train_loader, DataLoader):
+        if isinstance(train_loader, (DataLoader, TensorLoader)):
             kdata.set_loader_epoch(train_loader, epoch, seed)  # same shuffle on every rank, fresh or resumed
         strategy.set_epoch(epoch)
         model.train()
         steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
+        bar = _progress(steps, f"epoch {epoch + 1}/{epochs}", rank)  # None: the throughput lines are the progress
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
-                                printer=printer)
+                                printer=printer, device=strategy.input_device,
+                                estimate_printer=None if bar is None else (
+                                    lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
-        batches = iter(_progress(train_loader, steps, f"epoch {epoch + 1}/{epochs}", rank))
-        first = 0
+        batches, first = iter(train_loader), 0
         if position is not None and epoch == start_epoch:
             first = _resume_position(batches, position, totals, rank)
+            if bar is not None:
+                bar.update(first)
         for step, (x, y) in enumerate(batches, start=first):
             if step >= steps:
                 break
             x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
             y = y.to(strategy.target_device, non_blocking=True)  # (B,)
             optimizer.zero_grad(set_to_none=True)
-            loss, out = strategy.forward_backward(model, x, y, criterion)
+            with autocast(amp, strategy.input_device):
+                loss, out = strategy.forward_backward(model, to_channels_last(x) if channels_last else x, y, criterion)
             strategy.sync_gradients(model)
             if preconditioner is not None:
                 preconditioner.step()
@@ -202,17 +223,21 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 if (step + 1) % log_every == 0 or step + 1 == steps:
                     _check_finite(totals[0], epoch, step)
             meter.update(len(x))
+            if bar is not None:
+                bar.update()
             if step_delay_s:
                 time.sleep(step_delay_s)
             if stop is not None and step + 1 < steps and stop.requested(strategy):
                 _stop(stop, epoch, epoch_position(step + 1, totals, strategy), on_stop)
+        if bar is not None:
+            bar.close()  # before the epoch's line, so the bar does not share a line with it
         rate = meter.finish()
         loss_sum, correct, count = strategy.all_reduce_sum(totals.cpu()).tolist()
-        test_loss, test_acc = (evaluate(model, test_loader, strategy, criterion) if test_loader is not None
+        test_loss, test_acc = (evaluate(model, test_loader, strategy, criterion, amp, channels_last) if test_loader is not None
                                else (math.nan,) * 2)
         record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": loss_sum / max(count, 1),
                   "train_acc": correct / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
-                  "samples_per_sec": rate, "lr": optimizer.param_groups[0]["lr"],
+                  "samples_per_sec": rate, "timed_steps": meter.timed_steps, "lr": optimizer.param_groups[0]["lr"],
                   "time_s": time.perf_counter() - started}
         printer(f"epoch {epoch + 1}/{epochs} | train loss {record['train_loss']:.4f} acc {record['train_acc']:.4f}"
                 f" | test loss {test_loss:.4f} acc {test_acc:.4f} | lr {record['lr']:.4g}")
@@ -230,8 +255,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
 
 
 def epoch_position(step: int, totals: torch.Tensor, strategy: Strategy) -> dict:
-    """The state that puts a run back at ``step`` of its epoch: the step, and every rank's RNG state and
-    running metric sums (``[rank]`` lists; gathered from all ranks, so rank 0's checkpoint holds them all).
+    """The state that puts a run back at ``step`` of its epoch: the step, and every rank's RNG states and
+    running metric sums (``[rank]`` lists, gathered from all ranks, so rank 0's checkpoint holds them all).
 
     The shuffle needs no state: each epoch reseeds it from (seed, epoch), and resuming skips ``step`` batches.
     """
@@ -245,8 +270,8 @@ def epoch_position(step: int, totals: torch.Tensor, strategy: Strategy) -> dict:
 
 
 def _resume_position(batches, position: dict, totals: torch.Tensor, rank: int) -> int:
-    """Skip the batches done before the checkpoint, then restore this rank's RNG and metric sums; return the
-    step to continue from. The RNG comes back after the skip: loading those batches drew augmentation noise."""
+    """Skip the batches done before the checkpoint, then restore this rank's RNG states and metric sums;
+    return the step to continue from. The RNG comes back after the skip: drawing those batches used it."""
     for _ in range(position["step"]):
         next(batches)
     torch.set_rng_state(position["rng"][rank])
@@ -275,21 +300,77 @@ def _single_env(model: nn.Module):
     return DistEnv(device=param.device if param is not None else torch.device("cpu"))
 
 
-def _progress(loader, steps: int, desc: str, rank: int):
+def _progress(steps: int, desc: str, rank: int):
+    """A tqdm bar over the epoch's steps in a terminal on rank 0, else None."""
     if rank != 0 or not interactive():
-        return loader
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(loader, total=steps, desc=desc, leave=False)
+    return tqdm(total=steps, desc=desc, leave=False)
 
 
 # ----- checkpoints -------------------------------------------------------------------------------------
 
 
 def checkpoint_path(out_dir: Path, strategy: Strategy) -> Path:
-    """``checkpoint.pt``, or ``checkpoint.rank{r}.pt`` when each rank holds different parameters."""
-    suffix = "" if strategy.replicated else f".rank{strategy.env.rank}"
-    return Path(out_dir) / f"checkpoint{suffix}.pt"
+    """Where this rank's checkpoint lives: the strategy decides (``checkpoint.pt`` or one file per rank)."""
+    return strategy.checkpoint_file(out_dir)
+
+
+def save_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler, preconditioner,
+                        progress: dict, config: dict) -> None:
+    """Checkpoint everything a resumed run needs, if this rank writes one.
+
+    What the model and optimizer parts hold (whole or this rank's shard) is the strategy's
+    :meth:`~labkit.strategies.base.Strategy.state_dict`; ``progress`` says where training stands
+    (``{"epoch": finished epochs}``); the loop decides when to call this.
+    """
+    if not strategy.writes_checkpoint():
+        return
+    state = strategy.state_dict(model, optimizer)
+    state.update(scheduler=scheduler.state_dict(), config=config,
+                 preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
+    save_checkpoint(path, state)
+
+
+def _checkpoint_on_every_rank(path: Path, strategy: Strategy) -> bool:
+    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error."""
+    if strategy.replicated or not strategy.env.distributed:
+        return path.exists()
+    have = int(strategy.all_reduce_sum(torch.tensor([float(path.exists())])).item())
+    if 0 < have < strategy.env.world_size:
+        raise CheckpointError(f"only {have} of {strategy.env.world_size} ranks find their checkpoint file "
+                              f"({path.name} on this rank): the set is incomplete; delete {path.parent}/checkpoint.rank*.pt"
+                              " or run without --resume")
+    return have > 0
+
+
+def load_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler,
+                        preconditioner) -> dict:
+    """Restore a checkpoint written by :func:`save_training_state`; return it (``state["epoch"]`` etc.).
+
+    With one file per rank, the ranks first agree that every file loads, so a corrupt shard on one rank stops
+    them all with a :class:`CheckpointError` instead of leaving the others waiting in a collective.
+    """
+    try:
+        state, error = load_checkpoint(path), None
+    except CheckpointError as exc:
+        state, error = None, exc
+    if not strategy.replicated and strategy.env.distributed:
+        failed = int(strategy.all_reduce_sum(torch.tensor([float(error is not None)])).item())
+        if failed and error is None:
+            error = CheckpointError(f"{failed} other rank(s) could not load their checkpoint file next to {path}; "
+                                    "delete the checkpoint.rank*.pt files or run without --resume")
+    if error is not None:
+        raise error
+    try:
+        strategy.load_state_dict(model, optimizer, state)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    scheduler.load_state_dict(state["scheduler"])
+    if preconditioner is not None and state.get("preconditioner") is not None:
+        preconditioner.load_state_dict(state["preconditioner"])
+    return state
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -325,20 +406,22 @@ def run(cfg: TrainConfig) -> dict:
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
         info = kdata.dataset_info(cfg.dataset)
-        root = cfg.data_root
-        train_set = _subset(kdata.get_dataset(cfg.dataset, train=True, root=root, download=cfg.download,
-                                              augment=cfg.augment), cfg.train_size)
-        test_set = _subset(kdata.get_dataset(cfg.dataset, train=False, root=root, download=cfg.download), cfg.test_size)
+        split = dict(loader=cfg.loader, name=cfg.dataset, root=cfg.data_root, download=cfg.download,
+                     device=strategy.input_device)
+        train_set = load_split(**split, train=True, augment=cfg.augment, limit=cfg.train_size)
+        test_set = load_split(**split, train=False, limit=cfg.test_size)
         dp = strategy.data_parallel_size
         if len(train_set) < dp * cfg.batch_size:
             raise ConfigError(f"the training set has {len(train_set)} samples, fewer than one global batch "
                               f"({dp} ranks × --batch-size {cfg.batch_size}); use fewer ranks or a smaller batch")
         model = kmodels.get_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels,
                                   image_size=info.image_size, sequential=strategy.sequential_model)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)  # before DDP/partitioning take views of the weights
         model = strategy.prepare(model)
         lr = cfg.base_lr * (dp if cfg.scale_lr else 1)
-        optimizer, preconditioner = build_optimizer(cfg.optimizer, strategy.unwrap(model), lr, cfg.momentum,
-                                                    cfg.weight_decay, cfg.optim_options, env)
+        optimizer, preconditioner = strategy.build_optimizer(model, OptimizerSpec(
+            cfg.optimizer, lr, cfg.momentum, cfg.weight_decay, cfg.optim_options, env))
         train_loader = kdata.make_loader(train_set, cfg.batch_size, shuffle=True,
                                          sampler=strategy.sampler(train_set, True, cfg.seed), seed=cfg.seed,
                                          drop_last=dp > 1, num_workers=cfg.num_workers)
@@ -352,38 +435,30 @@ def run(cfg: TrainConfig) -> dict:
         writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
         ckpt = checkpoint_path(out_dir, strategy)
         start_epoch, position = 0, None
-        if cfg.resume and ckpt.exists():
-            state = load_checkpoint(ckpt)
-            try:
-                strategy.unwrap(model).load_state_dict(state["model"])
-            except RuntimeError as exc:
-                raise CheckpointError(f"checkpoint {ckpt} does not fit model {cfg.model}: {str(exc)[:200]}") from None
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            if preconditioner is not None and state.get("preconditioner") is not None:
-                preconditioner.load_state_dict(state["preconditioner"])
+        if cfg.resume and _checkpoint_on_every_rank(ckpt, strategy):
+            state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner)
             start_epoch, position = state["epoch"], state.get("position")
             within = f", step {position['step']}" if position else ""
             print0(f"resumed from {ckpt} at epoch {start_epoch}{within}")
 
         def save(epochs_done: int, position: dict | None = None) -> None:
-            """The checkpoint after ``epochs_done`` epochs and, mid-epoch, ``position`` steps into the next."""
-            if cfg.checkpoint and (env.is_main or not strategy.replicated):
-                save_checkpoint(ckpt, {"model": strategy.unwrap(model).state_dict(),
-                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                       "preconditioner": preconditioner.state_dict() if preconditioner else None,
-                                       "epoch": epochs_done, "position": position, "config": asdict(cfg)})
+            """The checkpoint after ``epochs_done`` epochs and, mid-epoch, ``position`` in the next one."""
+            if cfg.checkpoint:
+                save_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner,
+                                    {"epoch": epochs_done, "position": position}, asdict(cfg))
 
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
         started = time.perf_counter()
-        with _profiler(cfg.profile, out_dir, env.rank) as prof, _stop_signals(cfg.checkpoint) as stop:
+        monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
+        with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor, _stop_signals(cfg.checkpoint) as stop:
             try:
                 history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
                               preconditioner=preconditioner, scheduler=scheduler, writer=writer,
                               start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps,
                               log_every=cfg.log_every, on_epoch_end=lambda epoch: save(epoch + 1), profiler=prof,
-                              position=position, stop=stop, on_stop=save, step_delay_s=cfg.step_delay_s)
+                              amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
+                              on_stop=save, step_delay_s=cfg.step_delay_s)
             except Preempted as stopped:
                 if env.is_main:
                     write_marker(out_dir, stopped.epoch, stopped.step, stopped.signal_name)
@@ -391,10 +466,10 @@ def run(cfg: TrainConfig) -> dict:
         if env.is_main:
             clear_marker(out_dir)
         lines = memory_lines(strategy.devices())
-        if env.distributed:
+        if env.distributed:  # every rank measures its own process and devices: say whose line it is
             gathered = [None] * env.world_size
             dist.all_gather_object(gathered, lines)
-            lines = list(dict.fromkeys(line for rank_lines in gathered for line in rank_lines))
+            lines = [f"rank {r}: {line}" for r, rank_lines in enumerate(gathered) for line in rank_lines]
         for line in lines:
             print0(line)
         peak = torch.tensor([peak_memory_gb(strategy.devices())])
@@ -405,7 +480,8 @@ def run(cfg: TrainConfig) -> dict:
                    "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
                    "best_test_acc": max((r["test_acc"] for r in history), default=None),
                    "epochs_run": len(history), "time_s": time.perf_counter() - started,
-                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines}
+                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
+                   "utilisation": gather_utilisation(monitor, env, writer)}
         summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")

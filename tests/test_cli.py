@@ -41,3 +41,32 @@ def test_gpu_flag_on_cpu_node_exits_2_from_the_real_command(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert "no usable GPU" in proc.stderr and "--device cpu" in proc.stderr
+
+
+def test_help_and_argument_errors_do_not_import_torch():
+    """Every sub-command's help (and its argument errors) is answered before torch is imported."""
+    argvs = [["--help"], ["tour", "--help"], ["data", "--help"], ["data", "fetch", "--help"], ["allreduce", "--help"],
+             ["allreduce", "verify", "--help"], ["allreduce", "animate", "--ranks", "x"], ["bench", "--help"],
+             ["bench", "nosuch"], ["check", "--help"], ["nosuch"]]
+    probe = ("import sys\nfrom labkit.cli import main\n"
+             f"for argv in {argvs!r}:\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             "print('TORCH' if 'torch' in sys.modules else 'NO TORCH')")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip().splitlines()[-1] == "NO TORCH", proc.stderr
+    assert "invalid int value: 'x'" in proc.stderr and "invalid choice: 'nosuch'" in proc.stderr
+
+
+def test_data_help_names_every_dataset_and_the_root_it_uses(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from labkit import data, data_cli
+
+    assert tuple(data.DATASETS) == data_cli.DATASET_NAMES
+    # the help promises: $LABKIT_DATA, else the checkout's data/ (from any folder), else ./data
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LABKIT_DATA", str(tmp_path / "mine"))
+    assert data.data_root() == tmp_path / "mine" and "$LABKIT_DATA" in data_cli.ROOT_HELP
+    monkeypatch.delenv("LABKIT_DATA")
+    assert data.data_root() == Path(data.__file__).resolve().parents[1] / "data"
+    assert "data/ folder of the labkit checkout" in data_cli.ROOT_HELP

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets
 
-from labkit import data
+from labkit import data, data_cli
 from labkit.errors import ConfigError, DatasetMissing
 
 
@@ -231,7 +231,7 @@ def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
 
 def test_data_cli(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="labkit")
-    data.add_parser(parser.add_subparsers(dest="command"))
+    data_cli.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["data", "list", "--root", str(tmp_path)])
     assert args.func(args) == 0
     out = capsys.readouterr().out

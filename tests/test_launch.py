@@ -22,7 +22,13 @@ def test_torchrun_streams_output_and_returns_the_run(tmp_path):
                    nproc=2, echo=lines.append, timeout=300)
     assert any(line.startswith("labkit train | mlp on synthetic-mnist | strategy ddp | 2 rank(s)") and
                "batch 16/rank, 32 global" in line for line in lines), lines
-    assert any(line.endswith("samples/sec") for line in lines)  # the end-of-epoch throughput line
+    final = [line for line in lines if line.startswith("train |") and line.endswith("samples/sec")]
+    assert len(final) == 1 and "epoch (100%)" in final[0]  # the end-of-epoch throughput line: a whole epoch
+    memory = [line for line in lines if "CPU (process, all devices)" in line]
+    assert [line.split(":")[0] for line in memory] == ["rank 0", "rank 1"]  # each rank's own process, named
+    assert run.summary["metrics"]["memory_lines"] == memory
+    assert {s["rank"] for s in run.records_of("utilisation")} == {0, 1}  # every rank's CPU use, sampled
+    assert len(run.summary["metrics"]["utilisation"]["cpu_percent_mean"]) == 2
     assert run.summary["environment"]["world_size"] == 2
     assert run.summary["metrics"]["global_batch_size"] == 32
     assert run.summary["config"]["strategy_options"]["global_batch_size"] == 32

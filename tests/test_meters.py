@@ -8,7 +8,7 @@ from labkit.meters import ThroughputMeter, memory_lines, process_memory_gb, thro
 
 def test_throughput_lines_match_seed_format():
     assert throughput_line(1, 1, 4, 100, 692.34, True) == "train | 1/1 epoch (4%) | 692.340 samples/sec (estimated)"
-    assert throughput_line(1, 1, 99, 100, 718.4634, False) == "train | 1/1 epoch (99%) | 718.463 samples/sec"
+    assert throughput_line(1, 1, 100, 100, 718.4634, False) == "train | 1/1 epoch (100%) | 718.463 samples/sec"
     assert throughput_line(3, 10, 0, 7, 1.0, False) == "train | 3/10 epoch (0%) | 1.000 samples/sec"
 
 
@@ -26,5 +26,5 @@ def test_meter_prints_estimates_then_final_line_and_counts_samples():
         meter.update(8)
     rate = meter.finish()
     assert all(line.endswith("(estimated)") for line in lines[:-1]) and len(lines) == 3  # steps 3, 6, then final
-    assert re.fullmatch(r"train \| 2/5 epoch \(90%\) \| \d+\.\d{3} samples/sec", lines[-1])
+    assert re.fullmatch(r"train \| 2/5 epoch \(100%\) \| \d+\.\d{3} samples/sec", lines[-1])
     assert meter.samples == 9 * 8 and rate > 0  # first step is warm-up, not throughput

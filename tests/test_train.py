@@ -62,7 +62,9 @@ def test_run_writes_results_and_checkpoint(tmp_path, capsys):
     assert {"summary.json", "metrics.jsonl", "checkpoint.pt"} <= files
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk == summary and summary["metrics"]["epochs_run"] == 2
-    epochs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert {r["kind"] for r in records} == {"epoch", "utilisation"}  # and the CPU use, sampled while training
     assert [e["epoch"] for e in epochs] == [1, 2]
     assert summary["metrics"]["final_test_acc"] == epochs[-1]["test_acc"]
 
@@ -106,3 +108,27 @@ def test_bad_names_are_config_errors(tmp_path):
         run(small_cfg(tmp_path, strategy="warp"))
     with pytest.raises(ConfigError, match="unknown optimizer 'lion'"):
         run(small_cfg(tmp_path, optimizer="lion"))
+
+
+def test_one_progress_display(monkeypatch, capsys):
+    """Plain output (notebooks, jobs): estimated lines then the epoch's 100 % line. In a terminal the estimates
+    go to the progress bar instead, and only the epoch's line is printed."""
+    import labkit.train as train_module
+
+    x, y = torch.randn(64, 5), torch.randint(0, 2, (64,))
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    model = nn.Linear(5, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lines = []
+    fit(model, loader, None, opt, epochs=1, log_every=2, printer=lines.append)
+    train = [line for line in lines if line.startswith("train |")]
+    assert len(train) == 4 and all(line.endswith("(estimated)") for line in train[:-1])
+    assert "epoch (100%)" in train[-1] and not train[-1].endswith("(estimated)")
+
+    monkeypatch.setattr(train_module, "interactive", lambda: True)
+    lines = []
+    fit(model, loader, None, opt, epochs=1, log_every=2, printer=lines.append)
+    train = [line for line in lines if line.startswith("train |")]
+    assert len(train) == 1 and "epoch (100%)" in train[0]
+    bar = capsys.readouterr().err
+    assert "epoch 1/1:" in bar and "samples/" in bar  # the estimate, in the bar

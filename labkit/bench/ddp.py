@@ -9,26 +9,25 @@ speedup(n) = throughput(n) / throughput(1); efficiency(n) = speedup(n) / n (1.0 
 count is one `labkit train --strategy ddp` run under torchrun.
 
 The comparison starts --compare-ranks ranks once (gloo on CPU); inside that one run every rank alternates the two
-contenders (labkit, plain, plain, labkit, ...) on the same model, data and batch: labkit =
-labkit.train.fit with the DDP strategy; plain = the textbook DDP loop (DistributedSampler,
-DistributedDataParallel, zero_grad/forward/backward/step). The ratio labkit/plain is the median over
-rounds of each back-to-back pair, so noise from other programs on the machine mostly cancels.
-Target: ratio >= 0.97.
+contenders round by round (:mod:`labkit.bench.harness`) on the same model, data and batch: labkit =
+labkit.train.fit with the DDP strategy and ``--loader``'s data path; plain = DistributedDataParallel over the
+dataset preloaded as one tensor, each rank slicing its shard of a shared permutation. The ratio labkit/plain
+is the median over rounds of each back-to-back pair, so noise from other programs on the machine mostly
+cancels. Target: ratio >= 0.97.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
 
 from labkit.errors import ConfigError
+
+TARGET = 0.97
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="mnist-sample")
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run / per contender and round")
-    p.add_argument("--rounds", type=int, default=4, help="comparison rounds (each runs both contenders)")
+    p.add_argument("--rounds", type=int, default=8, help="comparison rounds (each runs both contenders)")
+    p.add_argument("--loader", default="tensor", choices=("tensor", "torch"), help="labkit's data path")
     p.add_argument("--repeat", type=int, default=1, help="runs per rank count, alternating; the median counts")
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one rank per GPU)")
     p.add_argument("--threads", type=int, default=1,
@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
                "efficiency": {r["ranks"]: r["efficiency"] for r in rows}}
     if args.compare_ranks:
         print(f"--- labkit vs plain PyTorch DDP on {args.compare_ranks} ranks, {args.rounds} rounds", flush=True)
-        compare = torchrun(["bench", "ddp", "--compare-worker", *common, "--steps", str(args.steps),
+        compare = torchrun(["bench", "ddp", "--compare-worker", *common, "--steps", str(args.steps), "--loader", args.loader,
                             "--rounds", str(args.rounds), "--out", str(out / "compare")],
                            nproc=args.compare_ranks, env=env, echo=_quiet)
         metrics.update(compare.summary["metrics"])
@@ -151,95 +151,36 @@ def _quiet(line: str) -> None:
         print("   ", line, flush=True)
 
 
-def plain_ddp(model: nn.Module, dataset, batch_size: int, steps: int, device: torch.device) -> tuple[int, float]:
-    """The textbook DDP loop on this rank. Returns (samples this rank processed, seconds)."""
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    criterion = nn.CrossEntropyLoss()
-    _sync(device)
-    start = time.perf_counter()
-    seen = 0
-    for step, (x, y) in enumerate(loader):
-        if step >= steps:
-            break
-        x, y = x.to(device), y.to(device)
-        optimizer.zero_grad(set_to_none=True)
-        criterion(ddp(x), y).backward()
-        optimizer.step()
-        seen += len(x)
-    _sync(device)
-    return seen, time.perf_counter() - start
-
-
-def _labkit_ddp(env, model: nn.Module, dataset, batch_size: int, steps: int) -> tuple[int, float]:
-    from labkit import data
-    from labkit.strategies.ddp import DDPStrategy
-    from labkit.train import fit
-
-    strategy = DDPStrategy(env, {})
-    model = strategy.prepare(model)
-    loader = data.make_loader(dataset, batch_size, shuffle=True, sampler=strategy.sampler(dataset, True, 0),
-                              drop_last=True)
-    optimizer = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=0.01, momentum=0.9)
-    _sync(env.device)
-    start = time.perf_counter()
-    fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=steps, log_every=10 ** 9,
-        printer=lambda line: None)
-    _sync(env.device)
-    return min(steps, len(loader)) * batch_size, time.perf_counter() - start
-
-
 def _compare_worker(args: argparse.Namespace) -> int:
+    """One rank of the comparison: labkit's DDP strategy through fit vs DDP over preloaded tensors."""
     from labkit import data, models
+    from labkit.bench.contenders import PlainLoop, labkit_fit, preload
+    from labkit.bench.harness import alternate, config_of
     from labkit.dist import distributed, print0
     from labkit.results import RunWriter
+    from labkit.strategies.ddp import DDPStrategy
+    from labkit.tensor_data import load_split
 
     with distributed(args.device) as env:
         info = data.dataset_info(args.dataset)
-        dataset = data.get_dataset(args.dataset, train=True)
-        template = models.get_model(args.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                                    image_size=info.image_size)
-
-        def contender(name: str) -> tuple[int, float]:
-            model = models.get_model(args.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                                     image_size=info.image_size).to(env.device)
-            model.load_state_dict(template.state_dict())
-            dist.barrier()  # start together: a late rank would stall the other's all-reduces
-            if name == "labkit":
-                seen, elapsed = _labkit_ddp(env, model, dataset, args.batch_size, args.steps)
-            else:
-                seen, elapsed = plain_ddp(model, dataset, args.batch_size, args.steps, env.device)
-            slowest = torch.tensor([elapsed], dtype=torch.float64, device=env.device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the step rate is set by the slowest rank
-            return seen * env.world_size, slowest.item()
-
-        contender("plain")  # warm-up: first-call overheads are excluded from both
-        contender("labkit")
+        torch.manual_seed(0)
+        template = models.get_model(args.model, info.num_classes, info.in_channels, info.image_size)
+        strategy = DDPStrategy(env, {})
+        model = strategy.prepare(copy.deepcopy(template))
+        train_set = load_split(args.loader, args.dataset, True, device=env.device)
+        loader = data.make_loader(train_set, args.batch_size, shuffle=True, sampler=strategy.sampler(train_set, True, 0),
+                                  drop_last=True)
+        x, y = preload(args.dataset, env.device)
+        plain = DistributedDataParallel(copy.deepcopy(template).to(env.device),
+                                        device_ids=[env.device.index] if env.device.type == "cuda" else None)
+        contenders = {"labkit": labkit_fit(model, loader, strategy, args.steps),
+                      "plain": PlainLoop(plain, x, y, args.batch_size, args.steps, env.rank, env.world_size)}
         writer = RunWriter(args.out, enabled=env.is_main)
-        times, samples = {"labkit": 0.0, "plain": 0.0}, {"labkit": 0, "plain": 0}
-        ratios = []
-        for r in range(args.rounds):
-            rate = {}
-            for name in (("labkit", "plain") if r % 2 == 0 else ("plain", "labkit")):
-                seen, elapsed = contender(name)
-                times[name] += elapsed
-                samples[name] += seen
-                rate[name] = seen / elapsed
-                writer.log({"kind": "bench", "contender": name, "round": r, "ranks": env.world_size,
-                            "samples": seen, "time_s": elapsed, "samples_per_sec": rate[name]})
-            ratios.append(rate["labkit"] / rate["plain"])  # back-to-back pairs: shared noise cancels
-        rates = {k: samples[k] / times[k] for k in times}
-        ratio = statistics.median(ratios)
-        print0(f"    labkit {rates['labkit']:.1f} samples/sec, plain {rates['plain']:.1f} samples/sec, "
-               f"median ratio of {args.rounds} rounds {ratio:.3f}")
-        writer.finish("bench-ddp-compare", "bench", {k: v for k, v in vars(args).items() if k != "func"},
-                      {"labkit_samples_per_sec": rates["labkit"], "plain_samples_per_sec": rates["plain"],
-                       "ratio": ratio, "round_ratios": ratios, "compare_ranks": env.world_size}, env)
+        results = alternate(contenders, args.rounds, [env.device], log=lambda r: writer.log({**r, "ranks": env.world_size}))
+        print0(results.table("plain", TARGET))
+        summary = results.summary("plain")
+        writer.finish("bench-ddp-compare", "bench", config_of(args),
+                      {**summary, "labkit_samples_per_sec": summary["labkit"]["median_samples_per_sec"],
+                       "plain_samples_per_sec": summary["plain"]["median_samples_per_sec"],
+                       "ratio": summary["labkit"]["ratio"], "compare_ranks": env.world_size}, env)
     return 0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

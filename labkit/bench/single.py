@@ -1,19 +1,22 @@
-"""labkit's training loop vs a minimal plain-PyTorch loop, same model, data and batch, one process.
+"""labkit's training loop vs a plain-PyTorch loop on preloaded tensors: same model, data and batch, one process.
 
-    labkit bench single --model lenet --dataset mnist-sample --batch-size 64 --steps 40 --rounds 6
+    labkit bench single --model lenet --dataset mnist-sample --batch-size 64 --steps 40 --rounds 8
 
-The two contenders alternate (labkit, plain, labkit, plain, ...) so machine noise hits both alike;
-samples/s is summed over rounds and the ratio labkit / plain is reported (target >= 0.97).
+labkit = ``labkit.train.fit`` on the single-device strategy with ``--loader`` (default: the resident tensor
+path); plain = the textbook loop over the dataset preloaded as one normalised tensor. Both start from the
+same weights and alternate round by round (:mod:`labkit.bench.harness`); the result is the median of the
+per-round ratios labkit / plain (target >= 0.97).
 """
 from __future__ import annotations
 
 import argparse
-import time
+import copy
 
 import torch
-from torch import nn
 
-from labkit.dist import DistEnv, resolve_device, seed_everything
+from labkit.bench.harness import alternate, config_of
+
+TARGET = 0.97
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,81 +24,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset", default="mnist-sample")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per contender per round")
-    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--loader", default="tensor", choices=("tensor", "torch"), help="labkit's data path")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one core stands for one device)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="runs/bench-single")
 
 
-def plain_steps(model: nn.Module, loader, optimizer, device: torch.device, steps: int) -> int:
-    """The textbook loop: move, zero, forward, loss, backward, step. Returns samples processed."""
-    criterion = nn.CrossEntropyLoss()
-    model.train()
-    seen = 0
-    for step, (x, y) in enumerate(loader):
-        if step >= steps:
-            break
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
-        loss = criterion(model(x), y)
-        loss.backward()
-        optimizer.step()
-        seen += len(x)
-    return seen
+def run_compare(args: argparse.Namespace, writer=None) -> dict:
+    """Alternate labkit and plain; return ``summary.json`` metrics (see :meth:`Results.summary`)."""
+    from labkit import data, models
+    from labkit.bench.contenders import PlainLoop, labkit_fit, preload
+    from labkit.dist import DistEnv, resolve_device
+    from labkit.strategies import Strategy
+    from labkit.tensor_data import load_split
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    info = data.dataset_info(args.dataset)
+    torch.manual_seed(0)
+    template = models.get_model(args.model, info.num_classes, info.in_channels, info.image_size).to(device)
+    strategy = Strategy(DistEnv(device=device))
+    loader = data.make_loader(load_split(args.loader, args.dataset, True, device=device), args.batch_size,
+                              shuffle=True, drop_last=True)
+    x, y = preload(args.dataset, device)
+    contenders = {"labkit": labkit_fit(copy.deepcopy(template), loader, strategy, args.steps),
+                  "plain": PlainLoop(copy.deepcopy(template), x, y, args.batch_size, args.steps)}
+    results = alternate(contenders, args.rounds, [device], log=writer.log if writer else None)
+    print(results.table("plain", TARGET))
+    return {**results.summary("plain"), "ratio": results.summary("plain")["labkit"]["ratio"]}
 
 
 def main(args: argparse.Namespace) -> int:
-    from labkit import data, models
+    from labkit.dist import DistEnv, resolve_device
     from labkit.results import RunWriter
-    from labkit.strategies import Strategy
-    from labkit.train import fit
 
-    device = resolve_device(args.device)
-    info = data.dataset_info(args.dataset)
-    train_set = data.get_dataset(args.dataset, train=True)
-    loader = data.make_loader(train_set, args.batch_size, shuffle=True, seed=0, drop_last=True)
-    strategy = Strategy(DistEnv(device=device))
-    seed_everything(0)
-    template = models.get_model(args.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                                image_size=info.image_size)
-
-    def contender(name: str) -> tuple[int, float]:
-        model = models.get_model(args.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                                 image_size=info.image_size).to(device)
-        model.load_state_dict(template.state_dict())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        _sync(device)
-        start = time.perf_counter()
-        if name == "labkit":
-            fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=args.steps,
-                log_every=10 ** 9, printer=lambda line: None)
-            seen = args.steps * args.batch_size
-        else:
-            seen = plain_steps(model, loader, optimizer, device, args.steps)
-        _sync(device)
-        return seen, time.perf_counter() - start
-
-    contender("plain")  # warm-up: first-call overheads (allocator, kernels) are excluded from both
-    contender("labkit")
     writer = RunWriter(args.out)
-    times, samples = {"labkit": 0.0, "plain": 0.0}, {"labkit": 0, "plain": 0}
-    for r in range(args.rounds):
-        for name in (("labkit", "plain") if r % 2 == 0 else ("plain", "labkit")):
-            seen, elapsed = contender(name)
-            times[name] += elapsed
-            samples[name] += seen
-            writer.log({"kind": "bench", "contender": name, "round": r, "samples": seen, "time_s": elapsed,
-                        "samples_per_sec": seen / elapsed})
-    rates = {k: samples[k] / times[k] for k in times}
-    ratio = rates["labkit"] / rates["plain"]
-    print(f"{'contender':<10} {'samples/s':>12}\n{'labkit':<10} {rates['labkit']:>12.1f}\n"
-          f"{'plain':<10} {rates['plain']:>12.1f}\nratio labkit/plain = {ratio:.3f} (target >= 0.97)")
-    writer.finish("bench-single", "bench", {k: v for k, v in vars(args).items() if k != "func"},
-                  {"labkit_samples_per_sec": rates["labkit"], "plain_samples_per_sec": rates["plain"],
-                   "ratio": ratio}, DistEnv(device=device))
+    metrics = run_compare(args, writer)
+    writer.finish("bench-single", "bench", config_of(args), metrics, DistEnv(device=resolve_device(args.device)))
     print(f"results written to {args.out}/summary.json")
     return 0

@@ -4,15 +4,47 @@
     get_schedule("ring", 4).steps[0]      # who sends which chunk to whom in step 1
     simulate(get_schedule("tree", 5))     # apply it to 5 vectors in one process, check the sum
     all_reduce(grad, "ring")              # run it for real inside a process group
+
+The schedules are plain data and load without torch; the simulator and executor load on first use, so
+``labkit allreduce --help`` answers at once.
 """
-from labkit.collectives.execute import StepRecord, Trace, all_reduce, run_schedule, traced_run
-from labkit.collectives.parameter_server import parameter_server, push_pull
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+from labkit.collectives.parameter_server import parameter_server
 from labkit.collectives.registry import ALGORITHMS, SCHEDULES, get_schedule, parse_algorithms
 from labkit.collectives.schedule import Op, Schedule, ScheduleError, Step, Transfer, from_steps
-from labkit.collectives.simulate import Counts, SimResult, count, coverage, simulate
 
-__all__ = [
-    "ALGORITHMS", "SCHEDULES", "Counts", "Op", "Schedule", "ScheduleError", "SimResult", "Step", "StepRecord",
-    "Trace", "Transfer", "all_reduce", "count", "coverage", "from_steps", "get_schedule", "parameter_server",
-    "parse_algorithms", "push_pull", "run_schedule", "simulate", "traced_run",
-]
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(("StepRecord", "Trace", "all_reduce", "run_schedule", "traced_run"), "execute"),
+    "push_pull": "parameter_server",
+    **dict.fromkeys(("Counts", "SimResult", "count", "coverage", "simulate"), "simulate"),
+}
+
+__all__ = sorted(["ALGORITHMS", "SCHEDULES", "Op", "Schedule", "ScheduleError", "Step", "Transfer", "from_steps",
+                  "get_schedule", "parameter_server", "parse_algorithms", *_LAZY])
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Loading a submodule binds it on its package; `simulate` and `parameter_server` name both a module
+        # and the function this package exports, and the function must win.
+        if isinstance(value, types.ModuleType) and name in __all__:
+            return
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str):
+        if name in _LAZY:
+            value = getattr(importlib.import_module(f"labkit.collectives.{_LAZY[name]}"), name)
+            super().__setattr__(name, value)
+            return value
+        raise AttributeError(f"module 'labkit.collectives' has no attribute {name!r}")
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(__all__))
+
+
+sys.modules[__name__].__class__ = _Package

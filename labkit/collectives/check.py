@@ -25,6 +25,19 @@ from labkit.collectives.simulate import simulate
 from labkit.errors import ConfigError
 
 
+STARTER = '''\
+def ring_schedule(p):
+    """2(p-1) steps; each a list of (src, dst, chunk, op) with op "reduce" (receiver adds) or "copy"."""
+    steps = []
+    # share-reduce: p - 1 steps, the receiver adds
+    for s in range(p - 1):
+        steps.append([(r, (r + 1) % p, r, "reduce") for r in range(p)])   # TODO: which chunk in step s?
+    # share-only: p - 1 steps, the receiver stores
+    # TODO: append the share-only steps
+    return steps
+'''
+
+
 def reference_ring(p: int) -> list[list[tuple[int, int, int, str]]]:
     """The library's ring schedule in the exercise format (the solution)."""
     return [[(t.src, t.dst, t.start, t.op.value) for t in step.transfers] for step in ring(p).steps]

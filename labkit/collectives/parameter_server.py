@@ -6,11 +6,13 @@ parameters on every rank instead (see :data:`labkit.collectives.ALGORITHMS`).
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from labkit.collectives.algorithms import check_world_size
 from labkit.collectives.schedule import Op, Schedule, ScheduleError, Step, Transfer
+
+if TYPE_CHECKING:  # the schedule itself is plain data; torch loads only when it runs (keeps `labkit --help` fast)
+    import torch
 
 
 def parameter_server(world_size: int, num_servers: int = 1) -> Schedule:
@@ -38,6 +40,8 @@ def push_pull(tensor: torch.Tensor, num_servers: int = 1, group=None) -> torch.T
     On a worker ``tensor`` is its gradient and becomes the sum over all workers. On a server it is the
     buffer of its shard: it is zeroed, and afterwards its chunk ``s`` holds that shard's sum.
     """
+    import torch.distributed as dist
+
     from labkit.collectives.execute import run_schedule
 
     schedule = parameter_server(dist.get_world_size(group), num_servers)
@@ -57,6 +61,8 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor, lr: float, num_servers: in
         grad: ``(n,)`` gradient of this worker (ignored on servers).
         lr: learning rate.
     """
+    import torch.distributed as dist
+
     from labkit.collectives.execute import run_schedule
 
     p = dist.get_world_size(group)

@@ -1,0 +1,76 @@
+"""The two kinds of benchmark contender: labkit through :func:`labkit.train.fit`, and plain PyTorch.
+
+The plain baselines are written the way a performance-aware user writes them: the dataset is decoded once
+and held as one normalised float tensor on the device, every call draws a permutation and slices batches
+out of it (a data-parallel rank takes every ``world``-th index of the same permutation, as
+DistributedSampler does), and the step is zero_grad / forward / loss / backward / step, nothing else.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.errors import ConfigError
+
+
+def preload(name: str, device: torch.device | str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dataset ``name`` decoded and normalised once: ``(x (N, C, H, W) float32, y (N,) int64)`` on ``device``."""
+    from labkit import data
+
+    dataset = data.get_dataset(name, train=train)
+    x = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    y = torch.tensor([dataset[i][1] for i in range(len(dataset))])
+    return x.to(device), y.to(device)
+
+
+class PlainLoop:
+    """``steps`` textbook SGD steps over preloaded tensors per call; returns the samples of the whole job.
+
+    Args:
+        model: a module (or DDP / GPipe wrapper) that takes ``x`` on ``x.device`` and returns logits.
+        x, y: the preloaded split; ``y`` on the device the logits come out on.
+        batch_size: samples per step on this rank.
+        steps: steps per call.
+        rank, world: this rank's shard of each permutation (every ``world``-th index from ``rank``).
+    """
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, steps: int,
+                 rank: int = 0, world: int = 1, lr: float = 0.01, seed: int = 0):
+        if steps * batch_size * world > len(x):
+            raise ConfigError(f"{steps} steps of {batch_size} samples on {world} rank(s) need "
+                              f"{steps * batch_size * world} samples; the dataset has {len(x)}: use fewer --steps")
+        self.model, self.x, self.y = model, x, y
+        self.batch_size, self.steps, self.rank, self.world = batch_size, steps, rank, world
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        self.generator = torch.Generator().manual_seed(seed)  # the same permutation on every rank
+
+    def __call__(self) -> int:
+        shard = torch.randperm(len(self.x), generator=self.generator)[self.rank::self.world].to(self.x.device)
+        self.model.train()
+        b = self.batch_size
+        for i in range(self.steps):
+            index = shard[i * b:(i + 1) * b]
+            x, y = self.x[index], self.y[index.to(self.y.device)]
+            self.optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(self.model(x), y).backward()
+            self.optimizer.step()
+        return self.steps * b * self.world
+
+
+def labkit_fit(model: nn.Module, loader, strategy, steps: int, lr: float = 0.01, **fit_options) -> Callable[[], int]:
+    """A contender that trains ``steps`` steps per call through :func:`labkit.train.fit` (one epoch each)."""
+    from labkit.train import fit
+
+    optimizer = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=lr, momentum=0.9)
+    if steps > len(loader):
+        raise ConfigError(f"--steps {steps} is more than the {len(loader)} batches of an epoch; use fewer --steps")
+
+    def call() -> int:
+        fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=steps, log_every=10 ** 9,
+            printer=lambda line: None, **fit_options)
+        return steps * loader.batch_size * strategy.data_parallel_size
+
+    return call
