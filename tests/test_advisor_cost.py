@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from labkit.advisor.cost import bubble_fraction, price
+from labkit.advisor.cost import bubble_fraction
+from labkit.advisor.pricing import price
 from labkit.advisor.plan import Plan
 from labkit.advisor.profile import LayerProfile, Profile
 from labkit.advisor.search import candidates, check_fits
@@ -131,3 +132,32 @@ def test_exhaustive_balance_equals_brute_force():
                       topo(ranks=3)).step_s
                 for m in (2, 4) for a in range(1, 5) for b in range(1, 6 - a))
     assert math.isclose(best.step_s, brute)
+
+
+def test_two_level_topology_prices_collectives_across_nodes_with_the_slower_link():
+    fast, slow = CostModel(1e-5, 1e-10), CostModel(1e-3, 1e-8)
+    two_nodes = Topology.gpu_node(2, nodes=2, link=fast, inter=slow, compute_scale=1.0)
+    assert two_nodes.ranks == 4
+    assert two_nodes.collective_link(2) is fast and two_nodes.collective_link(4) is slow
+    prof = tiny_profile()
+    inside = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
+    across = price(Plan("ddp", 4, 4, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
+    assert inside == pytest.approx(2 * (1e-5 + 1e-10 * 2220))          # ring over 2: 2 steps of 4440/2 bytes
+    assert across == pytest.approx(6 * (1e-3 + 1e-8 * 1112))           # ring over 4: 6 steps of 4440/4 bytes
+
+
+def test_zero_and_fsdp_terms_by_hand():
+    prof, t = tiny_profile(), topo()
+    # units of 400, 4000, 40 bytes; over 2 ranks RS(U) = AG(U) = 1e-3 + 1e-6 · U/2
+    one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
+    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
+    assert z2.time["communication"] == pytest.approx(2 * one)
+    assert z2.time["update"] == pytest.approx(1e-6 * 4440 / 2)
+    assert (z2.memory["parameters"], z2.memory["gradients"], z2.memory["optimizer"]) == (4440, 2220, 2220)
+    z3 = price(Plan("zero", 2, 2, 8, (("zero_stage", 3),)), prof, t)
+    assert z3.time["communication"] == pytest.approx(3 * one)
+    assert (z3.memory["parameters"], z3.memory["buffers"]) == (2220, 8000)
+    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)), prof, t)
+    assert fsdp.time["communication"] == pytest.approx(2 * one)
+    assert Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)).train_args("lenet", "mnist-sample")[-1] == \
+        "--fsdp-no-reshard"

@@ -116,10 +116,14 @@ def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel |
     return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0))
 
 
+#: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
+FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
+
+
 def _fit_rank(env):
     from labkit.collectives.cost import fit_cost_model
 
-    model, points = fit_cost_model(repeats=5)
+    model, points = fit_cost_model(FIT_SIZES, repeats=3)
     return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "p2p": points}
 
 

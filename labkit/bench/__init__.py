@@ -19,6 +19,8 @@ BENCHMARKS: dict[str, str] = {
     "kfac": "labkit.bench.kfac",
     "zero": "labkit.bench.zero",
     "datapath": "labkit.bench.datapath",
+    "largebatch": "labkit.bench.largebatch",
+    "ps": "labkit.bench.ps",
     "suite": "labkit.bench.suite",
     "report": "labkit.bench.report",
 }
