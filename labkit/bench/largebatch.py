@@ -1,13 +1,13 @@
 """Accuracy vs global batch: SGD (linear scaling + warm-up) vs LARS vs LAMB vs K-FAC on the same epochs.
 
-    labkit bench largebatch                                 # lenet on mnist-sample, batch 16 x 1, 4, 16, 64
+    labkit bench largebatch                                 # mlp on mnist-sample, batch 16 x 1, 4, 16, 64
     labkit bench largebatch --scales 1 8 64 --epochs 4 --optimizers sgd lars
 
 Every run trains the same model from the same weights through ``labkit train``'s loop for the same number
 of epochs; only the global batch (base batch × scale) and the optimizer change. A larger batch means
 fewer steps per epoch, which is where the optimizers differ. Learning rates follow each method's scaling
 rule (base rate × scale for SGD and K-FAC, base rate × √scale for LAMB; LARS's trust ratio sets the
-per-layer rate itself), with a one-epoch linear warm-up whenever the batch is scaled up. One process: a
+per-layer rate itself, from base rate × √scale), with a one-epoch linear warm-up whenever the batch is scaled up. One process: a
 global batch is a batch, as data parallelism with that many ranks would see it (same gradient). Reports
 test accuracy after each epoch, in the labkit results schema (records of kind "bench").
 """
@@ -20,12 +20,12 @@ from pathlib import Path
 from labkit.errors import ConfigError
 
 #: optimizer -> (base learning rate at scale 1, exponent of the scale in the rate, extra optim options)
-RECIPES = {"sgd": (0.05, 1.0, {}), "lars": (2.0, 0.5, {"lars_trust_coefficient": 0.01}),
-           "lamb": (0.002, 0.5, {}), "kfac": (0.05, 1.0, {"kfac_update_freq": 5, "kfac_base": "sgd"})}
+RECIPES = {"sgd": (0.01, 1.0, {}), "lars": (1.0, 0.5, {"lars_trust_coefficient": 0.001}),
+           "lamb": (0.005, 0.5, {}), "kfac": (0.01, 1.0, {"kfac_update_freq": 5, "kfac_base": "sgd"})}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="lenet")
+    p.add_argument("--model", default="mlp")
     p.add_argument("--dataset", default="mnist-sample")
     p.add_argument("--optimizers", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--scales", nargs="+", type=int, default=[1, 4, 16, 64], help="global batch = batch × scale")
