@@ -21,6 +21,8 @@ CHECKS: dict[str, str] = {
     "kfac-factors": "labkit.exercises.kfac_factors:main",
     "lr-schedule": "labkit.exercises.lr_schedule:main",
     "staleness": "labkit.exercises.staleness:main",
+    "zero-stage1": "labkit.exercises.zero_stage1:main",
+    "advisor-cost": "labkit.advisor.check:main",
 }
 
 #: exercise name -> "module:ATTRIBUTE", the text of its starting file (``--init FILE``)
@@ -32,6 +34,8 @@ STARTERS: dict[str, str] = {
     "kfac-factors": "labkit.exercises.kfac_factors:STARTER",
     "lr-schedule": "labkit.exercises.lr_schedule:STARTER",
     "staleness": "labkit.exercises.staleness:STARTER",
+    "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
+    "advisor-cost": "labkit.advisor.check:STARTER",
 }
 
 

@@ -218,6 +218,7 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
 MODELS: dict[str, tuple[Callable[[int, int, int], nn.Module], int]] = {
     "mlp": (MLP, 1),
     "lenet": (LeNet, 16),
+    "resnet8": (lambda k, c, s: CifarResNet(1, k, c), 1),  # the smallest of the family: quick CPU runs
     "resnet20": (lambda k, c, s: CifarResNet(3, k, c), 1),
     "resnet32": (lambda k, c, s: CifarResNet(5, k, c), 1),
     "resnet50": (lambda k, c, s: resnet50(k, c), 1),

@@ -293,8 +293,22 @@ def _checkpoint_on_every_rank(path: Path, strategy: Strategy) -> bool:
 
 def load_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler,
                         preconditioner) -> dict:
-    """Restore a checkpoint written by :func:`save_training_state`; return it (``state["epoch"]`` etc.)."""
-    state = load_checkpoint(path)
+    """Restore a checkpoint written by :func:`save_training_state`; return it (``state["epoch"]`` etc.).
+
+    With one file per rank, the ranks first agree that every file loads, so a corrupt shard on one rank stops
+    them all with a :class:`CheckpointError` instead of leaving the others waiting in a collective.
+    """
+    try:
+        state, error = load_checkpoint(path), None
+    except CheckpointError as exc:
+        state, error = None, exc
+    if not strategy.replicated and strategy.env.distributed:
+        failed = int(strategy.all_reduce_sum(torch.tensor([float(error is not None)])).item())
+        if failed and error is None:
+            error = CheckpointError(f"{failed} other rank(s) could not load their checkpoint file next to {path}; "
+                                    "delete the checkpoint.rank*.pt files or run without --resume")
+    if error is not None:
+        raise error
     try:
         strategy.load_state_dict(model, optimizer, state)
     except CheckpointError as exc:

@@ -15,7 +15,8 @@ from labkit.train_cli import _DefaultsFormatter, add_parser, flag_owners
 
 #: a flag (and a value) of each strategy, to hand to every other strategy
 SAMPLE = {"ddp": ["--allreduce", "ring"], "model-parallel": ["--mp-devices", "3"],
-          "gpipe": ["--partitions", "2"], "pipeline": ["--schedule", "1f1b"]}
+          "gpipe": ["--partitions", "2"], "pipeline": ["--schedule", "1f1b"], "zero": ["--zero-stage", "2"],
+          "fsdp": ["--fsdp-no-reshard"]}
 
 
 def _exit_code(argv: list[str]) -> int:
@@ -35,10 +36,10 @@ def _parser():
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_every_strategy_rejects_the_other_strategies_flags(strategy, capsys, tmp_path):
     mine = {f["flag"] for f in strategy_flags(strategy)}
-    for owner, (flag, value) in SAMPLE.items():
+    for owner, (flag, *value) in SAMPLE.items():
         if flag in mine:
             continue
-        assert _exit_code(["train", "--strategy", strategy, flag, value, "--out", str(tmp_path)]) == 2
+        assert _exit_code(["train", "--strategy", strategy, flag, *value, "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"labkit: error: {flag} is a flag of --strategy {owner}, not of --strategy {strategy}"]
     assert _exit_code(["train", "--strategy", strategy, "--kfac-damping", "0.1", "--out", str(tmp_path)]) == 2
@@ -81,7 +82,7 @@ def test_every_flag_has_help_and_shows_its_default(strategy):
 
 
 def test_flags_literals_agree_with_the_modules_that_own_them():
-    from labkit.strategies import ddp, gpipe, pipelining
+    from labkit.strategies import ddp, gpipe, pipelining, ps, ps_server
 
     for target in STRATEGIES.values():
         module = importlib.import_module(target.partition(":")[0])
@@ -91,6 +92,7 @@ def test_flags_literals_agree_with_the_modules_that_own_them():
     assert tuple(choices["--balance-by"]) == gpipe.BALANCE_METHODS
     assert tuple(choices["--checkpoint-mode"]) == gpipe.CHECKPOINT_MODES
     assert tuple(choices["--schedule"]) == tuple(pipelining.SCHEDULES)
+    assert tuple(next(f["choices"] for f in ps.FLAGS if f["flag"] == "--ps-mode")) == ps_server.MODES
 
 
 def test_help_and_flag_errors_do_not_import_torch():

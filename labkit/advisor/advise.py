@@ -32,6 +32,10 @@ class Advice:
     table: list[Estimate]
     profiles: dict[int, Profile] = field(default_factory=dict)
     measured: dict[str, dict] = field(default_factory=dict)   # plan label -> measured values
+    train_args: tuple[str, ...] = ()                            # more `labkit train` flags for every command
+
+    def command(self, est: Estimate) -> str:
+        return est.plan.command(self.model, self.dataset, self.train_args)
 
     @property
     def best(self) -> Estimate:
@@ -49,7 +53,7 @@ class Advice:
                 "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores,
                              "alpha": t.link.alpha, "beta": t.link.beta, "gamma": t.link.gamma,
                              "memory_bytes": t.memory_bytes},
-                "plans": [{**e.to_dict(), "command": e.plan.command(self.model, self.dataset),
+                "plans": [{**e.to_dict(), "command": self.command(e),
                            "measured": self.measured.get(e.plan.label)} for e in self.table]}
 
     def write(self, path: str | Path) -> Path:

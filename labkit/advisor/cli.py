@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ranks", type=int, required=True, help="devices (gloo ranks on this machine)")
     p.add_argument("--batch-size", type=int, default=64, help="global batch: samples per optimizer step")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="usable memory per device")
+    p.add_argument("--base-lr", type=float, default=None,
+                   help="learning rate for the printed commands and validation runs (default: labkit train's)")
     p.add_argument("--top", type=int, default=3, help="plans to run with --validate")
     p.add_argument("--validate", action="store_true", help="run the top plans through labkit train and compare")
     p.add_argument("--steps", type=int, default=8, help="training steps per validation run")
@@ -44,6 +46,8 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/advise-{args.model}-{args.ranks}")
     advice = advise(args.model, args.dataset, args.ranks, args.batch_size, args.memory_limit, links=args.links,
                     cache=args.cache, refresh=args.refresh)
+    if args.base_lr is not None:
+        advice.train_args = ("--base-lr", f"{args.base_lr:g}")
     print(f"labkit advise | {args.model} on {args.dataset} | {advice.topology.name} | global batch {args.batch_size}")
     if args.validate:
         from labkit.advisor.validate import validate

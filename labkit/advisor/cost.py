@@ -51,25 +51,26 @@ def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo: Topology
     return full * allreduce_time(BUCKET_BYTES, ranks, algorithm, topo) + allreduce_time(rest, ranks, algorithm, topo)
 
 
-def _common(prof: Profile, topo: Topology, params: float, loaded: float) -> dict[str, float]:
+def common_terms(prof: Profile, topo: Topology, params: float, loaded: float) -> dict[str, float]:
     return {"update": prof.update_s_per_byte * params * topo.compute_scale,
             "data": prof.data_s_per_sample * loaded, "overhead": prof.overhead_s}
 
 
-def _memory(topo: Topology, params: float, activations: float, buffers: float = 0.0) -> dict[str, float]:
+def memory_terms(prof: Profile, topo: Topology, params: float, activations: float,
+                 buffers: float = 0.0) -> dict[str, float]:
     return {"parameters": params, "gradients": params, "optimizer": params, "activations": activations,
-            "buffers": buffers, "runtime": topo.base_bytes}
+            "buffers": buffers, "runtime": prof.base_bytes if topo.device == "cpu" else 0.0}
 
 
-def _scale(topo: Topology, processes: int) -> float:
+def compute_scale(topo: Topology, processes: int) -> float:
     return topo.oversubscription(processes) * topo.compute_scale
 
 
 def price_single(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """One device: ``compute = s·T_all(B)``; memory ``3P + M_all(B)``."""
     B = plan.batch_size
-    time = {"compute": _scale(topo, 1) * prof.time(B), **_common(prof, topo, prof.param_bytes, B)}
-    return Estimate(plan, time, _memory(topo, prof.param_bytes, prof.saved_bytes(B)))
+    time = {"compute": compute_scale(topo, 1) * prof.time(B), **common_terms(prof, topo, prof.param_bytes, B)}
+    return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(B)))
 
 
 def price_ddp(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
@@ -81,10 +82,10 @@ def price_ddp(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """
     p, b = plan.processes, plan.batch_size / plan.processes
     algo = plan.option.get("allreduce", "ddp")
-    time = {"compute": _scale(topo, p) * prof.time(b),
+    time = {"compute": compute_scale(topo, p) * prof.time(b),
             "communication": bucketed_allreduce(prof.param_bytes, p, algo, topo),
-            **_common(prof, topo, prof.param_bytes, b)}
-    return Estimate(plan, time, _memory(topo, prof.param_bytes, prof.saved_bytes(b), prof.param_bytes))
+            **common_terms(prof, topo, prof.param_bytes, b)}
+    return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(b), prof.param_bytes))
 
 
 def price_hybrid(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
@@ -103,9 +104,9 @@ def price_hybrid(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     logits = prof.layers[-1].out_bytes
     comm = (2 * (p - 1) * message_time(b * feat, topo, p) + (p - 1) * message_time(b * logits, topo, p)
             + allreduce_time(prof.params(F), p, "ring", topo))
-    time = {"compute": _scale(topo, p) * (prof.time(b, F) + prof.time(B, C)), "communication": comm,
-            **_common(prof, topo, prof.param_bytes, b)}
-    memory = _memory(topo, prof.param_bytes, prof.saved_bytes(b, F) + prof.saved_bytes(B, C),
+    time = {"compute": compute_scale(topo, p) * (prof.time(b, F) + prof.time(B, C)), "communication": comm,
+            **common_terms(prof, topo, prof.param_bytes, b)}
+    memory = memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(b, F) + prof.saved_bytes(B, C),
                      2 * B * feat + prof.params(F))
     return Estimate(plan, time, memory)
 
@@ -131,9 +132,9 @@ def price_tensor_parallel(plan: Plan, prof: Profile, topo: Topology) -> Estimate
                for a, (_, j) in zip(inputs, prof.tp_pairs))
     p_sliced = sum(prof.layers[k].param_bytes for k in sliced)
     p_dev = prof.param_bytes - (1 - 1 / p) * p_sliced
-    time = {"compute": _scale(topo, p) * compute, "communication": comm, **_common(prof, topo, p_dev, B)}
+    time = {"compute": compute_scale(topo, p) * compute, "communication": comm, **common_terms(prof, topo, p_dev, B)}
     acts = sum(prof.layers[k].saved_bytes for k in rest) * B + sum(prof.layers[k].saved_bytes for k in sliced) * B / p
-    return Estimate(plan, time, _memory(topo, p_dev, acts))
+    return Estimate(plan, time, memory_terms(prof, topo, p_dev, acts))
 
 
 def stages_of(balance) -> list[range]:
@@ -175,14 +176,14 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     p, m, B = plan.processes, o["num_microbatches"], plan.batch_size
     stages = stages_of(o["balance"])
     bm = B / m
-    times = [_scale(topo, p) * prof.time(bm, s) for s in stages]
+    times = [compute_scale(topo, p) * prof.time(bm, s) for s in stages]
     comm = [2 * message_time(bm * prof.layers[s[-1]].out_bytes, topo, p) if j < p - 1 else 0.0
             for j, s in enumerate(stages)]
     held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
-    mem = [_memory(topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
+    mem = [memory_terms(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
     full = max(range(p), key=lambda j: sum(mem[j].values()))
     time = {**pipeline_terms(times, comm, m),
-            **_common(prof, topo, max(prof.params(s) for s in stages), B)}
+            **common_terms(prof, topo, max(prof.params(s) for s in stages), B)}
     return Estimate(plan, time, mem[full])
 
 
@@ -202,7 +203,7 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
     bm = B / m
     balance = o.get("balance") or _split_balance(o.get("mp_split_points", ()), len(prof.layers))
     stages = stages_of(balance)
-    s = _scale(topo, 1)
+    s = compute_scale(topo, 1)
     if topo.separate_devices:
         times = [s * prof.time(bm, st) for st in stages]
         comm = [2 * message_time(bm * prof.layers[st[-1]].out_bytes, topo) if j < k - 1 else 0.0
@@ -217,29 +218,10 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
         acts = prof.saved_bytes(bm) + B * inputs
     else:
         acts = prof.saved_bytes(B)
-    time.update(_common(prof, topo, prof.param_bytes, B))
-    return Estimate(plan, time, _memory(topo, prof.param_bytes, acts))
+    time.update(common_terms(prof, topo, prof.param_bytes, B))
+    return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, acts))
 
 
 def _split_balance(points, n: int) -> list[int]:
     bounds = [0, *points, n]
     return [b - a for a, b in zip(bounds, bounds[1:])]
-
-
-#: strategy name -> pricing function; a strategy not listed here is not searched
-PRICERS = {
-    "single": price_single,
-    "ddp": price_ddp,
-    "hybrid": price_hybrid,
-    "tensor-parallel": price_tensor_parallel,
-    "pipeline": price_pipeline,
-    "gpipe": price_one_process_pipeline,
-    "model-parallel": price_one_process_pipeline,
-}
-
-
-def price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
-    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process."""
-    est = PRICERS[plan.strategy](plan, prof, topo)
-    est.limit_bytes = topo.memory_bytes
-    return est

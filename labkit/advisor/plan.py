@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 #: strategies whose ranks each take their own shard of the batch (``--batch-size`` is per rank)
-DATA_PARALLEL = ("ddp", "hybrid", "zero1", "zero2", "zero3", "fsdp")
+DATA_PARALLEL = ("ddp", "hybrid", "zero", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,10 @@ class Plan:
         parts = [f"{self.strategy}×{self.devices}" if self.devices > 1 else self.strategy]
         if "allreduce" in o:
             parts.append(o["allreduce"])
+        if "zero_stage" in o:
+            parts.append(f"stage {o['zero_stage']}")
+        if o.get("fsdp_no_reshard"):
+            parts.append("no-reshard")
         if "schedule" in o:
             parts.append(o["schedule"])
         for key in ("num_microbatches",):
@@ -61,9 +65,11 @@ class Plan:
                 "--batch-size", str(self.per_rank_batch)]
         for dest, value in self.options:
             flag = "--" + dest.replace("_", "-")
-            if isinstance(value, (tuple, list)):
+            if value is True:  # a switch
+                args.append(flag)
+            elif isinstance(value, (tuple, list)):
                 args += [flag, *map(str, value)]
-            elif value is not None:
+            elif value is not None and value is not False:
                 args += [flag, str(value)]
         return args
 

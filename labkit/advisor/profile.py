@@ -9,7 +9,7 @@ fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a pri
 the real loop has costs no layer shows; they are measured once per profile:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
-    data(b)    = data_s_per_sample · b      fetching b samples from the DataLoader
+    data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
     overhead   = step − Σ_i (fwd_i + bwd_i)(B) − update(P) − data(B)   loss, zero_grad, metrics, Python
 
 Memory per layer: parameter bytes, output bytes per sample (what crosses a cut) and saved bytes per
@@ -51,6 +51,7 @@ class LayerProfile:
     param_bytes: int
     out_bytes: int
     saved_bytes: int
+    units: int = 1                        # modules owning parameters directly (ZeRO/FSDP shard each one)
 
     def time(self, batch: float) -> float:
         """Forward + backward seconds on ``batch`` samples: ``fwd0 + bwd0 + (fwd1 + bwd1) · b``."""
@@ -145,7 +146,9 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
 
 def _loop_costs(model: nn.Sequential, dataset: str, batch: int, repeats: int) -> tuple[float, float, float]:
     """(s per sample of data loading, s per parameter byte of SGD, s of one whole training step)."""
-    loader = kdata.make_loader(kdata.get_dataset(dataset, train=True), batch, shuffle=True)
+    from labkit.tensor_data import load_split
+
+    loader = kdata.make_loader(load_split("tensor", dataset, train=True), batch, shuffle=True)  # labkit train's default
     it = iter(loader)
     batches = [next(it) for _ in range(min(len(loader), repeats + 1))]
     fetch = iter(loader)
@@ -166,7 +169,7 @@ def _loop_costs(model: nn.Sequential, dataset: str, batch: int, repeats: int) ->
     return data, update, whole
 
 
-def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 5) -> Profile:
+def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3) -> Profile:
     """Profile ``model`` on ``dataset`` shapes at ``threads`` CPU threads (one rank's share of the cores).
 
     Args:
@@ -200,6 +203,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                            _line(sizes[0], timed[0][i][1], sizes[1], timed[1][i][1]),
                            sum(p.numel() * p.element_size() for p in layer.parameters()), outs[i], saved[i])
               for i, (name, layer) in enumerate(seq.named_children())]
+    for layer, module in zip(layers, seq):
+        layer.units = sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s, 0.0,
                    base, len(features) if isinstance(features, nn.Sequential) else None, _tp_pairs(seq),
                    [seq[i].out_features for i, _ in _tp_pairs(seq)])
@@ -212,26 +217,37 @@ def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Pa
 
 
 def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
-                    refresh: bool = False, repeats: int = 5) -> Profile:
+                    refresh: bool = False, repeats: int = 3) -> Profile:
     """The cached profile if it was measured here with these settings, else a fresh one (then cached)."""
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     where = _cache_dir(model, dataset, batch_size, threads, Path(root))
-    key = {"model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
-           "torch": torch.__version__, "host": os.uname().nodename}
     if not refresh and (where / "summary.json").exists():
         try:
             run = load_run(where)
-            if run.summary["config"].get("key") == key:
+            if run.summary["config"].get("key") == _key(model, dataset, batch_size, threads):
                 return profile_from_dict(run.summary["metrics"]["profile"])
         except (ValueError, KeyError, TypeError):
             pass  # an old or damaged cache is measured again
     prof = measure_profile(model, dataset, batch_size, threads, repeats)
+    save_profile(prof, batch_size, root)
+    return prof
+
+
+def _key(model: str, dataset: str, batch_size: int, threads: int) -> dict:
+    return {"model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
+            "torch": torch.__version__, "host": os.uname().nodename}
+
+
+def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Path:
+    """Write ``prof`` as a run (``"layer"`` records + summary) where :func:`load_or_measure` finds it."""
+    where = _cache_dir(prof.model, prof.dataset, batch_size, prof.threads, Path(root))
     writer = RunWriter(where)
     for layer in prof.layers:
         writer.log({"kind": "layer", **asdict(layer)})
-    writer.finish(f"profile {model}", "profile", {"key": key}, {"profile": asdict(prof)})
-    return prof
+    writer.finish(f"profile {prof.model}", "profile", {"key": _key(prof.model, prof.dataset, batch_size, prof.threads)},
+                  {"profile": asdict(prof)})
+    return where
 
 
 def profile_from_dict(d: dict) -> Profile:

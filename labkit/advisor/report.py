@@ -15,7 +15,7 @@ FLEXFLOW_ALEXNET_2GPU = (
 
 def table(advice: Advice) -> str:
     """Ranked plans: predicted samples/s, peak memory per device, main term, measured columns if validated."""
-    measured = any(e.plan.label in advice.measured for e in advice.table)
+    measured = any("step_s" in advice.measured.get(e.plan.label, {}) for e in advice.table)
     head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<13}"
     if measured:
         head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'meas MB':>8}"
@@ -25,12 +25,14 @@ def table(advice: Advice) -> str:
         line = (f"{i:>2} {est.plan.label:<30} {est.samples_per_s:>14.1f} {est.step_s * 1e3:>12.1f} "
                 f"{est.peak_bytes / MB:>11.1f} {est.main_term:<13}")
         m = advice.measured.get(est.plan.label)
-        if m:
+        if m and "error" in m:
+            line += f"  run failed: {m['error']}"
+        elif m:
             line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} "
                      f"{m['peak_bytes'] / MB:>8.1f}")
         lines.append(line + mark)
     lines.append("")
-    lines += [f"{i:>2} {e.plan.command(advice.model, advice.dataset)}" for i, e in enumerate(advice.table, 1)]
+    lines += [f"{i:>2} {advice.command(e)}" for i, e in enumerate(advice.table, 1)]
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ What is enumerated for ``N`` ranks and global batch ``B``:
 
 * ``single``; ``ddp`` on ``p = 2..N`` ranks with each all-reduce (PyTorch's ``ddp`` and the kit's
   schedules), keeping the cheapest (``ddp`` on ties: it is the library's); ``hybrid`` and
-  ``tensor-parallel`` on ``p = 2..N``;
+  ``tensor-parallel`` on ``p = 2..N``; ``zero`` stages 1, 2, 3 and ``fsdp`` (resharding or not) on
+  ``p = 2..N``;
 * ``pipeline`` on ``p = 2..N`` stages, ``gpipe`` and ``model-parallel`` on ``k = 2..N`` partitions, with
   ``m ∈ {1, 2, 4, …, 32}`` micro-batches dividing ``B`` (``m = 1`` only for model-parallel), the gpipe
   schedule (and 1f1b where gpipe's does not fit in memory);
@@ -22,7 +23,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 
-from labkit.advisor.cost import PRICERS, price
+from labkit.advisor.pricing import PRICERS, price
 from labkit.advisor.plan import Estimate, Plan
 from labkit.advisor.profile import Profile
 from labkit.advisor.topology import Topology
@@ -71,9 +72,13 @@ def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
             out.append(add(Plan("single", 1, 1, batch)))
             continue
         for p in range(2, topo.ranks + 1):
-            if name in ("ddp", "hybrid", "tensor-parallel") and batch % p:
+            if name in ("ddp", "hybrid", "tensor-parallel", "zero", "fsdp") and batch % p:
                 continue
-            if name == "ddp":
+            if name == "zero":
+                out += [add(Plan("zero", p, p, batch, (("zero_stage", stage),))) for stage in (1, 2, 3)]
+            elif name == "fsdp":
+                out += [add(Plan("fsdp", p, p, batch, (("fsdp_no_reshard", keep),))) for keep in (False, True)]
+            elif name == "ddp":
                 options = [add(Plan("ddp", p, p, batch, (("allreduce", a),))) for a in ("ddp", *ALGORITHMS)]
                 out.append(min(options, key=lambda e: e.step_s))
             elif name in ("hybrid", "tensor-parallel"):

@@ -35,7 +35,6 @@ class Topology:
         cores: CPU cores the ranks share (CPU topologies); a process gets ``cores // processes`` threads.
         separate_devices: the devices one process drives really run at once (GPUs); False on one CPU.
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
-        base_bytes: memory a process holds before any model (runtime, libraries; CPU only, GPU peaks exclude it).
     """
 
     name: str
@@ -48,7 +47,6 @@ class Topology:
     inter: CostModel | None = None
     separate_devices: bool = False
     compute_scale: float = 1.0
-    base_bytes: float = 0.0
 
     def __post_init__(self):
         if self.ranks < 1:
@@ -80,11 +78,8 @@ class Topology:
             link = read_fit(links_from, ranks) if links_from else read_fit(Path(cache) / f"links-{ranks}", ranks, False)
         if link is None:
             link = measure_link(ranks, Path(cache) / f"links-{ranks}")
-        from labkit.meters import process_memory_gb
-
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1,
-                   base_bytes=process_memory_gb()[0] * GB)
+        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1)
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
@@ -121,10 +116,14 @@ def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel |
     return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0))
 
 
+#: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
+FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
+
+
 def _fit_rank(env):
     from labkit.collectives.cost import fit_cost_model
 
-    model, points = fit_cost_model(repeats=5)
+    model, points = fit_cost_model(FIT_SIZES, repeats=3)
     return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "p2p": points}
 
 

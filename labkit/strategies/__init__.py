@@ -20,6 +20,8 @@ STRATEGIES: dict[str, str] = {
     "hybrid": "labkit.strategies.hybrid:HybridStrategy",
     "gpipe": "labkit.strategies.gpipe:GPipeStrategy",
     "pipeline": "labkit.strategies.pipelining:PipelineStrategy",
+    "zero": "labkit.strategies.zero:ZeroStrategy",
+    "fsdp": "labkit.strategies.fsdp:FSDPStrategy",
     "ps": "labkit.strategies.ps:ParameterServerStrategy",
 }
 
