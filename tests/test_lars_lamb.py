@@ -133,7 +133,8 @@ def test_bench_largebatch_trains_every_optimizer_at_every_scale(tmp_path, capsys
     from labkit.cli import main
     from labkit.results import load_run
 
-    args = ["bench", "largebatch", "--dataset", "synthetic-mnist", "--optimizers", "sgd", "lamb", "--scales", "1", "4", "--epochs", "1",
+    args = ["bench", "largebatch", "--dataset", "synthetic-mnist", "--optimizers", "sgd", "lamb", "--scales", "1", "4",
+            "--epochs", "1",
             "--batch-size", "8", "--train-size", "64", "--test-size", "32", "--device", "cpu",
             "--out", str(tmp_path / "lb")]
     assert main(args) == 0
