@@ -4,7 +4,8 @@
     labkit.train.run(labkit.train.TrainConfig(model="lenet", dataset="mnist-sample", epochs=1))
 
 Modules: dist (process groups), data, models, train (the one loop), meters, results, strategies,
-collectives (all-reduce schedules), viz, optim (K-FAC), launch (torchrun/sbatch from notebooks).
+collectives (all-reduce schedules), viz, optim (K-FAC), launch (torchrun/sbatch from notebooks),
+advisor (profile, price, search and validate strategies; ``labkit.parallelize(model, plan)``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("checks", "collectives", "data", "dist", "errors", "launch", "meters", "models", "optim",
+_SUBMODULES = ("advisor", "checks", "collectives", "data", "dist", "errors", "launch", "meters", "models", "optim",
                "results", "strategies", "testing", "train", "viz")
 
 
@@ -26,4 +27,6 @@ def __getattr__(name: str):
     # Importing labkit stays cheap; `labkit.train` etc. load on first use.
     if name in _SUBMODULES:
         return importlib.import_module(f"labkit.{name}")
+    if name == "parallelize":  # the advisor's wrapper: labkit.parallelize(model, plan="auto")
+        return importlib.import_module("labkit.advisor.apply").parallelize
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")

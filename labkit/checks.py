@@ -20,6 +20,8 @@ CHECKS: dict[str, str] = {
     "gpipe-exercise": "labkit.strategies.gpipe_check:main",
     "kfac-factors": "labkit.exercises.kfac_factors:main",
     "lr-schedule": "labkit.exercises.lr_schedule:main",
+    "zero-stage1": "labkit.exercises.zero_stage1:main",
+    "advisor-cost": "labkit.advisor.check:main",
 }
 
 #: exercise name -> "module:ATTRIBUTE", the text of its starting file (``--init FILE``)
@@ -30,6 +32,8 @@ STARTERS: dict[str, str] = {
     "column-parallel": "labkit.strategies.tensor_parallel_check:TEMPLATE",
     "kfac-factors": "labkit.exercises.kfac_factors:STARTER",
     "lr-schedule": "labkit.exercises.lr_schedule:STARTER",
+    "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
+    "advisor-cost": "labkit.advisor.check:STARTER",
 }
 
 

@@ -6,6 +6,7 @@
     labkit allreduce verify --ranks 4 --algo all
     labkit bench single
     labkit check allreduce
+    labkit advise --model lenet --ranks 2
 
 Only the module of the sub-command named on the command line is imported (the others appear in the help
 by their one-line summary), and no parser imports torch, so ``--help`` and argument errors answer at once.
@@ -28,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "allreduce": ("labkit.collectives.cli", "verify, animate and benchmark the all-reduce algorithms"),
     "bench": ("labkit.bench", "benchmarks (labkit vs plain PyTorch, scaling, sweeps)"),
     "check": ("labkit.checks", "check a workshop exercise"),
+    "advise": ("labkit.advisor.cli", "recommend a parallelisation for a model and machine, and validate it"),
 }
 
 _words: list[str] = []

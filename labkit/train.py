@@ -31,7 +31,7 @@ from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
 from labkit.monitor import UtilisationMonitor, nvml_indices
 from labkit.monitor import gather as gather_utilisation
-from labkit.optim import build_optimizer
+from labkit.optim import OptimizerSpec
 from labkit.precision import autocast, check_amp, to_channels_last
 from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.strategies import Strategy, get_strategy
@@ -259,9 +259,64 @@ def _progress(steps: int, desc: str, rank: int):
 
 
 def checkpoint_path(out_dir: Path, strategy: Strategy) -> Path:
-    """``checkpoint.pt``, or ``checkpoint.rank{r}.pt`` when each rank holds different parameters."""
-    suffix = "" if strategy.replicated else f".rank{strategy.env.rank}"
-    return Path(out_dir) / f"checkpoint{suffix}.pt"
+    """Where this rank's checkpoint lives: the strategy decides (``checkpoint.pt`` or one file per rank)."""
+    return strategy.checkpoint_file(out_dir)
+
+
+def save_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler, preconditioner,
+                        progress: dict, config: dict) -> None:
+    """Checkpoint everything a resumed run needs, if this rank writes one.
+
+    What the model and optimizer parts hold (whole or this rank's shard) is the strategy's
+    :meth:`~labkit.strategies.base.Strategy.state_dict`; ``progress`` says where training stands
+    (``{"epoch": finished epochs}``); the loop decides when to call this.
+    """
+    if not strategy.writes_checkpoint():
+        return
+    state = strategy.state_dict(model, optimizer)
+    state.update(scheduler=scheduler.state_dict(), config=config,
+                 preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
+    save_checkpoint(path, state)
+
+
+def _checkpoint_on_every_rank(path: Path, strategy: Strategy) -> bool:
+    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error."""
+    if strategy.replicated or not strategy.env.distributed:
+        return path.exists()
+    have = int(strategy.all_reduce_sum(torch.tensor([float(path.exists())])).item())
+    if 0 < have < strategy.env.world_size:
+        raise CheckpointError(f"only {have} of {strategy.env.world_size} ranks find their checkpoint file "
+                              f"({path.name} on this rank): the set is incomplete; delete {path.parent}/checkpoint.rank*.pt"
+                              " or run without --resume")
+    return have > 0
+
+
+def load_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler,
+                        preconditioner) -> dict:
+    """Restore a checkpoint written by :func:`save_training_state`; return it (``state["epoch"]`` etc.).
+
+    With one file per rank, the ranks first agree that every file loads, so a corrupt shard on one rank stops
+    them all with a :class:`CheckpointError` instead of leaving the others waiting in a collective.
+    """
+    try:
+        state, error = load_checkpoint(path), None
+    except CheckpointError as exc:
+        state, error = None, exc
+    if not strategy.replicated and strategy.env.distributed:
+        failed = int(strategy.all_reduce_sum(torch.tensor([float(error is not None)])).item())
+        if failed and error is None:
+            error = CheckpointError(f"{failed} other rank(s) could not load their checkpoint file next to {path}; "
+                                    "delete the checkpoint.rank*.pt files or run without --resume")
+    if error is not None:
+        raise error
+    try:
+        strategy.load_state_dict(model, optimizer, state)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    scheduler.load_state_dict(state["scheduler"])
+    if preconditioner is not None and state.get("preconditioner") is not None:
+        preconditioner.load_state_dict(state["preconditioner"])
+    return state
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -309,8 +364,8 @@ def run(cfg: TrainConfig) -> dict:
             model = model.to(memory_format=torch.channels_last)  # before DDP/partitioning take views of the weights
         model = strategy.prepare(model)
         lr = cfg.base_lr * (dp if cfg.scale_lr else 1)
-        optimizer, preconditioner = build_optimizer(cfg.optimizer, strategy.unwrap(model), lr, cfg.momentum,
-                                                    cfg.weight_decay, cfg.optim_options, env)
+        optimizer, preconditioner = strategy.build_optimizer(model, OptimizerSpec(
+            cfg.optimizer, lr, cfg.momentum, cfg.weight_decay, cfg.optim_options, env))
         train_loader = kdata.make_loader(train_set, cfg.batch_size, shuffle=True,
                                          sampler=strategy.sampler(train_set, True, cfg.seed), seed=cfg.seed,
                                          drop_last=dp > 1, num_workers=cfg.num_workers)
@@ -324,25 +379,14 @@ def run(cfg: TrainConfig) -> dict:
         writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
         ckpt = checkpoint_path(out_dir, strategy)
         start_epoch = 0
-        if cfg.resume and ckpt.exists():
-            state = load_checkpoint(ckpt)
-            try:
-                strategy.unwrap(model).load_state_dict(state["model"])
-            except RuntimeError as exc:
-                raise CheckpointError(f"checkpoint {ckpt} does not fit model {cfg.model}: {str(exc)[:200]}") from None
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            if preconditioner is not None and state.get("preconditioner") is not None:
-                preconditioner.load_state_dict(state["preconditioner"])
-            start_epoch = state["epoch"]
+        if cfg.resume and _checkpoint_on_every_rank(ckpt, strategy):
+            start_epoch = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner)["epoch"]
             print0(f"resumed from {ckpt} at epoch {start_epoch}")
 
         def on_epoch_end(epoch: int) -> None:
-            if cfg.checkpoint and (env.is_main or not strategy.replicated):
-                save_checkpoint(ckpt, {"model": strategy.unwrap(model).state_dict(),
-                                       "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                       "preconditioner": preconditioner.state_dict() if preconditioner else None,
-                                       "epoch": epoch + 1, "config": asdict(cfg)})
+            if cfg.checkpoint:
+                save_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner,
+                                    {"epoch": epoch + 1}, asdict(cfg))
 
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")

@@ -1,33 +1,115 @@
 """``labkit train``: command-line front of :func:`labkit.train.run`.
 
-Strategy and optimizer modules add their own flags (``--allreduce``, ``--num-microbatches``,
-``--kfac-update-freq``, ...); they are collected here into ``strategy_options`` / ``optim_options``.
+The parser reads ``--strategy`` and ``--optimizer`` first, then adds only that strategy's flags (its
+module's ``FLAGS``, see :mod:`labkit.flags`) and that optimizer's (``labkit.optim.OPTIMIZERS``). A flag of
+another strategy or optimizer is refused with one line naming its owner. Nothing here imports torch, so
+``--help`` and flag errors answer at once; torch loads when training starts.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
+import sys
 from dataclasses import fields
 
 from labkit.data_cli import ROOT_HELP
-from labkit.strategies import STRATEGIES
+from labkit.flags import add_flags
+from labkit.optim import OPTIMIZERS
+from labkit.optim import add_arguments as add_optimizer_arguments
+from labkit.strategies import STRATEGIES, strategy_flags
 
-_OPTIONAL_GROUPS: dict[str, str] = {name: target.partition(":")[0] for name, target in STRATEGIES.items()}
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
-def _optional_module(name: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        return None
+class TrainParser(argparse.ArgumentParser):
+    """Adds the chosen strategy's and optimizer's flags before parsing; refuses everyone else's by name."""
+
+    chosen: tuple[str, str] | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        peek.add_argument("--strategy", default="single")
+        peek.add_argument("--optimizer", default="sgd")
+        chosen, _ = peek.parse_known_args(args)
+        if chosen.strategy not in STRATEGIES:
+            self.error(f"unknown strategy {chosen.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+        if chosen.optimizer not in OPTIMIZERS:
+            self.error(f"unknown optimizer {chosen.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
+        self._add_owned(chosen.strategy, chosen.optimizer)
+        namespace, extras = super().parse_known_args(args, namespace)
+        for token in extras:
+            flag = token.partition("=")[0]
+            owners = flag_owners().get(flag) if flag.startswith("--") else None
+            if owners:
+                kinds = {owner.split()[0] for owner in owners}
+                mine = " or ".join(f"{kind} {getattr(chosen, kind[2:])}" for kind in sorted(kinds, reverse=True))
+                self.error(f"{flag} is a flag of {' and '.join(owners)}, not of {mine}")
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)} (see labkit train --strategy "
+                       f"{chosen.strategy} --optimizer {chosen.optimizer} --help)")
+        return namespace, extras
+
+    def _add_owned(self, strategy: str, optimizer: str) -> None:
+        if self.chosen == (strategy, optimizer):
+            return
+        if self.chosen is not None:
+            raise RuntimeError("a TrainParser parses one command line; build a new one for another strategy")
+        self.chosen = (strategy, optimizer)
+        flags = strategy_flags(strategy)
+        g = self.add_argument_group(f"strategy {strategy}", None if flags else "no flags of its own")
+        owned = {"strategy": add_flags(g, flags), "optim": []}
+        if OPTIMIZERS[optimizer]:
+            group = _Recording(self.add_argument_group(f"optimizer {optimizer}"))
+            add_optimizer_arguments(group, optimizer)
+            owned["optim"] = [a.dest for a in group.actions]
+        self.set_defaults(func=lambda a: _run(a, owned))
+
+    def error(self, message: str):
+        """One ``labkit: error: ...`` line and exit code 2, like every other labkit error."""
+        self.exit(2, f"labkit: error: {message}\n")
+
+
+def flag_owners() -> dict[str, list[str]]:
+    """``{"--mp-devices": ["--strategy model-parallel"], "--kfac-damping": ["--optimizer kfac"], ...}``."""
+    owners: dict[str, list[str]] = {}
+    for name in STRATEGIES:
+        for f in strategy_flags(name):
+            owners.setdefault(f["flag"], []).append(f"--strategy {name}")
+    for name in OPTIMIZERS:
+        group = _Recording(argparse.ArgumentParser(add_help=False))
+        add_optimizer_arguments(group, name)
+        for action in group.actions:
+            for flag in action.option_strings:
+                owners.setdefault(flag, []).append(f"--optimizer {name}")
+    return owners
+
+
+class _Recording:
+    """An argument group that remembers the actions added to it (which flags an optimizer owns)."""
+
+    def __init__(self, group):
+        self.group, self.actions = group, []
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        self.actions.append(self.group.add_argument(*args, **kwargs))
+        return self.actions[-1]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model with a parallel strategy",
+    p = sub.add_parser("train", help="train a model with a parallel strategy", allow_abbrev=False,
+                       formatter_class=_DefaultsFormatter,
                        description="Train a model with a parallel strategy through labkit's one training loop. "
-                       "Under torchrun or srun every rank runs this same command.")
+                       "Under torchrun or srun every rank runs this same command. Each --strategy and --optimizer "
+                       "brings its own flags: `labkit train --strategy ddp --optimizer kfac --help` lists them.")
+    p.__class__ = TrainParser  # argparse's sub-parsers are plain parsers; this one reads --strategy first
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="lenet", help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
     g.add_argument("--dataset", default="mnist-sample",
@@ -35,57 +117,43 @@ def add_parser(sub) -> None:
     g.add_argument("--data-root", default=None, help=ROOT_HELP)
     g.add_argument("--download", action="store_true", help="download the dataset if missing (needs internet)")
     g.add_argument("--augment", action="store_true", help="random crop + flip (CIFAR10)")
-    g.add_argument("--train-size", type=int, default=None, help="use only the first N training samples")
-    g.add_argument("--test-size", type=int, default=None, help="use only the first N test samples")
+    g.add_argument("--train-size", type=int, default=None, help="use only the first N training samples (None: all)")
+    g.add_argument("--test-size", type=int, default=None, help="use only the first N test samples (None: all)")
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (--loader torch)")
     g.add_argument("--loader", default="tensor", choices=("tensor", "torch"),
                    help="tensor: the dataset resident on the training device, batches normalised and augmented "
-                        "at once (default); torch: torchvision's per-sample DataLoader (data too big for memory)")
+                        "at once; torch: torchvision's per-sample DataLoader (data too big for memory)")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=1)
-    g.add_argument("--batch-size", type=int, default=64, help="per data-parallel rank")
-    g.add_argument("--test-batch-size", type=int, default=512)
-    g.add_argument("--optimizer", default="sgd", help="sgd, adam, lars, lamb, kfac (K-FAC preconditioning --kfac-base)")
-    g.add_argument("--base-lr", type=float, default=0.05)
-    g.add_argument("--momentum", type=float, default=0.9)
-    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--epochs", type=int, default=1, help="passes over the training set")
+    g.add_argument("--batch-size", type=int, default=64, help="samples per step on each data-parallel rank")
+    g.add_argument("--test-batch-size", type=int, default=512, help="samples per evaluation batch")
+    g.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS),
+                   help="kfac = K-FAC preconditioning the gradients of --kfac-base")
+    g.add_argument("--base-lr", type=float, default=0.05, help="learning rate (before --scale-lr and warm-up)")
+    g.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty")
     g.add_argument("--lr-decay", type=int, nargs="*", default=[], metavar="EPOCH",
                    help="multiply the LR by --lr-decay-factor at these epochs, e.g. 35 75 90")
-    g.add_argument("--lr-decay-factor", type=float, default=0.1)
+    g.add_argument("--lr-decay-factor", type=float, default=0.1, help="LR multiplier at each --lr-decay epoch")
     g.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up (Goyal et al.)")
     g.add_argument("--scale-lr", action="store_true", help="linear scaling: LR × number of data-parallel ranks")
-    g.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps (None: whole epoch)")
+    g.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation")
     g.add_argument("--amp", default=None, choices=("bf16",),
-                   help="mixed precision: forward passes under bfloat16 autocast (CPU and CUDA); default float32")
+                   help="mixed precision: forward passes under bfloat16 autocast (CPU and CUDA); None: float32")
     g.add_argument("--channels-last", action="store_true",
                    help="NHWC memory layout for conv models and their input batches (faster conv kernels)")
     g = p.add_argument_group("where and how")
-    g.add_argument("--strategy", default="single", help=", ".join(STRATEGIES))
+    g.add_argument("--strategy", default="single", choices=list(STRATEGIES), help="how the work is split")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--backend", default=None, help="nccl or gloo (default: nccl on GPUs, gloo on CPU)")
+    g.add_argument("--backend", default=None, help="nccl or gloo (None: nccl on GPUs, gloo on CPU)")
     g.add_argument("--timeout-s", type=float, default=1800.0, help="collective timeout: a dead rank fails the job")
-    g.add_argument("--out", default=None, help="results folder (default runs/<model>-<dataset>-<strategy>-<optim>)")
-    g.add_argument("--name", default=None, help="run name in the results")
-    g.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt if present")
+    g.add_argument("--out", default=None, help="results folder (None: runs/<model>-<dataset>-<strategy>-<optim>)")
+    g.add_argument("--name", default=None, help="run name in the results (None: from the folder)")
+    g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out if present")
     g.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="do not write checkpoints")
     g.add_argument("--profile", action="store_true", help="write a torch.profiler trace to <out>/profile")
     g.add_argument("--log-every", type=int, default=20, help="print an estimated throughput line every N steps")
-
-    owned: dict[str, list[str]] = {"strategy": [], "optim": []}
-    for module_name in dict.fromkeys(_OPTIONAL_GROUPS.values()):
-        module = _optional_module(module_name)
-        cls = next((getattr(module, t.partition(":")[2]) for t in STRATEGIES.values()
-                    if module and t.startswith(module_name + ":")), None)
-        if cls is not None:
-            before = {a.dest for a in p._actions}
-            cls.add_arguments(p.add_argument_group(f"strategy {cls.name}"))
-            owned["strategy"] += [a.dest for a in p._actions if a.dest not in before]
-    if _optional_module("labkit.optim.kfac") is not None:
-        before = {a.dest for a in p._actions}
-        importlib.import_module("labkit.optim").add_arguments(p.add_argument_group("K-FAC"))
-        owned["optim"] += [a.dest for a in p._actions if a.dest not in before]
-    p.set_defaults(func=lambda a: _run(a, owned))
 
 
 def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):

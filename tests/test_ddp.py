@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from labkit.cli import main as cli_main
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
-from labkit.strategies.ddp import ALLREDUCE_MODES, DDPStrategy, ShardSampler, check_against_ddp, parse_kill_at
+from labkit.strategies.data_parallel import ShardSampler
+from labkit.strategies.ddp import ALLREDUCE_MODES, DDPStrategy, check_against_ddp, parse_kill_at
 from labkit.testing import run_ranks
 
 B, EPOCHS, STEPS_PER_EPOCH, SEED, LR = 4, 2, 3, 5, 0.1

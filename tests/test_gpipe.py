@@ -127,8 +127,6 @@ def test_strategy_rejects_a_batch_smaller_than_the_micro_batch_count_and_several
                                   nn.CrossEntropyLoss())
     with pytest.raises(ConfigError, match="runs in one process"):
         GPipeStrategy(DistEnv(world_size=2), {})
-    with pytest.raises(ConfigError, match="--schedule is a --strategy pipeline option"):
-        GPipeStrategy(DistEnv(), {"schedule": "1f1b"})
 
 
 def test_labkit_train_gpipe_end_to_end(tmp_path, capsys):

@@ -150,7 +150,6 @@ def test_even_balance_and_micro_batches_for_a_smaller_batch():
     (DistEnv(world_size=3), {"schedule": "1f1b", "num_microbatches": 2},
      "--schedule 1f1b needs --num-microbatches >= the number of stages (3), got 2"),
     (DistEnv(world_size=2), {"schedule": "zigzag"}, "--schedule 'zigzag'"),
-    (DistEnv(world_size=2), {"balance_by": "time"}, "--balance-by is a --strategy gpipe option"),
 ])
 def test_bad_pipeline_options_are_clear_errors(env, options, message):
     with pytest.raises(ConfigError) as err:

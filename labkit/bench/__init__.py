@@ -17,6 +17,12 @@ BENCHMARKS: dict[str, str] = {
     "model-parallel": "labkit.bench.model_parallel",
     "gpipe": "labkit.bench.gpipe",
     "kfac": "labkit.bench.kfac",
+    "zero": "labkit.bench.zero",
+    "datapath": "labkit.bench.datapath",
+    "largebatch": "labkit.bench.largebatch",
+    "ps": "labkit.bench.ps",
+    "suite": "labkit.bench.suite",
+    "report": "labkit.bench.report",
 }
 
 

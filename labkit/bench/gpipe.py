@@ -4,11 +4,11 @@
     labkit bench gpipe sweep --model resnet50 --batch-size 128 --chunks 1 2 4 8 --checkpoint always never
     labkit bench gpipe point --chunks 4 --checkpoint never      # one sweep point (what sweep runs)
 
-``compare``: the same model, balance, chunks, checkpoint mode and batches; the trainer is
-``labkit.train.fit`` with :class:`~labkit.strategies.gpipe.GPipeStrategy`, the raw loop is the
-torchgpipe tutorial's loop. They alternate round by round so machine noise hits both alike; the ratio
-of summed samples/s labkit / raw is the result (target >= 0.97), printed with the median of the per-round
-ratios and the ratio of CPU seconds (robust when other jobs share the machine).
+``compare``: the same model, balance, chunks and checkpoint mode; the trainer is ``labkit.train.fit`` with
+:class:`~labkit.strategies.gpipe.GPipeStrategy` and ``--loader``'s data path, the raw loop is the torchgpipe
+tutorial's loop over the dataset preloaded as one tensor. They alternate round by round
+(:mod:`labkit.bench.harness`); the result is the median of the per-round ratios labkit / raw (target >= 0.97),
+printed with their spread and the ratio of CPU seconds (robust when other jobs share the machine).
 
 ``sweep``: every (chunks, checkpoint) point runs in a fresh process, so each peak memory is its own:
 on GPUs the largest ``max_memory_allocated`` over the partitions' devices; on CPU the process peak RSS
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -28,9 +27,11 @@ from itertools import product
 import torch
 from torch import nn
 
+from labkit.bench.harness import config_of, sync
 from labkit.strategies.gpipe import CHECKPOINT_MODES, compute_balance, gpipe_devices, make_gpipe
 
 GB = 1024 ** 3
+TARGET = 0.97
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,8 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", nargs="+", choices=CHECKPOINT_MODES, default=["except_last"])
     p.add_argument("--partitions", type=int, default=None, help="default: every GPU, or 2 on CPU")
     p.add_argument("--balance", type=int, nargs="+", default=None, help="default: measured by time once")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per contender per round (after 1 warm-up)")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6, help="timed steps per contender per round")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--loader", default="tensor", choices=("tensor", "torch"), help="compare: labkit's data path")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="runs/bench-gpipe")
 
@@ -53,6 +56,8 @@ def _setup(args: argparse.Namespace):
     from labkit.dist import resolve_device
 
     device = resolve_device(args.device)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     devices = gpipe_devices(args.partitions, device)
     info = data.dataset_info(args.dataset)
     batches = [b for _, b in zip(range(args.steps + 1), data.make_loader(
@@ -78,66 +83,36 @@ def raw_steps(gpipe, batches, optimizer) -> int:
     return sum(len(x) for x, _ in batches)
 
 
-def _sync(devices) -> None:
-    for d in {d for d in devices if d.type == "cuda"}:
-        torch.cuda.synchronize(d)
-
-
 def compare(args: argparse.Namespace) -> int:
+    """labkit's GPipe strategy through fit vs the raw torchgpipe loop over preloaded tensors, alternated."""
+    from labkit import data
+    from labkit.bench.contenders import PlainLoop, labkit_fit, preload
+    from labkit.bench.harness import alternate
     from labkit.dist import DistEnv
     from labkit.results import RunWriter
     from labkit.strategies.gpipe import GPipeStrategy
-    from labkit.train import fit
+    from labkit.tensor_data import load_split
 
-    device, devices, batches, model, balance = _setup(args)
+    device, devices, _, model, balance = _setup(argparse.Namespace(**{**vars(args), "steps": 0}))
     chunks, checkpoint = args.chunks[0], args.checkpoint[0]
     strategy = GPipeStrategy(DistEnv(device=device), {"num_microbatches": chunks, "checkpoint_mode": checkpoint,
                                                       "balance": balance, "partitions": len(balance)})
-    labkit_model = strategy.prepare(model())
+    loader = data.make_loader(load_split(args.loader, args.dataset, True, device=strategy.input_device),
+                              args.batch_size, shuffle=True, drop_last=True)
+    x, y = preload(args.dataset, devices[0])
     raw = make_gpipe(model(), devices, chunks, checkpoint, balance)
-    optimizers = {"labkit": torch.optim.SGD(strategy.unwrap(labkit_model).parameters(), lr=0.01, momentum=0.9),
-                  "raw": torch.optim.SGD(raw.parameters(), lr=0.01, momentum=0.9)}
-    warm, timed = batches[:1], batches[1:]
-
-    def contender(name: str, run_batches) -> tuple[int, float, float]:
-        _sync(devices)
-        start, cpu = time.perf_counter(), time.process_time()
-        if name == "labkit":
-            fit(labkit_model, run_batches, None, optimizers[name], epochs=1, strategy=strategy,
-                log_every=10 ** 9, printer=lambda line: None)
-            seen = sum(len(x) for x, _ in run_batches)
-        else:
-            seen = raw_steps(raw, run_batches, optimizers[name])
-        _sync(devices)
-        return seen, time.perf_counter() - start, time.process_time() - cpu
-
-    contender("labkit", warm)  # warm-up: balancing-free first calls, allocator growth
-    contender("raw", warm)
+    contenders = {"labkit": labkit_fit(strategy.prepare(model()), loader, strategy, args.steps),
+                  "raw": PlainLoop(raw, x, y.to(devices[-1]), args.batch_size, args.steps)}
     writer = RunWriter(args.out)
-    totals = {"labkit": [0, 0.0, 0.0], "raw": [0, 0.0, 0.0]}
-    paired = []  # per round: labkit's rate / raw's rate, measured back to back under the same load
-    for r in range(args.rounds):
-        rate = {}
-        for name in (("labkit", "raw") if r % 2 == 0 else ("raw", "labkit")):
-            seen, elapsed, cpu = contender(name, timed)
-            totals[name] = [totals[name][0] + seen, totals[name][1] + elapsed, totals[name][2] + cpu]
-            rate[name] = seen / elapsed
-            writer.log({"kind": "bench", "contender": name, "round": r, "samples": seen, "time_s": elapsed,
-                        "cpu_s": cpu, "samples_per_sec": rate[name]})
-        paired.append(rate["labkit"] / rate["raw"])
-    rates = {k: s / t for k, (s, t, _) in totals.items()}
-    ratio = rates["labkit"] / rates["raw"]
-    median = statistics.median(paired)
-    cpu_ratio = totals["raw"][2] / totals["labkit"][2]  # samples are equal: CPU seconds per sample, inverted
+    results = alternate(contenders, args.rounds, devices, log=writer.log)
     print(f"GPipe {args.model}, batch {args.batch_size}, {chunks} micro-batches, checkpoint {checkpoint}, "
           f"balance {balance} on {', '.join(map(str, devices))}")
-    print(f"{'contender':<10} {'samples/s':>12}\n{'labkit':<10} {rates['labkit']:>12.2f}\n"
-          f"{'raw':<10} {rates['raw']:>12.2f}\nratio labkit/raw = {ratio:.3f} (target >= 0.97); median of the "
-          f"{len(paired)} back-to-back round ratios {median:.3f}; CPU-time ratio {cpu_ratio:.3f}")
+    print(results.table("raw", TARGET))
+    summary = results.summary("raw")
     writer.finish("bench-gpipe-compare", "bench", _config(args, balance),
-                  {"labkit_samples_per_sec": rates["labkit"], "raw_samples_per_sec": rates["raw"], "ratio": ratio,
-                   "median_round_ratio": median, "cpu_time_ratio": cpu_ratio, "samples_per_sec": rates["labkit"]},
-                  DistEnv(device=device))
+                  {**summary, "labkit_samples_per_sec": summary["labkit"]["median_samples_per_sec"],
+                   "raw_samples_per_sec": summary["raw"]["median_samples_per_sec"], "ratio": summary["labkit"]["ratio"],
+                   "samples_per_sec": summary["labkit"]["median_samples_per_sec"]}, DistEnv(device=device))
     print(f"results written to {args.out}/summary.json")
     return 0
 
@@ -154,10 +129,10 @@ def point(args: argparse.Namespace) -> dict:
     for d in {d for d in devices if d.type == "cuda"}:
         torch.cuda.reset_peak_memory_stats(d)
     raw_steps(gpipe, batches[:1], optimizer)
-    _sync(devices)
+    sync(devices)
     start = time.perf_counter()
     seen = raw_steps(gpipe, batches[1:], optimizer)
-    _sync(devices)
+    sync(devices)
     rate = seen / (time.perf_counter() - start)
     gpus = sorted({d for d in devices if d.type == "cuda"}, key=str)
     if gpus:
@@ -198,7 +173,7 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace, balance: list[int]) -> dict:
-    return {**{k: v for k, v in vars(args).items() if k not in ("func", "bench", "command")}, "balance": balance}
+    return {**config_of(args), "balance": balance}
 
 
 def main(args: argparse.Namespace) -> int:

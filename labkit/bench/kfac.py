@@ -5,9 +5,9 @@
     labkit bench kfac --approx expand reduce                  # also K-FAC-reduce's cheaper Conv2d factors
 
 Every contender (SGD; K-FAC with each method and update frequency) trains its own copy of the same model,
-from the same weights, on the same CIFAR-10-shaped batch (synthetic-cifar10, 3x32x32). Contenders alternate
-within each round so machine noise hits them alike; the time per step is the total over all rounds
-divided by the steps, and ``--steps`` is a multiple of every frequency, so updates are amortised exactly.
+from the same weights, on the same CIFAR-10-shaped batch (synthetic-cifar10, 3x32x32), through
+``labkit.train.fit``. Contenders alternate round by round (:mod:`labkit.bench.harness`, one untimed warm-up
+call each); the time per step is the total over all rounds divided by the steps, and ``--steps`` is a multiple of every frequency, so updates are amortised exactly.
 K-FAC's extra time is split with ``KFAC.timings`` into *factors* (capturing A and G in the hooks),
 *decomposition* (eigh or Cholesky) and *precondition* (applying them, KL clip); the rest is the
 forward/backward/SGD step every contender pays. Wall and CPU (process) time are both reported: on a
@@ -22,9 +22,11 @@ import time
 import torch
 from torch import nn
 
+from labkit.bench.harness import alternate, config_of
 from labkit.dist import DistEnv, resolve_device, seed_everything
 from labkit.errors import ConfigError
 from labkit.optim.kfac import KFAC
+from labkit.strategies import Strategy
 
 PHASES = ("factors", "decomposition", "precondition")
 
@@ -44,44 +46,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class Contender:
-    """One model copy + SGD (+ K-FAC) that runs ``steps`` training steps on a fixed batch."""
+    """One model copy + SGD (+ K-FAC) that trains ``steps`` steps on a fixed batch per call, through ``fit``.
 
-    def __init__(self, name: str, template: nn.Module, device: torch.device, method: str | None = None,
-                 freq: int | None = None, approx: str = "expand"):
+    The first call is the harness's warm-up (K-FAC's first factors and decompositions); the phase timings
+    start after it.
+    """
+
+    def __init__(self, name: str, template: nn.Module, device: torch.device, batch: tuple[torch.Tensor, torch.Tensor],
+                 steps: int, method: str | None = None, freq: int | None = None, approx: str = "expand"):
         self.name, self.method, self.freq, self.approx = name, method, freq, approx
+        self.batch, self.steps, self.calls = batch, steps, 0
         self.model = copy.deepcopy(template).to(device)
+        self.strategy = Strategy(DistEnv(device=device))
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.kfac = None if method is None else KFAC(self.model, method=method, factor_update_freq=freq,
                                                      approx=approx, optimizer=self.optimizer, timed=True)
         if self.kfac is not None and device.type == "cpu":
             self.kfac.clock = time.process_time  # phases in CPU time, comparable with the cpu ms column
-        self.wall = self.cpu = 0.0
-        self.steps = 0
 
-    def run(self, x: torch.Tensor, y: torch.Tensor, steps: int, record: bool = True) -> None:
-        criterion = nn.CrossEntropyLoss()
-        _sync(x.device)
-        wall, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            self.optimizer.zero_grad(set_to_none=True)
-            criterion(self.model(x), y).backward()
-            if self.kfac is not None:
-                self.kfac.step()
-            self.optimizer.step()
-        _sync(x.device)
-        if record:
-            self.wall += time.perf_counter() - wall
-            self.cpu += time.process_time() - cpu
-            self.steps += steps
+    def __call__(self) -> int:
+        from labkit.train import fit
 
-    def reset_timings(self) -> None:
-        if self.kfac is not None:
+        fit(self.model, [self.batch] * self.steps, None, self.optimizer, epochs=1, strategy=self.strategy,
+            preconditioner=self.kfac, log_every=10 ** 9, printer=lambda line: None)
+        self.calls += 1
+        if self.calls == 1 and self.kfac is not None:
             self.kfac.timings = dict.fromkeys(self.kfac.timings, 0.0)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        return self.steps * len(self.batch[1])
 
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, writer) -> list[dict]:
@@ -93,29 +84,24 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, write
     template = models.get_model(name, num_classes=info.num_classes, in_channels=info.in_channels,
                                 image_size=info.image_size)
     dataset = data.get_dataset("synthetic-cifar10", train=True, size=args.batch_size)
-    x = torch.stack([dataset[i][0] for i in range(args.batch_size)]).to(device)  # (B, 3, 32, 32)
-    y = torch.tensor([dataset[i][1] for i in range(args.batch_size)]).to(device)  # (B,)
-    contenders = [Contender("sgd", template, device)]
-    contenders += [Contender(f"{m}/{f}" + ("" if a == "expand" else f" {a}"), template, device, m, f, a)
+    batch = dataset.data.to(device), dataset.targets.to(device)  # (B, 3, 32, 32), (B,)
+    contenders = [Contender("sgd", template, device, batch, args.steps)]
+    contenders += [Contender(f"{m}/{f}" + ("" if a == "expand" else f" {a}"), template, device, batch, args.steps,
+                             m, f, a)
                    for a in getattr(args, "approx", ["expand"]) for m in args.methods for f in args.freqs]
-    for c in contenders:  # warm-up: allocator, first-call overheads, K-FAC's first factors
-        c.run(x, y, max(args.freqs), record=False)
-        c.reset_timings()
-    for r in range(args.rounds):
-        for c in (contenders if r % 2 == 0 else contenders[::-1]):
-            c.run(x, y, args.steps)
-    base = contenders[0]
+    results = alternate({c.name: c for c in contenders}, args.rounds, [device])
     rows = []
     for c in contenders:
+        own = [r for r in results.records if r["contender"] == c.name]
+        steps = c.steps * len(own)
+        wall, cpu = sum(r["time_s"] for r in own), sum(r["cpu_s"] for r in own)
         timings = c.kfac.timings if c.kfac is not None else dict.fromkeys(PHASES, 0.0)
-        row = {"kind": "bench", "model": name, "contender": c.name, "method": c.method or "sgd",
-               "approx": c.approx if c.method else None, "update_freq": c.freq, "batch_size": args.batch_size,
-               "steps": c.steps,
-               "step_ms": 1e3 * c.wall / c.steps, "cpu_ms": 1e3 * c.cpu / c.steps,
-               "ratio": (c.wall / c.steps) / (base.wall / base.steps),
-               "cpu_ratio": (c.cpu / c.steps) / (base.cpu / base.steps),
-               **{f"{p}_ms": 1e3 * timings[p] / c.steps for p in PHASES}}
-        rows.append(row)
+        rows.append({"kind": "bench", "model": name, "contender": c.name, "method": c.method or "sgd",
+                     "approx": c.approx if c.method else None, "update_freq": c.freq, "batch_size": args.batch_size,
+                     "steps": steps, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
+                     **{f"{p}_ms": 1e3 * timings[p] / steps for p in PHASES}})
+    for row in rows:
+        row["ratio"], row["cpu_ratio"] = row["step_ms"] / rows[0]["step_ms"], row["cpu_ms"] / rows[0]["cpu_ms"]
         writer.log(row)
     return rows
 
@@ -144,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"{row['model']:<10}{row['contender']:<18}{row['step_ms']:>10.1f}{row['cpu_ms']:>10.1f}"
                   f"{row['ratio']:>8.2f}{row['cpu_ratio']:>8.2f}" + "".join(f"{row[p + '_ms']:>15.1f}" for p in PHASES))
             metrics[f"{name}/{row['contender']}"] = {k: row[k] for k in ("step_ms", "cpu_ms", "ratio", "cpu_ratio")}
-    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config = config_of(args)
     config["threads"] = torch.get_num_threads()
     writer.finish("bench-kfac", "bench", config, metrics, DistEnv(device=device))
     print(f"results written to {args.out}/summary.json")

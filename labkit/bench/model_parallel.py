@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from labkit.bench.harness import alternate, config_of
 from labkit.dist import DistEnv, print0, resolve_device, seed_everything
+from labkit.strategies import Strategy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,25 +38,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=2, help="hybrid vs DDP: ranks to start")
     p.add_argument("--rank-batch-size", type=int, default=32, help="hybrid vs DDP: samples per rank per step")
     p.add_argument("--out", default="runs/bench-model-parallel")
-
-
-def _sync(devices) -> None:
-    for d in dict.fromkeys(devices):
-        if torch.device(d).type == "cuda":
-            torch.cuda.synchronize(d)
-
-
-def _train_steps(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, devices) -> float:
-    """Seconds for ``steps`` SGD steps on the fixed batch (x, y)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    _sync(devices)
-    start = time.perf_counter()
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
-    _sync(devices)
-    return time.perf_counter() - start
 
 
 def split_size_sweep(model_name: str = "alexnet_small", dataset: str = "synthetic-cifar10", batch_size: int = 128,
@@ -83,6 +65,7 @@ def split_size_sweep(model_name: str = "alexnet_small", dataset: str = "syntheti
 def _sweep(model_name, dataset, batch_size, split_sizes, stages, steps, rounds, dev, writer, progress) -> dict:
     from labkit import data, models
     from labkit.strategies.model_parallel import ModelParallel
+    from labkit.train import fit
 
     devices = ([torch.device("cuda", i % torch.cuda.device_count()) for i in range(stages)] if dev.type == "cuda"
                else [dev] * stages)
@@ -93,29 +76,27 @@ def _sweep(model_name, dataset, batch_size, split_sizes, stages, steps, rounds, 
     contenders = {"single": None, "naive": None, **{f"split {s}": s for s in split_sizes}}
 
     def build(name: str, record: bool = False) -> nn.Module:
-        model = copy.deepcopy(template)
         if name == "single":
-            return model.to(devices[0])
-        return ModelParallel(model, devices, "params", contenders[name], record=record)
+            return copy.deepcopy(template).to(devices[0])
+        return ModelParallel(copy.deepcopy(template), devices, "params", contenders[name], record=record)
 
-    seconds = dict.fromkeys(contenders, 0.0)
-    built = {name: build(name) for name in contenders}
-    for name, model in built.items():  # warm-up: first-call costs are not throughput
-        _train_steps(model, x.to(devices[0]), y.to(devices[-1]), 1, devices)
-    bar = _bar(rounds * len(contenders), progress)
-    for r in range(rounds):
-        order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
-        for name in order:
-            target = devices[0] if name == "single" else devices[-1]
-            elapsed = _train_steps(built[name], x.to(devices[0]), y.to(target), steps, devices)
-            seconds[name] += elapsed
-            if writer is not None:
-                writer.log({"kind": "bench", "experiment": "split-size", "contender": name,
-                            "split_size": contenders[name] or batch_size, "round": r,
-                            "samples_per_sec": steps * batch_size / elapsed})
-            bar.update(1)
-    bar.close()
-    rates = {name: rounds * steps * batch_size / s for name, s in seconds.items()}
+    batch = x.to(devices[0]), y.to(devices[-1])
+
+    def contender(name: str):
+        model = build(name)
+        strategy = _Placed(devices[:1] if name == "single" else devices)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        def call() -> int:
+            fit(model, [batch] * steps, None, optimizer, epochs=1, strategy=strategy, log_every=10 ** 9,
+                printer=lambda line: None)
+            return steps * batch_size
+        return call
+
+    log = None if writer is None else (lambda r: writer.log({**r, "experiment": "split-size",
+                                                               "split_size": contenders[r["contender"]] or batch_size}))
+    results = alternate({name: contender(name) for name in contenders}, rounds, devices, log=log, progress=progress)
+    rates = {name: results.median(name) for name in contenders}
     timelines = {}
     for name in ("naive", f"split {max(split_sizes, key=lambda s: rates[f'split {s}'])}"):
         model = build(name, record=True)
@@ -127,6 +108,22 @@ def _sweep(model_name, dataset, batch_size, split_sizes, stages, steps, rounds, 
             for iv in timelines[name]:
                 writer.log({"kind": "trace", "contender": name, **iv})
     return {"rates": rates, "timelines": timelines, "devices": [str(d) for d in devices], "batch_size": batch_size}
+
+
+class _Placed(Strategy):
+    """fit's view of a module already spread over ``devices`` (the same GPU may repeat): inputs go to the first,
+    targets to the last."""
+
+    def __init__(self, devices: list[torch.device]):
+        super().__init__(DistEnv(device=devices[0]))
+        self._devices = devices
+
+    @property
+    def target_device(self) -> torch.device:
+        return self._devices[-1]
+
+    def devices(self) -> list[torch.device]:
+        return list(dict.fromkeys(self._devices))
 
 
 def plot_sweep(result: dict, ax=None):
@@ -151,57 +148,42 @@ def plot_sweep(result: dict, ax=None):
     return ax
 
 
-def _bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="split-size sweep", disable=not enabled, leave=False)
-
-
 def hybrid_vs_ddp(env: DistEnv, dataset: str = "synthetic-cifar10", batch_size: int = 32, steps: int = 5,
                   rounds: int = 3, writer=None) -> dict[str, float]:
     """Global samples/s of the hybrid strategy and of DDP on this job's ranks (call on every rank)."""
-    import torch.distributed as dist
-
     from labkit import data, models
+    from labkit.bench.contenders import labkit_fit
     from labkit.strategies.ddp import DDPStrategy
     from labkit.strategies.hybrid import HybridStrategy
-    from labkit.train import fit
+    from labkit.tensor_data import load_split
 
     info = data.dataset_info(dataset)
-    train_set = data.get_dataset(dataset)
-    seconds = {"hybrid": 0.0, "ddp": 0.0}
-    for r in range(rounds + 1):  # round 0 warms up both
-        for name in (("hybrid", "ddp") if r % 2 == 0 else ("ddp", "hybrid")):
-            seed_everything(0)
-            model = models.get_model("alexnet_small", info.num_classes, info.in_channels, info.image_size)
-            strategy = (HybridStrategy if name == "hybrid" else DDPStrategy)(env, {})
-            model = strategy.prepare(model)
-            optimizer = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=0.01, momentum=0.9)
-            loader = data.make_loader(train_set, batch_size, shuffle=True, sampler=strategy.sampler(train_set, True, 0),
-                                      drop_last=True)
-            _sync([env.device])
-            if env.distributed:
-                dist.barrier()
-            start = time.perf_counter()
-            fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=steps, printer=lambda s: None)
-            _sync([env.device])
-            elapsed = time.perf_counter() - start
-            if r == 0:
-                continue
-            seconds[name] += elapsed
-            rate = env.world_size * batch_size * steps / elapsed
-            if writer is not None:
-                writer.log({"kind": "bench", "experiment": "hybrid-vs-ddp", "contender": name, "round": r,
-                            "world_size": env.world_size, "samples_per_sec": rate})
-            print0(f"{name:>6} | round {r} | {rate:.1f} samples/sec")
-    return {name: rounds * env.world_size * batch_size * steps / s for name, s in seconds.items()}
+    train_set = load_split("tensor", dataset, True, device=env.device)
+
+    def contender(cls):
+        seed_everything(0)
+        strategy = cls(env, {})
+        model = strategy.prepare(models.get_model("alexnet_small", info.num_classes, info.in_channels,
+                                                  info.image_size))
+        loader = data.make_loader(train_set, batch_size, shuffle=True, sampler=strategy.sampler(train_set, True, 0),
+                                  drop_last=True)
+        return labkit_fit(model, loader, strategy, steps)
+
+    def log(record: dict) -> None:
+        if writer is not None:
+            writer.log({**record, "experiment": "hybrid-vs-ddp", "world_size": env.world_size})
+        print0(f"{record['contender']:>6} | round {record['round'] + 1} | {record['samples_per_sec']:.1f} samples/sec")
+
+    results = alternate({"hybrid": contender(HybridStrategy), "ddp": contender(DDPStrategy)}, rounds, [env.device],
+                        log=log)
+    return {name: results.median(name) for name in ("hybrid", "ddp")}
 
 
 def main(args: argparse.Namespace) -> int:
     from labkit.dist import distributed, launch_info
     from labkit.results import RunWriter
 
-    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config = config_of(args)
     if args.part == "hybrid-ddp" and launch_info() is not None:  # one of the ranks torchrun started
         with distributed(args.device) as env:
             writer = RunWriter(args.out, enabled=env.is_main)

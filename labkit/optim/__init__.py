@@ -3,38 +3,41 @@
 ``sgd``, ``adam``, ``lars`` and ``lamb`` are optimizers; ``kfac`` is K-FAC preconditioning the gradients in
 place between ``backward`` and ``step`` of a *base* optimizer (``--kfac-base sgd|adam|lars|lamb``, default
 SGD as in the seed's command line).
+
+This package imports no torch at import time: ``labkit train`` reads :data:`OPTIMIZERS` and the optimizers'
+flags before deciding whether to train at all.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from labkit.dist import DistEnv
 from labkit.errors import ConfigError
+from labkit.optim.trust_options import BASES, DEFAULTS
 
-OPTIMIZERS = ("sgd", "adam", "lars", "lamb", "kfac")
-BASES = ("sgd", "adam", "lars", "lamb")
-#: LARS/LAMB flags (by dest) -> default
-DEFAULTS = {"kfac_base": "sgd", "lars_trust_coefficient": 0.001, "lamb_betas": (0.9, 0.999), "lamb_eps": 1e-6,
-            "trust_all_params": False}
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from labkit.dist import DistEnv
+
+#: optimizer name -> torch-free ``"module:function"`` that adds its own ``labkit train`` flags to a group
+OPTIMIZERS: dict[str, str | None] = {"sgd": None, "adam": None,
+                                     "lars": "labkit.optim.trust_options:add_lars_arguments",
+                                     "lamb": "labkit.optim.trust_options:add_lamb_arguments",
+                                     "kfac": "labkit.optim.trust_options:add_kfac_arguments"}
 
 
-def add_arguments(group: argparse._ArgumentGroup) -> None:
-    """The optimizers' own ``labkit train`` flags: K-FAC's ``--kfac-*``, LARS's and LAMB's."""
-    importlib.import_module("labkit.optim.kfac").add_arguments(group)
-    group.add_argument("--kfac-base", default=DEFAULTS["kfac_base"], choices=BASES,
-                       help="the optimizer K-FAC's preconditioned gradients feed (default sgd)")
-    group.add_argument("--lars-trust-coefficient", type=float, default=DEFAULTS["lars_trust_coefficient"],
-                       metavar="ETA", help="LARS trust coefficient η (default 0.001)")
-    group.add_argument("--lamb-betas", type=float, nargs=2, default=DEFAULTS["lamb_betas"], metavar=("B1", "B2"),
-                       help="LAMB moment decays (default 0.9 0.999)")
-    group.add_argument("--lamb-eps", type=float, default=DEFAULTS["lamb_eps"], help="LAMB ε (default 1e-6)")
-    group.add_argument("--trust-all-params", action="store_true",
-                       help="LARS/LAMB: apply the trust ratio and weight decay to biases and norm layers too "
-                            "(excluded by default)")
+def add_arguments(group: argparse._ArgumentGroup, name: str = "kfac") -> None:
+    """Add optimizer ``name``'s own ``labkit train`` flags (K-FAC's ``--kfac-*``, LARS's, LAMB's; none for sgd
+    and adam)."""
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")
+    if OPTIMIZERS[name]:
+        module, _, function = OPTIMIZERS[name].partition(":")
+        getattr(importlib.import_module(module), function)(group)
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
@@ -62,8 +65,30 @@ def build_optimizer(name: str, model: nn.Module, lr: float, momentum: float = 0.
     return optimizer, None
 
 
+@dataclass
+class OptimizerSpec:
+    """What ``--optimizer`` and its flags ask for, to be built over whichever module a strategy chooses.
+
+    :meth:`labkit.strategies.base.Strategy.build_optimizer` receives this: a replicated strategy builds it
+    over the whole model, a sharded one over the part its rank owns.
+    """
+
+    name: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    options: dict = field(default_factory=dict)
+    env: Any = None
+
+    def build(self, module: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+        """``(optimizer, preconditioner or None)`` over ``module``'s trainable parameters."""
+        return build_optimizer(self.name, module, self.lr, self.momentum, self.weight_decay, self.options, self.env)
+
+
 def _base_optimizer(name: str, model: nn.Module, lr: float, momentum: float, weight_decay: float,
                     options: dict) -> torch.optim.Optimizer:
+    import torch
+
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)

@@ -1,15 +1,22 @@
-"""The strategy interface: where the model and data live and how gradients meet.
+"""The strategy interface: where the model and data live, how gradients meet, what a checkpoint holds.
 
-A strategy never runs its own training loop; :func:`labkit.train.fit` calls these methods in order::
+A strategy never runs its own training loop; :func:`labkit.train.run` and :func:`labkit.train.fit` call::
 
     model = strategy.prepare(model)
+    optimizer, preconditioner = strategy.build_optimizer(model, spec)
+    [strategy.load_state_dict(model, optimizer, state)]                 # --resume
     for epoch: strategy.set_epoch(epoch)
         for x, y: loss, out = strategy.forward_backward(model, x, y, criterion)
                   strategy.sync_gradients(model); [preconditioner.step()]; optimizer.step()
+        [save strategy.state_dict(model, optimizer) to strategy.checkpoint_file(out)]  # writes_checkpoint()
+
+Its ``labkit train`` flags are the ``FLAGS`` literal of its module (see :mod:`labkit.flags`); the parsed
+values arrive as ``options``.
 """
 from __future__ import annotations
 
-import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -17,6 +24,10 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from labkit.dist import DistEnv
+from labkit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from labkit.optim import OptimizerSpec
 
 
 class Strategy:
@@ -32,16 +43,13 @@ class Strategy:
     name = "single"
     #: build the model as a flat nn.Sequential (needed to cut it into stages)
     sequential_model = False
-    #: every rank holds the same parameters (rank 0 alone writes checkpoints); False: each rank its own part
+    #: every rank holds the same parameters and optimizer state (rank 0 alone writes ``checkpoint.pt``);
+    #: False: each rank writes its own part to ``checkpoint.rank{r}.pt``
     replicated = True
 
     def __init__(self, env: DistEnv, options: dict | None = None):
         self.env = env
         self.options = dict(options or {})
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        """Add this strategy's own ``labkit train`` flags (none for the single-device strategy)."""
 
     @property
     def input_device(self) -> torch.device:
@@ -90,6 +98,49 @@ class Strategy:
 
     def devices(self) -> list[torch.device]:
         return [self.env.device]
+
+    # ----- optimizer and checkpoint hooks ------------------------------------------------------------
+
+    def build_optimizer(self, model: nn.Module, spec: OptimizerSpec) -> tuple[torch.optim.Optimizer, Any]:
+        """``(optimizer, preconditioner or None)`` for the prepared ``model``.
+
+        Default: ``spec`` over the whole unwrapped model. A sharded strategy builds it over the shard its rank
+        owns, or refuses an optimizer it cannot shard with a :class:`~labkit.errors.ConfigError`.
+        """
+        return spec.build(self.unwrap(model))
+
+    def checkpoint_file(self, out_dir: str | Path) -> Path:
+        """``<out>/checkpoint.pt``, or ``<out>/checkpoint.rank{r}.pt`` when each rank holds different state."""
+        suffix = "" if self.replicated else f".rank{self.env.rank}"
+        return Path(out_dir) / f"checkpoint{suffix}.pt"
+
+    def writes_checkpoint(self) -> bool:
+        """Does this rank write a checkpoint file? (rank 0 alone when replicated, else every rank)"""
+        return self.env.is_main or not self.replicated
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's model and optimizer state: ``{"model", "optimizer"}`` plus, when not replicated,
+        ``"world_size"`` (the parts only fit a job of the same size)."""
+        state = {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+        if not self.replicated:
+            state["world_size"] = self.env.world_size
+        return state
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved.
+
+        Raises:
+            CheckpointError: the state does not fit this model, optimizer or world size.
+        """
+        saved = state.get("world_size", self.env.world_size)
+        if not self.replicated and saved != self.env.world_size:
+            raise CheckpointError(f"the checkpoint was written by {saved} ranks but this job has {self.env.world_size};"
+                                  f" resume with {saved} ranks or start without --resume")
+        try:
+            self.unwrap(model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"the checkpoint does not fit this model/optimizer: {str(exc)[:200]}") from None
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics tensor over every rank of the job (identity for one process)."""

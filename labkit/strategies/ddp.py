@@ -19,28 +19,41 @@ own collectives, so the result can be checked against DDP.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import os
 import re
 import signal
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset, DistributedSampler, Sampler
 
-from labkit.collectives import ALGORITHMS, all_reduce
+from labkit.collectives import ALGORITHMS
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError, LabkitError
-from labkit.strategies.base import Strategy
+from labkit.strategies.data_parallel import (DEFAULT_BUCKET_MB, DataParallelStrategy, average_gradients,
+                                             broadcast_from_rank0)
 
 #: ``--allreduce`` values: real DDP, ``dist.all_reduce`` by hand, or one of labkit's schedules
 ALLREDUCE_MODES: tuple[str, ...] = ("ddp", "native") + ALGORITHMS
-DEFAULT_BUCKET_MB = 25.0  # DistributedDataParallel's own default bucket_cap_mb
+#: ``labkit train`` flags, plain data read without importing this module (see labkit.flags)
+FLAGS = [
+    {"flag": "--allreduce", "default": "ddp",
+     "choices": ["ddp", "native", "ring", "tree", "butterfly", "rabenseifner", "master-worker", "all-to-all",
+                 "round-robin"],
+     "help": "ddp: DistributedDataParallel; native: dist.all_reduce by hand; an algorithm name: labkit's own "
+             "all-reduce schedule"},
+    {"flag": "--bucket-mb", "type": "float", "default": 25.0,
+     "help": "gradient bucket size in MB (DDP's bucket_cap_mb, and the hand-made buckets)"},
+    {"flag": "--global-batch-size", "type": "int", "default": None,
+     "help": "samples per step over all ranks; sets --batch-size to this / world size (None: use --batch-size)"},
+    {"flag": "--kill-rank-at", "default": None, "metavar": "RANK:STEP",
+     "help": "fault-tolerance demo: rank RANK SIGKILLs itself before step STEP (counted from 0 over the whole "
+             "run) on torchrun's first attempt only (None: no fault)"},
+]
 
 _COMM_FAILURE = re.compile(r"gloo|nccl|connection|timed? ?out|timeout|peer|socket", re.IGNORECASE)
 
@@ -49,24 +62,7 @@ class PeerFailure(LabkitError):
     """A collective failed: another rank died, or stalled past the collective timeout."""
 
 
-class ShardSampler(Sampler[int]):
-    """Evaluation shards without padding: rank r gets indices r, r + W, r + 2W, ...
-
-    Unlike :class:`DistributedSampler` nothing is duplicated to even out the shards, so metrics summed
-    over the ranks count every test sample exactly once.
-    """
-
-    def __init__(self, dataset: Dataset, num_replicas: int, rank: int):
-        self.size, self.num_replicas, self.rank = len(dataset), num_replicas, rank
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.size, self.num_replicas))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.size, self.num_replicas))
-
-
-class DDPStrategy(Strategy):
+class DDPStrategy(DataParallelStrategy):
     """Replicate the model on every rank, shard the data, average the gradients.
 
     Options (``labkit train`` flags): ``allreduce`` (``ddp`` | ``native`` | ring, tree, ...),
@@ -95,24 +91,6 @@ class DDPStrategy(Strategy):
                               "--batch-size per rank instead")
         self.kill_at = parse_kill_at(self.options.get("kill_rank_at"))
         self.step = 0
-        self._samplers: list[DistributedSampler] = []
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--allreduce", default="ddp", choices=ALLREDUCE_MODES,
-                           help="ddp: DistributedDataParallel (default); native: dist.all_reduce by hand; "
-                                "an algorithm name: labkit's own all-reduce schedule")
-        group.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_MB,
-                           help="gradient bucket size in MB (DDP's bucket_cap_mb, and the hand-made buckets)")
-        group.add_argument("--global-batch-size", type=int, default=None,
-                           help="samples per step over all ranks; sets --batch-size to this / world size")
-        group.add_argument("--kill-rank-at", default=None, metavar="RANK:STEP",
-                           help="fault-tolerance demo: rank RANK SIGKILLs itself before step STEP (counted from 0 "
-                                "over the whole run) on torchrun's first attempt only")
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.env.world_size
 
     def per_rank_batch_size(self, batch_size: int) -> int:
         """The per-rank batch: ``--global-batch-size / world_size`` if given, else ``--batch-size``."""
@@ -125,30 +103,8 @@ class DDPStrategy(Strategy):
         if self.allreduce == "ddp":
             device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
             return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_mb)
-        # DDP broadcasts rank 0's weights at construction; the hand-made mode does the same
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor, src=0)
+        broadcast_from_rank0(model)  # DDP does this at construction; the hand-made mode does the same
         return model
-
-    def sampler(self, dataset: Dataset, train: bool, seed: int) -> Sampler | None:
-        world = self.env.world_size
-        if world == 1:
-            return None
-        if train:
-            if len(dataset) < world:
-                raise ConfigError(f"the training set has {len(dataset)} samples but the job has {world} ranks; "
-                                  f"use at most {len(dataset)} ranks or more data (--train-size)")
-            # drop_last: no sample is repeated to even out the shards
-            sampler = DistributedSampler(dataset, num_replicas=world, rank=self.env.rank, shuffle=True, seed=seed,
-                                         drop_last=True)
-            self._samplers.append(sampler)
-            return sampler
-        return ShardSampler(dataset, world, self.env.rank)
-
-    def set_epoch(self, epoch: int) -> None:
-        for sampler in self._samplers:
-            sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         # the bare module: evaluation shards differ in length, and DDP's forward may sync buffers
@@ -205,44 +161,6 @@ def parse_kill_at(spec: str | None) -> tuple[int, int] | None:
     if not match:
         raise ConfigError(f"--kill-rank-at {spec!r} is not RANK:STEP; e.g. --kill-rank-at 1:6")
     return int(match[1]), int(match[2])
-
-
-def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive groups of same-dtype/device tensors, each at most ``bucket_bytes`` (or one tensor)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if bucket and (size + nbytes > bucket_bytes or (t.dtype, t.device) != (bucket[0].dtype, bucket[0].device)):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
-def average_gradients(params: Iterable[nn.Parameter], algorithm: str = "native",
-                      bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20), group=None) -> None:
-    """Replace every ``p.grad`` by its mean over the ranks: g ← (1/W) Σ_r g_r.
-
-    Gradients are flattened into buckets of about ``bucket_bytes`` (one message per bucket instead of one
-    per tensor), each bucket is summed with ``labkit.collectives.all_reduce(flat, algorithm)`` and divided
-    by the world size W. A parameter without a gradient counts as zeros, so every rank sends the same sizes.
-    """
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    world = dist.get_world_size(group)
-    for bucket in _buckets([p.grad for p in params], bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])  # (n,) all of the bucket's gradients
-        all_reduce(flat, algorithm, group=group)
-        flat /= world
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def check_against_ddp(env: DistEnv, average: Callable[[nn.Module], None] | str, seed: int = 0) -> float:

@@ -24,7 +24,6 @@ partitions run one after another: a correct pipeline, but no overlap).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 from collections import Counter
@@ -42,6 +41,19 @@ from labkit.strategies.base import Strategy
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 BALANCE_METHODS = ("time", "memory")
+
+#: ``labkit train --strategy gpipe`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--num-microbatches", "type": "int", "default": 4, "metavar": "M", "help": "micro-batches per mini-batch"},
+    {"flag": "--partitions", "type": "int", "default": None, "metavar": "P",
+     "help": "partitions (None: every GPU, or 2 on CPU; or as many as --balance gives)"},
+    {"flag": "--balance", "type": "int", "nargs": "+", "default": None, "metavar": "N",
+     "help": "layers per partition, e.g. --balance 10 12 (None: measured, see --balance-by)"},
+    {"flag": "--balance-by", "choices": ["time", "memory"], "default": "time",
+     "help": "measure the split on the first batch by time or memory"},
+    {"flag": "--checkpoint-mode", "choices": ["always", "except_last", "never"], "default": "except_last",
+     "help": "recompute activations in backward"},
+]
 
 
 def check_sequential(model: nn.Module) -> nn.Sequential:
@@ -264,10 +276,6 @@ class GPipeStrategy(Strategy):
         if env.world_size > 1:
             raise ConfigError("--strategy gpipe runs in one process that drives all devices; launch it without "
                               "torchrun (use --strategy pipeline for one stage per rank)")
-        for dest in ("schedule", "pipeline_trace", "trace_steps"):
-            if self.options.get(dest) is not None:
-                raise ConfigError(f"--{dest.replace('_', '-')} is a --strategy pipeline option (GPipe's schedule is "
-                                  "fixed: all forwards, then all backwards)")
         self.chunks = num_microbatches(self.options)
         self.checkpoint = self.options.get("checkpoint_mode") or "except_last"
         self.balance_by = self.options.get("balance_by") or "time"
@@ -276,19 +284,6 @@ class GPipeStrategy(Strategy):
         partitions = self.options.get("partitions") or (len(self.balance) if self.balance else None)
         self._devices = gpipe_devices(partitions, env.device)
         check_chunks(self.chunks, self.chunks)
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--num-microbatches", type=int, default=None, metavar="M",
-                           help="micro-batches per mini-batch (gpipe, pipeline; default 4)")
-        group.add_argument("--partitions", type=int, default=None, metavar="P",
-                           help="gpipe: partitions (default: every GPU, or 2 on CPU)")
-        group.add_argument("--balance", type=int, nargs="+", default=None, metavar="N",
-                           help="layers per partition/stage, e.g. --balance 10 12 (gpipe, pipeline)")
-        group.add_argument("--balance-by", choices=BALANCE_METHODS, default=None,
-                           help="gpipe: measure the split on the first batch by time (default) or memory")
-        group.add_argument("--checkpoint-mode", choices=CHECKPOINT_MODES, default=None,
-                           help="gpipe: recompute activations in backward (default except_last)")
 
     @property
     def input_device(self) -> torch.device:

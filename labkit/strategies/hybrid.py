@@ -21,13 +21,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from labkit.errors import ConfigError
-from labkit.strategies.base import Strategy
+from labkit.strategies.data_parallel import DataParallelStrategy, average_gradients, broadcast_from_rank0
 
 
-class HybridStrategy(Strategy):
+class HybridStrategy(DataParallelStrategy):
     """Replicated ``features`` with data-parallel shards, ``classifier`` and loss on rank 0.
 
     Checkpoints (``replicated = False``): every rank writes ``checkpoint.rank{r}.pt``. Rank 0's file holds
@@ -41,12 +41,7 @@ class HybridStrategy(Strategy):
 
     def __init__(self, env, options=None):
         super().__init__(env, options)
-        self._samplers: list[DistributedSampler] = []
         self.num_classes = 0
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.env.world_size
 
     @property
     def _root(self) -> bool:
@@ -63,24 +58,15 @@ class HybridStrategy(Strategy):
         self.num_classes = linears[-1].out_features
         model = model.to(self.env.device)
         if self.env.distributed:
-            with torch.no_grad():  # every rank starts from rank 0's convolutions, whatever its seed
-                for t in [*model.features.parameters(), *model.features.buffers()]:
-                    dist.broadcast(t, src=0)
+            broadcast_from_rank0(model.features)  # every rank starts from rank 0's convolutions, whatever its seed
             if not self._root:
                 model.classifier = None  # the FC weights live on rank 0 only
         return model
 
     def sampler(self, dataset: Dataset, train: bool, seed: int) -> Sampler | None:
-        if not self.env.distributed or not train:
+        if not train:
             return None  # evaluation: rank 0 walks the whole test set; the others pass over it without computing
-        sampler = DistributedSampler(dataset, num_replicas=self.env.world_size, rank=self.env.rank,
-                                     shuffle=True, seed=seed, drop_last=True)
-        self._samplers.append(sampler)
-        return sampler
-
-    def set_epoch(self, epoch: int) -> None:
-        for sampler in self._samplers:
-            sampler.set_epoch(epoch)
+        return super().sampler(dataset, train, seed)
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return model(x) if self._root else None
@@ -107,17 +93,8 @@ class HybridStrategy(Strategy):
     def sync_gradients(self, model: nn.Module) -> None:
         if not self.env.distributed:
             return
-        params = [p for p in model.features.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:  # every rank must send the same sizes
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # one message instead of one per tensor
-        dist.all_reduce(flat)  # Σ_r: each shard's share of the global-mean gradient (see the module doc)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        # Σ_r, not the mean: each shard's gradient is already its share of the global mean (see the module doc)
+        average_gradients(model.features.parameters(), average=False)
 
     # ----- moving rows of the batch between the ranks and rank 0 --------------------------------------
 

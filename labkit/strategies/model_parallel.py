@@ -12,7 +12,6 @@ is the CPU: the code runs and computes the same numbers, but nothing overlaps, s
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 from dataclasses import dataclass
@@ -266,21 +265,22 @@ def project_on_separate_devices(intervals: Sequence[BusyInterval]) -> list[BusyI
     return sorted(out, key=lambda iv: (iv.start, iv.stage))
 
 
+#: ``labkit train --strategy model-parallel`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--mp-devices", "type": "int", "default": 2, "help": "devices (stages) to split the model over"},
+    {"flag": "--mp-split-points", "type": "int", "nargs": "+", "default": None, "metavar": "LAYER",
+     "help": "cut before these layer indices (overrides --mp-balance-by)"},
+    {"flag": "--mp-balance-by", "default": "params", "choices": ["params", "time"],
+     "help": "balance stages by parameter count or by measured time"},
+    {"flag": "--mp-split-size", "type": "int", "default": None, "metavar": "N",
+     "help": "pipelined inputs: micro-batches of N samples (None: the whole batch)"},
+]
+
 class ModelParallelStrategy(Strategy):
     """One process drives ``--mp-devices`` devices; the loop puts inputs on the first, targets on the last."""
 
     name = "model-parallel"
     sequential_model = True
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--mp-devices", type=int, default=2, help="devices (stages) to split the model over")
-        group.add_argument("--mp-split-points", type=int, nargs="+", default=None, metavar="LAYER",
-                           help="cut before these layer indices (overrides --mp-balance-by)")
-        group.add_argument("--mp-balance-by", default="params", choices=["params", "time"],
-                           help="balance stages by parameter count or by measured time")
-        group.add_argument("--mp-split-size", type=int, default=None, metavar="N",
-                           help="pipelined inputs: micro-batches of N samples (default: whole batch)")
 
     def __init__(self, env, options=None):
         super().__init__(env, options)

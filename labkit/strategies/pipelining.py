@@ -26,7 +26,6 @@ send/receive handles are timed by wrapping the schedules module's ``_batch_p2p``
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
@@ -47,6 +46,18 @@ if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+#: ``labkit train --strategy pipeline`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--num-microbatches", "type": "int", "default": 4, "metavar": "M", "help": "micro-batches per mini-batch"},
+    {"flag": "--balance", "type": "int", "nargs": "+", "default": None, "metavar": "N",
+     "help": "layers per stage (one per rank), e.g. --balance 10 12 (None: even split by layer count)"},
+    {"flag": "--schedule", "choices": ["gpipe", "1f1b"], "default": "gpipe", "help": "micro-batch schedule"},
+    {"flag": "--pipeline-trace", "default": None, "metavar": "FILE",
+     "help": "write the measured per-rank timeline (JSON) here (None: no trace)"},
+    {"flag": "--trace-steps", "type": "int", "default": None, "metavar": "N",
+     "help": "steps to record after the first (None: 3 with --pipeline-trace, else 0)"},
+]
 
 
 def _pipelining():
@@ -181,10 +192,6 @@ class PipelineStrategy(Strategy):
         if env.world_size < 2:
             raise ConfigError("--strategy pipeline puts one stage on each rank and needs >= 2 ranks: "
                               "torchrun --nproc_per_node 2 -m labkit train --strategy pipeline ...")
-        for dest in ("balance_by", "partitions", "checkpoint_mode"):
-            if self.options.get(dest) is not None:
-                raise ConfigError(f"--{dest.replace('_', '-')} is a --strategy gpipe option; pipeline stages are one "
-                                  "per rank, split evenly by layer count or by --balance")
         self.num_microbatches = num_microbatches(self.options)
         if self.schedule_name == "1f1b" and self.num_microbatches < env.world_size:
             raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages "
@@ -196,16 +203,6 @@ class PipelineStrategy(Strategy):
         self.balance: list[int] | None = None
         self._schedules: dict[tuple[int, bool], tuple] = {}
         self._steps = 0
-
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        # --num-microbatches and --balance are shared with gpipe and defined there.
-        group.add_argument("--schedule", choices=tuple(SCHEDULES), default=None,
-                           help="pipeline: micro-batch schedule (default gpipe)")
-        group.add_argument("--pipeline-trace", default=None, metavar="FILE",
-                           help="pipeline: write the measured per-rank timeline (JSON) here")
-        group.add_argument("--trace-steps", type=int, default=None, metavar="N",
-                           help="pipeline: steps to record after the first (default 3 with --pipeline-trace)")
 
     @property
     def is_first(self) -> bool:

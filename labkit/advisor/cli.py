@@ -1,0 +1,67 @@
+"""``labkit advise``: rank the parallel strategies for a model on this machine, optionally run the best.
+
+    labkit advise --model alexnet_small --dataset synthetic-cifar10 --ranks 2
+    labkit advise --model lenet --ranks 2 --validate --top 3
+    labkit advise --model resnet20 --dataset synthetic-cifar10 --ranks 2 --memory-limit 0.5
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("advise", help="predict, rank and validate parallel strategies for a model",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
+    p.add_argument("--dataset", default="mnist-sample",
+                   help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10")
+    p.add_argument("--ranks", type=int, required=True, help="devices (gloo ranks on this machine)")
+    p.add_argument("--batch-size", type=int, default=64, help="global batch: samples per optimizer step")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="usable memory per device")
+    p.add_argument("--base-lr", type=float, default=None,
+                   help="learning rate for the printed commands and validation runs (default: labkit train's)")
+    p.add_argument("--top", type=int, default=3, help="plans to run with --validate")
+    p.add_argument("--validate", action="store_true", help="run the top plans through labkit train and compare")
+    p.add_argument("--steps", type=int, default=8, help="training steps per validation run")
+    p.add_argument("--links", default=None, metavar="DIR",
+                   help="results of `labkit allreduce bench --out DIR` for the α-β fit (default: measure now)")
+    p.add_argument("--cache", default="runs/advisor", help="where profiles and link fits are cached")
+    p.add_argument("--refresh", action="store_true", help="profile again even if a cached profile matches")
+    p.add_argument("--out", default=None, help="results folder (default runs/advise-<model>-<ranks>)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from labkit.advisor.advise import advise
+    from labkit.advisor.report import flexflow_comparison, table
+    from labkit.errors import ConfigError
+    from labkit.results import RunWriter
+
+    if args.top < 1:
+        raise ConfigError(f"--top must be >= 1, got {args.top}")
+    if args.steps < 4:
+        raise ConfigError(f"--steps must be >= 4 (the first step is not timed), got {args.steps}")
+    out = Path(args.out or f"runs/advise-{args.model}-{args.ranks}")
+    advice = advise(args.model, args.dataset, args.ranks, args.batch_size, args.memory_limit, links=args.links,
+                    cache=args.cache, refresh=args.refresh)
+    if args.base_lr is not None:
+        advice.train_args = ("--base-lr", f"{args.base_lr:g}")
+    print(f"labkit advise | {args.model} on {args.dataset} | {advice.topology.name} | global batch {args.batch_size}")
+    if args.validate:
+        from labkit.advisor.validate import validate
+
+        validate(advice, args.top, args.steps, out)
+    print(table(advice))
+    if args.model.startswith("alexnet") and args.ranks == 2:
+        print()
+        print(flexflow_comparison(advice))
+    path = advice.write(out / "advice.json")
+    writer = RunWriter(out, append=True)
+    for row in advice.to_dict()["plans"]:
+        writer.log({"kind": "plan", **row})
+    writer.finish(f"advise {args.model}", "advice", vars(args) | {"func": None},
+                  {"best": advice.best.plan.label, "best_samples_per_sec": advice.best.samples_per_s})
+    print(f"advice written to {path}")
+    return 0

@@ -1,0 +1,137 @@
+"""A plan (a strategy with its parameters) and its estimate (named cost terms, in seconds and bytes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: strategies whose ranks each take their own shard of the batch (``--batch-size`` is per rank)
+DATA_PARALLEL = ("ddp", "hybrid", "zero", "fsdp")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to train: ``labkit train --strategy {strategy}`` on ``processes`` ranks using ``devices`` devices.
+
+    Attributes:
+        batch_size: samples per optimizer step over the whole job (the global batch).
+        options: the strategy's own ``labkit train`` flags as ``((dest, value), ...)``, e.g.
+            ``(("num_microbatches", 4), ("balance", (5, 7)))``.
+    """
+
+    strategy: str
+    processes: int
+    devices: int
+    batch_size: int
+    options: tuple = ()
+
+    @property
+    def option(self) -> dict:
+        return dict(self.options)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.processes if self.strategy in DATA_PARALLEL else 1
+
+    @property
+    def per_rank_batch(self) -> int:
+        """The ``--batch-size`` value: the global batch over the data-parallel ranks."""
+        return self.batch_size // self.data_parallel
+
+    @property
+    def label(self) -> str:
+        """A short name, e.g. ``pipeline×2 m=4 [5,7]`` or ``ddp×2 ring``."""
+        o = self.option
+        parts = [f"{self.strategy}×{self.devices}" if self.devices > 1 else self.strategy]
+        if "allreduce" in o:
+            parts.append(o["allreduce"])
+        if "zero_stage" in o:
+            parts.append(f"stage {o['zero_stage']}")
+        if o.get("fsdp_no_reshard"):
+            parts.append("no-reshard")
+        if "schedule" in o:
+            parts.append(o["schedule"])
+        for key in ("num_microbatches",):
+            if key in o:
+                parts.append(f"m={o[key]}")
+        if o.get("mp_split_size"):
+            parts.append(f"split={o['mp_split_size']}")
+        for key in ("balance", "mp_split_points"):
+            if key in o:
+                parts.append("[" + ",".join(map(str, o[key])) + "]")
+        return " ".join(parts)
+
+    def train_args(self, model: str, dataset: str) -> list[str]:
+        """``labkit train`` arguments (without ``labkit``) that run this plan."""
+        args = ["train", "--model", model, "--dataset", dataset, "--strategy", self.strategy,
+                "--batch-size", str(self.per_rank_batch)]
+        for dest, value in self.options:
+            flag = "--" + dest.replace("_", "-")
+            if value is True:  # a switch
+                args.append(flag)
+            elif isinstance(value, (tuple, list)):
+                args += [flag, *map(str, value)]
+            elif value is not None and value is not False:
+                args += [flag, str(value)]
+        return args
+
+    def command(self, model: str, dataset: str, extra: list[str] | tuple = ()) -> str:
+        """The shell command: ``torchrun --nproc_per_node N -m labkit train ...`` (plain ``labkit`` for one process)."""
+        args = " ".join([*self.train_args(model, dataset), *extra])
+        if self.processes == 1:
+            return f"labkit {args}"
+        return f"torchrun --nproc_per_node {self.processes} -m labkit {args}"
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "processes": self.processes, "devices": self.devices,
+                "batch_size": self.batch_size, "options": {k: list(v) if isinstance(v, tuple) else v
+                                                           for k, v in self.options}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        opts = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d.get("options", {}).items())
+        return cls(d["strategy"], int(d["processes"]), int(d["devices"]), int(d["batch_size"]), opts)
+
+
+@dataclass
+class Estimate:
+    """A plan's predicted step: ``time`` terms (seconds per optimizer step) and ``memory`` terms (bytes on
+    its fullest device), compared with ``limit_bytes`` per device. ``note`` says why a plan cannot run."""
+
+    plan: Plan
+    time: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+    limit_bytes: float = float("inf")
+    note: str = ""
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.time.values())
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.plan.batch_size / self.step_s if self.step_s > 0 else float("inf")
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def applicable(self) -> bool:
+        return not self.note
+
+    @property
+    def feasible(self) -> bool:
+        """Runs at all (applicable) and fits the memory of every device."""
+        return self.applicable and self.peak_bytes <= self.limit_bytes
+
+    @property
+    def main_term(self) -> str:
+        """The largest time term other than compute if it is at least a fifth of the step, else compute."""
+        if not self.time:
+            return "-"
+        other = max((k for k in self.time if k != "compute"), key=self.time.get, default="compute")
+        return other if self.time[other] >= 0.2 * self.step_s else "compute"
+
+    def to_dict(self) -> dict:
+        return {"plan": self.plan.to_dict(), "label": self.plan.label, "step_s": self.step_s,
+                "samples_per_s": self.samples_per_s, "peak_bytes": self.peak_bytes, "feasible": self.feasible,
+                "note": self.note, "main_term": self.main_term, "time": dict(self.time), "memory": dict(self.memory)}

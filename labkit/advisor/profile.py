@@ -1,0 +1,260 @@
+"""Profile a model on this machine, layer by layer of its flat ``nn.Sequential`` form: what the cost model prices.
+
+Per layer ``i`` and batch size ``b`` the forward and backward times are measured at two batch sizes and
+fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a price:
+
+    fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
+
+(``fwd0`` is the per-call cost a micro-batch pays however small it is). Besides the layers, one step of
+the real loop has costs no layer shows; they are measured once per profile:
+
+    update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
+    data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
+    overhead   = step − Σ_i (fwd_i + bwd_i)(B) − update(P) − data(B)   loss, zero_grad, metrics, Python
+
+Memory per layer: parameter bytes, output bytes per sample (what crosses a cut) and saved bytes per
+sample (what autograd keeps for backward). A profile is cached as a run in the results schema
+(``summary.json`` kind ``"profile"``, one ``"layer"`` record per layer) and reused when the model,
+dataset, sizes, threads, host and torch version match.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from labkit import data as kdata
+from labkit import models as kmodels
+from labkit.errors import ConfigError
+from labkit.meters import process_memory_gb
+from labkit.results import RunWriter, load_run
+from labkit.strategies.gpipe import SavedActivations
+from labkit.strategies.tensor_parallel import ELEMENTWISE
+
+CACHE = Path("runs") / "advisor"
+
+
+@dataclass
+class LayerProfile:
+    """One layer: ``fwd = (fwd0 s, fwd1 s/sample)``, ``bwd`` alike; bytes are per sample where so named."""
+
+    name: str
+    kind: str
+    fwd: tuple[float, float]
+    bwd: tuple[float, float]
+    param_bytes: int
+    out_bytes: int
+    saved_bytes: int
+    units: int = 1                        # modules owning parameters directly (ZeRO/FSDP shard each one)
+
+    def time(self, batch: float) -> float:
+        """Forward + backward seconds on ``batch`` samples: ``fwd0 + bwd0 + (fwd1 + bwd1) · b``."""
+        return self.fwd[0] + self.bwd[0] + (self.fwd[1] + self.bwd[1]) * batch
+
+    def forward_time(self, batch: float) -> float:
+        return self.fwd[0] + self.fwd[1] * batch
+
+
+@dataclass
+class Profile:
+    """Everything the cost model needs about one model on one machine at one thread count."""
+
+    model: str
+    dataset: str
+    threads: int
+    sizes: tuple[int, int]
+    layers: list[LayerProfile]
+    input_bytes: int                      # one sample
+    update_s_per_byte: float
+    data_s_per_sample: float
+    overhead_s: float
+    base_bytes: int                       # a process's memory before the model (runtime, libraries)
+    feature_layers: int | None = None     # first layers that form ``model.features`` (hybrid)
+    tp_pairs: list[tuple[int, int]] = field(default_factory=list)  # (column, row) Linear indices
+    tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    def time(self, batch: float, layers: range | None = None) -> float:
+        """Forward + backward seconds of ``layers`` (default all) on ``batch`` samples."""
+        return sum(self.layers[i].time(batch) for i in (layers if layers is not None else range(len(self.layers))))
+
+    def saved_bytes(self, batch: float, layers: range | None = None) -> float:
+        return batch * sum(self.layers[i].saved_bytes for i in (layers or range(len(self.layers))))
+
+    def params(self, layers: range) -> int:
+        return sum(self.layers[i].param_bytes for i in layers)
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float]]:
+    """(forward s, backward s) per layer on ``x``, each the median of ``repeats`` after one warm-up."""
+    out = []
+    for layer in model:
+        inp = x.detach().requires_grad_(x.is_floating_point())
+        y = layer(inp)
+        grad = torch.randn_like(y)
+        y.backward(grad)  # warm-up: allocations, kernel choice
+        fwd = _median_time(lambda: layer(inp), repeats)
+        times = []
+        for _ in range(repeats):
+            y = layer(inp)
+            start = time.perf_counter()
+            y.backward(grad)
+            times.append(time.perf_counter() - start)
+        out.append((fwd, statistics.median(times)))
+        x = y.detach()
+    return out
+
+
+def _line(b0: int, t0: float, b1: int, t1: float) -> tuple[float, float]:
+    """``(a, c)`` with ``t = a + c·b`` through two points, kept physical (a, c >= 0)."""
+    c = max(0.0, (t1 - t0) / (b1 - b0))
+    return max(0.0, t0 - c * b0), c
+
+
+def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
+    """Linear → elementwise… → Linear pairs as ``parallelize_linears`` forms them."""
+    layers, pairs, i = list(model), [], 0
+    while i < len(layers):
+        j = i + 1
+        while j < len(layers) and isinstance(layers[j], ELEMENTWISE):
+            j += 1
+        if isinstance(layers[i], nn.Linear) and j < len(layers) and isinstance(layers[j], nn.Linear):
+            pairs.append((i, j))
+            i = j + 1
+        else:
+            i += 1
+    return pairs
+
+
+def _loop_costs(model: nn.Sequential, dataset: str, batch: int, repeats: int) -> tuple[float, float, float]:
+    """(s per sample of data loading, s per parameter byte of SGD, s of one whole training step)."""
+    from labkit.tensor_data import load_split
+
+    loader = kdata.make_loader(load_split("tensor", dataset, train=True), batch, shuffle=True)  # labkit train's default
+    it = iter(loader)
+    batches = [next(it) for _ in range(min(len(loader), repeats + 1))]
+    fetch = iter(loader)
+    data = _median_time(lambda: next(fetch), min(len(loader), repeats)) / batch
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+
+    def step(xy):
+        opt.zero_grad(set_to_none=True)
+        out = model(xy[0])
+        criterion(out, xy[1]).backward()
+        opt.step()
+        (out.argmax(1) == xy[1]).sum()
+
+    step(batches[0])
+    update = _median_time(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
+    whole = statistics.median(_median_time(lambda: step(xy), 1) for xy in batches[1:] or batches)
+    return data, update, whole
+
+
+def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3) -> Profile:
+    """Profile ``model`` on ``dataset`` shapes at ``threads`` CPU threads (one rank's share of the cores).
+
+    Args:
+        batch_size: the largest batch a plan gives one device; layers are also timed at ``batch_size // 8``.
+        threads: ``torch.set_num_threads`` during the measurement (restored after).
+    """
+    info = kdata.dataset_info(dataset)
+    seq = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size, sequential=True)
+    plain = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
+    features = getattr(plain, "features", None)
+    small = max(2, batch_size // 8)  # BatchNorm needs two samples
+    sizes = (small, max(batch_size, small + 1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        base = int(process_memory_gb()[0] * 2**30)
+        torch.manual_seed(0)
+        shape = (info.in_channels, info.image_size, info.image_size)
+        timed = [_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats) for b in sizes]
+        outs, saved, x = [], [], torch.randn(sizes[0], *shape)
+        for layer in copy.deepcopy(seq).train():
+            with SavedActivations(exclude=list(layer.parameters())) as meter:
+                x = layer(x.detach().requires_grad_())
+            outs.append(x[0].numel() * x.element_size())
+            saved.append(meter.peak_bytes // sizes[0])
+        data_s, update_s, whole = _loop_costs(copy.deepcopy(seq).train(), dataset, sizes[1], repeats)
+    finally:
+        torch.set_num_threads(before)
+    layers = [LayerProfile(name, type(layer).__name__,
+                           _line(sizes[0], timed[0][i][0], sizes[1], timed[1][i][0]),
+                           _line(sizes[0], timed[0][i][1], sizes[1], timed[1][i][1]),
+                           sum(p.numel() * p.element_size() for p in layer.parameters()), outs[i], saved[i])
+              for i, (name, layer) in enumerate(seq.named_children())]
+    for layer, module in zip(layers, seq):
+        layer.units = sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
+    prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s, 0.0,
+                   base, len(features) if isinstance(features, nn.Sequential) else None, _tp_pairs(seq),
+                   [seq[i].out_features for i, _ in _tp_pairs(seq)])
+    prof.overhead_s = max(0.0, whole - prof.time(sizes[1]) - update_s * prof.param_bytes - data_s * sizes[1])
+    return prof
+
+
+def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Path) -> Path:
+    return Path(root) / f"profile-{model}-{dataset}-b{batch_size}-t{threads}"
+
+
+def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
+                    refresh: bool = False, repeats: int = 3) -> Profile:
+    """The cached profile if it was measured here with these settings, else a fresh one (then cached)."""
+    if model not in kmodels.MODELS:
+        raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
+    where = _cache_dir(model, dataset, batch_size, threads, Path(root))
+    if not refresh and (where / "summary.json").exists():
+        try:
+            run = load_run(where)
+            if run.summary["config"].get("key") == _key(model, dataset, batch_size, threads):
+                return profile_from_dict(run.summary["metrics"]["profile"])
+        except (ValueError, KeyError, TypeError):
+            pass  # an old or damaged cache is measured again
+    prof = measure_profile(model, dataset, batch_size, threads, repeats)
+    save_profile(prof, batch_size, root)
+    return prof
+
+
+def _key(model: str, dataset: str, batch_size: int, threads: int) -> dict:
+    return {"model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
+            "torch": torch.__version__, "host": os.uname().nodename}
+
+
+def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Path:
+    """Write ``prof`` as a run (``"layer"`` records + summary) where :func:`load_or_measure` finds it."""
+    where = _cache_dir(prof.model, prof.dataset, batch_size, prof.threads, Path(root))
+    writer = RunWriter(where)
+    for layer in prof.layers:
+        writer.log({"kind": "layer", **asdict(layer)})
+    writer.finish(f"profile {prof.model}", "profile", {"key": _key(prof.model, prof.dataset, batch_size, prof.threads)},
+                  {"profile": asdict(prof)})
+    return where
+
+
+def profile_from_dict(d: dict) -> Profile:
+    """Inverse of ``dataclasses.asdict`` for a :class:`Profile` read back from JSON."""
+    d = dict(d)
+    d["layers"] = [LayerProfile(**{**layer, "fwd": tuple(layer["fwd"]), "bwd": tuple(layer["bwd"])})
+                   for layer in d["layers"]]
+    d["sizes"] = tuple(d["sizes"])
+    d["tp_pairs"] = [tuple(p) for p in d.get("tp_pairs", [])]
+    return Profile(**d)

@@ -1,0 +1,141 @@
+"""The device topology: devices, their memory, and an α-β(-γ) price per link (seed 000's ``D = (D_N, D_E)``).
+
+A message of ``n`` bytes over a link costs ``alpha + beta · n``; reducing ``n`` bytes costs ``gamma · n``
+(:class:`labkit.collectives.cost.CostModel`). Three shapes:
+
+* :meth:`Topology.local` — N gloo ranks on this machine: the link is fitted by the collectives benchmark
+  (``labkit allreduce bench --out DIR`` writes ``"cost-model"`` records) or measured on the spot with the
+  same fit, cached in the same record format. Every rank is a process on the same cores, so a plan with
+  ``q`` processes gives each ``cores // q`` threads, and one process's "devices" are the same CPU.
+* :meth:`Topology.gpu_node` — G GPUs in one node (NCCL over NVLink/PCIe): one process may drive several
+  GPUs that really run at once.
+* ``nodes > 1`` — two levels: ``link`` inside a node, ``inter`` between nodes. A ring over all ranks
+  crosses the slower level, so collectives spanning nodes are priced with ``inter``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from labkit.collectives.cost import CostModel
+from labkit.errors import ConfigError
+
+GB = 2**30
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Devices and links one job may use.
+
+    Attributes:
+        ranks: processes (and devices) the job may start.
+        link: α-β-γ inside a node; ``inter``: between nodes (None on one node).
+        memory_bytes: usable memory per device (on CPU: the host's memory shared by the ranks).
+        cores: CPU cores the ranks share (CPU topologies); a process gets ``cores // processes`` threads.
+        separate_devices: the devices one process drives really run at once (GPUs); False on one CPU.
+        compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
+    """
+
+    name: str
+    ranks: int
+    link: CostModel
+    memory_bytes: float
+    device: str = "cpu"
+    cores: int = 1
+    nodes: int = 1
+    inter: CostModel | None = None
+    separate_devices: bool = False
+    compute_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.ranks < 1:
+            raise ConfigError(f"--ranks must be >= 1, got {self.ranks}")
+
+    def threads(self, processes: int) -> int:
+        """CPU threads per process when ``processes`` share the cores (at least one)."""
+        return max(1, self.cores // processes) if self.device == "cpu" else 1
+
+    def oversubscription(self, processes: int) -> float:
+        """How much slower each process computes because processes outnumber cores (1 if they fit)."""
+        return max(1.0, processes / self.cores) if self.device == "cpu" else 1.0
+
+    def collective_link(self, ranks: int) -> CostModel:
+        """The link a collective over the first ``ranks`` ranks is limited by (the slowest level it crosses)."""
+        per_node = -(-self.ranks // self.nodes)
+        return self.inter if self.inter is not None and ranks > per_node else self.link
+
+    def with_memory(self, gigabytes: float | None) -> Topology:
+        return self if gigabytes is None else replace(self, memory_bytes=gigabytes * GB)
+
+    @classmethod
+    def local(cls, ranks: int, link: CostModel | None = None, links_from: str | Path | None = None,
+              cache: str | Path = Path("runs") / "advisor") -> Topology:
+        """``ranks`` gloo ranks on this machine; the link from ``link``, a bench run dir, a cache, or measured now."""
+        if ranks < 1:
+            raise ConfigError(f"--ranks must be >= 1, got {ranks}")
+        if link is None:
+            link = read_fit(links_from, ranks) if links_from else read_fit(Path(cache) / f"links-{ranks}", ranks, False)
+        if link is None:
+            link = measure_link(ranks, Path(cache) / f"links-{ranks}")
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1)
+
+    @classmethod
+    def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
+                 nodes: int = 1, inter: CostModel | None = None) -> Topology:
+        """``gpus`` GPUs per node on ``nodes`` nodes. Default link: NVLink-class, α 10 µs, 150 GB/s; between
+        nodes (default) α 20 µs, 12.5 GB/s (100 Gb/s InfiniBand). ``compute_scale`` maps CPU-profiled times to
+        the GPU's (a rough guess: profile on the GPU node itself for real numbers)."""
+        link = link or CostModel(alpha=10e-6, beta=1 / 150e9)
+        if nodes > 1:
+            inter = inter or CostModel(alpha=20e-6, beta=1 / 12.5e9)
+        return cls(f"{nodes} node(s) × {gpus} GPU(s)", gpus * nodes, link, memory_gb * GB, "cuda", 1, nodes, inter,
+                   True, compute_scale)
+
+
+def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel | None:
+    """The α-β-γ fit for ``ranks`` ranks from a results run holding ``"cost-model"`` records."""
+    from labkit.results import load_run
+
+    try:
+        run = load_run(path)
+    except (FileNotFoundError, ValueError) as exc:
+        if required:
+            raise ConfigError(f"--links {path}: {exc}; write one with `labkit allreduce bench --out {path}`") from None
+        return None
+    fits = {r["world_size"]: r for r in run.records_of("cost-model")}
+    if ranks not in fits:
+        if ranks == 1:
+            return CostModel(0.0, 0.0, 0.0)
+        if required:
+            raise ConfigError(f"--links {path} has fits for {sorted(fits)} rank(s), not {ranks}; "
+                              f"run `labkit allreduce bench --ranks {ranks} --out {path}`")
+        return None
+    fit = fits[ranks]
+    return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0))
+
+
+#: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
+FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
+
+
+def _fit_rank(env):
+    from labkit.collectives.cost import fit_cost_model
+
+    model, points = fit_cost_model(FIT_SIZES, repeats=3)
+    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "p2p": points}
+
+
+def measure_link(ranks: int, out: Path) -> CostModel:
+    """Fit α-β-γ on ``ranks`` spawned gloo ranks now and cache it at ``out`` (the bench's record format)."""
+    if ranks == 1:
+        return CostModel(0.0, 0.0, 0.0)
+    from labkit.results import RunWriter
+    from labkit.testing import run_ranks
+
+    fit = run_ranks(_fit_rank, ranks, timeout=300)[0]
+    writer = RunWriter(out)
+    writer.log({"kind": "cost-model", "world_size": ranks, **fit})
+    writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {"alpha": fit["alpha"], "beta": fit["beta"]})
+    return CostModel(fit["alpha"], fit["beta"], fit["gamma"])

@@ -1,0 +1,131 @@
+"""ZeRO stages 1-3 and FSDP2 vs DDP: samples/s and training-state memory per rank, beside ZeRO's formulas.
+
+    labkit bench zero --ranks 2,4
+    labkit bench zero --ranks 2,4,8 --model resnet20 --dataset synthetic-cifar10 --device cuda
+
+For each rank count one job runs under torchrun; inside it every contender (ddp, zero-1, zero-2, zero-3,
+fsdp) is built once and the harness alternates them round by round (:mod:`labkit.bench.harness`), each call
+``--steps`` steps of :func:`labkit.train.fit`. Memory is what each rank holds after a step, counted tensor by
+tensor (parameters, gradients, optimizer state), largest over the ranks, beside the formula of
+:mod:`labkit.strategies.zero` with Ψ the model's parameters, N the ranks, K = 4 (SGD + momentum) or 8 (Adam)
+bytes of optimizer state per parameter. Target: measured within 15 % of the formula. On GPUs the peak
+allocated memory of each contender's step (``torch.cuda.max_memory_allocated``) is reported too; on a CPU
+one process runs every contender, so its peak is not theirs and is left out.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+TARGET = 0.15
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ranks", default="2,4", help="rank counts, e.g. 2,4")
+    p.add_argument("--model", default="mlp", help="model to train (mlp: 0.67 M parameters)")
+    p.add_argument("--dataset", default="synthetic-mnist", help="dataset")
+    p.add_argument("--optimizer", default="adam", choices=("sgd", "adam"), help="sgd (with momentum) or adam")
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps per contender and round")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds (each runs every contender)")
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one rank per GPU)")
+    p.add_argument("--out", default="runs/bench-zero", help="results folder (one sub-folder per rank count)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of one job
+
+
+def formula_bytes(contender: str, psi: int, world: int, k: int) -> dict[str, float]:
+    """ZeRO's per-rank bytes in fp32: ``{"params", "grads", "optimizer"}`` (see :mod:`labkit.strategies.zero`)."""
+    stage = {"ddp": 0, "zero-1": 1, "zero-2": 2, "zero-3": 3, "fsdp": 3}[contender]
+    return {"params": 4 * psi / (world if stage >= 3 else 1), "grads": 4 * psi / (world if stage >= 2 else 1),
+            "optimizer": k * psi / (world if stage >= 1 else 1)}
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.worker:
+        return _worker(args)
+    from labkit.bench.ddp import parse_ranks
+    from labkit.launch import torchrun
+
+    for n in parse_ranks(args.ranks):
+        torchrun(["bench", "zero", "--worker", "--model", args.model, "--dataset", args.dataset, "--optimizer",
+                  args.optimizer, "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--rounds",
+                  str(args.rounds), "--device", args.device, "--out", f"{args.out}/ranks-{n}"], nproc=n)
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from labkit import data, models
+    from labkit.bench.harness import alternate, config_of
+    from labkit.dist import distributed, print0
+    from labkit.optim import OptimizerSpec
+    from labkit.results import RunWriter
+    from labkit.strategies import get_strategy
+    from labkit.strategies.sharding_measure import CONTENDERS, held_bytes
+    from labkit.train import fit
+
+    with distributed(args.device) as env:
+        info = data.dataset_info(args.dataset)
+        train_set = data.get_dataset(args.dataset, train=True)
+        runs, psi = {}, 0
+        for name, (strategy_name, options) in CONTENDERS.items():
+            torch.manual_seed(0)
+            strategy = get_strategy(strategy_name)(env, options)
+            template = models.get_model(args.model, info.num_classes, info.in_channels, info.image_size)
+            psi = sum(p.numel() for p in template.parameters() if p.requires_grad)
+            model = strategy.prepare(template)
+            optimizer, _ = strategy.build_optimizer(model, OptimizerSpec(args.optimizer, 0.01, 0.9, 0.0, {}, env))
+            loader = data.make_loader(train_set, args.batch_size, shuffle=True,
+                                      sampler=strategy.sampler(train_set, True, 0), drop_last=True)
+            runs[name] = (strategy, model, optimizer, loader)
+
+        def contender(name):
+            strategy, model, optimizer, loader = runs[name]
+
+            def call() -> int:
+                fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=args.steps,
+                    log_every=10 ** 9, printer=lambda line: None)
+                return args.steps * args.batch_size * env.world_size
+            return call
+
+        writer = RunWriter(args.out, enabled=env.is_main)
+        results = alternate({n: contender(n) for n in runs}, args.rounds, [env.device], log=writer.log)
+        k = 8 if args.optimizer == "adam" else 4
+        rows, rates = [], results.summary("ddp")
+        for name, (strategy, model, optimizer, _) in runs.items():
+            held = torch.tensor(list(held_bytes(strategy, model, optimizer).values()), dtype=torch.float64)
+            peak = torch.zeros(1, dtype=torch.float64)
+            if env.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(env.device)
+                contender(name)()
+                peak[0] = torch.cuda.max_memory_allocated(env.device)
+            if env.distributed:  # shards differ by padding: report the largest rank
+                held = held.to(env.device)
+                gathered = [torch.zeros_like(held) for _ in range(env.world_size)]
+                dist.all_gather(gathered, held)
+                held = torch.stack(gathered).max(0).values.cpu()
+            formula = formula_bytes(name, psi, env.world_size, k)
+            measured, predicted = held.sum().item(), sum(formula.values())
+            rows.append({"kind": "bench-memory", "contender": name, "ranks": env.world_size,
+                         "samples_per_sec": rates[name]["median_samples_per_sec"],
+                         "params_mb": held[0].item() / 1e6, "grads_mb": held[1].item() / 1e6,
+                         "optimizer_mb": held[2].item() / 1e6, "state_mb": measured / 1e6,
+                         "formula_mb": predicted / 1e6, "measured_over_formula": measured / predicted,
+                         "peak_mb": peak.item() / 1e6 if env.device.type == "cuda" else None})
+        print0(f"labkit bench zero | {args.model} (Ψ = {psi:,} parameters) | {args.optimizer} (K = {k}) | "
+               f"{env.world_size} ranks on {env.device}")
+        print0(f"{'contender':<10}{'samples/s':>11}{'vs ddp':>8}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}"
+               f"{'state MB':>10}{'formula MB':>12}{'meas/form':>10}" + (f"{'peak MB':>10}" if rows[0]["peak_mb"] else ""))
+        for r in rows:
+            ratio = rates[r["contender"]].get("ratio", 1.0)
+            print0(f"{r['contender']:<10}{r['samples_per_sec']:>11.1f}{ratio:>8.2f}{r['params_mb']:>11.3f}"
+                   f"{r['grads_mb']:>10.3f}{r['optimizer_mb']:>10.3f}{r['state_mb']:>10.3f}{r['formula_mb']:>12.3f}"
+                   f"{r['measured_over_formula']:>10.3f}" + (f"{r['peak_mb']:>10.1f}" if r["peak_mb"] else ""))
+            writer.log(r)
+        worst = max(abs(r["measured_over_formula"] - 1) for r in rows)
+        print0(f"largest gap between measured state memory and the formula: {worst:.1%} (target <= {TARGET:.0%})")
+        writer.finish(f"bench-zero-{env.world_size}", "bench", config_of(args),
+                      {"contenders": rows, "timing": rates, "largest_formula_gap": worst, "parameters": psi}, env)
+    return 0

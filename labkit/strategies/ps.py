@@ -1,0 +1,266 @@
+"""Data parallelism through a parameter server: synchronous, asynchronous, or stale-synchronous.
+
+    torchrun --nproc_per_node 3 -m labkit train --strategy ps --ps-mode sync            # 1 server, 2 workers
+    torchrun --nproc_per_node 4 -m labkit train --strategy ps --ps-mode async --ps-slow-worker 3:4
+    torchrun --nproc_per_node 4 -m labkit train --strategy ps --ps-mode ssp --max-staleness 2 \\
+        --ps-record runs/ssp-record.json
+
+Ranks ``0 .. S-1`` are servers (``--ps-servers S``), the others workers (the seed-001 *centralised*
+architecture; ``--strategy ddp`` is the decentralised one). Each server holds whole parameter tensors, a
+shard of the model. A worker computes a gradient on its batch, pushes each shard's part to its server and
+waits for the reply: that shard's new parameters (its pull). The server's side, and what ``sync``,
+``async`` and ``ssp`` mean, is in :mod:`labkit.strategies.ps_server`.
+
+It runs through the one training loop: on a server ``sync_gradients`` receives the push(es) and writes
+them into ``.grad``, the loop's ``optimizer.step()`` applies them (so the optimizer and its schedule live
+on the servers, as in a real parameter server), and the replies go out at the next step. On a worker the
+pulled parameters replace the model's and ``.grad`` is cleared, so its own ``optimizer.step()`` does
+nothing. One step of the loop is one *update*: a round of every worker in ``sync`` mode (global batch
+W × batch), one push in ``async``/``ssp`` (batch). In async/ssp each worker samples the whole training set
+in its own order and an epoch ends after as many updates as one worker alone would make; a fast worker
+makes more of them than a slow one. At the end of an epoch every server broadcasts its shard, so every
+rank holds the same model for evaluation and checkpoints. K-FAC does not fit: its factors come from the
+forward pass, which runs on the workers while the update runs on the servers.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+from labkit.dist import DistEnv
+from labkit.errors import ConfigError
+from labkit.optim import OptimizerSpec
+from labkit.strategies.base import Strategy
+from labkit.strategies.data_parallel import ShardSampler
+from labkit.strategies.ps_server import MODES, ServerState, shard_tensors, wait
+
+FLAGS = [
+    {"flag": "--ps-mode", "default": "sync", "choices": ["sync", "async", "ssp"],
+     "help": "sync: a round of every worker per update; async: each push applied as it arrives; ssp: async, but "
+             "no worker more than --max-staleness clocks ahead of the slowest"},
+    {"flag": "--ps-servers", "type": "int", "default": 1, "metavar": "S", "help": "server ranks 0..S-1"},
+    {"flag": "--max-staleness", "type": "int", "default": None, "metavar": "K",
+     "help": "ssp only: how many clocks a worker may run ahead of the slowest (None: 2)"},
+    {"flag": "--ps-slow-worker", "default": None, "metavar": "RANK:FACTOR",
+     "help": "straggler demo: worker RANK sleeps FACTOR-1 times its last step (compute, push, pull) before each "
+             "step (None: no straggler)"},
+    {"flag": "--ps-timeout-s", "type": "float", "default": 300.0,
+     "help": "a server or worker that hears nothing for this long stops with an error"},
+    {"flag": "--ps-record", "default": None, "metavar": "FILE",
+     "help": "write every update's staleness, clock and time as JSON (None: not written)"},
+]
+
+#: async workers i draw their order from seed + STREAM · i (worker 0: the sync order on one worker)
+STREAM = 1_000_003
+
+
+class NoSamples(Sampler[int]):
+    """The servers' evaluation sampler: they hold no data."""
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+def parse_slow_worker(spec: str | None) -> tuple[int, float] | None:
+    """``"2:4"`` -> ``(2, 4.0)``: rank 2 takes 4 times as long per step."""
+    if spec is None:
+        return None
+    match = re.fullmatch(r"\s*(\d+)\s*:\s*([0-9.]+)\s*", str(spec))
+    if not match or float(match[2]) < 1:
+        raise ConfigError(f"--ps-slow-worker {spec!r} is not RANK:FACTOR with FACTOR >= 1; e.g. 2:4")
+    return int(match[1]), float(match[2])
+
+
+class ParameterServerStrategy(Strategy):
+    """Servers hold the parameters and apply the optimizer; workers compute gradients (module docstring).
+
+    Options: ``ps_mode`` (sync | async | ssp), ``ps_servers`` S, ``max_staleness`` K (ssp), ``ps_slow_worker``
+    ``RANK:FACTOR``, ``ps_timeout_s``, ``ps_record`` (a JSON file for the per-update record).
+
+    Attributes:
+        server: this rank's :class:`~labkit.strategies.ps_server.ServerState` (None on workers); its
+            ``record`` holds one entry per applied push: version, worker, clock, staleness, ahead, time_s.
+    """
+
+    name = "ps"
+
+    def __init__(self, env: DistEnv, options: dict | None = None):
+        super().__init__(env, options)
+        self.mode = self.options.get("ps_mode") or "sync"
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown --ps-mode {self.mode!r}; choose one of: {', '.join(MODES)}")
+        self.num_servers = self.options.get("ps_servers") or 1
+        staleness = self.options.get("max_staleness")
+        if staleness is not None and self.mode != "ssp":
+            raise ConfigError(f"--max-staleness applies to --ps-mode ssp, not {self.mode}")
+        self.max_staleness = 2 if staleness is None else staleness
+        if self.max_staleness < 0:
+            raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
+        if env.world_size < self.num_servers + 1 or self.num_servers < 1:
+            raise ConfigError(f"--strategy ps with --ps-servers {self.num_servers} needs at least "
+                              f"{self.num_servers + 1} ranks (servers + one worker), got {env.world_size}")
+        self.timeout_s = float(self.options.get("ps_timeout_s") or 300.0)
+        self.slow = parse_slow_worker(self.options.get("ps_slow_worker"))
+        self.workers = list(range(self.num_servers, env.world_size))
+        if self.slow is not None and self.slow[0] not in self.workers:
+            raise ConfigError(f"--ps-slow-worker rank {self.slow[0]} is not a worker; workers are ranks "
+                              f"{self.workers[0]}..{self.workers[-1]}")
+        if self.mode != "sync" and env.backend == "nccl":
+            raise ConfigError(f"--ps-mode {self.mode} receives pushes from any worker, which NCCL cannot do; "
+                              "use --backend gloo (CPU tensors) or --ps-mode sync")
+        self.is_server = env.rank < self.num_servers
+        # one server holds all optimizer state; with several each server checkpoints its own shard's
+        self.replicated = self.num_servers == 1
+        self.index = 0 if self.is_server else env.rank - self.num_servers  # this worker's place among workers
+        self.server: ServerState | None = None
+        self.stopped_by: set[int] = set()
+        self._samplers: list[DistributedSampler] = []
+        self._epoch_open = False
+        self._step_s = 0.0  # this worker's last step, without the injected delay
+
+    def build_optimizer(self, model: nn.Module, spec: OptimizerSpec):
+        if spec.name == "kfac":
+            raise ConfigError("--strategy ps applies the optimizer on the servers, but K-FAC's factors come from "
+                              "the forward pass on the workers; use --strategy ddp for K-FAC")
+        return super().build_optimizer(model, spec)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.workers) if self.mode == "sync" else 1
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.env.device)
+        with torch.no_grad():  # every rank starts from rank 0's weights
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.owner = shard_tensors(self.params, self.num_servers)
+        self.shards = [[p for p, o in zip(self.params, self.owner) if o == s] for s in range(self.num_servers)]
+        if any(not shard for shard in self.shards):
+            raise ConfigError(f"the model has {len(self.params)} parameter tensors, too few for "
+                              f"--ps-servers {self.num_servers}; use fewer servers")
+        if self.is_server:
+            self.server = ServerState(self.shards[self.env.rank], self.workers, self.mode, self.max_staleness,
+                                      self.timeout_s)
+        return model
+
+    def sampler(self, dataset: Dataset, train: bool, seed: int) -> Sampler | None:
+        workers = len(self.workers)
+        if not train:
+            return NoSamples() if self.is_server else ShardSampler(dataset, workers, self.index)
+        if self.mode == "sync":
+            if len(dataset) < workers:
+                raise ConfigError(f"the training set has {len(dataset)} samples for {workers} workers")
+            sampler = DistributedSampler(dataset, num_replicas=workers, rank=self.index, shuffle=True, seed=seed,
+                                         drop_last=True)
+        else:
+            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
+                                         seed=seed + STREAM * self.index, drop_last=True)
+        self._samplers.append(sampler)
+        return sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        for sampler in self._samplers:
+            sampler.set_epoch(epoch)
+        self.stopped_by = set()
+        if self.server is not None:
+            self.server.start_epoch()
+
+    # ----- a step ----------------------------------------------------------------------------------------
+
+    def forward_backward(self, model, x, y, criterion):
+        self._epoch_open = True
+        if self.is_server:
+            self.server.after_step(budget_reached=False)  # the loop's optimizer step applied the last push
+            return None, None
+        if len(self.stopped_by) == self.num_servers:
+            return None, None  # the epoch's updates are done; the rest of this worker's batches are skipped
+        if self.slow is not None and self.slow[0] == self.env.rank:
+            time.sleep((self.slow[1] - 1) * self._step_s)  # its last step (compute + push/pull) took _step_s
+        self._started = time.perf_counter()
+        out = model(x)  # (B, num_classes)
+        loss = criterion(out, y)
+        loss.backward()
+        return loss.detach(), out.detach()
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        if self.is_server:
+            self.server.set_grads(self.server.receive(len(self.workers) if self.mode == "sync" else 1))
+        elif len(self.stopped_by) < self.num_servers:
+            self._push_pull()
+            self._step_s = time.perf_counter() - self._started
+
+    def _push_pull(self) -> None:
+        """Push each shard's gradient to its server, wait for the replies, load the pulled parameters."""
+        servers = [s for s in range(self.num_servers) if s not in self.stopped_by]
+        sends, replies = [], {}
+        for s in servers:
+            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                               for p in self.shards[s]])
+            sends.append((dist.isend(grads, dst=s), grads))
+            header = torch.empty(2, dtype=torch.int64, device=self.env.device)
+            flat = torch.empty(grads.numel(), dtype=grads.dtype, device=grads.device)
+            replies[s] = (header, flat, dist.irecv(header, src=s), dist.irecv(flat, src=s))
+        for p in self.params:
+            p.grad = None  # the worker's own optimizer step must not move the parameters
+        for s, (_, _, header_work, flat_work) in replies.items():
+            for work in (header_work, flat_work):
+                wait(work, self.timeout_s, f"worker rank {self.env.rank} waiting for server rank {s}'s reply")
+        for work, _ in sends:
+            work.wait()
+        with torch.no_grad():
+            for s, (header, flat, _, _) in replies.items():
+                torch.nn.utils.vector_to_parameters(flat, self.shards[s])
+                if header[1].item():
+                    self.stopped_by.add(s)
+
+    # ----- end of an epoch ------------------------------------------------------------------------------------
+
+    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        # the loop's first collective after an epoch's steps: finish the epoch before it
+        if self._epoch_open:
+            self._finish_epoch()
+        return super().all_reduce_sum(values)
+
+    def _finish_epoch(self) -> None:
+        """Answer the last pushes, then every server broadcasts its shard: all ranks hold the same model."""
+        self._epoch_open = False
+        if self.server is not None:
+            self.server.after_step(budget_reached=self.mode != "sync")
+            if self.mode != "sync":
+                self.server.drain()
+            self.server.flush()
+        with torch.no_grad():
+            for s, shard in enumerate(self.shards):
+                flat = torch.nn.utils.parameters_to_vector(shard)
+                dist.broadcast(flat, src=s)
+                torch.nn.utils.vector_to_parameters(flat, shard)
+
+    def records(self) -> dict:
+        """Every server's per-update record and bytes, gathered on every rank (a collective)."""
+        mine = {"rank": self.env.rank, "updates": self.server.record, "bytes": self.server.bytes,
+                "numel": self.server.numel} if self.server is not None else None
+        gathered = [None] * self.env.world_size
+        dist.all_gather_object(gathered, mine)
+        return {"schema": "labkit.ps-record/1", "mode": self.mode, "servers": self.num_servers,
+                "workers": self.workers, "max_staleness": self.max_staleness if self.mode == "ssp" else None,
+                "per_server": [g for g in gathered if g is not None]}
+
+    def close(self) -> None:
+        path = self.options.get("ps_record")
+        if path is None:
+            return
+        record = self.records()
+        if self.env.is_main:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(record))

@@ -1,0 +1,321 @@
+"""ZeRO (Rajbhandari et al. 2020) from scratch: data parallelism whose per-rank memory falls as ranks are added.
+
+    torchrun --nproc_per_node 4 -m labkit train --strategy zero --zero-stage 2 --model resnet20 --dataset cifar10
+
+Every rank still trains on its own shard of each batch (as DDP), but the training *state* is split:
+
+* stage 1 — optimizer state: each rank steps only its slice of every parameter buffer, then all-gathers;
+* stage 2 — + gradients: reduce-scattered as backward produces them, so each rank keeps only its slice;
+* stage 3 — + parameters: each layer's weights are all-gathered just before its forward, again just before
+  its backward, and freed after (``--zero-prefetch`` gathers the next layer while this one computes).
+
+Memory per rank, in the paper's notation: Ψ parameters, N ranks, K bytes of optimizer state per parameter.
+The paper counts mixed precision, (2 + 2 + K)Ψ with K = 12 for Adam; labkit trains in fp32, so
+
+    DDP       (4 + 4 + K) Ψ
+    stage 1   (4 + 4) Ψ + K Ψ / N          K = 4 SGD with momentum, 8 Adam, 0 plain SGD
+    stage 2   4 Ψ + (4 + K) Ψ / N
+    stage 3   (4 + 4 + K) Ψ / N
+
+Each unit (a module that owns parameters) is one flat buffer padded to a multiple of N, so Ψ here is
+P = Σ_unit N·⌈Ψ_unit / N⌉ (at most N − 1 extra elements per unit).
+
+Communication per step, per rank (ring collectives: a reduce-scatter or all-gather over a buffer of P
+elements sends (N − 1)/N · P; an all-reduce is one of each):
+
+    DDP, stage 1, stage 2   reduce-scatter gradients + all-gather parameters   2 (N − 1)/N · P  (an all-reduce)
+    stage 3                 all-gather (forward) + all-gather (backward) + reduce-scatter   3 (N − 1)/N · P  (1.5×)
+
+K-FAC, LARS and LAMB are refused (:func:`refuse_layerwise`): they need each layer's whole gradient (K-FAC also
+its activations) or whole-weight norms on one rank, which a rank's slice of a flat buffer does not give.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labkit.errors import CheckpointError, ConfigError
+from labkit.strategies.data_parallel import DataParallelStrategy, broadcast_from_rank0
+
+#: ``labkit train --strategy zero`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--zero-stage", "type": "int", "default": 1, "metavar": "1|2|3",
+     "help": "what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters"},
+    {"flag": "--zero-prefetch", "action": "store_true",
+     "help": "stage 3: all-gather the next layer's parameters while this layer computes"},
+]
+
+
+def refuse_layerwise(optimizer: str, strategy: str, holds: str) -> None:
+    """ConfigError for an optimizer that needs whole layers on one rank (K-FAC's factors, LARS/LAMB's norms)."""
+    needs = {"kfac": "K-FAC needs each layer's whole gradient and activations",
+             "lars": "LARS scales each layer's step by its whole weight and gradient norms",
+             "lamb": "LAMB scales each layer's step by its whole weight and update norms"}
+    if optimizer in needs or optimizer.startswith("kfac"):
+        raise ConfigError(f"--optimizer {optimizer} with --strategy {strategy}: {needs.get(optimizer, needs['kfac'])}"
+                          f" on one rank, but each rank holds only {holds}; use --strategy ddp, or sgd/adam")
+
+
+class Unit:
+    """One module's parameters as a flat buffer of N·S elements, of which rank r owns elements [r·S, (r+1)·S).
+
+    ``full`` (N·S,) holds the gathered parameters (the module's parameters are views into it); ``shard``
+    (S,) is what this rank's optimizer steps; ``grad`` (S,) this rank's slice of the averaged gradient.
+    With ``keep_full_grad`` (stage 1) the gradients live in a persistent flat (N·S,) buffer, the
+    parameters' ``.grad`` are views into it and ``grad`` is its slice.
+    """
+
+    def __init__(self, module: nn.Module, world: int, rank: int, comm: "Comm", keep_full_grad: bool):
+        self.module, self.comm, self.rank = module, comm, rank
+        self.params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.size = math.ceil(self.numel / world)  # S
+        first = self.params[0]
+        self.full = torch.zeros(self.size * world, dtype=first.dtype, device=first.device)  # (N·S,)
+        offset = 0
+        for p in self.params:
+            self.full[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.full[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.slice = slice(rank * self.size, (rank + 1) * self.size)
+        self.shard = nn.Parameter(self.full[self.slice])  # (S,) a view: stepping it updates `full`
+        self.full_grad = torch.zeros_like(self.full) if keep_full_grad else None  # (N·S,) stage 1
+        self.grad = self.full_grad[self.slice] if keep_full_grad else torch.zeros_like(self.shard.detach())  # (S,)
+        self.pending = len(self.params)
+        self.gathered, self.handle = True, None
+
+    def shard_own_storage(self) -> None:
+        """Stage 3: the shard becomes its own (S,) tensor and the full buffer is freed."""
+        self.shard.data = self.full[self.slice].clone()
+        self.free()
+
+    def free(self) -> None:
+        """Release the gathered parameters' memory; the parameter views keep their shapes for the next gather."""
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def zero_grad(self) -> None:
+        """Stage 1: zero the flat gradient buffer; backward accumulates into the parameters' views of it."""
+        self.full_grad.zero_()
+        offset = 0
+        for p in self.params:
+            p.grad = self.full_grad[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def gather(self, wait: bool = True, force: bool = False) -> None:
+        """All-gather every rank's shard into ``full`` (asynchronously if ``wait`` is False).
+
+        ``force``: gather even though ``full`` is allocated (stages 1 and 2 after each optimizer step).
+        """
+        if not self.gathered or force:
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+            self.handle = self.comm.all_gather(self.full, self.shard.detach().clone(), async_op=not wait)
+            self.gathered = True
+        if wait and self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def reduce_gradients(self) -> None:
+        """g_shard ← (1/N) Σ_r g_r[r·S:(r+1)·S]: reduce-scatter the flat gradient; free the full gradients."""
+        if self.full_grad is not None:  # stage 1: the gradients already sit in the flat buffer
+            mine = torch.empty_like(self.grad)
+            self.comm.reduce_scatter(mine, self.full_grad)
+            self.grad.copy_(mine)
+        else:
+            flat = self.full.new_zeros(self.full.numel())  # (N·S,) padding stays 0
+            offset = 0
+            for p in self.params:
+                if p.grad is not None:  # an unused parameter contributes zeros
+                    flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                offset += p.numel()
+                p.grad = None  # the full gradient is freed: only this rank's slice stays
+            self.comm.reduce_scatter(self.grad, flat)
+        self.grad /= self.comm.world
+        self.shard.grad = self.grad
+        self.pending = len(self.params)
+
+
+class Comm:
+    """The strategy's collectives, counting the bytes each rank sends (ring algorithms: (N−1)/N of the buffer)."""
+
+    def __init__(self, world: int, distributed: bool):
+        self.world, self.distributed = world, distributed
+        self.sent_bytes = 0
+
+    def _count(self, full: torch.Tensor) -> None:
+        self.sent_bytes += (self.world - 1) * full.numel() * full.element_size() // self.world
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        self._count(full)
+        if not self.distributed:
+            full.copy_(shard)
+            return None
+        return dist.all_gather_single(full, shard, async_op=async_op)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        self._count(full)
+        if not self.distributed:
+            shard.copy_(full)
+            return
+        dist.reduce_scatter_single(shard, full)
+
+
+class ZeroStrategy(DataParallelStrategy):
+    """ZeRO stage 1, 2 or 3 over labkit's data-parallel shards (see the module docstring for the formulas)."""
+
+    name = "zero"
+    replicated = False
+
+    def __init__(self, env, options=None):
+        super().__init__(env, options)
+        stage = self.options.get("zero_stage")
+        self.stage = 1 if stage is None else stage
+        if self.stage not in (1, 2, 3):
+            raise ConfigError(f"--zero-stage must be 1, 2 or 3 (optimizer state, + gradients, + parameters), "
+                              f"got {self.stage}")
+        self.prefetch = bool(self.options.get("zero_prefetch"))
+        if self.prefetch and self.stage != 3:
+            raise ConfigError(f"--zero-prefetch gathers parameters ahead of use, which only stage 3 shards; "
+                              f"got --zero-stage {self.stage}")
+        self.comm = Comm(env.world_size, env.distributed)
+        self.units: list[Unit] = []
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.env.device)
+        if self.env.distributed:
+            broadcast_from_rank0(model)
+        owners = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.units = [Unit(m, self.env.world_size, self.env.rank, self.comm, self.stage == 1) for m in owners]
+        for i, unit in enumerate(self.units):
+            if self.stage >= 2:
+                for p in unit.params:
+                    p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
+            if self.stage == 3:
+                unit.shard_own_storage()
+                unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
+                unit.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+        return model
+
+    def sampler(self, dataset, train: bool, seed: int):
+        if train or self.stage < 3:
+            return super().sampler(dataset, train, seed)
+        return None  # stage 3 evaluation all-gathers in every forward: every rank runs the same batches
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        out = model(x)
+        return out if self.stage < 3 or self.env.is_main else None  # stage 3: rank 0 counts the metrics
+
+    # ----- the step ----------------------------------------------------------------------------------
+
+    def _before_forward(self, i: int) -> None:
+        self.units[i].gather()
+        if self.prefetch and i + 1 < len(self.units):
+            self.units[i + 1].gather(wait=False)
+
+    def _after_forward(self, i: int, out) -> None:
+        self.units[i].free()
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        self.units[i].gather()
+        if self.prefetch and i > 0:
+            self.units[i - 1].gather(wait=False)
+
+    def _grad_ready(self, unit: Unit) -> None:
+        unit.pending -= 1
+        if unit.pending == 0:  # the unit's whole gradient exists: reduce-scatter it now, inside backward
+            unit.reduce_gradients()
+            if self.stage == 3:
+                unit.free()
+
+    def forward_backward(self, model, x, y, criterion):
+        if self.stage == 1:
+            for unit in self.units:
+                unit.zero_grad()
+        if self.env.distributed:  # buffers (e.g. batch-norm statistics) follow rank 0, as DDP does
+            with torch.no_grad():
+                for b in model.buffers():
+                    dist.broadcast(b, src=0)
+        return super().forward_backward(model, x, y, criterion)
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        for unit in self.units:
+            if self.stage == 1 or unit.pending != len(unit.params):  # stage 1, or a unit with unused parameters
+                unit.reduce_gradients()
+            if self.stage == 3 and unit.gathered:
+                unit.gather()  # wait for a prefetch still in flight before freeing
+                unit.free()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self.stage < 3:  # stage 3 gathers at the next forward
+            for unit in self.units:
+                unit.gather(force=True)
+        for unit in self.units:
+            unit.shard.grad = None
+
+    def build_optimizer(self, model: nn.Module, spec):
+        refuse_layerwise(spec.name, "zero", "a slice of each layer's flat buffer")
+        optimizer, preconditioner = spec.build(nn.ParameterList([u.shard for u in self.units]))
+        optimizer.register_step_post_hook(self._after_step)
+        return optimizer, preconditioner
+
+    # ----- memory and checkpoints ---------------------------------------------------------------------
+
+    def memory_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds now: ``{"params", "grads", "optimizer"}`` (distinct storages; the 0-d step
+        counters excluded), to set beside the formulas."""
+        storages: dict[str, dict[int, int]] = {"params": {}, "grads": {}, "optimizer": {}}
+        for unit in self.units:
+            for t in [*unit.params, unit.shard]:
+                storages["params"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            for t in [unit.grad, *(p.grad for p in unit.params if p.grad is not None)]:
+                storages["grads"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        for state in optimizer.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    storages["optimizer"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        storages["params"].pop(0, None)  # a freed stage-3 buffer
+        return {k: sum(v.values()) for k, v in storages.items()}
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every parameter, whole, on every rank (all-gathered for stage 3): for tests and notebooks."""
+        out = []
+        for unit in self.units:
+            was = unit.gathered
+            unit.gather()
+            out += [p.detach().clone() for p in unit.params]
+            if not was:
+                unit.free()
+        return out
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return {"model": {f"shard.{i}": u.shard.detach().clone() for i, u in enumerate(self.units)}
+                | {f"buffer.{n}": b for n, b in model.named_buffers()},
+                "optimizer": optimizer.state_dict(), "world_size": self.env.world_size, "zero_stage": self.stage}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        if state.get("world_size") != self.env.world_size:
+            raise CheckpointError(f"the ZeRO shards were written by {state.get('world_size')} ranks but this job "
+                                  f"has {self.env.world_size}; resume with the same number of ranks")
+        saved = state["model"]
+        for i, unit in enumerate(self.units):
+            shard = saved.get(f"shard.{i}")
+            if shard is None or shard.shape != unit.shard.shape:
+                raise CheckpointError(f"shard {i} is missing or has the wrong size for this model "
+                                      f"({None if shard is None else tuple(shard.shape)} vs {tuple(unit.shard.shape)})")
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"the optimizer state does not fit: {exc}") from None
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[f"buffer.{name}"])
+            for i, unit in enumerate(self.units):
+                unit.shard.copy_(saved[f"shard.{i}"])
+        if self.stage < 3:
+            for unit in self.units:
+                unit.gather(force=True)

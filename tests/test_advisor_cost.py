@@ -1,0 +1,163 @@
+"""The advisor's cost terms against hand-computed numbers, and its search on cost tables with known answers."""
+import math
+
+import pytest
+
+from labkit.advisor.cost import bubble_fraction
+from labkit.advisor.pricing import price
+from labkit.advisor.plan import Plan
+from labkit.advisor.profile import LayerProfile, Profile
+from labkit.advisor.search import candidates, check_fits
+from labkit.advisor.topology import Topology
+from labkit.collectives.cost import CostModel
+from labkit.errors import ConfigError
+
+GB = 2**30
+
+
+def tiny_profile(feature_layers=2, tp_pairs=((1, 2),)) -> Profile:
+    """Three layers with round numbers (fwd/bwd = a + c·b seconds; bytes per sample)."""
+    layers = [LayerProfile("l0", "Conv2d", (0.001, 0.0001), (0.002, 0.0002), 400, 100, 50),
+              LayerProfile("l1", "Linear", (0.0, 0.001), (0.0, 0.002), 4000, 40, 20),
+              LayerProfile("l2", "Linear", (0.0005, 0.0), (0.0005, 0.0), 40, 40, 0)]
+    return Profile("tiny", "synthetic-mnist", 1, (2, 8), layers, 16, update_s_per_byte=1e-6, data_s_per_sample=1e-4,
+                   overhead_s=0.01, base_bytes=0, feature_layers=feature_layers, tp_pairs=list(tp_pairs),
+                   tp_hidden=[8] * len(tp_pairs))
+
+
+def topo(alpha=1e-3, beta=1e-6, ranks=2, memory=float("inf")) -> Topology:
+    return Topology("test", ranks, CostModel(alpha, beta, 0.0), memory, "cpu", cores=ranks)
+
+
+def test_single_terms_by_hand():
+    est = price(Plan("single", 1, 1, 8), tiny_profile(), topo())
+    # compute: l0 0.003 + 0.0003·8, l1 0.003·8, l2 0.001
+    assert est.time == pytest.approx({"compute": 0.0304, "update": 0.00444, "data": 0.0008, "overhead": 0.01})
+    assert est.step_s == pytest.approx(0.04564)
+    assert est.memory["parameters"] + est.memory["gradients"] + est.memory["optimizer"] == 13320
+    assert est.memory["activations"] == pytest.approx(8 * 70)
+
+
+def test_ddp_ring_all_reduce_by_hand():
+    est = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), tiny_profile(), topo())
+    assert est.time["compute"] == pytest.approx(0.0172)  # b = 4: 0.0042 + 0.012 + 0.001
+    # 4440 bytes, ring over 2 ranks: 2 steps of one message of 2220 bytes: 2 (1e-3 + 1e-6 · 2220)
+    assert est.time["communication"] == pytest.approx(0.00644)
+    assert est.time["data"] == pytest.approx(0.0004)
+    assert est.memory["buffers"] == 4440
+
+
+def test_pipeline_bubble_and_messages_by_hand():
+    prof, t = tiny_profile(), topo()
+    good = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, t)
+    # stage times (B/m = 4): 0.0042 and 0.013 (+ its message 0); tau = 0.013 on stage 1
+    assert good.time["compute"] == pytest.approx(0.026)
+    assert good.time["communication"] == pytest.approx(0.0)
+    assert good.time["bubble"] == pytest.approx(0.013)
+    assert good.time["update"] == pytest.approx(0.00404)
+    assert good.memory["parameters"] == 4040 and good.memory["activations"] == pytest.approx(160)
+    bad = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (2, 1)))), prof, t)
+    # stage 0: 0.0162 + 2 (1e-3 + 1e-6 · 4 · 40) = 0.01852 = tau
+    assert bad.time["compute"] == pytest.approx(0.0324)
+    assert bad.time["communication"] == pytest.approx(0.00464)
+    assert bad.time["bubble"] == pytest.approx(0.01852)
+    assert bubble_fraction(2, 2) == pytest.approx(1 / 3) and bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert good.time["bubble"] / (good.time["compute"] + good.time["bubble"]) == pytest.approx(1 / 3)
+
+
+def test_hybrid_and_tensor_parallel_by_hand():
+    prof, t = tiny_profile(), topo()
+    hyb = price(Plan("hybrid", 2, 2, 8), prof, t)
+    assert hyb.time["compute"] == pytest.approx(0.0172)  # features on 4 samples, classifier on 8
+    # gather + scatter 4·40 bytes, logits 4·40 bytes, ring all-reduce of the 4400 feature bytes
+    assert hyb.time["communication"] == pytest.approx(2 * 0.00116 + 0.00116 + 2 * (0.001 + 0.0022))
+    tp = price(Plan("tensor-parallel", 2, 2, 8), prof, t)
+    assert tp.time["compute"] == pytest.approx(0.0054 + 0.012 + 0.001)
+    # all-reduce of 8·100 input-gradient bytes and 8·40 output bytes
+    assert tp.time["communication"] == pytest.approx(2 * (0.001 + 0.0004) + 2 * (0.001 + 0.00016))
+    assert tp.memory["parameters"] == pytest.approx(400 + 4040 / 2)
+
+
+def test_not_applicable_plans_say_why():
+    prof = tiny_profile(feature_layers=None, tp_pairs=())
+    assert "features" in price(Plan("hybrid", 2, 2, 8), prof, topo()).note
+    assert "pair" in price(Plan("tensor-parallel", 2, 2, 8), prof, topo()).note
+
+
+def _table(layers, **kw):
+    base = dict(update_s_per_byte=0.0, data_s_per_sample=0.0, overhead_s=0.0, base_bytes=0)
+    base.update(kw)
+    return Profile("synthetic", "synthetic-cifar10", 1, (2, 64), layers, 3 * 32 * 32 * 4, **base)
+
+
+def conv(name, per_sample=1e-3, params=10_000, out=4096):
+    return LayerProfile(name, "Conv2d", (0.0, per_sample / 3), (0.0, 2 * per_sample / 3), params, out, 4 * out)
+
+
+def test_huge_fc_layer_makes_hybrid_or_tensor_parallel_win():
+    fc = LayerProfile("fc", "Linear", (0.0, 1e-5), (0.0, 2e-5), 400 * 2**20, 4096, 4096)
+    head = LayerProfile("head", "Linear", (0.0, 1e-6), (0.0, 2e-6), 4096 * 40, 40, 40)
+    prof = _table([conv("c1"), conv("c2"), conv("c3"), fc, LayerProfile("relu", "ReLU", (0, 0), (0, 0), 0, 4096, 0),
+                   head], feature_layers=3, tp_pairs=[(3, 5)], tp_hidden=[1024])
+    best = candidates(lambda p: prof, topo(alpha=1e-4, beta=1e-9), 64)[0]
+    assert best.plan.strategy in ("hybrid", "tensor-parallel")
+
+
+def test_tiny_model_on_a_slow_link_stays_on_one_device():
+    prof = _table([conv("c1", 1e-5, 100, 64), conv("c2", 1e-5, 100, 64)])
+    ranked = candidates(lambda p: prof, topo(alpha=1.0, beta=1e-3, ranks=4), 64)
+    assert ranked[0].plan.strategy == "single"
+    fast = candidates(lambda p: prof, topo(alpha=0.0, beta=0.0, ranks=4), 64)
+    assert fast[0].plan.strategy == "ddp" and fast[0].plan.processes == 4
+
+
+def test_memory_limit_leaves_the_pipeline():
+    half = [LayerProfile(f"fc{i}", "Linear", (0.0, 1e-4), (0.0, 2e-4), GB // 2, 4096, 64) for i in range(2)]
+    prof = _table(half)
+    ranked = candidates(lambda p: prof, topo(memory=2.5 * GB), 64)
+    feasible = [e for e in ranked if e.feasible]
+    assert feasible[0].plan.strategy == "pipeline"
+    assert {e.plan.strategy for e in ranked if not e.feasible} >= {"single", "ddp"}
+    assert ranked.index(feasible[-1]) < ranked.index(next(e for e in ranked if not e.feasible))
+    tight = candidates(lambda p: prof, topo(memory=0.1 * GB), 64)
+    with pytest.raises(ConfigError, match=r"no plan fits in 0.1 GB per device; the smallest needs 1.5\d* GB"):
+        check_fits(tight, 0.1)
+
+
+def test_exhaustive_balance_equals_brute_force():
+    prof = _table([conv(f"c{i}", 1e-3 * (i % 3 + 1), out=1024 * (i + 1)) for i in range(6)])
+    best = min((e for e in candidates(lambda p: prof, topo(ranks=3), 12, ("pipeline",))
+                if e.plan.processes == 3), key=lambda e: e.step_s)
+    brute = min(price(Plan("pipeline", 3, 3, 12, (("num_microbatches", m), ("balance", (a, b, 6 - a - b)))), prof,
+                      topo(ranks=3)).step_s
+                for m in (2, 4) for a in range(1, 5) for b in range(1, 6 - a))
+    assert math.isclose(best.step_s, brute)
+
+
+def test_two_level_topology_prices_collectives_across_nodes_with_the_slower_link():
+    fast, slow = CostModel(1e-5, 1e-10), CostModel(1e-3, 1e-8)
+    two_nodes = Topology.gpu_node(2, nodes=2, link=fast, inter=slow, compute_scale=1.0)
+    assert two_nodes.ranks == 4
+    assert two_nodes.collective_link(2) is fast and two_nodes.collective_link(4) is slow
+    prof = tiny_profile()
+    inside = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
+    across = price(Plan("ddp", 4, 4, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
+    assert inside == pytest.approx(2 * (1e-5 + 1e-10 * 2220))          # ring over 2: 2 steps of 4440/2 bytes
+    assert across == pytest.approx(6 * (1e-3 + 1e-8 * 1112))           # ring over 4: 6 steps of 4440/4 bytes
+
+
+def test_zero_and_fsdp_terms_by_hand():
+    prof, t = tiny_profile(), topo()
+    # units of 400, 4000, 40 bytes; over 2 ranks RS(U) = AG(U) = 1e-3 + 1e-6 · U/2
+    one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
+    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
+    assert z2.time["communication"] == pytest.approx(2 * one)
+    assert z2.time["update"] == pytest.approx(1e-6 * 4440 / 2)
+    assert (z2.memory["parameters"], z2.memory["gradients"], z2.memory["optimizer"]) == (4440, 2220, 2220)
+    z3 = price(Plan("zero", 2, 2, 8, (("zero_stage", 3),)), prof, t)
+    assert z3.time["communication"] == pytest.approx(3 * one)
+    assert (z3.memory["parameters"], z3.memory["buffers"]) == (2220, 8000)
+    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)), prof, t)
+    assert fsdp.time["communication"] == pytest.approx(2 * one)
+    assert Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)).train_args("lenet", "mnist-sample")[-1] == \
+        "--fsdp-no-reshard"

@@ -1,0 +1,131 @@
+"""The advisor end to end: `--validate` runs a plan on 2 gloo ranks and records what it measured; the model
+`parallelize` prepares trains to the same loss as the `labkit train` command it prints; the CLI's table,
+advice.json, FlexFlow comparison and bad input."""
+import json
+import os
+import re
+
+import pytest
+from torch import nn
+
+from labkit.advisor.advise import Advice
+from labkit.advisor.apply import parallelize
+from labkit.advisor.check import check, reference, STARTER
+from labkit.advisor.pricing import price
+from labkit.advisor.plan import Plan
+from labkit.advisor.profile import LayerProfile, Profile, save_profile
+from labkit.advisor.report import flexflow_comparison
+from labkit.advisor.search import best_per_strategy, candidates
+from labkit.advisor.topology import Topology
+from labkit.advisor.validate import validate
+from labkit.cli import main
+from labkit.collectives.cost import CostModel
+from labkit.errors import ConfigError
+from labkit.results import RunWriter
+from labkit.testing import run_ranks
+
+STEPS = 4
+
+
+def _lenet_profile(threads: int) -> Profile:
+    """A LeNet-shaped cost table (made-up times, LeNet's real layer count) for the CLI tests."""
+    layers = [LayerProfile(f"l{i}", "Conv2d", (1e-4, 1e-5), (2e-4, 2e-5), 10_000, 2048, 4096) for i in range(12)]
+    return Profile("lenet", "mnist-sample", threads, (8, 64), layers, 28 * 28 * 4, 1e-9, 1e-6, 1e-3, 50 * 2**20)
+
+
+def _train_parallelized(env, plan: dict, steps: int) -> float:
+    from labkit import data as kdata
+    from labkit.optim import build_optimizer
+    from labkit.train import fit
+
+    par = parallelize("lenet", plan, dataset="mnist-sample", env=env)
+    train_set = kdata.get_dataset("mnist-sample", train=True)
+    loader = kdata.make_loader(train_set, par.plan.per_rank_batch, shuffle=True,
+                               sampler=par.strategy.sampler(train_set, True, 0), seed=0, drop_last=True)
+    optimizer, _ = build_optimizer("sgd", par.strategy.unwrap(par.model), 0.05, 0.9, 0.0, {}, env)
+    history = fit(par.model, loader, None, optimizer, epochs=1, strategy=par.strategy, max_steps=steps, seed=0,
+                  log_every=1000)
+    return history[-1]["train_loss"]
+
+
+def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_path):
+    topo = Topology.local(2, link=CostModel(1e-4, 1e-9))
+    est = price(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), _lenet_profile(1), topo)
+    advice = Advice("lenet", "mnist-sample", 32, topo, [est], [est])
+    measured = validate(advice, top=1, steps=STEPS, out=tmp_path, progress=False, echo=None)
+    m = measured[est.plan.label]
+    assert m["step_s"] > 0 and m["samples_per_s"] == pytest.approx(32 / m["step_s"])
+    assert m["ratio"] == pytest.approx(m["step_s"] / est.step_s) and m["peak_bytes"] > 0
+    summary = json.loads((tmp_path / "plan0-ddp" / "summary.json").read_text())
+    assert summary["config"]["strategy"] == "ddp" and summary["config"]["strategy_options"]["allreduce"] == "ring"
+    saved = advice.write(tmp_path / "advice.json")
+    row = json.loads(saved.read_text())["plans"][0]
+    assert row["measured"]["step_s"] == m["step_s"] and row["step_s"] == pytest.approx(est.step_s)
+    assert row["command"].startswith("torchrun --nproc_per_node 2 -m labkit train --model lenet")
+
+    losses = run_ranks(_train_parallelized, 2, est.plan.to_dict(), STEPS)
+    assert losses[0] == losses[1] == pytest.approx(m["final_train_loss"], rel=1e-6)
+
+
+def test_parallelize_refuses_what_it_cannot_run():
+    with pytest.raises(ConfigError, match="no flat form"):
+        parallelize(nn.Linear(2, 2), Plan("gpipe", 1, 2, 8, (("num_microbatches", 2),)), model_name="mlp")
+    with pytest.raises(ConfigError, match="runs on 2 process"):
+        parallelize("lenet", Plan("ddp", 2, 2, 8))
+    single = parallelize("lenet", Plan("single", 1, 1, 16), extra=("--epochs", "2"))
+    assert single.command == "labkit train --model lenet --dataset mnist-sample --strategy single --batch-size 16 " \
+                             "--epochs 2"
+    assert isinstance(single.model, nn.Module)
+
+
+def _cached(tmp_path):
+    """Profiles and a link fit in the cache, so the CLI needs no measurement."""
+    for threads in {1, os.cpu_count() or 1}:
+        save_profile(_lenet_profile(threads), 64, tmp_path)
+    writer = RunWriter(tmp_path / "links-2")
+    writer.log({"kind": "cost-model", "world_size": 2, "alpha": 1e-4, "beta": 1e-9, "gamma": 0.0})
+    writer.finish("links", "cost-model", {}, {})
+    return tmp_path
+
+
+def test_cli_table_json_and_bad_input(tmp_path, capsys):
+    cache = _cached(tmp_path / "cache")
+    out = tmp_path / "advice"
+    assert main(["advise", "--model", "lenet", "--ranks", "2", "--cache", str(cache), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "pred samples/s" in text and "torchrun --nproc_per_node 2 -m labkit train" in text
+    saved = json.loads((out / "advice.json").read_text())
+    assert saved["schema"] == "labkit.advice/1" and saved["topology"]["alpha"] == 1e-4
+    steps = [p["step_s"] for p in saved["plans"]]
+    assert steps == sorted(steps) and {p["plan"]["strategy"] for p in saved["plans"]} >= {"single", "ddp", "pipeline"}
+    for argv, message in [(["--model", "nope", "--ranks", "2"], "unknown model 'nope'"),
+                          (["--model", "lenet", "--ranks", "0"], "--ranks must be >= 1"),
+                          (["--model", "lenet", "--ranks", "2", "--memory-limit", "0.01"],
+                           r"no plan fits in 0.01 GB per device; the smallest needs 0.0\d+ GB")]:
+        assert main(["advise", *argv, "--cache", str(cache), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("labkit: error: ")
+        assert re.search(message, err[0]), err[0]
+
+
+def test_flexflow_comparison_names_the_terms():
+    topo = Topology("test", 2, CostModel(5e-3, 1e-8), float("inf"), "cpu", cores=2)
+    layers = [LayerProfile(f"c{i}", "Conv2d", (0, 1e-4), (0, 2e-4), 1000, 4096, 4096) for i in range(3)] + \
+             [LayerProfile("fc", "Linear", (0, 1e-3), (0, 2e-3), 4 * 2**20, 40, 40)]
+    prof = Profile("alexnet_small", "synthetic-cifar10", 1, (8, 64), layers, 3072, 0.0, 0.0, 0.0, 0,
+                   feature_layers=3)
+    ranked = candidates(lambda p: prof, topo, 64, ("single", "ddp", "hybrid"))
+    advice = Advice("alexnet_small", "synthetic-cifar10", 64, topo, ranked, best_per_strategy(ranked))
+    text = flexflow_comparison(advice)
+    assert "linear9 linear10 linear11: gpu 0 only" in text and "labkit's hybrid strategy" in text
+    if advice.best.plan.strategy != "hybrid":
+        assert "they differ by: compute +" in text
+
+
+def test_advisor_cost_exercise_checker():
+    assert check(reference) == []
+    starter: dict = {}
+    exec(STARTER, starter)
+    assert check(starter["bubble_seconds"])
+    assert "includes each stage's messages" in check(lambda t, c, m: (len(t) - 1) * max(t))[0]
+    assert "bubble fraction" in check(lambda t, c, m: (len(t) - 1) / (m + len(t) - 1))[0]

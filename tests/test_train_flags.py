@@ -1,0 +1,117 @@
+"""`labkit train` flags: each strategy and optimizer owns its own, a foreign flag is one clear error naming its
+owner, every flag shows help and default, and none of this imports torch."""
+import argparse
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from labkit.cli import main
+from labkit.flags import read_flags
+from labkit.optim import OPTIMIZERS
+from labkit.strategies import STRATEGIES, strategy_flags
+from labkit.train_cli import _DefaultsFormatter, add_parser, flag_owners
+
+#: a flag (and a value) of each strategy, to hand to every other strategy
+SAMPLE = {"ddp": ["--allreduce", "ring"], "model-parallel": ["--mp-devices", "3"],
+          "gpipe": ["--partitions", "2"], "pipeline": ["--schedule", "1f1b"], "zero": ["--zero-stage", "2"],
+          "fsdp": ["--fsdp-no-reshard"]}
+
+
+def _exit_code(argv: list[str]) -> int:
+    """``labkit`` exit status: argparse errors leave by SystemExit, labkit errors by main's return value."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+def _parser():
+    parser = argparse.ArgumentParser(prog="labkit")
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_every_strategy_rejects_the_other_strategies_flags(strategy, capsys, tmp_path):
+    mine = {f["flag"] for f in strategy_flags(strategy)}
+    for owner, (flag, *value) in SAMPLE.items():
+        if flag in mine:
+            continue
+        assert _exit_code(["train", "--strategy", strategy, flag, *value, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"labkit: error: {flag} is a flag of --strategy {owner}, not of --strategy {strategy}"]
+    assert _exit_code(["train", "--strategy", strategy, "--kfac-damping", "0.1", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("labkit: error: --kfac-damping is a flag of --optimizer kfac, "
+                                               "not of --optimizer sgd")
+
+
+def test_the_examples_of_silently_accepted_flags_are_now_refused(capsys):
+    assert _exit_code(["train", "--strategy", "hybrid", "--allreduce", "ring", "--mp-devices", "3"]) == 2
+    assert "--allreduce is a flag of --strategy ddp, not of --strategy hybrid" in capsys.readouterr().err
+    assert _exit_code(["train", "--optimizer", "sgd", "--kfac-update-freq", "5"]) == 2
+    assert "--kfac-update-freq is a flag of --optimizer kfac, not of --optimizer sgd" in capsys.readouterr().err
+    assert _exit_code(["train", "--strategy", "pipeline", "--balance-by", "time"]) == 2  # gpipe's, not shared
+    assert "--balance-by is a flag of --strategy gpipe, not of --strategy pipeline" in capsys.readouterr().err
+    assert _exit_code(["train", "--strategy", "warp"]) == 2
+    assert "unknown strategy 'warp'; choose one of: single, ddp" in capsys.readouterr().err
+
+
+def test_only_the_chosen_strategys_and_optimizers_flags_are_parsed():
+    args = _parser().parse_args(["train", "--strategy", "gpipe", "--balance", "2", "4", "--optimizer", "kfac",
+                                 "--kfac-damping", "0.01"])
+    assert args.balance == [2, 4] and args.num_microbatches == 4 and args.kfac_damping == 0.01
+    assert not hasattr(args, "schedule") and not hasattr(args, "allreduce") and not hasattr(args, "mp_devices")
+    shared = flag_owners()
+    assert shared["--num-microbatches"] == ["--strategy gpipe", "--strategy pipeline"]
+    assert shared["--kfac-update-freq"] == ["--optimizer kfac"]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_every_flag_has_help_and_shows_its_default(strategy):
+    optimizer = next(name for name, module in OPTIMIZERS.items() if module)
+    parser = _parser()
+    parser.parse_args(["train", "--strategy", strategy, "--optimizer", optimizer])
+    train = parser._subparsers._group_actions[0].choices["train"]
+    formatter = _DefaultsFormatter("labkit train")
+    for action in train._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.option_strings
+            assert "default" in formatter._get_help_string(action), action.option_strings
+
+
+def test_flags_literals_agree_with_the_modules_that_own_them():
+    from labkit.strategies import ddp, gpipe, pipelining, ps, ps_server
+
+    for target in STRATEGIES.values():
+        module = importlib.import_module(target.partition(":")[0])
+        assert read_flags(module.__name__) == tuple(getattr(module, "FLAGS", ()))
+    choices = {f["flag"]: f.get("choices") for m in (ddp, gpipe, pipelining) for f in m.FLAGS}
+    assert tuple(choices["--allreduce"]) == ddp.ALLREDUCE_MODES
+    assert tuple(choices["--balance-by"]) == gpipe.BALANCE_METHODS
+    assert tuple(choices["--checkpoint-mode"]) == gpipe.CHECKPOINT_MODES
+    assert tuple(choices["--schedule"]) == tuple(pipelining.SCHEDULES)
+    assert tuple(next(f["choices"] for f in ps.FLAGS if f["flag"] == "--ps-mode")) == ps_server.MODES
+
+
+def test_help_and_flag_errors_do_not_import_torch():
+    code = """
+import argparse, contextlib, io, sys
+from labkit import train_cli
+def parse(argv):
+    p = argparse.ArgumentParser(prog="labkit"); train_cli.add_parser(p.add_subparsers(dest="command"))
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            p.parse_args(argv)
+        except SystemExit as exit:
+            return exit.code, err.getvalue()
+for argv in (["train", "--help"], ["train", "--strategy", "ddp", "--optimizer", "kfac", "--help"]):
+    assert parse(argv)[0] == 0, argv
+code, err = parse(["train", "--strategy", "hybrid", "--mp-devices", "3"])
+assert code == 2 and "--mp-devices is a flag of --strategy model-parallel" in err, err
+assert "torch" not in sys.modules, "torch was imported"
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
