@@ -81,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LabkitError as exc:
-        print(f"labkit: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        code = getattr(exc, "exit_code", 2)  # a run stopped for pre-emption is no error: it continues later
+        print(f"labkit: {'error: ' if code == 2 else ''}{exc}", file=sys.stderr, flush=True)
+        return code
     except KeyboardInterrupt:
         print("labkit: interrupted", file=sys.stderr)
         return 130

@@ -82,7 +82,7 @@ def test_every_flag_has_help_and_shows_its_default(strategy):
 
 
 def test_flags_literals_agree_with_the_modules_that_own_them():
-    from labkit.strategies import ddp, gpipe, pipelining
+    from labkit.strategies import ddp, gpipe, pipelining, ps, ps_server
 
     for target in STRATEGIES.values():
         module = importlib.import_module(target.partition(":")[0])
@@ -92,6 +92,7 @@ def test_flags_literals_agree_with_the_modules_that_own_them():
     assert tuple(choices["--balance-by"]) == gpipe.BALANCE_METHODS
     assert tuple(choices["--checkpoint-mode"]) == gpipe.CHECKPOINT_MODES
     assert tuple(choices["--schedule"]) == tuple(pipelining.SCHEDULES)
+    assert tuple(next(f["choices"] for f in ps.FLAGS if f["flag"] == "--ps-mode")) == ps_server.MODES
 
 
 def test_help_and_flag_errors_do_not_import_torch():

@@ -150,6 +150,7 @@ def _resume(env, tmp):
     (["--strategy", "zero", "--zero-stage", "4"], "--zero-stage must be 1, 2 or 3"),
     (["--strategy", "zero", "--zero-prefetch"], "--zero-prefetch gathers parameters ahead of use"),
     (["--strategy", "zero", "--optimizer", "kfac"], "--optimizer kfac with --strategy zero: K-FAC needs"),
+    (["--strategy", "zero", "--optimizer", "lars"], "--optimizer lars with --strategy zero: LARS scales"),
     (["--strategy", "fsdp"], "--strategy fsdp needs a process group: start it with torchrun"),
 ])
 def test_bad_sharding_input_is_one_line_exit_2(argv, message, tmp_path, capsys):
@@ -170,3 +171,26 @@ def test_zero_stage3_on_one_rank_trains_like_a_single_device(tmp_path):
     assert zero["final_test_acc"] == single["final_test_acc"]
     assert (tmp_path / "zero" / "checkpoint.rank0.pt").exists()
 
+
+
+def test_zero_stage1_checker_passes_the_answer_and_names_each_mistake():
+    from labkit.exercises import zero_stage1
+
+    assert zero_stage1.check(zero_stage1.reference) == []
+    namespace = {}
+    exec(zero_stage1.STARTER, namespace)
+    assert "every rank returned the same slice" in zero_stage1.check(namespace["zero1_step"])[0]
+
+    def plain_sgd(p, g, m, rank, world, lr, mu):
+        s = slice(rank * (p.numel() // world), (rank + 1) * (p.numel() // world))
+        return p[s] - lr * g[s]
+
+    def in_place(p, g, m, rank, world, lr, mu):
+        s = slice(rank * (p.numel() // world), (rank + 1) * (p.numel() // world))
+        m.mul_(mu).add_(g[s])
+        p[s] -= lr * m
+        return p[s].clone()
+
+    assert "this is plain SGD" in zero_stage1.check(plain_sgd)[0]
+    assert "modified flat_param" in zero_stage1.check(in_place)[0]
+    assert "shape (7,)" in zero_stage1.check(lambda p, g, m, rank, world, lr, mu: p)[0]

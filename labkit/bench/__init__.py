@@ -18,6 +18,11 @@ BENCHMARKS: dict[str, str] = {
     "gpipe": "labkit.bench.gpipe",
     "kfac": "labkit.bench.kfac",
     "zero": "labkit.bench.zero",
+    "datapath": "labkit.bench.datapath",
+    "largebatch": "labkit.bench.largebatch",
+    "ps": "labkit.bench.ps",
+    "suite": "labkit.bench.suite",
+    "report": "labkit.bench.report",
 }
 
 

@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps per contender per round")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--loader", default="tensor", choices=("tensor", "torch"), help="compare: labkit's data path")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default="runs/bench-gpipe")
 
@@ -55,6 +56,8 @@ def _setup(args: argparse.Namespace):
     from labkit.dist import resolve_device
 
     device = resolve_device(args.device)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     devices = gpipe_devices(args.partitions, device)
     info = data.dataset_info(args.dataset)
     batches = [b for _, b in zip(range(args.steps + 1), data.make_loader(

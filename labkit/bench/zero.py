@@ -19,8 +19,6 @@ import argparse
 import torch
 
 TARGET = 0.15
-CONTENDERS = {"ddp": ("ddp", {"allreduce": "native"}), "zero-1": ("zero", {"zero_stage": 1}),
-              "zero-2": ("zero", {"zero_stage": 2}), "zero-3": ("zero", {"zero_stage": 3}), "fsdp": ("fsdp", {})}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,18 +54,6 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _held_bytes(strategy, model, optimizer) -> dict[str, int]:
-    if strategy.name == "zero":
-        return strategy.memory_bytes(optimizer)
-    if strategy.name == "fsdp":
-        return strategy.memory_bytes(model, optimizer)
-    params = list(strategy.unwrap(model).parameters())
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
-    return {"params": sum(p.numel() * p.element_size() for p in params),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-            "optimizer": sum(t.numel() * t.element_size() for t in state)}
-
-
 def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
@@ -77,6 +63,7 @@ def _worker(args: argparse.Namespace) -> int:
     from labkit.optim import OptimizerSpec
     from labkit.results import RunWriter
     from labkit.strategies import get_strategy
+    from labkit.strategies.sharding_measure import CONTENDERS, held_bytes
     from labkit.train import fit
 
     with distributed(args.device) as env:
@@ -108,7 +95,7 @@ def _worker(args: argparse.Namespace) -> int:
         k = 8 if args.optimizer == "adam" else 4
         rows, rates = [], results.summary("ddp")
         for name, (strategy, model, optimizer, _) in runs.items():
-            held = torch.tensor(list(_held_bytes(strategy, model, optimizer).values()), dtype=torch.float64)
+            held = torch.tensor(list(held_bytes(strategy, model, optimizer).values()), dtype=torch.float64)
             peak = torch.zeros(1, dtype=torch.float64)
             if env.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(env.device)

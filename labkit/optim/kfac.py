@@ -52,7 +52,7 @@ from torch import Tensor, nn
 
 from labkit.dist import DistEnv, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
-from labkit.optim import kfac_dist
+from labkit.optim import kfac_dist, kfac_kaisa
 from labkit.optim.kfac_clip import KLClip
 from labkit.optim.kfac_layers import LayerFactors, supports
 from labkit.optim.kfac_options import (Approx, Broadcast, Method, add_arguments, kwargs_from_options, parse_enum,
@@ -74,6 +74,8 @@ class KFAC:
         method: ``"eigen"`` or ``"inverse"``.
         approx: ``"expand"`` (Grosse & Martens 2016) or ``"reduce"`` (cheaper Conv2d factors).
         broadcast: ``"decompositions"`` or ``"gradients"`` (only matters on several ranks).
+        grad_worker_fraction: KAISA's f in [1/W, 1] (f·W must divide W): the fraction of ranks that hold
+            each layer's decomposition (:mod:`labkit.optim.kfac_kaisa`); replaces ``broadcast`` when given.
         optimizer: where KL clipping reads the learning rate; if omitted, the first optimizer that steps
             this model's parameters is attached (and that step's clipping applied just before it).
         skip_layers: module names or class names not to precondition.
@@ -92,7 +94,7 @@ class KFAC:
     def __init__(self, model: nn.Module, *, damping: float = 0.003, factor_decay: float = 0.95,
                  kl_clip: float = 0.001, factor_update_freq: int = 10, inv_update_freq: int | None = None,
                  method: str | Method = "eigen", approx: str | Approx = "expand",
-                 broadcast: str | Broadcast = "decompositions",
+                 broadcast: str | Broadcast = "decompositions", grad_worker_fraction: float | None = None,
                  optimizer: torch.optim.Optimizer | None = None, skip_layers: Sequence[str] = (),
                  timed: bool = False):
         inv_update_freq = factor_update_freq if inv_update_freq is None else inv_update_freq
@@ -111,6 +113,11 @@ class KFAC:
         if self.world_size > 1:
             self._check_same_model()
         self.owners = kfac_dist.assign_owners([l.decomposition_cost() for l in self.layers], self.world_size)
+        self.grad_worker_fraction = grad_worker_fraction
+        self.kaisa = None
+        if grad_worker_fraction is not None:
+            g = kfac_kaisa.grad_workers(self.world_size, grad_worker_fraction)
+            self.kaisa = kfac_kaisa.GradWorkerLayout(self.world_size, g, self.rank) if self.world_size > 1 else None
         self.clock = time.perf_counter
         self.timings = {"factors": 0.0, "communication": 0.0, "decomposition": 0.0, "precondition": 0.0}
         self.bytes_sent = {"factors": 0, "decompositions": 0, "gradients": 0}
@@ -226,7 +233,12 @@ class KFAC:
             if owner == self.rank:
                 layer.decompose(self.method.value, self.damping)
         self.timings["decomposition"] += self._clock() - started
-        if self.world_size > 1 and self.broadcast is Broadcast.DECOMPOSITIONS:
+        if self.kaisa is not None:
+            started = self._clock()
+            self.bytes_sent["decompositions"] += kfac_kaisa.share_decompositions(
+                [l for l, _ in ready], [o for _, o in ready], self.kaisa, self.method.value)
+            self.timings["communication"] += self._clock() - started
+        elif self.world_size > 1 and self.broadcast is Broadcast.DECOMPOSITIONS:
             started = self._clock()
             self.bytes_sent["decompositions"] += kfac_dist.share_decompositions(
                 [l for l, _ in ready], [o for _, o in ready], self.rank, self.method.value)
@@ -235,13 +247,19 @@ class KFAC:
 
     def _precondition(self, lr: float | None) -> None:
         started = self._clock()
-        shared_grads = self.world_size > 1 and self.broadcast is Broadcast.GRADIENTS
+        shared_grads = self.world_size > 1 and self.broadcast is Broadcast.GRADIENTS and self.kaisa is None
         work = [(l, o) for l, o in zip(self.layers, self.owners) if l.has_grad() and l.A is not None]
         grads = [l.grad_matrix() for l, _ in work]
-        precond = [torch.empty_like(g) if shared_grads and o != self.rank else l.precondition(g, self.damping)
-                   for (l, o), g in zip(work, grads)]
+        holds = [self.kaisa.holds(o) if self.kaisa is not None else not shared_grads or o == self.rank
+                 for _, o in work]
+        precond = [l.precondition(g, self.damping) if h else torch.empty_like(g)
+                   for (l, _), g, h in zip(work, grads, holds)]
         self.timings["precondition"] += self._clock() - started
-        if shared_grads:
+        if self.kaisa is not None:
+            started = self._clock()
+            self.bytes_sent["gradients"] += kfac_kaisa.share_gradients(precond, [o for _, o in work], self.kaisa)
+            self.timings["communication"] += self._clock() - started
+        elif shared_grads:
             started = self._clock()
             self.bytes_sent["gradients"] += kfac_dist.broadcast_from_owners([[p] for p in precond],
                                                                             [o for _, o in work])
@@ -273,6 +291,10 @@ class KFAC:
         """
         return kfac_dist.communication_per_step([(l.d_in, l.d_out) for l in self.layers], self.world_size,
                                                 self.method.value, self.broadcast.value, element_size)
+
+    def decomposition_bytes(self) -> int:
+        """Bytes of the decompositions this rank holds (what the grad-worker fraction trades for traffic)."""
+        return sum(t.numel() * t.element_size() for l in self.layers for t in l.decomposition.values())
 
     # ----- checkpoints --------------------------------------------------------------------------------------------
 
@@ -314,7 +336,7 @@ def from_options(model: nn.Module, options: dict, env: DistEnv | None = None,
     kwargs = kwargs_from_options(options)
     if kwargs is None:
         return None
-    kfac = KFAC(model, optimizer=optimizer, **kwargs)
+    kfac = KFAC(model, optimizer=optimizer, grad_worker_fraction=options.get("kfac_grad_worker_fraction"), **kwargs)
     if env is None or env.is_main:
         print0(f"K-FAC: {len(kfac.layers)} layers, {kfac.method.value}, {kfac.approx.value}, decompositions every "
                f"{kfac.inv_update_freq} steps, factors every {kfac.factor_update_freq}, damping {kfac.damping}, "

@@ -37,6 +37,9 @@ def add_kfac_arguments(group: argparse._ArgumentGroup) -> None:
     from labkit.optim import kfac_options
 
     kfac_options.add_arguments(group)
+    group.add_argument("--kfac-grad-worker-fraction", type=float, default=None, metavar="F",
+                       help="KAISA: fraction of ranks holding each layer's decomposition, 1/W (least memory) .. 1 "
+                            "(least traffic); f·W must divide W; replaces --kfac-broadcast (default: not used)")
     group.add_argument("--kfac-base", default=DEFAULTS["kfac_base"], choices=BASES,
                        help="the optimizer K-FAC's preconditioned gradients feed (default sgd)")
     group.add_argument("--lars-trust-coefficient", type=float, default=DEFAULTS["lars_trust_coefficient"],

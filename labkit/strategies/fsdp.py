@@ -11,7 +11,7 @@ more memory). Works on CPU with gloo and on GPUs with NCCL; this file needs no C
 
 Checkpoints: each rank writes ``checkpoint.rank{r}.pt`` holding its local shards of parameters and
 optimizer state as plain tensors (``weights_only`` loading), rebuilt into DTensors on load.
-K-FAC is refused, as with ZeRO: it needs whole layers on one rank.
+K-FAC, LARS and LAMB are refused, as with ZeRO: they need whole layers on one rank.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, broadcast_from_rank0
+from labkit.strategies.zero import refuse_layerwise
 
 #: ``labkit train --strategy fsdp`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -68,9 +69,7 @@ class FSDPStrategy(DataParallelStrategy):
         return out if self.env.is_main else None
 
     def build_optimizer(self, model: nn.Module, spec):
-        if spec.name == "kfac":
-            raise ConfigError("--optimizer kfac with --strategy fsdp: K-FAC needs each layer's whole gradient and "
-                              "activations on one rank, but FSDP keeps only a shard; use --strategy ddp")
+        refuse_layerwise(spec.name, "fsdp", "a shard of each tensor")
         return spec.build(model)
 
     def memory_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

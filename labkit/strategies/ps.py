@@ -24,7 +24,6 @@ forward pass, which runs on the workers while the update runs on the servers.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
@@ -37,9 +36,26 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
+from labkit.optim import OptimizerSpec
 from labkit.strategies.base import Strategy
-from labkit.strategies.ddp import ShardSampler
+from labkit.strategies.data_parallel import ShardSampler
 from labkit.strategies.ps_server import MODES, ServerState, shard_tensors, wait
+
+FLAGS = [
+    {"flag": "--ps-mode", "default": "sync", "choices": ["sync", "async", "ssp"],
+     "help": "sync: a round of every worker per update; async: each push applied as it arrives; ssp: async, but "
+             "no worker more than --max-staleness clocks ahead of the slowest"},
+    {"flag": "--ps-servers", "type": "int", "default": 1, "metavar": "S", "help": "server ranks 0..S-1"},
+    {"flag": "--max-staleness", "type": "int", "default": None, "metavar": "K",
+     "help": "ssp only: how many clocks a worker may run ahead of the slowest (None: 2)"},
+    {"flag": "--ps-slow-worker", "default": None, "metavar": "RANK:FACTOR",
+     "help": "straggler demo: worker RANK sleeps FACTOR-1 times its last step (compute, push, pull) before each "
+             "step (None: no straggler)"},
+    {"flag": "--ps-timeout-s", "type": "float", "default": 300.0,
+     "help": "a server or worker that hears nothing for this long stops with an error"},
+    {"flag": "--ps-record", "default": None, "metavar": "FILE",
+     "help": "write every update's staleness, clock and time as JSON (None: not written)"},
+]
 
 #: async workers i draw their order from seed + STREAM · i (worker 0: the sync order on one worker)
 STREAM = 1_000_003
@@ -103,6 +119,8 @@ class ParameterServerStrategy(Strategy):
             raise ConfigError(f"--ps-mode {self.mode} receives pushes from any worker, which NCCL cannot do; "
                               "use --backend gloo (CPU tensors) or --ps-mode sync")
         self.is_server = env.rank < self.num_servers
+        # one server holds all optimizer state; with several each server checkpoints its own shard's
+        self.replicated = self.num_servers == 1
         self.index = 0 if self.is_server else env.rank - self.num_servers  # this worker's place among workers
         self.server: ServerState | None = None
         self.stopped_by: set[int] = set()
@@ -110,21 +128,11 @@ class ParameterServerStrategy(Strategy):
         self._epoch_open = False
         self._step_s = 0.0  # this worker's last step, without the injected delay
 
-    @staticmethod
-    def add_arguments(group: argparse._ArgumentGroup) -> None:
-        group.add_argument("--ps-mode", default="sync", choices=MODES,
-                           help="sync: a round of every worker per update; async: each push applied as it "
-                                "arrives; ssp: async, but no worker more than --max-staleness clocks ahead")
-        group.add_argument("--ps-servers", type=int, default=1, metavar="S", help="server ranks 0..S-1 (default 1)")
-        group.add_argument("--max-staleness", type=int, default=None, metavar="K",
-                           help="ssp: how many clocks a worker may run ahead of the slowest (default 2)")
-        group.add_argument("--ps-slow-worker", default=None, metavar="RANK:FACTOR",
-                           help="straggler demo: worker RANK sleeps FACTOR-1 times its last step (compute, push, pull) "
-                                "before each step")
-        group.add_argument("--ps-timeout-s", type=float, default=300.0,
-                           help="a server or worker that hears nothing for this long stops with an error")
-        group.add_argument("--ps-record", default=None, metavar="FILE",
-                           help="write every update's staleness, clock and time as JSON")
+    def build_optimizer(self, model: nn.Module, spec: OptimizerSpec):
+        if spec.name == "kfac":
+            raise ConfigError("--strategy ps applies the optimizer on the servers, but K-FAC's factors come from "
+                              "the forward pass on the workers; use --strategy ddp for K-FAC")
+        return super().build_optimizer(model, spec)
 
     @property
     def data_parallel_size(self) -> int:
@@ -177,9 +185,6 @@ class ParameterServerStrategy(Strategy):
             return None, None
         if len(self.stopped_by) == self.num_servers:
             return None, None  # the epoch's updates are done; the rest of this worker's batches are skipped
-        if any(m._forward_hooks for m in model.modules()):
-            raise ConfigError("--strategy ps applies the optimizer on the servers, so a preconditioner that "
-                              "hooks the forward pass (K-FAC) cannot run; use --strategy ddp for K-FAC")
         if self.slow is not None and self.slow[0] == self.env.rank:
             time.sleep((self.slow[1] - 1) * self._step_s)  # its last step (compute + push/pull) took _step_s
         self._started = time.perf_counter()

@@ -26,7 +26,8 @@ elements sends (N − 1)/N · P; an all-reduce is one of each):
     DDP, stage 1, stage 2   reduce-scatter gradients + all-gather parameters   2 (N − 1)/N · P  (an all-reduce)
     stage 3                 all-gather (forward) + all-gather (backward) + reduce-scatter   3 (N − 1)/N · P  (1.5×)
 
-K-FAC is refused: its factors need every layer's whole gradient on one rank, which stage 2 and 3 never form.
+K-FAC, LARS and LAMB are refused (:func:`refuse_layerwise`): they need each layer's whole gradient (K-FAC also
+its activations) or whole-weight norms on one rank, which a rank's slice of a flat buffer does not give.
 """
 from __future__ import annotations
 
@@ -46,6 +47,16 @@ FLAGS = [
     {"flag": "--zero-prefetch", "action": "store_true",
      "help": "stage 3: all-gather the next layer's parameters while this layer computes"},
 ]
+
+
+def refuse_layerwise(optimizer: str, strategy: str, holds: str) -> None:
+    """ConfigError for an optimizer that needs whole layers on one rank (K-FAC's factors, LARS/LAMB's norms)."""
+    needs = {"kfac": "K-FAC needs each layer's whole gradient and activations",
+             "lars": "LARS scales each layer's step by its whole weight and gradient norms",
+             "lamb": "LAMB scales each layer's step by its whole weight and update norms"}
+    if optimizer in needs or optimizer.startswith("kfac"):
+        raise ConfigError(f"--optimizer {optimizer} with --strategy {strategy}: {needs.get(optimizer, needs['kfac'])}"
+                          f" on one rank, but each rank holds only {holds}; use --strategy ddp, or sgd/adam")
 
 
 class Unit:
@@ -247,9 +258,7 @@ class ZeroStrategy(DataParallelStrategy):
             unit.shard.grad = None
 
     def build_optimizer(self, model: nn.Module, spec):
-        if spec.name == "kfac":
-            raise ConfigError("--optimizer kfac with --strategy zero: K-FAC needs each layer's whole gradient and "
-                              "activations on one rank, but ZeRO keeps only a slice of each; use --strategy ddp")
+        refuse_layerwise(spec.name, "zero", "a slice of each layer's flat buffer")
         optimizer, preconditioner = spec.build(nn.ParameterList([u.shard for u in self.units]))
         optimizer.register_step_post_hook(self._after_step)
         return optimizer, preconditioner

@@ -11,6 +11,7 @@ Everything drawn comes from the schedule (via :func:`labkit.collectives.coverage
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from matplotlib.animation import FuncAnimation, PillowWriter
@@ -139,6 +140,10 @@ class AllReduceView:
         ax = self.ax
         ax.clear()
         ax.set_axis_off()
+        if self.schedule.algorithm == "tree":  # the tree itself, so every rank shows where it hangs
+            for a, b in sorted({tuple(sorted((t.src, t.dst))) for step in self.schedule.steps for t in step.transfers}):
+                (x0, y0), (x1, y1) = self.positions[a], self.positions[b]
+                ax.plot([x0, x1], [y0, y1], color="#bbbbbb", linewidth=1.2, zorder=0)
         for r in range(self.schedule.world_size):
             self._box(r, index)
         transfers = self.schedule.steps[index - 1].transfers if index else ()
@@ -196,11 +201,27 @@ class AllReduceView:
                              blit=False, repeat=False)
 
 
+#: matplotlib's player draws its buttons with Font Awesome icons fetched from a CDN; these characters need
+#: no network (cluster nodes and workshop rooms are often offline)
+BUTTON_GLYPHS = {"fa fa-minus": "\u2212", "fa fa-fast-backward": "\u23ee", "fa fa-step-backward": "\u23ea",
+                 "fa fa-play fa-flip-horizontal": "\u25c0", "fa fa-pause": "\u23f8", "fa fa-play": "\u25b6",
+                 "fa fa-step-forward": "\u23e9", "fa fa-fast-forward": "\u23ed", "fa fa-plus": "+"}
+
+
+def offline(html: str) -> str:
+    """``html`` from ``to_jshtml`` with no external resource: the icon stylesheet link removed, each icon
+    replaced by a character."""
+    html = re.sub(r'<link rel="stylesheet"\s+href="https?://[^"]*font-awesome[^"]*">\s*', "", html)
+    for css, glyph in BUTTON_GLYPHS.items():
+        html = html.replace(f'<i class="{css}"></i>', glyph)
+    return html
+
+
 def to_html(schedule: Schedule, trace: Trace | None = None, interval_ms: int = 1200) -> str:
-    """The animation as a stand-alone HTML/JavaScript player (matplotlib's ``to_jshtml``); in a notebook
-    show it with ``IPython.display.HTML(to_html(schedule))``."""
-    return AllReduceView(schedule, trace).animation(interval_ms).to_jshtml(fps=1000 / interval_ms,
-                                                                           default_mode="once")
+    """The animation as a stand-alone HTML/JavaScript player that works offline (matplotlib's ``to_jshtml``);
+    in a notebook show it with ``IPython.display.HTML(to_html(schedule))``."""
+    return offline(AllReduceView(schedule, trace).animation(interval_ms).to_jshtml(fps=1000 / interval_ms,
+                                                                                   default_mode="once"))
 
 
 def save_animation(schedule: Schedule, path: str | Path, trace: Trace | None = None, interval_ms: int = 1200,

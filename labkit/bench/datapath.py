@@ -1,0 +1,88 @@
+"""The data path against its upper bound: how close does training get to the model's own speed?
+
+    labkit bench datapath                                    # ResNet-32, CIFAR-shaped, augmented, this device
+    labkit bench datapath --device cuda --amp bf16 --channels-last --batch-size 256
+
+Contenders, alternated round by round (:mod:`labkit.bench.harness`), all training the same model from the
+same weights with SGD through :func:`labkit.train.fit`:
+
+- ``torch loader``: torchvision's per-sample DataLoader (decode, normalise, crop and flip one image at a time);
+- ``tensor loader``: the dataset resident on the device, batches gathered, normalised and augmented at once;
+- ``model only``: one fixed batch already on the device, so nothing but forward, backward and the step - the
+  bound no data path can beat.
+
+The figure of merit is ``tensor loader / model only`` (1.0 = the data path costs nothing).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+
+from labkit.bench.harness import alternate, config_of
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="resnet32")
+    p.add_argument("--dataset", default="synthetic-cifar10", help="cifar10 where it is on disk")
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10, help="steps per contender per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--no-augment", dest="augment", action="store_false", help="no crop + flip")
+    p.add_argument("--amp", default=None, choices=("bf16",), help="bfloat16 autocast for every contender")
+    p.add_argument("--channels-last", action="store_true", help="NHWC model and batches for every contender")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default="runs/bench-datapath")
+
+
+def run_datapath(args: argparse.Namespace, writer=None) -> dict:
+    """Alternate the three contenders; return summary metrics with ratios to ``model only``."""
+    from labkit import data, models
+    from labkit.bench.contenders import labkit_fit
+    from labkit.dist import DistEnv, resolve_device
+    from labkit.strategies import Strategy
+    from labkit.tensor_data import load_split
+
+    device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    info = data.dataset_info(args.dataset)
+    torch.manual_seed(0)
+    template = models.get_model(args.model, info.num_classes, info.in_channels, info.image_size)
+    if args.channels_last:
+        template = template.to(memory_format=torch.channels_last)
+    strategy = Strategy(DistEnv(device=device))
+    options = {"amp": args.amp, "channels_last": args.channels_last}
+    loaders = {name: data.make_loader(load_split(kind, args.dataset, True, augment=args.augment, device=device),
+                                      args.batch_size, shuffle=True, drop_last=True)
+               for name, kind in (("torch loader", "torch"), ("tensor loader", "tensor"))}
+    fixed = next(iter(loaders["tensor loader"]))
+    loaders["model only"] = _Repeat(fixed, args.steps, args.batch_size)
+    contenders = {name: labkit_fit(copy.deepcopy(template).to(device), loader, strategy, args.steps, **options)
+                  for name, loader in loaders.items()}
+    results = alternate(contenders, args.rounds, [device], log=writer.log if writer else None)
+    print(f"{args.model} on {args.dataset}, batch {args.batch_size}, augment {args.augment}, amp {args.amp}, "
+          f"channels-last {args.channels_last}, {device}")
+    print(results.table("model only"))
+    return results.summary("model only")
+
+
+class _Repeat(list):
+    """``steps`` times the same device batch, with the ``batch_size`` a loader has."""
+
+    def __init__(self, batch, steps: int, batch_size: int):
+        super().__init__([batch] * steps)
+        self.batch_size = batch_size
+
+
+def main(args: argparse.Namespace) -> int:
+    from labkit.dist import DistEnv, resolve_device
+    from labkit.results import RunWriter
+
+    writer = RunWriter(args.out)
+    metrics = run_datapath(args, writer)
+    writer.finish("bench-datapath", "bench", config_of(args), metrics, DistEnv(device=resolve_device(args.device)))
+    print(f"results written to {args.out}/summary.json")
+    return 0

@@ -1,0 +1,215 @@
+"""``labkit bench report RUNS...``: one HTML page (and its PNGs) comparing benchmark suites side by side.
+
+    labkit bench report runs/suite-mine results/reference/cpu-2c-torch2.14.1 --out runs/report
+
+Each RUN is a folder holding ``suite.json`` (:mod:`labkit.bench.suite`) or that file itself. The page shows:
+
+- throughput: samples/s of every strategy on the same model and data;
+- scaling efficiency: DDP weak scaling, ``speedup(n) / n`` with ``speedup(n) = rate(n) / rate(1)``;
+- peak memory per device: the CUDA allocator's peak on each GPU, or the process's peak RSS on a CPU;
+- communication share: ``1 - efficiency(n)``, the part of each DDP step not spent computing (gradient
+  all-reduce and waiting for the slowest rank) - an upper bound on the time communication costs;
+- time to accuracy: test accuracy against training time, per strategy;
+- labkit vs plain PyTorch: the median paired ratios of the benchmark harness.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+import json
+from pathlib import Path
+
+from labkit.errors import ConfigError
+
+PLOTS = ("throughput", "scaling", "memory", "communication", "time_to_accuracy")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN", help="suite folders (or their suite.json)")
+    p.add_argument("--out", default="runs/report", help="folder for report.html and the PNGs")
+
+
+def load_suite(path: str | Path) -> dict:
+    """The ``suite.json`` of a folder (or the file); ConfigError if missing or not a suite."""
+    path = Path(path)
+    file = path / "suite.json" if path.is_dir() else path
+    try:
+        suite = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{file} is not a readable suite result ({type(exc).__name__}); run labkit bench suite "
+                          "first") from None
+    if suite.get("kind") != "suite":
+        raise ConfigError(f"{file} is not a labkit bench suite result (no \"kind\": \"suite\")")
+    return suite
+
+
+def _label(suite: dict) -> str:
+    return suite["tag"] + (" (quick)" if suite.get("quick") else "")
+
+
+def _ok(section: dict) -> dict:
+    return {k: v for k, v in section.items() if "error" not in v}
+
+
+def _names(suites: list[dict]) -> tuple[list[str], list[str]]:
+    """Strategies in any suite, and their tick labels (the model where it is not LeNet)."""
+    runs = {n: r for s in suites for n, r in _ok(s["strategies"]).items()}
+    return list(runs), [n if r.get("model", "lenet") == "lenet" else f"{n}\n({r['model']})" for n, r in runs.items()]
+
+
+def plot_throughput(suites: list[dict], ax) -> None:
+    names, ticks = _names(suites)
+    width = 0.8 / len(suites)
+    for i, suite in enumerate(suites):
+        ok = _ok(suite["strategies"])
+        ax.bar([k + i * width for k in range(len(names))], [ok.get(n, {}).get("samples_per_sec") or 0 for n in names],
+               width, label=_label(suite))
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], ticks, rotation=20)
+    ax.set_ylabel("samples/s")
+    ax.set_title("throughput, LeNet on mnist-sample")
+
+
+def _efficiency(suite: dict) -> dict[int, float]:
+    ddp = _ok(suite["benches"]).get("bench-ddp", {})
+    return {int(n): e for n, e in ddp.get("efficiency", {}).items()}
+
+
+def plot_scaling(suites: list[dict], ax) -> None:
+    for suite in suites:
+        eff = _efficiency(suite)
+        if eff:
+            ax.plot(list(eff), list(eff.values()), marker="o", label=_label(suite))
+    ax.axhline(1.0, ls="--", color="gray")
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("DDP ranks")
+    ax.set_ylabel("scaling efficiency")
+    ax.set_title("weak scaling: speedup(n) / n")
+
+
+def plot_memory(suites: list[dict], ax) -> None:
+    names, ticks = _names(suites)
+    width = 0.8 / len(suites)
+    for i, suite in enumerate(suites):
+        ok = _ok(suite["strategies"])
+        ax.bar([k + i * width for k in range(len(names))], [1024 * (ok.get(n, {}).get("peak_memory_gb") or 0)
+                                                            for n in names], width, label=_label(suite))
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], ticks, rotation=20)
+    ax.set_ylabel("peak memory per device (MB)")
+    ax.set_title("peak memory (GPU: allocator peak; CPU: process peak RSS)")
+
+
+def plot_communication(suites: list[dict], ax) -> None:
+    width = 0.8 / len(suites)
+    for i, suite in enumerate(suites):
+        share = {n: 1 - e for n, e in _efficiency(suite).items() if n > 1}
+        ax.bar([k + i * width for k in range(len(share))], [100 * v for v in share.values()], width,
+               label=_label(suite), tick_label=[f"{n} ranks" for n in share])
+    ax.set_ylabel("% of a DDP step")
+    ax.set_title("communication + waiting share (1 - efficiency)")
+
+
+def plot_time_to_accuracy(suites: list[dict], ax) -> None:
+    styles = ["-", "--", ":", "-."]
+    for i, suite in enumerate(suites):
+        for name, run in _ok(suite["strategies"]).items():
+            times, accs, total = [0.0], [0.1], 0.0  # chance accuracy at time 0
+            for epoch in run["epochs"]:
+                total += epoch["time_s"]
+                times.append(total)
+                accs.append(epoch["test_acc"])
+            ax.plot(times, accs, styles[i % len(styles)], marker="o", label=f"{name} [{suite['tag']}]")
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("time to accuracy")
+
+
+def _ratio_rows(suite: dict) -> list[tuple[str, str]]:
+    benches = _ok(suite["benches"])
+    rows = []
+    for name, key, what in (("bench-single", "ratio", "labkit / plain loop, one device"),
+                            ("bench-ddp", "ratio", "labkit DDP / plain DDP"),
+                            ("bench-gpipe", "ratio", "labkit GPipe / raw torchgpipe")):
+        if key in benches.get(name, {}):
+            rows.append((what, f"{benches[name][key]:.3f}"))
+    for contender, row in benches.get("bench-kfac", {}).items():
+        if isinstance(row, dict) and "ratio" in row:
+            rows.append((f"K-FAC step time / SGD, {contender}", f"{row['ratio']:.2f}"))
+    return rows
+
+
+def render(suites: list[dict], out: str | Path) -> Path:
+    """Write ``out/report.html`` and one PNG per plot; return the HTML path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    draw = {"throughput": plot_throughput, "scaling": plot_scaling, "memory": plot_memory,
+            "communication": plot_communication, "time_to_accuracy": plot_time_to_accuracy}
+    for name in PLOTS:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        draw[name](suites, ax)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+    parts = ["<!doctype html><meta charset='utf-8'><title>labkit benchmark report</title>",
+             "<style>body{font-family:sans-serif;max-width:60em;margin:auto}td,th{padding:2px 8px;text-align:left}"
+             "</style><h1>labkit benchmark report</h1>"]
+    for suite in suites:
+        m = suite["machine"]
+        parts.append(f"<h2>{html.escape(_label(suite))}</h2><p>{html.escape(str(m['device']))}, {m['cpu_count']} "
+                     f"cores, {m['gpus']} GPU(s); torch {m['torch']}, CUDA {m['cuda']}, NCCL {m['nccl']}</p><table>")
+        for what, value in _ratio_rows(suite):
+            parts.append(f"<tr><td>{html.escape(what)}</td><td>{value}</td></tr>")
+        for name, run in suite["strategies"].items():
+            cell = run.get("error") or "; ".join(run["memory_lines"])
+            parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(cell)}</td></tr>")
+        parts.append("</table>")
+    parts += [f"<h2>{name.replace('_', ' ')}</h2><img src='{name}.png' alt='{name}'>" for name in PLOTS]
+    page = out / "report.html"
+    page.write_text("\n".join(parts) + "\n")
+    return page
+
+
+def main(args: argparse.Namespace) -> int:
+    page = render([load_suite(r) for r in args.runs], args.out)
+    print(f"report written to {page} ({', '.join(n + '.png' for n in PLOTS)})")
+    return 0
+
+
+def reference_suites(root: str | Path | None = None) -> list[dict]:
+    """Every committed reference suite (``results/reference/<machine tag>/suite.json`` of the checkout)."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parents[2] / "results" / "reference"
+    return [load_suite(p) for p in sorted(root.glob("*/suite.json"))]
+
+
+def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", ax=None, references=None):
+    """Bars: the learner's ``run`` (a folder, :class:`labkit.results.Run` or summary dict) next to the reference
+    machines' value of ``metric`` for ``strategy``. Each bar names its model: the references train LeNet on
+    mnist-sample with batch 64 per rank, so only a run of that setup compares like with like."""
+    import matplotlib.pyplot as plt
+
+    from labkit.results import Run, load_run
+
+    summary = run.summary if isinstance(run, Run) else run if isinstance(run, dict) else load_run(run).summary
+    references = reference_suites() if references is None else references
+    config = summary.get("config", {})
+    labels = [f"your run ({config.get('model', config.get('model_name', '?'))})"]
+    values = [summary["metrics"][metric]]
+    for suite in references:
+        ref = _ok(suite["strategies"]).get(strategy, {})
+        if ref.get(metric) is not None:
+            labels.append(f"{_label(suite)} ({ref.get('model', 'lenet')}, {ref['ranks']} rank(s))")
+            values.append(ref[metric])
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 2.8))
+    ax.barh(labels, values, color=["tab:orange"] + ["tab:blue"] * (len(values) - 1))
+    ax.set_xlabel(metric.replace("_per_sec", "/s").replace("_", " "))
+    ax.set_title(f"{strategy}: your run beside the reference machines", fontsize=10)
+    ax.grid(alpha=0.3, axis="x")
+    return ax

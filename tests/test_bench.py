@@ -1,0 +1,96 @@
+"""labkit.bench: the shared harness, the plain baselines, the suite and the report from the committed references."""
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit.bench import harness
+from labkit.bench.contenders import PlainLoop
+from labkit.bench.report import PLOTS, load_suite, render
+from labkit.cli import main
+from labkit.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+REFERENCE = Path(__file__).resolve().parents[1] / "results" / "reference"
+
+
+def test_alternate_warms_up_rotates_and_reports_medians_and_paired_ratios(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr("labkit.bench.harness.time.perf_counter", lambda: now[0])
+    calls = []
+    seconds = {"a": [9.0, 1.0, 2.0, 1.0, 4.0], "b": [9.0, 2.0, 2.0, 4.0, 4.0]}  # first call: the warm-up
+
+    def contender(name):
+        def call():
+            calls.append(name)
+            now[0] += seconds[name][sum(c == name for c in calls) - 1]
+            return 8
+        return call
+
+    results = harness.alternate({"a": contender("a"), "b": contender("b")}, rounds=4, devices=["cpu"])
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]  # warm-up, then AB, BA, AB, BA
+    assert results.rates("a") == [8.0, 4.0, 8.0, 2.0] and results.rates("b") == [4.0, 4.0, 2.0, 2.0]
+    summary = results.summary("b")
+    assert summary["a"]["median_samples_per_sec"] == statistics.median([8.0, 4.0, 8.0, 2.0])
+    assert summary["a"]["ratio"] == statistics.median([2.0, 1.0, 4.0, 1.0])
+    assert (summary["a"]["ratio_min"], summary["a"]["ratio_max"]) == (1.0, 4.0)
+    assert (summary["b"]["min_samples_per_sec"], summary["b"]["max_samples_per_sec"]) == (2.0, 4.0)
+    assert "ratio" in results.table("b", 0.97)
+
+
+def test_plain_loop_shards_one_permutation_and_trains():
+    x, y = torch.randn(40, 3), torch.arange(40) % 2
+    seen = [[], []]
+
+    class Spy(torch.nn.Linear):
+        def forward(self, inp):
+            seen[rank].append(inp)
+            return super().forward(inp)
+
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        assert PlainLoop(Spy(3, 2), x, y, batch_size=4, steps=5, rank=rank, world=2)() == 40
+    rows = [torch.cat(s) for s in seen]
+    matches = [(x[None] == r[:, None]).all(-1).nonzero()[:, 1] for r in rows]
+    assert sorted(torch.cat(matches).tolist()) == list(range(40))  # disjoint shards covering everything
+    with pytest.raises(ConfigError, match="use fewer --steps"):
+        PlainLoop(torch.nn.Linear(3, 2), x, y, batch_size=4, steps=11)
+
+
+def test_bench_single_and_datapath_run_through_fit(tmp_path, capsys):
+    assert main(["bench", "single", "--model", "mlp", "--dataset", "synthetic-mnist", "--steps", "3", "--rounds", "2",
+                 "--out", str(tmp_path / "single")]) == 0
+    metrics = json.loads((tmp_path / "single" / "summary.json").read_text())["metrics"]
+    assert metrics["labkit"]["rounds"] == 2 and metrics["ratio"] == metrics["labkit"]["ratio"] > 0
+    assert main(["bench", "datapath", "--model", "mlp", "--batch-size", "16", "--steps", "2", "--rounds", "1",
+                 "--out", str(tmp_path / "dp")]) == 0
+    out = capsys.readouterr().out
+    assert "tensor loader" in out and "torch loader" in out and "model only" in out
+
+
+def test_suite_records_a_strategy_and_rejects_unknown_parts(tmp_path, capsys):
+    assert main(["bench", "suite", "--quick", "--only", "single", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    suite = load_suite(tmp_path)
+    single = suite["strategies"]["single"]
+    assert suite["machine"]["torch"] == torch.__version__ and suite["tag"].startswith("cpu-")
+    assert single["samples_per_sec"] > 0 and single["epochs"][0]["test_acc"] > 0.1 and single["memory_lines"]
+    assert main(["bench", "suite", "--only", "warp-drive", "--out", str(tmp_path)]) == 2
+    assert "unknown suite part(s) warp-drive" in capsys.readouterr().err
+
+
+def test_report_renders_from_the_committed_references(tmp_path):
+    folders = sorted(p for p in REFERENCE.iterdir() if (p / "suite.json").exists())
+    assert folders, f"no committed reference results under {REFERENCE}"
+    suites = [load_suite(p) for p in folders]
+    for folder, suite in zip(folders, suites):
+        assert suite["tag"] == folder.name and suite["machine"]["torch"]
+        assert all("error" not in run for run in suite["strategies"].values())
+    page = render(suites, tmp_path).read_text()
+    for suite in suites:
+        assert suite["tag"] in page and "labkit DDP / plain DDP" in page
+    for name in PLOTS:
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ConfigError, match="not a readable suite result"):
+        load_suite(tmp_path / "missing")
