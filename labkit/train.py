@@ -340,8 +340,8 @@ def _checkpoint_on_every_rank(path: Path, strategy: Strategy) -> bool:
     have = int(strategy.all_reduce_sum(torch.tensor([float(path.exists())])).item())
     if 0 < have < strategy.env.world_size:
         raise CheckpointError(f"only {have} of {strategy.env.world_size} ranks find their checkpoint file "
-                              f"({path.name} on this rank): the set is incomplete; delete {path.parent}/checkpoint.rank*.pt"
-                              " or run without --resume")
+                              f"({path.name} on this rank): the set is incomplete; delete "
+                              f"{path.parent}/checkpoint.rank*.pt or run without --resume")
     return have > 0
 
 

@@ -144,3 +144,17 @@ def test_bad_ps_options_are_config_errors():
         ParameterServerStrategy(env, {"ps_slow_worker": "0:2"})
     with pytest.raises(ConfigError, match="not RANK:FACTOR"):
         ParameterServerStrategy(env, {"ps_slow_worker": "fast"})
+
+
+def test_bench_ps_contenders_and_time_to_target():
+    from argparse import Namespace
+
+    from labkit.bench.ps import contenders, time_to_target
+
+    runs = contenders(Namespace(workers=2, max_staleness=1, slow_factor=3.0))
+    assert runs["ddp"] == (2, ["--strategy", "ddp"])
+    assert runs["ps-ssp +straggler"] == (3, ["--strategy", "ps", "--ps-mode", "ssp", "--max-staleness", "1",
+                                             "--ps-slow-worker", "2:3"])
+    assert len(runs) == 7
+    epochs = [{"time_s": 2.0, "test_acc": 0.5}, {"time_s": 3.0, "test_acc": 0.85}, {"time_s": 1.0, "test_acc": 0.9}]
+    assert time_to_target(epochs, 0.8) == 5.0 and time_to_target(epochs, 0.95) is None
