@@ -70,3 +70,21 @@ def test_data_help_names_every_dataset_and_the_root_it_uses(tmp_path, monkeypatc
     monkeypatch.delenv("LABKIT_DATA")
     assert data.data_root() == Path(data.__file__).resolve().parents[1] / "data"
     assert "data/ folder of the labkit checkout" in data_cli.ROOT_HELP
+
+
+def test_tour_next_steps_run_as_printed(tmp_path):
+    """Each command the tour prints names an executable that exists from where the user stands, and the
+    exercise starter command works as printed."""
+    import shlex
+    import shutil
+
+    from labkit.tour import next_steps
+
+    commands = [command for command, _ in next_steps(tmp_path)]
+    for command in commands:
+        exe, *args = shlex.split(command)
+        assert (tmp_path / exe).is_file() or shutil.which(exe), command
+        assert all((tmp_path / a).exists() for a in args if "/" in a), command
+    init = next(c for c in commands if "--init" in c)
+    subprocess.run(init, shell=True, cwd=tmp_path, check=True, timeout=120, capture_output=True)
+    assert "def ring_schedule(p):" in (tmp_path / "my_ring.py").read_text()

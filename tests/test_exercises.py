@@ -72,13 +72,9 @@ def test_lr_schedule_checker():
     assert lr_schedule.expected(25, 0.1, 8, 10, 2) == pytest.approx(0.8)
 
 
-def test_average_gradients_checker(tmp_path, capsys):
-    assert average_gradients.check_file(None) == []  # the reference, on 2 ranks against DDP
-    wrong = tmp_path / "summed.py"
-    wrong.write_text("import torch.distributed as dist\n\n\ndef average_gradients(model):\n"
-                     "    for p in model.parameters():\n        dist.all_reduce(p.grad)\n")
-    assert run_check("average-gradients", [str(wrong)]) == 1
-    assert "not yet: the gradients differ from DDP's" in capsys.readouterr().out
+def test_average_gradients_checker_passes_the_solution():
+    # the reference, on 2 ranks against DDP; a wrong answer (the notebook's untouched stub) fails below
+    assert average_gradients.check_file(None) == []
 
 
 def test_init_writes_every_starter_and_refuses_to_overwrite(tmp_path, capsys):
@@ -135,6 +131,9 @@ def test_untouched_exercise_cell_fails_its_checker(tmp_path, capsys, notebook, c
     else:
         target = tmp_path / "exercise.py"
         target.write_text("\n".join(line for line in lines if not line.startswith("%")) + "\n")
-    assert run_check(check, [f"{target}:{function}"] if check != "gpipe-exercise" else [str(target)]) == 1
+    argv = {"gpipe-exercise": [str(target)], "column-parallel": [str(target), "--world-sizes", "2"]}
+    assert run_check(check, argv.get(check, [f"{target}:{function}"])) == 1
     out = capsys.readouterr().out
     assert "not yet" in out or "WRONG" in out or "missing" in out.lower(), out
+    if check == "average-gradients":
+        assert "the gradients differ from DDP's" in out

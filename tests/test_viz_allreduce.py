@@ -115,3 +115,25 @@ def test_player_replays_a_trace_with_fixed_algorithm():
     assert player.algorithm.value == "ring" and player.ranks.value == 2 and player.algorithm.disabled
     player.step.value = 2
     assert player.render().endswith("[t = 20.00 ms]")
+
+
+@pytest.mark.parametrize("p", [4, 5, 7])
+def test_tree_edges_are_drawn_for_every_rank(p):
+    schedule = get_schedule("tree", p)
+    view = AllReduceView(schedule)
+    view.draw(0)  # the start: no message yet, but every rank hangs in the tree
+    edges = {tuple(sorted((t.src, t.dst))) for step in schedule.steps for t in step.transfers}
+    drawn = set()
+    for line in view.ax.get_lines():
+        ends = list(zip(line.get_xdata(), line.get_ydata()))
+        drawn.add(tuple(sorted(r for r, pos in view.positions.items() if pos in ends)))
+    assert drawn == edges and len(edges) == p - 1  # a tree: p - 1 edges reaching every rank
+    assert set().union(*edges) == set(range(p))
+
+
+def test_html_animation_needs_no_network(tmp_path):
+    from labkit.viz.allreduce import BUTTON_GLYPHS
+
+    html = save_animation(get_schedule("ring", 3), tmp_path / "ring.html").read_text()
+    assert "http://" not in html and "https://" not in html and "fa fa-" not in html
+    assert all(glyph in html for glyph in BUTTON_GLYPHS.values())

@@ -22,6 +22,7 @@ from labkit.collectives.execute import all_reduce, traced_run
 from labkit.collectives.registry import get_schedule
 from labkit.collectives.verify import verify_rank
 from labkit.errors import ConfigError
+from labkit.meters import interactive
 
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10 ** 3, "MB": 10 ** 6,
           "GB": 10 ** 9}
@@ -75,7 +76,7 @@ def bench_rank(env, algorithms: list[str], sizes: list[int], repeats: int = 5, d
     contenders = list(dict.fromkeys(list(algorithms) + ["native"]))
     records = []
     progress = tqdm(total=len(sizes) * len(contenders) * repeats, desc=f"all-reduce bench p={p}",
-                    disable=not env.is_main, leave=False)
+                    disable=not env.is_main or not interactive(), leave=False)  # a notebook keeps plain text
     for nbytes in sizes:
         n = max(1, nbytes // itemsize)
         source = torch.randn(n, dtype=getattr(torch, dtype), device=device)

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from labkit.viz.timeline import plot_timeline
+from labkit.viz.units import plain_log_ticks
 
 TRACE_SCHEMA = "labkit.pipeline-trace/1"
 COMPUTE = ("F", "B")
@@ -148,10 +149,13 @@ def plot_sweep(records: Sequence[Mapping]):
         rows = sorted((r for r in records if r["checkpoint"] == mode), key=lambda r: r["chunks"])
         chunks = [r["chunks"] for r in rows]
         speed.plot(chunks, [r["samples_per_sec"] for r in rows], marker="o", label=f"checkpoint {mode}")
-        memory.plot(chunks, [r["peak_memory_gb"] for r in rows], marker="o", label=f"checkpoint {mode}")
+        memory.plot(chunks, [r["peak_memory_gb"] * 1024 for r in rows], marker="o", label=f"checkpoint {mode}")
     kind = records[0].get("memory_kind", "peak memory")
-    for ax, label in ((speed, "samples/sec"), (memory, f"peak memory (GB)\n{kind}")):
+    counts = sorted({r["chunks"] for r in records})
+    for ax, label in ((speed, "samples/sec"), (memory, f"peak memory (MB)\n{kind}")):
         ax.set_xscale("log", base=2)
+        plain_log_ticks(ax, "x", counts)
+        ax.yaxis.get_major_formatter().set_useOffset(False)
         ax.set_xlabel("micro-batches per batch")
         ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3)

@@ -1,0 +1,19 @@
+"""Axes in units people read."""
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from labkit.viz.units import format_bytes, plain_log_ticks, size_axis  # noqa: E402
+
+
+def test_byte_ticks_are_written_in_units():
+    assert [format_bytes(n) for n in (64, 1536, 1 << 20, 3 << 30)] == ["64 B", "1.5 KiB", "1 MiB", "3 GiB"]
+    fig, ax = plt.subplots()
+    ax.loglog([1024, 1 << 20], [1, 2])
+    size_axis(ax, "x", "vector")
+    plain_log_ticks(ax, "y", [1, 2])
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB"]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "2"] and ax.get_xlabel() == "vector size"
+    plt.close(fig)
