@@ -14,6 +14,8 @@
 #   WARMUP_EPOCHS [2]  (the LR is scaled by the number of ranks: --scale-lr, linear scaling + warm-up)
 #   NPROC [the GPUs of the node; 2 on CPU]   ALLREDUCE [ddp; or native, ring, tree, ...]
 #   MAX_RESTARTS [0]: torchrun restarts the ranks after a failure and they --resume from the last epoch
+#   RESUME [0]: 1 continues the checkpoint in LABKIT_OUT (a requeued job does so by itself)
+#   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
 #   EXTRA_ARGS: more `labkit train` flags, e.g. "--optimizer kfac --kfac-update-freq 10"
 #   LABKIT_QUICK=1: lenet on the offline mnist-sample, 1 short epoch, CPU/gloo
 #   LABKIT_OUT: results folder [runs/ddp-<jobid>]; PYTHON [python3]
@@ -28,6 +30,8 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:4
 #SBATCH --time=02:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=ddp-%j.out
 
 set -euo pipefail
@@ -36,6 +40,7 @@ python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--model "${MODEL:-lenet}" --dataset "${DATASET:-mnist-sample}" --epochs "${EPOCHS:-1}"
@@ -48,7 +53,6 @@ else
 fi
 out="${LABKIT_OUT:-runs/ddp-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
 restarts="${MAX_RESTARTS:-0}"
-resume=()
 if (( restarts > 0 )); then
     resume=(--resume)
     # a fresh rendezvous store per restart (a shared one hands out the dead ranks' addresses)
@@ -63,9 +67,5 @@ cmd=("$python" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node
 
 echo "labkit ddp job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $nproc rank(s) on $device ($backend)"
 echo "+ ${cmd[*]}"
-if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    srun --nodes=1 --ntasks=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "${cmd[@]}"
-else
-    "${cmd[@]}"
-fi
+run_ranks "$out" "${cmd[@]}"
 echo "results: $out/summary.json"

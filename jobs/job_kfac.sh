@@ -29,6 +29,8 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:4
 #SBATCH --time=08:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=kfac-%j.out
 
 set -euo pipefail
@@ -37,6 +39,7 @@ python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 read -r -a decay <<< "${LR_DECAY:-35 75 90}"
 if [[ "$quick" != 0 ]]; then
@@ -61,11 +64,7 @@ for run in sgd kfac; do
          -m labkit train --strategy ddp --device "$device" --backend "$backend" "${sizes[@]}"
          --optimizer kfac --kfac-update-freq "$update" --name "$run-$nproc-ranks" --out "$out/$run" "${extra[@]}")
     echo "+ ${cmd[*]}"
-    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-        srun --nodes=1 --ntasks=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "${cmd[@]}"
-    else
-        "${cmd[@]}"
-    fi
+    run_ranks "$out/$run" "${cmd[@]}" "${resume[@]}"
 done
 
 "$python" - "$out" "$nproc" <<'EOF'

@@ -27,6 +27,8 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:4
 #SBATCH --time=01:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=pipeline-%j.out
 
 set -euo pipefail
@@ -36,6 +38,7 @@ quick="${LABKIT_QUICK:-0}"
 
 min_gpus=2  # a single GPU cannot hold two NCCL ranks: then the stages run on the CPU with gloo
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--model "${MODEL:-lenet}" --dataset "${DATASET:-mnist-sample}" --epochs "${EPOCHS:-1}"
@@ -56,10 +59,6 @@ for schedule in ${SCHEDULES:-gpipe 1f1b}; do
          "${sizes[@]}" "${balance[@]}" --trace-steps "${TRACE_STEPS:-3}"
          --pipeline-trace "$out/$schedule/timeline.json" --out "$out/$schedule")
     echo "+ ${cmd[*]}"
-    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-        srun --nodes=1 --ntasks=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "${cmd[@]}"
-    else
-        "${cmd[@]}"
-    fi
+    run_ranks "$out/$schedule" "${cmd[@]}" "${resume[@]}"
 done
 echo "results: $out/<schedule>/summary.json and timeline.json"

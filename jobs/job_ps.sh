@@ -12,7 +12,7 @@
 # Environment (all optional; defaults in brackets):
 #   MODEL [resnet20]   DATASET [cifar10]   EPOCHS [10]   BATCH_SIZE [128, per worker]   BASE_LR [0.05]
 #   PS_MODE [sync; async, ssp]   PS_SERVERS [1]   MAX_STALENESS [2, ssp only]   PS_SLOW_WORKER [none; RANK:FACTOR]
-#   NPROC [the GPUs of the node; 3 on CPU]
+#   NPROC [the GPUs of the node; 2 on CPU: one server, one worker]
 #   async and ssp receive pushes from whichever worker comes first, which NCCL cannot do: they run the
 #   ranks on the CPU with gloo (sync uses the GPUs with NCCL)
 #   EXTRA_ARGS: more `labkit train` flags, e.g. "--optimizer lars"
@@ -38,7 +38,7 @@ python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 mode="${PS_MODE:-sync}"
 
-min_gpus=2 cpu_ranks=3  # a server and at least one worker
+min_gpus=2  # a server and at least one worker
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
 if [[ "$mode" != sync && "$device" == cuda ]]; then
     echo "--ps-mode $mode needs a receive from any source: running the $nproc ranks on the CPU with gloo"

@@ -20,6 +20,7 @@ CHECKS: dict[str, str] = {
     "gpipe-exercise": "labkit.strategies.gpipe_check:main",
     "kfac-factors": "labkit.exercises.kfac_factors:main",
     "lr-schedule": "labkit.exercises.lr_schedule:main",
+    "staleness": "labkit.exercises.staleness:main",
     "zero-stage1": "labkit.exercises.zero_stage1:main",
     "advisor-cost": "labkit.advisor.check:main",
 }
@@ -32,6 +33,7 @@ STARTERS: dict[str, str] = {
     "column-parallel": "labkit.strategies.tensor_parallel_check:TEMPLATE",
     "kfac-factors": "labkit.exercises.kfac_factors:STARTER",
     "lr-schedule": "labkit.exercises.lr_schedule:STARTER",
+    "staleness": "labkit.exercises.staleness:STARTER",
     "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
     "advisor-cost": "labkit.advisor.check:STARTER",
 }

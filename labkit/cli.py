@@ -19,7 +19,7 @@ import importlib
 import importlib.util
 import sys
 
-from labkit.errors import LabkitError
+from labkit.errors import LabkitError, report
 
 #: command name -> (module that defines ``add_parser(subparsers)``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except LabkitError as exc:
-        print(f"labkit: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return report(exc)
     except KeyboardInterrupt:
         print("labkit: interrupted", file=sys.stderr)
         return 130

@@ -1,4 +1,9 @@
 """Errors that reach the learner as one clear line (the CLI prints them and exits with code 2)."""
+import contextlib
+import hashlib
+import os
+import sys
+import tempfile
 
 
 class LabkitError(Exception):
@@ -27,3 +32,36 @@ class DatasetCorrupt(LabkitError):
 
 class CheckpointError(LabkitError):
     """A checkpoint file is unreadable, corrupt or belongs to a different model."""
+
+
+def report(exc: LabkitError) -> int:
+    """Print ``exc`` as one ``labkit: error: ...`` line and return the exit code (2, or the error's own
+    ``exit_code``: a run stopped for pre-emption is no error, it continues later).
+
+    Under torchrun every rank usually hits the same configuration error; the first rank on the node to claim
+    the message prints it, the others stay quiet. With ``LABKIT_ERROR_FILE`` set (the job scripts set it) a
+    configuration error is also appended there, so the script can exit 2 although torchrun exits 1.
+    """
+    code = getattr(exc, "exit_code", 2)
+    line = f"labkit: {'error: ' if code == 2 else ''}{exc}"
+    if code == 2 and os.environ.get("LABKIT_ERROR_FILE"):
+        with contextlib.suppress(OSError), open(os.environ["LABKIT_ERROR_FILE"], "a") as f:
+            f.write(line + "\n")
+    if _first_to_say(line):
+        print(line, file=sys.stderr, flush=True)
+    return code
+
+
+def _first_to_say(line: str) -> bool:
+    """False when another rank of this torchrun job already printed ``line`` (an O_EXCL file per message)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:
+        return True
+    key = hashlib.sha1(f"{run_id}\n{line}".encode()).hexdigest()[:20]
+    try:
+        os.close(os.open(os.path.join(tempfile.gettempdir(), f"labkit-said-{key}"), os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:  # no usable temp dir: better every rank than none
+        return True
+    return True

@@ -41,7 +41,8 @@ def read_flags(module: str) -> tuple[dict, ...]:
         raise ConfigError(f"module {module} is not installed")
     tree = ast.parse(spec.loader.get_source(module) or "", filename=spec.origin or module)
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
         if any(isinstance(t, ast.Name) and t.id == "FLAGS" for t in targets):
             try:
                 flags = tuple(ast.literal_eval(node.value))

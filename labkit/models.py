@@ -150,7 +150,7 @@ class AlexNetSmall(nn.Module):
     so 32x32 becomes 4x4. The convolutions hold most of the compute, the linear layers most of the
     parameters, which is why the seed-000 strategy replicates ``features`` and keeps ``classifier`` on
     one device. No dropout, so parallel and single-device runs compute the same thing. No BatchNorm
-    either, as in AlexNet: train it with a small learning rate (SGD 0.005 learns synthetic-cifar10).
+    either, as in AlexNet: it trains with a smaller learning rate (its default, :data:`DEFAULT_LR`).
     """
 
     def __init__(self, num_classes: int, in_channels: int, image_size: int):
@@ -173,6 +173,10 @@ class AlexNetSmall(nn.Module):
             if isinstance(m, (nn.Conv2d, nn.Linear)):
                 nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
                 nn.init.zeros_(m.bias)
+        # ... but He-scaled logits start near ±10 (loss ≈ 7.5) and SGD's first steps blow up: a tenth of that
+        # scale in the last layer starts near loss ln(10) and still passes gradients to every layer
+        with torch.no_grad():
+            self.classifier.linear11.weight.mul_(0.1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.flat(self.features(x)))  # (B, C, S, S) -> (B, 128*s*s) -> (B, classes)
@@ -224,6 +228,15 @@ MODELS: dict[str, tuple[Callable[[int, int, int], nn.Module], int]] = {
     "resnet50": (lambda k, c, s: resnet50(k, c), 1),
     "alexnet_small": (AlexNetSmall, 8),
 }
+
+
+#: the ``--base-lr`` a model trains with by default, when not 0.05 (SGD with momentum 0.9, batch 64)
+DEFAULT_LR: dict[str, float] = {"alexnet_small": 0.005}
+
+
+def default_lr(name: str) -> float:
+    """The learning rate ``labkit train --model name`` uses when ``--base-lr`` is not given."""
+    return DEFAULT_LR.get(name, 0.05)
 
 
 def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size: int = 28,

@@ -32,6 +32,7 @@ from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memor
 from labkit.monitor import UtilisationMonitor, nvml_indices
 from labkit.monitor import gather as gather_utilisation
 from labkit.optim import OptimizerSpec
+from labkit.preempt import Preempted, StopSignals, clear_marker, write_marker
 from labkit.precision import autocast, check_amp, to_channels_last
 from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.strategies import Strategy, get_strategy
@@ -53,7 +54,7 @@ class TrainConfig:
     batch_size: int = 64
     test_batch_size: int = 512
     optimizer: str = "sgd"
-    base_lr: float = 0.05
+    base_lr: float | None = None  # None: the model's default (labkit.models.default_lr)
     momentum: float = 0.9
     weight_decay: float = 0.0
     lr_decay: list[int] = field(default_factory=list)
@@ -81,6 +82,7 @@ class TrainConfig:
     channels_last: bool = False
     log_every: int = 20
     timeout_s: float = 1800.0
+    step_delay_s: float = 0.0
     strategy_options: dict = field(default_factory=dict)
     optim_options: dict = field(default_factory=dict)
 
@@ -89,7 +91,7 @@ class TrainConfig:
         for key in ("epochs", "batch_size", "test_batch_size"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {getattr(self, key)}")
-        if self.base_lr <= 0:
+        if self.base_lr is not None and self.base_lr <= 0:
             raise ConfigError(f"--base-lr must be > 0, got {self.base_lr}")
         if self.warmup_epochs < 0:
             raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
@@ -147,7 +149,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         criterion: nn.Module | None = None, writer: RunWriter | None = None, start_epoch: int = 0, seed: int = 0,
         max_steps: int | None = None, log_every: int = 20, on_epoch_end: Callable[[int], None] | None = None,
         profiler=None, printer: Callable[[str], None] = print0, amp: str | None = None,
-        channels_last: bool = False) -> list[dict]:
+        channels_last: bool = False, position: dict | None = None, stop: StopSignals | None = None,
+        on_stop: Callable[[int, dict], None] | None = None, step_delay_s: float = 0.0) -> list[dict]:
     """Train ``model`` for ``epochs`` epochs and evaluate after each; return one record per epoch.
 
     Args:
@@ -160,6 +163,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         channels_last: feed image batches in NHWC order (convert the model before ``strategy.prepare``).
         on_epoch_end: called with the finished epoch index (checkpointing).
         profiler: a ``torch.profiler.profile`` to ``step()`` every iteration.
+        position: where in epoch ``start_epoch`` a mid-epoch checkpoint stopped (:func:`epoch_position`).
+        stop: checked after every step and epoch; when any rank got a stop signal, every rank stops after
+            the same step, calls ``on_stop(epoch, position)`` (checkpointing) and raises :class:`Preempted`.
+        step_delay_s: sleep after every step: a pre-emption drill needs a run slow enough to interrupt.
 
     Returns:
         ``[{"kind": "epoch", "epoch", "train_loss", "train_acc", "test_loss", "test_acc",
@@ -188,7 +195,12 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
-        for step, (x, y) in enumerate(train_loader):
+        batches, first = iter(train_loader), 0
+        if position is not None and epoch == start_epoch:
+            first = _resume_position(batches, position, totals, rank)
+            if bar is not None:
+                bar.update(first)
+        for step, (x, y) in enumerate(batches, start=first):
             if step >= steps:
                 break
             x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
@@ -213,6 +225,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             meter.update(len(x))
             if bar is not None:
                 bar.update()
+            if step_delay_s:
+                time.sleep(step_delay_s)
+            if stop is not None and step + 1 < steps and stop.requested(strategy):
+                _stop(stop, epoch, epoch_position(step + 1, totals, strategy), on_stop)
         if bar is not None:
             bar.close()  # before the epoch's line, so the bar does not share a line with it
         rate = meter.finish()
@@ -230,7 +246,45 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             writer.log(record)
         if on_epoch_end is not None:
             on_epoch_end(epoch)
+        if stop is not None and epoch + 1 < epochs and stop.requested(strategy):
+            raise Preempted(stop.received, epoch + 1, 0)
     return history
+
+
+# ----- where in the epoch a run is: what a mid-epoch checkpoint adds -----------------------------------
+
+
+def epoch_position(step: int, totals: torch.Tensor, strategy: Strategy) -> dict:
+    """The state that puts a run back at ``step`` of its epoch: the step, and every rank's RNG states and
+    running metric sums (``[rank]`` lists, gathered from all ranks, so rank 0's checkpoint holds them all).
+
+    The shuffle needs no state: each epoch reseeds it from (seed, epoch), and resuming skips ``step`` batches.
+    """
+    mine = {"rng": torch.get_rng_state(), "totals": totals.cpu(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    ranks = [mine]
+    if strategy.env.distributed:
+        ranks = [None] * strategy.env.world_size
+        dist.all_gather_object(ranks, mine)
+    return {"step": step, **{key: [r[key] for r in ranks] for key in mine}}
+
+
+def _resume_position(batches, position: dict, totals: torch.Tensor, rank: int) -> int:
+    """Skip the batches done before the checkpoint, then restore this rank's RNG states and metric sums;
+    return the step to continue from. The RNG comes back after the skip: drawing those batches used it."""
+    for _ in range(position["step"]):
+        next(batches)
+    torch.set_rng_state(position["rng"][rank])
+    if position["cuda_rng"][rank]:
+        torch.cuda.set_rng_state_all(position["cuda_rng"][rank])
+    totals.copy_(position["totals"][rank])
+    return position["step"]
+
+
+def _stop(stop: StopSignals, epoch: int, position: dict, on_stop: Callable[[int, dict], None] | None) -> None:
+    if on_stop is not None:
+        on_stop(epoch, position)
+    raise Preempted(stop.received, epoch, position["step"])
 
 
 def _check_finite(loss_sum: torch.Tensor, epoch: int, step: int) -> None:
@@ -286,8 +340,8 @@ def _checkpoint_on_every_rank(path: Path, strategy: Strategy) -> bool:
     have = int(strategy.all_reduce_sum(torch.tensor([float(path.exists())])).item())
     if 0 < have < strategy.env.world_size:
         raise CheckpointError(f"only {have} of {strategy.env.world_size} ranks find their checkpoint file "
-                              f"({path.name} on this rank): the set is incomplete; delete {path.parent}/checkpoint.rank*.pt"
-                              " or run without --resume")
+                              f"({path.name} on this rank): the set is incomplete; delete "
+                              f"{path.parent}/checkpoint.rank*.pt or run without --resume")
     return have > 0
 
 
@@ -345,6 +399,8 @@ def run(cfg: TrainConfig) -> dict:
     cfg.validate()
     strategy_cls = get_strategy(cfg.strategy)
     make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
+    if cfg.base_lr is None:
+        cfg.base_lr = kmodels.default_lr(cfg.model)
     with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
@@ -378,25 +434,37 @@ def run(cfg: TrainConfig) -> dict:
         out_dir = cfg.out_dir
         writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
         ckpt = checkpoint_path(out_dir, strategy)
-        start_epoch = 0
+        start_epoch, position = 0, None
         if cfg.resume and _checkpoint_on_every_rank(ckpt, strategy):
-            start_epoch = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner)["epoch"]
-            print0(f"resumed from {ckpt} at epoch {start_epoch}")
+            state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner)
+            start_epoch, position = state["epoch"], state.get("position")
+            within = f", step {position['step']}" if position else ""
+            print0(f"resumed from {ckpt} at epoch {start_epoch}{within}")
 
-        def on_epoch_end(epoch: int) -> None:
+        def save(epochs_done: int, position: dict | None = None) -> None:
+            """The checkpoint after ``epochs_done`` epochs and, mid-epoch, ``position`` in the next one."""
             if cfg.checkpoint:
                 save_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner,
-                                    {"epoch": epoch + 1}, asdict(cfg))
+                                    {"epoch": epochs_done, "position": position}, asdict(cfg))
 
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
         started = time.perf_counter()
         monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
-        with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor:
-            history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
-                          preconditioner=preconditioner, scheduler=scheduler, writer=writer, start_epoch=start_epoch,
-                          seed=cfg.seed, max_steps=cfg.max_steps, log_every=cfg.log_every,
-                          on_epoch_end=on_epoch_end, profiler=prof, amp=cfg.amp, channels_last=cfg.channels_last)
+        with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor, _stop_signals(cfg.checkpoint) as stop:
+            try:
+                history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
+                              preconditioner=preconditioner, scheduler=scheduler, writer=writer,
+                              start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps,
+                              log_every=cfg.log_every, on_epoch_end=lambda epoch: save(epoch + 1), profiler=prof,
+                              amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
+                              on_stop=save, step_delay_s=cfg.step_delay_s)
+            except Preempted as stopped:
+                if env.is_main:
+                    write_marker(out_dir, stopped.epoch, stopped.step, stopped.signal_name)
+                raise
+        if env.is_main:
+            clear_marker(out_dir)
         lines = memory_lines(strategy.devices())
         if env.distributed:  # every rank measures its own process and devices: say whose line it is
             gathered = [None] * env.world_size
@@ -418,6 +486,11 @@ def run(cfg: TrainConfig) -> dict:
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
     return summary
+
+
+def _stop_signals(enabled: bool):
+    """Catch the stop signals only when a checkpoint can be written: without one, stopping early saves nothing."""
+    return StopSignals() if enabled else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -129,7 +129,8 @@ def add_parser(sub) -> None:
     g.add_argument("--test-batch-size", type=int, default=512, help="samples per evaluation batch")
     g.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS),
                    help="kfac = K-FAC preconditioning the gradients of --kfac-base")
-    g.add_argument("--base-lr", type=float, default=0.05, help="learning rate (before --scale-lr and warm-up)")
+    g.add_argument("--base-lr", type=float, default=None,
+                   help="learning rate (before --scale-lr and warm-up); None: the model's, 0.05 (alexnet_small 0.005)")
     g.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum")
     g.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty")
     g.add_argument("--lr-decay", type=int, nargs="*", default=[], metavar="EPOCH",
@@ -154,6 +155,8 @@ def add_parser(sub) -> None:
     g.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="do not write checkpoints")
     g.add_argument("--profile", action="store_true", help="write a torch.profiler trace to <out>/profile")
     g.add_argument("--log-every", type=int, default=20, help="print an estimated throughput line every N steps")
+    g.add_argument("--step-delay-s", type=float, default=0.0, metavar="SECONDS",
+                   help="sleep after every step: slow a tiny run down enough to practise pre-emption")
 
 
 def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):

@@ -21,7 +21,7 @@ def tiny_profile(feature_layers=2, tp_pairs=((1, 2),)) -> Profile:
               LayerProfile("l1", "Linear", (0.0, 0.001), (0.0, 0.002), 4000, 40, 20),
               LayerProfile("l2", "Linear", (0.0005, 0.0), (0.0005, 0.0), 40, 40, 0)]
     return Profile("tiny", "synthetic-mnist", 1, (2, 8), layers, 16, update_s_per_byte=1e-6, data_s_per_sample=1e-4,
-                   overhead_s=0.01, base_bytes=0, feature_layers=feature_layers, tp_pairs=list(tp_pairs),
+                   base_bytes=0, feature_layers=feature_layers, tp_pairs=list(tp_pairs),
                    tp_hidden=[8] * len(tp_pairs))
 
 
@@ -32,8 +32,8 @@ def topo(alpha=1e-3, beta=1e-6, ranks=2, memory=float("inf")) -> Topology:
 def test_single_terms_by_hand():
     est = price(Plan("single", 1, 1, 8), tiny_profile(), topo())
     # compute: l0 0.003 + 0.0003·8, l1 0.003·8, l2 0.001
-    assert est.time == pytest.approx({"compute": 0.0304, "update": 0.00444, "data": 0.0008, "overhead": 0.01})
-    assert est.step_s == pytest.approx(0.04564)
+    assert est.time == pytest.approx({"compute": 0.0304, "update": 0.00444, "data": 0.0008})
+    assert est.step_s == pytest.approx(0.03564)
     assert est.memory["parameters"] + est.memory["gradients"] + est.memory["optimizer"] == 13320
     assert est.memory["activations"] == pytest.approx(8 * 70)
 
@@ -85,7 +85,7 @@ def test_not_applicable_plans_say_why():
 
 
 def _table(layers, **kw):
-    base = dict(update_s_per_byte=0.0, data_s_per_sample=0.0, overhead_s=0.0, base_bytes=0)
+    base = dict(update_s_per_byte=0.0, data_s_per_sample=0.0, base_bytes=0)
     base.update(kw)
     return Profile("synthetic", "synthetic-cifar10", 1, (2, 64), layers, 3 * 32 * 32 * 4, **base)
 

@@ -3,6 +3,9 @@ and files the kit writes are what the user asked for."""
 import json
 import os
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +110,16 @@ def test_truncated_mnist_file_is_corrupt(capsys, tmp_path):
     assert main(["train", *QUICK[2:], "--dataset", "mnist", "--data-root", str(tmp_path),
                  "--out", str(tmp_path / "run")]) == 2
     assert "train-images-idx3-ubyte is corrupt (4704016 bytes, expected 47040016)" in _one_error_line(capsys)
+
+
+def test_config_error_under_torchrun_is_printed_once_and_the_job_script_exits_2(tmp_path):
+    """Both ranks hit the same bad value; one line is printed, and the job script (run without SLURM) exits 2
+    although torchrun itself exits 1."""
+    env = dict(os.environ, LABKIT_QUICK="1", NPROC="2", EXTRA_ARGS="--epochs 0", LABKIT_OUT=str(tmp_path / "run"),
+               PYTHON=sys.executable, LABKIT_PLAIN="1")
+    env.pop("SLURM_JOB_ID", None)
+    proc = subprocess.run(["bash", "jobs/job_ddp.sh"], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "labkit: error:" in ln]
+    assert errors == ["labkit: error: --epochs must be > 0, got 0"], proc.stderr[-2000:]

@@ -71,7 +71,37 @@ def _ddp_rank(env):
         hs.sync_gradients(hm)
         hand[mode] = max((a - b).abs().max().item() for a, b in zip(_grads(hm), first_grads, strict=True))
     return dict(losses=torch.stack(losses), grads=first_grads, weights=weights, metrics=metrics, hand=hand,
-                check_native=check_against_ddp(env, "native"))
+                check_native=check_against_ddp(env, "native"), fit=_fit_ddp(env))
+
+
+def _fit_ddp(env) -> tuple[list[dict], list[torch.Tensor]]:
+    """The loop users run: labkit.train.fit with the DDP strategy; its epoch records and final weights."""
+    from labkit.train import fit
+
+    train, test = _data(env.world_size)
+    strategy = DDPStrategy(env, {"allreduce": "ddp"})
+    model = strategy.prepare(_model())
+    opt = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=LR, momentum=0.9)
+    history = fit(model, DataLoader(train, batch_size=B, sampler=strategy.sampler(train, True, SEED), drop_last=True),
+                  DataLoader(test, batch_size=3, sampler=strategy.sampler(test, False, SEED)), opt, epochs=EPOCHS,
+                  strategy=strategy, seed=SEED, printer=lambda line: None)
+    return history, [p.detach().clone() for p in strategy.unwrap(model).parameters()]
+
+
+def _fit_single(world_size: int) -> tuple[list[dict], list[torch.Tensor]]:
+    """fit in one process on the global batch (world_size × B), drawn in the ranks' shuffled order: a one-replica
+    DistributedSampler with the same seed permutes the same way, and global batch s is the ranks' batches s."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from labkit.train import fit
+
+    train, test = _data(world_size)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=SEED)
+    history = fit(model, DataLoader(train, batch_size=world_size * B, sampler=sampler, drop_last=True),
+                  DataLoader(test, batch_size=3), opt, epochs=EPOCHS, seed=SEED, printer=lambda line: None)
+    return history, [p.detach().clone() for p in model.parameters()]
 
 
 def _single_reference(world_size: int):
@@ -117,6 +147,17 @@ def test_ddp_equals_single_process_on_the_global_batch(world_size):
         for mode, diff in r["hand"].items():
             assert diff <= 1e-6, f"--allreduce {mode} differs from DDP by {diff} on {world_size} ranks"
         assert r["check_native"] <= 1e-6
+    # the same through fit(), the loop `labkit train` runs: every epoch record and the final weights
+    single_history, single_weights = _fit_single(world_size)
+    for r in ranks:
+        history, weights = r["fit"]
+        for got, want in zip(history, single_history, strict=True):
+            for key in ("train_loss", "test_loss"):
+                assert got[key] == pytest.approx(want[key], abs=1e-5), (key, got["epoch"])
+            for key in ("train_acc", "test_acc"):
+                assert got[key] == want[key], (key, got["epoch"])
+        for got, want in zip(weights, single_weights, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # replicas stay identical
     for r in ranks[1:]:
         for a, b in zip(r["weights"], ranks[0]["weights"], strict=True):

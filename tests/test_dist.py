@@ -1,5 +1,4 @@
 """labkit.dist: launch-variable parsing, device choice, and real process groups via run_ranks."""
-import time
 
 import pytest
 import torch
@@ -78,7 +77,7 @@ def _rank1_fails(env):
 
 
 def test_run_ranks_reports_failing_rank_without_hanging():
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed.*boom on rank one"):
+    """Rank 0's own error in the report proves the failure released it from the barrier (a rank still
+    waiting would be killed without one); a hang would end in run_ranks' TimeoutError instead."""
+    with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed.*boom on rank one.*rank 0 also failed"):
         run_ranks(_rank1_fails, 2, timeout=60)
-    assert time.monotonic() - start < 50

@@ -127,3 +127,19 @@ def test_kfac_feeds_lamb_and_resumes_bit_identically(tmp_path, capsys):
     assert [g["trust_ratio"] for g in a["optimizer"]["param_groups"]] == [True, False]
     assert a["preconditioner"]["steps"] == 4  # factors at steps 0 and 3: one per epoch
     assert a["config"]["optim_options"]["kfac_base"] == "lamb"
+
+
+def test_bench_largebatch_trains_every_optimizer_at_every_scale(tmp_path, capsys):
+    from labkit.cli import main
+    from labkit.results import load_run
+
+    args = ["bench", "largebatch", "--dataset", "synthetic-mnist", "--optimizers", "sgd", "lamb", "--scales", "1", "4",
+            "--epochs", "1",
+            "--batch-size", "8", "--train-size", "64", "--test-size", "32", "--device", "cpu",
+            "--out", str(tmp_path / "lb")]
+    assert main(args) == 0
+    rows = load_run(tmp_path / "lb").records_of("bench")
+    assert [(r["optimizer"], r["scale"], r["global_batch"]) for r in rows] == \
+        [("sgd", 1, 8), ("lamb", 1, 8), ("sgd", 4, 32), ("lamb", 4, 32)]
+    assert [r["lr"] for r in rows] == pytest.approx([0.01, 0.005, 0.04, 0.01])  # SGD × k, LAMB × √k
+    assert "x4 (32)" in capsys.readouterr().out

@@ -72,7 +72,7 @@ def three_ranks(env):
 
 
 def test_ps_sync_is_ddp_async_and_ssp_record_staleness(one_thread):
-    per_rank = run_ranks(three_ranks, 3, timeout=120)
+    per_rank = run_ranks(three_ranks, 3, timeout=300)
     sync_weights, sync_record = per_rank[0]["sync"]
     for r in range(3):  # every rank holds the server's model after the epoch
         assert torch.equal(per_rank[r]["sync"][0], sync_weights)
@@ -123,11 +123,11 @@ def two_ranks(env, die):
 
 
 def test_ps_async_with_one_worker_is_sync_and_a_dead_worker_is_a_clear_error(one_thread):
-    per_rank = run_ranks(two_ranks, 2, False, timeout=120)
+    per_rank = run_ranks(two_ranks, 2, False, timeout=300)
     for r in range(2):
         assert torch.equal(per_rank[r]["sync"][0], per_rank[r]["async"][0])
     with pytest.raises(RuntimeError) as failure:
-        run_ranks(two_ranks, 2, True, timeout=90)
+        run_ranks(two_ranks, 2, True, timeout=300)
     found = re.search(r"PeerFailure: after ([0-9.]+) s: server rank 0 waiting for a push from workers \[1\]: "
                       r"nothing arrived within 4 s \(--ps-timeout-s\) or the peer died", str(failure.value))
     assert found, str(failure.value)[-2000:]
@@ -144,3 +144,17 @@ def test_bad_ps_options_are_config_errors():
         ParameterServerStrategy(env, {"ps_slow_worker": "0:2"})
     with pytest.raises(ConfigError, match="not RANK:FACTOR"):
         ParameterServerStrategy(env, {"ps_slow_worker": "fast"})
+
+
+def test_bench_ps_contenders_and_time_to_target():
+    from argparse import Namespace
+
+    from labkit.bench.ps import contenders, time_to_target
+
+    runs = contenders(Namespace(workers=2, max_staleness=1, slow_factor=3.0))
+    assert runs["ddp"] == (2, ["--strategy", "ddp"])
+    assert runs["ps-ssp +straggler"] == (3, ["--strategy", "ps", "--ps-mode", "ssp", "--max-staleness", "1",
+                                             "--ps-slow-worker", "2:3"])
+    assert len(runs) == 7
+    epochs = [{"time_s": 2.0, "test_acc": 0.5}, {"time_s": 3.0, "test_acc": 0.85}, {"time_s": 1.0, "test_acc": 0.9}]
+    assert time_to_target(epochs, 0.8) == 5.0 and time_to_target(epochs, 0.95) is None

@@ -90,7 +90,8 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     if memory_limit_gb is not None and memory_limit_gb <= 0:
         raise ConfigError(f"--memory-limit must be > 0 GB, got {memory_limit_gb}")
-    topo = (topology or Topology.local(ranks, links_from=links, cache=cache)).with_memory(memory_limit_gb)
+    topo = topology or Topology.local(ranks, links_from=links, cache=cache, refresh=refresh)
+    topo = topo.with_memory(memory_limit_gb)
     measure_on = profile_topology or topo
 
     @lru_cache(maxsize=None)

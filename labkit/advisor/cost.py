@@ -9,10 +9,10 @@ Notation (per optimizer step, global batch ``B``):
 * ``AR(n, algo, p)`` the all-reduce of ``n`` bytes over ``p`` ranks priced from the kit's schedule counts:
   ``Σ_steps α·m_s + β·b_s + γ·r_s`` (:meth:`labkit.collectives.cost.CostModel.predict`);
   ``msg(n) = α + β·n`` one point-to-point message;
-* ``u`` optimizer seconds per parameter byte, ``d`` loading seconds per sample, ``O`` the loop's own
-  seconds per step (all measured by the profile).
+* ``u`` optimizer seconds per parameter byte, ``d`` loading seconds per sample (measured by the profile;
+  the loss and the loop's own work are inside ``T``, which the profile scales to whole measured steps).
 
-Every plan pays ``update = u·P_dev``, ``data = d·(samples its rank loads)``, ``overhead = O``. Memory on
+Every plan pays ``update = u·P_dev`` and ``data = d·(samples its rank loads)``. Memory on
 the fullest device: ``parameters + gradients + optimizer (momentum) = 3·P_dev``, ``activations``,
 ``buffers`` (communication copies), ``runtime`` (a process before any model; CPU only).
 """
@@ -52,8 +52,7 @@ def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo: Topology
 
 
 def common_terms(prof: Profile, topo: Topology, params: float, loaded: float) -> dict[str, float]:
-    return {"update": prof.update_s_per_byte * params * topo.compute_scale,
-            "data": prof.data_s_per_sample * loaded, "overhead": prof.overhead_s}
+    return {"update": prof.update_s_per_byte * params * topo.compute_scale, "data": prof.data_s_per_sample * loaded}
 
 
 def memory_terms(prof: Profile, topo: Topology, params: float, activations: float,

@@ -5,12 +5,18 @@ fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a pri
 
     fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
 
-(``fwd0`` is the per-call cost a micro-batch pays however small it is). Besides the layers, one step of
-the real loop has costs no layer shows; they are measured once per profile:
+(``fwd0`` is the per-call cost a micro-batch pays however small it is). A layer timed alone is not timed
+as the training loop runs it: between two timed calls the CPU's worker threads go to sleep, and on a busy
+machine waking them costs more than a small layer's work. So the layers give the *shape* and whole steps
+give the *level*: at each size ``b`` the loop's own step (forward, loss, backward, optimizer, several
+back to back) is timed, and every layer's time is scaled by
+
+    scale(b) = (step(b) − update(P)) / Σ_i (fwd_i + bwd_i)(b)
+
+so the layers sum to what the loop spends on them. Besides the layers:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
-    overhead   = step − Σ_i (fwd_i + bwd_i)(B) − update(P) − data(B)   loss, zero_grad, metrics, Python
 
 Memory per layer: parameter bytes, output bytes per sample (what crosses a cut) and saved bytes per
 sample (what autograd keeps for backward). A profile is cached as a run in the results schema
@@ -73,7 +79,6 @@ class Profile:
     input_bytes: int                      # one sample
     update_s_per_byte: float
     data_s_per_sample: float
-    overhead_s: float
     base_bytes: int                       # a process's memory before the model (runtime, libraries)
     feature_layers: int | None = None     # first layers that form ``model.features`` (hybrid)
     tp_pairs: list[tuple[int, int]] = field(default_factory=list)  # (column, row) Linear indices
@@ -144,29 +149,38 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
     return pairs
 
 
-def _loop_costs(model: nn.Sequential, dataset: str, batch: int, repeats: int) -> tuple[float, float, float]:
-    """(s per sample of data loading, s per parameter byte of SGD, s of one whole training step)."""
+def _back_to_back(fn, calls: int, repeats: int) -> float:
+    """Seconds per call of ``fn`` run ``calls`` times in a row (as a loop runs it), the median of ``repeats``."""
+    def run():
+        for _ in range(calls):
+            fn()
+    return _median_time(run, repeats) / calls
+
+
+def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
+                repeats: int) -> tuple[float, float, list[float]]:
+    """(s per sample of data loading, s per parameter byte of SGD, s per training step at each size)."""
     from labkit.tensor_data import load_split
 
-    loader = kdata.make_loader(load_split("tensor", dataset, train=True), batch, shuffle=True)  # labkit train's default
-    it = iter(loader)
-    batches = [next(it) for _ in range(min(len(loader), repeats + 1))]
+    train_set = load_split("tensor", dataset, train=True)  # labkit train's default loader
+    loader = kdata.make_loader(train_set, sizes[1], shuffle=True)
     fetch = iter(loader)
-    data = _median_time(lambda: next(fetch), min(len(loader), repeats)) / batch
+    data = _back_to_back(lambda: next(fetch), 2, min(repeats, len(loader) // 2)) / sizes[1]
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
+    steps = []
+    for b in sizes:
+        x, y = next(iter(kdata.make_loader(train_set, b, shuffle=True)))
 
-    def step(xy):
-        opt.zero_grad(set_to_none=True)
-        out = model(xy[0])
-        criterion(out, xy[1]).backward()
-        opt.step()
-        (out.argmax(1) == xy[1]).sum()
+        def step():
+            opt.zero_grad(set_to_none=True)
+            criterion(model(x), y).backward()
+            opt.step()
 
-    step(batches[0])
-    update = _median_time(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
-    whole = statistics.median(_median_time(lambda: step(xy), 1) for xy in batches[1:] or batches)
-    return data, update, whole
+        step()  # warm-up: allocations
+        steps.append(_back_to_back(step, 2, repeats))
+    update = _back_to_back(opt.step, 3, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
+    return data, update, steps
 
 
 def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3) -> Profile:
@@ -195,20 +209,23 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole = _loop_costs(copy.deepcopy(seq).train(), dataset, sizes[1], repeats)
+        data_s, update_s, whole = _loop_costs(copy.deepcopy(seq).train(), dataset, sizes, repeats)
     finally:
         torch.set_num_threads(before)
+    param_bytes = sum(p.numel() * p.element_size() for p in seq.parameters())
+    scale = [max(0.0, whole[k] - update_s * param_bytes) / max(1e-12, sum(f + b for f, b in timed[k]))
+             for k in range(2)]
+    timed = [[(f * scale[k], b * scale[k]) for f, b in timed[k]] for k in range(2)]
     layers = [LayerProfile(name, type(layer).__name__,
                            _line(sizes[0], timed[0][i][0], sizes[1], timed[1][i][0]),
                            _line(sizes[0], timed[0][i][1], sizes[1], timed[1][i][1]),
-                           sum(p.numel() * p.element_size() for p in layer.parameters()), outs[i], saved[i])
+                           sum(p.numel() * p.element_size() for p in layer.parameters()), outs[i], saved[i],
+                           sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))))
               for i, (name, layer) in enumerate(seq.named_children())]
-    for layer, module in zip(layers, seq):
-        layer.units = sum(1 for m in module.modules() if any(True for _ in m.parameters(recurse=False)))
-    prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s, 0.0,
-                   base, len(features) if isinstance(features, nn.Sequential) else None, _tp_pairs(seq),
-                   [seq[i].out_features for i, _ in _tp_pairs(seq)])
-    prof.overhead_s = max(0.0, whole - prof.time(sizes[1]) - update_s * prof.param_bytes - data_s * sizes[1])
+    pairs = _tp_pairs(seq)
+    prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
+                   base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
+                   [seq[i].out_features for i, _ in pairs])
     return prof
 
 

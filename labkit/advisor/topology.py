@@ -70,12 +70,15 @@ class Topology:
 
     @classmethod
     def local(cls, ranks: int, link: CostModel | None = None, links_from: str | Path | None = None,
-              cache: str | Path = Path("runs") / "advisor") -> Topology:
-        """``ranks`` gloo ranks on this machine; the link from ``link``, a bench run dir, a cache, or measured now."""
+              cache: str | Path = Path("runs") / "advisor", refresh: bool = False) -> Topology:
+        """``ranks`` gloo ranks on this machine; the link from ``link``, a bench run dir, a cache, or measured now
+        (``refresh``: measured now even if cached)."""
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        if link is None:
-            link = read_fit(links_from, ranks) if links_from else read_fit(Path(cache) / f"links-{ranks}", ranks, False)
+        if link is None and links_from:
+            link = read_fit(links_from, ranks)
+        elif link is None and not refresh:
+            link = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
         if link is None:
             link = measure_link(ranks, Path(cache) / f"links-{ranks}")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

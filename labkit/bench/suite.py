@@ -36,7 +36,7 @@ SUITE_FILE = "suite.json"
 STRATEGY_RUNS: dict[str, tuple[int, list[str]]] = {
     "single": (1, []),
     "ddp": (2, []),
-    "hybrid": (2, ["--model", "alexnet_small", "--dataset", "synthetic-cifar10"]),  # needs .features/.classifier
+    "hybrid": (2, ["--model", "alexnet_small", "--dataset", "synthetic-cifar10", "--base-lr", "0.01"]),  # .features/.classifier
     "tensor-parallel": (2, []),
     "pipeline": (2, ["--num-microbatches", "4"]),
     "model-parallel": (1, ["--mp-devices", "2"]),

@@ -116,8 +116,9 @@ def _worker(args: argparse.Namespace) -> int:
                          "peak_mb": peak.item() / 1e6 if env.device.type == "cuda" else None})
         print0(f"labkit bench zero | {args.model} (Ψ = {psi:,} parameters) | {args.optimizer} (K = {k}) | "
                f"{env.world_size} ranks on {env.device}")
+        peak_column = f"{'peak MB':>10}" if rows[0]["peak_mb"] else ""
         print0(f"{'contender':<10}{'samples/s':>11}{'vs ddp':>8}{'params MB':>11}{'grads MB':>10}{'optim MB':>10}"
-               f"{'state MB':>10}{'formula MB':>12}{'meas/form':>10}" + (f"{'peak MB':>10}" if rows[0]["peak_mb"] else ""))
+               f"{'state MB':>10}{'formula MB':>12}{'meas/form':>10}{peak_column}")
         for r in rows:
             ratio = rates[r["contender"]].get("ratio", 1.0)
             print0(f"{r['contender']:<10}{r['samples_per_sec']:>11.1f}{ratio:>8.2f}{r['params_mb']:>11.3f}"

@@ -2,8 +2,8 @@
 
 Each fixture installs what it needs when missing (Debian's ``slurm-wlm``, ``munge``, ``chromium``;
 pip's ``playwright``), starts its daemons in a temp dir and stops exactly the processes it
-started. Where the machine cannot do it the test is skipped with the reason, except under
-``CI=true`` where that is a failure (see ``provision.unavailable``).
+started. Where the machine cannot do it the test fails with the reason, unless the user opted out with
+``LABKIT_SKIP_SYSTEM=1`` (ignored under ``CI=true``; see ``provision.unavailable``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "system: end-to-end test on real daemons (SLURM, JupyterLab, Chromium); installs missing "
-        "Debian/pip packages; skipped where impossible, failing instead when CI=true")
+        "Debian/pip packages; fails where impossible unless LABKIT_SKIP_SYSTEM=1")
 
 
 @pytest.fixture(scope="session")

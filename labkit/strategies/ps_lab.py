@@ -1,0 +1,54 @@
+"""Notebook 01b's experiment: the same model trained by a parameter server in sync, async and SSP mode.
+
+    per_rank = labkit.testing.run_ranks(compare_modes, 3, slow_worker="2:4")   # server 0, workers 1-2
+    result = per_rank[0]    # {mode: {"history": [...], "updates": [...], "time_s": ...}}
+
+Each mode runs through :func:`labkit.train.fit` with :class:`~labkit.strategies.ps.ParameterServerStrategy`
+from the same initial weights on the same data, evaluating after every epoch.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from labkit import data as kdata
+from labkit import models as kmodels
+from labkit.dist import DistEnv
+from labkit.strategies.ps import ParameterServerStrategy
+from labkit.train import fit
+
+
+def compare_modes(env: DistEnv, modes: tuple[str, ...] = ("sync", "async", "ssp"), *, epochs: int = 2,
+                  train_size: int = 1024, test_size: int = 500, batch_size: int = 32, lr: float = 0.05,
+                  max_staleness: int = 1, slow_worker: str | None = None, dataset: str = "mnist-sample",
+                  model: str = "lenet") -> dict:
+    """Train once per mode; every rank returns ``{mode: {"history", "updates", "time_s"}}``.
+
+    ``history`` has fit's epoch records (test accuracy, ``time_s`` per epoch); ``updates`` the servers'
+    per-update record (worker, clock, staleness, ahead, time_s).
+    """
+    info = kdata.dataset_info(dataset)
+    train = torch.utils.data.Subset(kdata.get_dataset(dataset, train=True), range(train_size))
+    test = torch.utils.data.Subset(kdata.get_dataset(dataset, train=False), range(test_size))
+    out = {}
+    for mode in modes:
+        options = {"ps_mode": mode, "ps_slow_worker": slow_worker, "ps_timeout_s": 120}
+        if mode == "ssp":
+            options["max_staleness"] = max_staleness
+        strategy = ParameterServerStrategy(env, options)
+        torch.manual_seed(0)
+        net = strategy.prepare(kmodels.get_model(model, num_classes=info.num_classes, in_channels=info.in_channels,
+                                                 image_size=info.image_size))
+        optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+        train_loader = kdata.make_loader(train, batch_size, shuffle=True, sampler=strategy.sampler(train, True, 0),
+                                         drop_last=True)
+        test_loader = kdata.make_loader(test, 250, shuffle=False, sampler=strategy.sampler(test, False, 0))
+        started = time.perf_counter()
+        history = fit(net, train_loader, test_loader, optimizer, epochs=epochs, strategy=strategy,
+                      printer=lambda *_: None)
+        elapsed = time.perf_counter() - started
+        record = strategy.records()
+        out[mode] = {"history": history, "time_s": elapsed,
+                     "updates": [u for server in record["per_server"] for u in server["updates"]]}
+    return out

@@ -1,0 +1,58 @@
+"""Pre-emption on a real one-node SLURM cluster: ``jobs/job_ddp.sh`` gets SLURM's warning signal mid-epoch
+(``scancel --signal=USR1 --batch``, what ``#SBATCH --signal=B:USR1@120`` sends before a time limit), its ranks
+write a mid-epoch checkpoint, the job requeues itself, resumes from that step when it runs again, and ends with
+the weights of the same job run uninterrupted (torch.equal)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from labkit.train import load_checkpoint
+
+from .jobs import JOBS, job_env
+from .provision import REPO
+from .slurm_cluster import TERMINAL, SlurmCluster
+
+pytestmark = pytest.mark.system
+
+# 2 CPU ranks × 16 samples: 6 steps per epoch, 3 epochs, slowed down so the signal lands mid-epoch
+ARGS = ("--model mlp --dataset synthetic-mnist --train-size 192 --test-size 32 --batch-size 16 --epochs 3 "
+        "--log-every 1 --step-delay-s 0.3 --seed 4")
+
+
+def _submit(slurm: SlurmCluster, root: Path, name: str):
+    env = job_env(root / name) | {"NPROC": "2", "EXTRA_ARGS": ARGS}
+    return slurm.submit(JOBS / "job_ddp.sh", name=name, output=root / f"{name}.log", env=env,
+                        args=("--exclusive", "--time=5", "--open-mode=append"), cwd=REPO)
+
+
+def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm: SlurmCluster, tmp_path: Path) -> None:
+    clean = _submit(slurm, tmp_path, "clean")
+    warned = _submit(slurm, tmp_path, "warned")
+    deadline = time.monotonic() + 300
+    while "train | 2/3 epoch" not in warned.log():  # epoch 2 under way
+        assert time.monotonic() < deadline and slurm.refresh(warned).state not in TERMINAL, warned.describe()
+        time.sleep(0.3)
+    slurm.command("scancel", "--signal=USR1", "--batch", warned.job_id)
+    assert slurm.wait([clean], 300) and slurm.wait([warned], 400, frozenset({"COMPLETED", "FAILED", "CANCELLED",
+                                                                               "TIMEOUT"})), warned.describe()
+    assert clean.state == "COMPLETED" and warned.state == "COMPLETED", warned.describe()
+    assert int(warned.info.get("Restarts", "0")) == 1, warned.describe()
+
+    log = warned.log()
+    assert "labkit: stopped on SIGTERM in epoch 2 after step" in log and f"requeued job {warned.job_id}" in log, log
+    stopped_at = int(log.split("in epoch 2 after step ")[1].split(";")[0])
+    assert 0 < stopped_at < 6 and f"at epoch 1, step {stopped_at}" in log, log
+    a = load_checkpoint(tmp_path / "clean" / "checkpoint.pt")
+    b = load_checkpoint(tmp_path / "warned" / "checkpoint.pt")
+    assert a["epoch"] == b["epoch"] == 3
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    summary = json.loads((tmp_path / "warned" / "summary.json").read_text())
+    assert summary["metrics"]["final_train_loss"] == json.loads(
+        (tmp_path / "clean" / "summary.json").read_text())["metrics"]["final_train_loss"]
