@@ -33,11 +33,15 @@ from labkit.errors import ConfigError
 #: ``--loader`` choices: the resident-tensor path (default) and torchvision's per-sample DataLoader path
 LOADERS = ("tensor", "torch")
 PAD = 4  # CIFAR augmentation: zero padding before the random crop
+#: a split whose float32 pixels fit in this many bytes is normalised once at load time (mnist-sample, MNIST);
+#: larger ones (CIFAR10's training set: 614 MB) stay uint8 and are normalised per batch
+FLOAT_BYTES = 256 * 2**20
 
 
 class TensorImages(Dataset):
     """A split held as tensors: ``data`` (N, C, H, W) uint8 raw pixels or float32 already normalised, and
-    ``targets`` (N,) int64, both on one device.
+    ``targets`` (N,) int64, both on one device. uint8 pixels that fit :data:`FLOAT_BYTES` as float32 are
+    normalised once here; larger splits keep uint8 (a quarter of the memory) and normalise each batch.
 
     Args:
         data, targets: the split.
@@ -50,10 +54,16 @@ class TensorImages(Dataset):
         if data.ndim != 4 or len(targets) != len(data):
             raise ConfigError(f"tensor dataset needs data (N, C, H, W) and N targets, got {tuple(data.shape)} "
                               f"and {len(targets)}")
-        self.data, self.targets, self.augment = data, targets.long(), augment
+        self.targets, self.augment = targets.long(), augment
         shape = (1, -1, 1, 1)
         self.mean = torch.tensor(mean, dtype=torch.float32, device=data.device).view(shape)
         self.std = torch.tensor(std, dtype=torch.float32, device=data.device).view(shape)
+        small = data.numel() * 4 <= FLOAT_BYTES
+        self.data = self._normalise(data) if small and not data.is_floating_point() else data
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 pixels -> float32 ``(x / 255 - mean) / std``, in the order ToDtype(scale) + Normalize use."""
+        return x.to(torch.float32).mul_(1.0 / 255).sub_(self.mean).div_(self.std)
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +88,7 @@ class TensorImages(Dataset):
         """Samples ``index`` (B,) as ``(x (B, C, H, W) float32 normalised [and augmented], y (B,) int64)``."""
         x = self.data[index]
         if not x.is_floating_point():
-            x = x.to(torch.float32).mul_(1.0 / 255).sub_(self.mean).div_(self.std)
+            x = self._normalise(x)
         if self.augment:
             x = crop_flip(x, PAD)
         return x, self.targets[index]

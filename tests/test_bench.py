@@ -94,3 +94,16 @@ def test_report_renders_from_the_committed_references(tmp_path):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ConfigError, match="not a readable suite result"):
         load_suite(tmp_path / "missing")
+
+
+def test_a_run_is_plotted_beside_every_reference():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labkit.bench.report import plot_beside_reference, reference_suites
+
+    references = reference_suites()
+    run = {"config": {"model": "lenet"}, "metrics": {"samples_per_sec": 123.0}}
+    ax = plot_beside_reference(run, "ddp", references=references)
+    bars = [p.get_width() for p in ax.patches]
+    assert bars == [123.0] + [s["strategies"]["ddp"]["samples_per_sec"] for s in references]
+    assert [t.get_text() for t in ax.get_yticklabels()][0] == "your run (lenet)"

@@ -13,7 +13,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_registry_names():
-    assert list(models.MODELS) == ["mlp", "lenet", "resnet20", "resnet32", "resnet50", "alexnet_small"]
+    assert list(models.MODELS) == ["mlp", "lenet", "resnet8", "resnet20", "resnet32", "resnet50", "alexnet_small"]
+
+
+@pytest.mark.parametrize("name, depth", [("resnet8", 8), ("resnet20", 20), ("resnet32", 32)])
+def test_cifar_resnets_have_6n_plus_2_weight_layers(name, depth):
+    model = models.get_model(name, in_channels=3, image_size=32)
+    weighted = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert len(weighted) == depth  # He et al. 2016: 6n + 2 layers, identity (zero-padded) shortcuts
 
 
 def _randomise(model: nn.Module) -> None:
@@ -135,7 +142,7 @@ def test_resnet50_is_torchvision_with_a_small_image_stem():
 
 
 def test_bad_model_requests_raise_config_error():
-    with pytest.raises(ConfigError, match=r"unknown model 'vgg16'; choose one of: mlp, lenet, resnet20, resnet32"):
+    with pytest.raises(ConfigError, match=r"unknown model 'vgg16'; choose one of: mlp, lenet, resnet8, resnet20, resnet32"):
         models.get_model("vgg16")
     with pytest.raises(ConfigError, match="lenet needs image_size >= 16, got 8"):
         models.get_model("lenet", image_size=8)

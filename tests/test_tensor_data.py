@@ -30,7 +30,7 @@ def _same(a, b):
 def test_tensor_path_yields_the_torchvision_batches(name):
     """Same seed, same epoch, same sampler: the same normalised images and labels, batch for batch."""
     reference, resident = data.get_dataset(name, train=True), tensor_dataset(name, train=True)
-    assert resident.data.dtype == (torch.uint8 if name == "mnist-sample" else torch.float32)
+    assert resident.data.dtype == torch.float32  # small: normalised once at load time
     assert torch.equal(resident[7][0], reference[7][0]) and resident[7][1] == reference[7][1]
     torch_loader = data.make_loader(reference, 256, shuffle=True, seed=3)
     tensor_loader = data.make_loader(resident, 256, shuffle=True, seed=3)
@@ -47,6 +47,20 @@ def test_tensor_path_yields_the_torchvision_batches(name):
           _batches(data.make_loader(resident, 100, True, samplers[1], drop_last=True)))
     _same(_batches(data.make_loader(load_split("torch", name, train=False, limit=300), 128, shuffle=False)),
           _batches(data.make_loader(load_split("tensor", name, train=False, limit=300), 128, shuffle=False)))
+
+
+def test_large_uint8_splits_stay_uint8_and_normalise_per_batch(monkeypatch):
+    monkeypatch.setattr("labkit.tensor_data.FLOAT_BYTES", 1000)
+    pixels = torch.randint(0, 256, (20, 3, 4, 4), dtype=torch.uint8)
+    big = TensorImages(pixels, torch.arange(20), (0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    assert big.data.dtype == torch.uint8
+    expected = (pixels[[3, 7]].float() / 255 - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) \
+        / torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
+    torch.testing.assert_close(big.batch(torch.tensor([3, 7]))[0], expected)
+    monkeypatch.setattr("labkit.tensor_data.FLOAT_BYTES", 10 ** 6)
+    small = TensorImages(pixels, torch.arange(20), (0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
+    assert small.data.dtype == torch.float32 and torch.equal(small.batch(torch.tensor([3, 7]))[0],
+                                                                big.batch(torch.tensor([3, 7]))[0])
 
 
 def test_shards_are_disjoint_complete_and_reshuffled():

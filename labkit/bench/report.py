@@ -199,7 +199,7 @@ def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", a
     summary = run.summary if isinstance(run, Run) else run if isinstance(run, dict) else load_run(run).summary
     references = reference_suites() if references is None else references
     config = summary.get("config", {})
-    labels = [f"your run ({config.get('model', config.get('model_name', '?'))})"]
+    labels = [f"your run ({config.get('model') or summary.get('name', '?')})"]
     values = [summary["metrics"][metric]]
     for suite in references:
         ref = _ok(suite["strategies"]).get(strategy, {})
