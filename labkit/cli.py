@@ -19,7 +19,7 @@ import importlib
 import importlib.util
 import sys
 
-from labkit.errors import LabkitError, report
+from labkit.errors import LabkitError, OutputError, report
 
 #: command name -> (module that defines ``add_parser(subparsers)``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except LabkitError as exc:
         return report(exc)
+    except OSError as exc:  # a file or folder the user named (--out, a plot path) cannot be made or read
+        if exc.filename is None:
+            raise
+        return report(OutputError(f"cannot use {exc.filename}: {exc.strerror}; choose another path"))
     except KeyboardInterrupt:
         print("labkit: interrupted", file=sys.stderr)
         return 130

@@ -123,3 +123,12 @@ def test_config_error_under_torchrun_is_printed_once_and_the_job_script_exits_2(
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "labkit: error:" in ln]
     assert errors == ["labkit: error: --epochs must be > 0, got 0"], proc.stderr[-2000:]
+
+
+def test_any_unwritable_path_is_one_line(capsys, tmp_path):
+    """The command's safety net for paths written outside results.py (here a collective animation)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["allreduce", "animate", "--algo", "ring", "--ranks", "2", "--out", str(blocker / "a.html")]) == 2
+    line = _one_error_line(capsys)
+    assert f"cannot use {blocker}" in line and "File exists" in line, line

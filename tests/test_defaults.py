@@ -1,22 +1,28 @@
 """Every shipped model trains with the defaults: ``labkit train --model NAME`` with no --base-lr / optimizer flags
-gives a finite loss that goes down on the model's quick dataset."""
+gives a finite loss that goes down on the model's quick dataset.
+
+Left out for time: resnet32 (the CIFAR ResNet of resnet8 and resnet20 with more blocks, same defaults) and
+resnet50 (a few CPU steps of it cost more than the rest of this file, and nine steps at batch 64 show no trend
+for a network that deep)."""
 import math
 
 import pytest
+import torch
 
 from labkit.models import MODELS
 from labkit.train import TrainConfig, run
 
 #: the offline dataset each model is shown on (the CIFAR networks on CIFAR-shaped data)
-QUICK_DATASET = {"mlp": "mnist-sample", "lenet": "mnist-sample", "resnet20": "synthetic-cifar10",
-                 "resnet32": "synthetic-cifar10", "resnet50": "synthetic-mnist", "alexnet_small": "synthetic-cifar10"}
+QUICK_DATASET = {"mlp": "mnist-sample", "lenet": "mnist-sample", "resnet8": "synthetic-cifar10",
+                 "resnet20": "synthetic-cifar10", "resnet32": "synthetic-cifar10", "resnet50": "synthetic-mnist",
+                 "alexnet_small": "synthetic-cifar10"}
 
 
 def test_every_model_has_a_quick_dataset():
     assert set(QUICK_DATASET) == set(MODELS)
 
 
-@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("model", [name for name in MODELS if name not in ("resnet32", "resnet50")])
 def test_model_trains_with_the_defaults(tmp_path, one_thread, model):
     """Three passes over 192 samples: the last pass's mean loss is below the first's, and every loss is finite
     (``fit`` raises TrainingDiverged on a NaN)."""
@@ -31,3 +37,32 @@ def _epochs(out):
     from labkit.results import load_run
 
     return load_run(out).records_of("epoch")
+
+
+@pytest.mark.parametrize("update_freq", [1, 10])
+def test_kfac_defaults_keep_loss_and_logits_bounded(one_thread, update_freq):
+    """K-FAC with its default damping, KL clip and factor decay on LeNet / mnist-sample: with kfac_pytorch's
+    damping (0.003) on labkit's textbook-scale factors the logits reached |z| > 1,000 and the loss 27 within
+    62 steps at update frequency 1."""
+    from torch import nn
+
+    from labkit import data, models
+    from labkit.optim.kfac import from_options
+
+    torch.manual_seed(0)
+    model = models.get_model("lenet")
+    optimizer = torch.optim.SGD(model.parameters(), lr=models.default_lr("lenet"), momentum=0.9)
+    kfac = from_options(model, {"kfac_update_freq": update_freq}, optimizer=optimizer)
+    loader = data.make_loader(data.get_dataset("mnist-sample"), 64, shuffle=True, seed=0)
+    losses, logits = [], 0.0
+    for step, (x, y) in zip(range(62), loader):
+        out = model(x)
+        loss = nn.functional.cross_entropy(out, y)
+        optimizer.zero_grad()
+        loss.backward()
+        kfac.step()
+        optimizer.step()
+        losses.append(loss.item())
+        logits = max(logits, out.abs().max().item())
+    assert logits < 100 and max(losses) < 2 * math.log(10), (logits, max(losses))
+    assert sum(losses[-10:]) < sum(losses[:10]) / 2, losses  # and it learns

@@ -1,6 +1,7 @@
 """Every workshop exercise: its checker passes a right answer, fails a wrong one with the reason, writes a
 starting file with ``--init``; and every notebook's exercise cell, untouched, fails its checker."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,7 @@ def exercise_cells():
 
 def test_every_workshop_notebook_has_a_checked_exercise():
     names = {nb for nb, *_ in exercise_cells()}
-    assert {p.stem for p in _notebooks() if p.stem[:2] in {f"0{i}" for i in range(7)}} <= names
+    assert {p.stem for p in _notebooks() if re.fullmatch(r"0[0-6]_.*", p.stem)} <= names
     assert {check for _, check, *_ in exercise_cells()} <= set(CHECKS)
 
 

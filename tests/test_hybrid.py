@@ -52,7 +52,31 @@ def _hybrid_rank(env) -> dict:
     result["weights"] = {k: v.clone() for k, v in strategy.unwrap(model).state_dict().items()}
     x, _ = _batch(0)
     result["eval"] = strategy.forward(model, x)
+    result["fit"] = _fit(HybridStrategy(env), 4)
     return result
+
+
+def _fit_data():
+    g = torch.Generator().manual_seed(7)
+    train = torch.utils.data.TensorDataset(torch.randn(16, 3, 16, 16, generator=g), torch.randint(0, 10, (16,), generator=g))
+    test = torch.utils.data.TensorDataset(torch.randn(6, 3, 16, 16, generator=g), torch.randint(0, 10, (6,), generator=g))
+    return train, test
+
+
+def _fit(strategy, batch: int, sampler=None) -> tuple[list[dict], dict]:
+    """Two epochs of two steps through labkit.train.fit (the loop `labkit train` runs): records, final weights."""
+    from torch.utils.data import DataLoader
+
+    from labkit.train import fit
+
+    train, test = _fit_data()
+    model = strategy.prepare(_model())
+    optimizer = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=0.01, momentum=0.9)
+    history = fit(model, DataLoader(train, batch_size=batch, sampler=sampler or strategy.sampler(train, True, 3),
+                                    drop_last=True),
+                  DataLoader(test, batch_size=4), optimizer, epochs=2, strategy=strategy, seed=3,
+                  printer=lambda line: None)
+    return history, {k: v.clone() for k, v in strategy.unwrap(model).state_dict().items()}
 
 
 def _single() -> dict:
@@ -90,6 +114,26 @@ def test_hybrid_equals_single_process():
     assert torch.allclose(ranks[0]["eval"], single["eval"], atol=ATOL)  # evaluation: rank 0 alone
     assert ranks[1]["eval"] is None
     assert ranks[0]["logits"].shape == (b, 10)
+    _check_fit_equals_single_process_fit(ranks)
+
+
+def _check_fit_equals_single_process_fit(ranks: list[dict]) -> None:
+    """The same through fit(): a one-replica DistributedSampler with the same seed permutes the training set the
+    way the ranks' samplers do, so its global batch s holds the ranks' batches s."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    from labkit.strategies import Strategy
+
+    train, _ = _fit_data()
+    history, weights = _fit(Strategy(DistEnv()), 8, DistributedSampler(train, num_replicas=1, rank=0, seed=3))
+    for r in ranks:
+        got_history, got_weights = r["fit"]
+        for got, want in zip(got_history, history, strict=True):
+            for key in ("train_loss", "test_loss"):
+                assert got[key] == pytest.approx(want[key], abs=ATOL), (key, got["epoch"])
+            assert got["train_acc"] == want["train_acc"] and got["test_acc"] == want["test_acc"]
+        for name, weight in got_weights.items():
+            assert torch.allclose(weight, weights[name], atol=ATOL), name
 
 
 def test_hybrid_needs_features_and_classifier():

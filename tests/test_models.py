@@ -13,7 +13,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_registry_names():
-    assert list(models.MODELS) == ["mlp", "lenet", "resnet20", "resnet32", "resnet50", "alexnet_small"]
+    assert list(models.MODELS) == ["mlp", "lenet", "resnet8", "resnet20", "resnet32", "resnet50", "alexnet_small"]
+
+
+@pytest.mark.parametrize("name, depth", [("resnet8", 8), ("resnet20", 20), ("resnet32", 32)])
+def test_cifar_resnets_have_6n_plus_2_weight_layers(name, depth):
+    model = models.get_model(name, in_channels=3, image_size=32)
+    weighted = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    assert len(weighted) == depth  # He et al. 2016: 6n + 2 layers, identity (zero-padded) shortcuts
 
 
 def _randomise(model: nn.Module) -> None:
@@ -113,10 +120,13 @@ def test_alexnet_small_layers_follow_the_seed_000_strategy():
     assert sum(isinstance(m, nn.Linear) for m in net.classifier) == 3
     # the linear layers hold most parameters, the convolutions most of the compute
     assert models.count_parameters(net.classifier) > models.count_parameters(net.features)
-    # He init keeps the signal through 8 layers without BatchNorm (PyTorch's default init: logit std ~0.02)
+    # He init keeps the signal through 8 layers without BatchNorm (PyTorch's default init: logit std ~0.02);
+    # the last layer at a tenth of that scale starts the logits small, the loss near ln 10
     torch.manual_seed(0)
     with torch.no_grad():
-        assert net(torch.randn(16, 3, 32, 32)).std() > 0.5
+        x = torch.randn(16, 3, 32, 32)
+        assert net.classifier[:-1](net.flat(net.features(x))).std() > 1.0
+        assert 0.1 < net(x).std() < 1.5
 
 
 def test_resnet50_is_torchvision_with_a_small_image_stem():
@@ -135,7 +145,7 @@ def test_resnet50_is_torchvision_with_a_small_image_stem():
 
 
 def test_bad_model_requests_raise_config_error():
-    with pytest.raises(ConfigError, match=r"unknown model 'vgg16'; choose one of: mlp, lenet, resnet20, resnet32"):
+    with pytest.raises(ConfigError, match=r"unknown model 'vgg16'; choose one of: mlp, lenet, resnet8, resnet20, resnet32"):
         models.get_model("vgg16")
     with pytest.raises(ConfigError, match="lenet needs image_size >= 16, got 8"):
         models.get_model("lenet", image_size=8)

@@ -84,11 +84,12 @@ def test_sigterm_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path, strateg
     writes one checkpoint per rank)."""
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "labkit",
             "train", "--strategy", strategy, *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()],
-            "--train-size", "192", "--log-every", "1", "--step-delay-s", "0.15"]
+            "--train-size", "192", "--log-every", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1", LABKIT_PLAIN="1", PYTHONUNBUFFERED="1")
     subprocess.run([*args, "--out", str(tmp_path / "clean")], env=env, check=True, capture_output=True, timeout=300)
-    proc = subprocess.Popen([*args, "--out", str(tmp_path / "int")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # slowed down (the delay changes no result) so that the signal lands mid-epoch
+    proc = subprocess.Popen([*args, "--out", str(tmp_path / "int"), "--step-delay-s", "0.15"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log = []
         for line in proc.stdout:

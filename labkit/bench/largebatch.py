@@ -21,7 +21,8 @@ from labkit.errors import ConfigError
 
 #: optimizer -> (base learning rate at scale 1, exponent of the scale in the rate, extra optim options)
 RECIPES = {"sgd": (0.01, 1.0, {}), "lars": (1.0, 0.5, {"lars_trust_coefficient": 0.001}),
-           "lamb": (0.005, 0.5, {}), "kfac": (0.01, 1.0, {"kfac_update_freq": 5, "kfac_base": "sgd"})}
+           "lamb": (0.005, 0.5, {}),
+           "kfac": (0.01, 1.0, {"kfac_update_freq": 5, "kfac_damping": 0.03, "kfac_base": "sgd"})}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from labkit.errors import ConfigError
 from labkit.exercises import load_function, report
 
 STARTER = '''\
@@ -65,6 +66,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("file", help="FILE.py[:FUNCTION] defining average_gradients(model)")
     parser.add_argument("--ranks", type=int, default=2, help="world size (default 2)")
     args = parser.parse_args(argv)
+    if args.ranks < 2:
+        raise ConfigError(f"--ranks must be >= 2 (gradients meet between ranks), got {args.ranks}")
     path, _, name = args.file.partition(":")
     load_function(args.file, "average_gradients")  # a missing file or function is a one-line error here
     problems = check_file(path, name or "average_gradients", args.ranks)

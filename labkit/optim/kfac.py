@@ -91,7 +91,7 @@ class KFAC:
         bytes_sent: payload bytes of K-FAC's own collectives, per kind.
     """
 
-    def __init__(self, model: nn.Module, *, damping: float = 0.003, factor_decay: float = 0.95,
+    def __init__(self, model: nn.Module, *, damping: float = 0.3, factor_decay: float = 0.95,
                  kl_clip: float = 0.001, factor_update_freq: int = 10, inv_update_freq: int | None = None,
                  method: str | Method = "eigen", approx: str | Approx = "expand",
                  broadcast: str | Broadcast = "decompositions", grad_worker_fraction: float | None = None,

@@ -227,7 +227,12 @@ class ParameterServerStrategy(Strategy):
     # ----- end of an epoch ------------------------------------------------------------------------------------
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        # the loop's first collective after an epoch's steps: finish the epoch before it
+        if self._epoch_open and values.numel() == 1:
+            # the loop's per-step "did any rank get a stop signal?" check: servers and async workers run
+            # different numbers of steps, so a collective per step would put them in lockstep (or deadlock);
+            # each rank answers for itself, and mid-epoch pre-emption is not offered under --strategy ps
+            return values
+        # the loop's metrics sum after an epoch's steps is its first collective: finish the epoch before it
         if self._epoch_open:
             self._finish_epoch()
         return super().all_reduce_sum(values)
