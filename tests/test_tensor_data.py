@@ -29,9 +29,10 @@ def _same(a, b):
 @pytest.mark.parametrize("name", ["mnist-sample", "synthetic-cifar10"])
 def test_tensor_path_yields_the_torchvision_batches(name):
     """Same seed, same epoch, same sampler: the same normalised images and labels, batch for batch."""
-    reference, resident = data.get_dataset(name, train=True), tensor_dataset(name, train=True)
+    reference, resident = load_split("torch", name, True, limit=1024), load_split("tensor", name, True, limit=1024)
     assert resident.data.dtype == torch.float32  # small: normalised once at load time
     assert torch.equal(resident[7][0], reference[7][0]) and resident[7][1] == reference[7][1]
+    assert len(reference) == len(resident) == 1024
     torch_loader = data.make_loader(reference, 256, shuffle=True, seed=3)
     tensor_loader = data.make_loader(resident, 256, shuffle=True, seed=3)
     assert isinstance(tensor_loader, TensorLoader)
