@@ -356,3 +356,24 @@ def test_bench_kfac_writes_timings(tmp_path, capsys):
     assert "x SGD" in capsys.readouterr().out
     assert main(["bench", "kfac", "--steps", "3", "--freqs", "2", "--out", str(out)]) == 2
     assert "--steps 3 must be a multiple of every --freqs value" in capsys.readouterr().err
+
+
+def test_symmetric_eigen_redoes_a_silent_float32_failure_in_float64(monkeypatch):
+    """float32 LAPACK can return NaNs for a finite rank-deficient factor without raising (seen on LeNet's fc1
+    A with dead units); the decomposition must then come from float64, not spread NaNs into the gradients."""
+    from labkit.optim import kfac_math
+
+    factor = torch.tensor([[2.0, 1.0, 0.0], [1.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
+    real_eigh = torch.linalg.eigh
+
+    def float32_fails(matrix):
+        values, vectors = real_eigh(matrix)
+        if matrix.dtype == torch.float32:
+            return values * float("nan"), vectors * float("nan")
+        return values, vectors
+
+    monkeypatch.setattr(torch.linalg, "eigh", float32_fails)
+    q, lam = kfac_math.symmetric_eigen(factor)
+    assert q.dtype == lam.dtype == torch.float32
+    assert torch.allclose(lam, torch.tensor([0.0, 1.0, 3.0]), atol=1e-6)
+    assert torch.allclose(q @ torch.diag(lam) @ q.T, factor, atol=1e-6)

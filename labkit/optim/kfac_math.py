@@ -32,13 +32,18 @@ def symmetric_eigen(factor: Tensor) -> tuple[Tensor, Tensor]:
 
     Round-off can make tiny eigenvalues of a PSD matrix negative; they are clamped to 0 so that
     ``λ_G λ_Aᵀ + γ >= γ > 0`` always holds. float32 LAPACK occasionally fails to converge on strongly
-    rank-deficient factors (dead ReLU units give all-zero rows); those are decomposed in float64.
+    rank-deficient factors (dead ReLU units give all-zero rows) — by raising, or silently with NaNs in a finite
+    factor's result; those are decomposed in float64.
     """
     try:
         eigenvalues, eigenvectors = torch.linalg.eigh(factor)
+        converged = factor.dtype == torch.float64 or bool(torch.isfinite(eigenvalues).all()
+                                                           and torch.isfinite(eigenvectors).all())
     except torch.linalg.LinAlgError:
         if factor.dtype == torch.float64:
             raise
+        converged = False
+    if not converged:
         eigenvalues, eigenvectors = (t.to(factor.dtype) for t in torch.linalg.eigh(factor.double()))
     return eigenvectors, eigenvalues.clamp_(min=0.0)
 
