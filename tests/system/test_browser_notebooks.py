@@ -84,7 +84,10 @@ def test_allreduce_player_renders_steps_and_plays(jupyter_server: JupyterLab, pa
 
         handle.focus()
         page.keyboard.press("Home")
-        start, _ = settle()
+        # wait for the first step itself: on a busy machine the redraw can lag behind two equal captions
+        wait_for(lambda: step() == (first, total), 30,
+                 f"caption 'step {first} of {total}' after moving the slider back (saw {shown[-3:]})", interval=0.5)
+        start = first
         player.locator(".widget-play button").first.click()  # the play button
 
         def past(n: int):
