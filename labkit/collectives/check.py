@@ -12,9 +12,7 @@ rank that ends without the full sum.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -120,18 +118,9 @@ def check_ring(fn: Callable[[int], object], world_sizes=(2, 3, 4, 5)) -> CheckRe
 
 def load_function(spec: str) -> Callable:
     """``"file.py"`` or ``"file.py:function"`` (default function ``ring_schedule``) -> the function."""
-    path, _, name = spec.partition(":")
-    name = name or "ring_schedule"
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"no such file {path!r}; pass the Python file that defines {name}(p)")
-    module_spec = importlib.util.spec_from_file_location(file.stem, file)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not callable(getattr(module, name, None)):
-        raise ConfigError(f"{path} defines no function {name!r}; name it ring_schedule or pass {path}:NAME")
-    return getattr(module, name)
+    from labkit.exercises import load_function as load
 
+    return load(spec, "ring_schedule")
 
 def main(argv: list[str]) -> int:
     """Entry point of ``labkit check allreduce``; exit code 0 when the schedule is right, 1 otherwise."""
