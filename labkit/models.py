@@ -20,15 +20,19 @@ can be cut at any boundary, and its parameters come in the same order as ``model
 """
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import nn
 
 from labkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torchvision
 
 
 class MLP(nn.Module):
@@ -192,6 +196,8 @@ def resnet50(num_classes: int = 10, in_channels: int = 1) -> torchvision.models.
     max-pool stays, so the four stages run at 14, 7, 4 and 2 pixels (a quarter of the compute of
     dropping it as well).
     """
+    import torchvision
+
     model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
     model.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
@@ -211,7 +217,8 @@ def to_sequential(model: nn.Module) -> nn.Sequential:
     """The flat ``nn.Sequential`` computing the same function as ``model`` and sharing its parameters."""
     if isinstance(model, nn.Sequential):
         return model
-    if isinstance(model, torchvision.models.ResNet):
+    torchvision = sys.modules.get("torchvision")  # not imported: the model cannot be one of its ResNets
+    if torchvision is not None and isinstance(model, torchvision.models.ResNet):
         return nn.Sequential(OrderedDict(_torchvision_resnet_layers(model)))
     if hasattr(model, "layers"):
         return nn.Sequential(OrderedDict(model.layers()))
