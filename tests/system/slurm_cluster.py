@@ -157,7 +157,9 @@ class SlurmCluster:
             "ClusterName=labkit-test",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={free_port()}",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: also how long a requeued job waits before it may start again (default 120 s; 5 is
+            # SLURM's minimum); a step's credential is used within a second of being issued here
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}/%n",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r}/slurmd-%n.pid",
