@@ -139,6 +139,15 @@ def test_a_crash_under_torchrun_still_shows_its_traceback(tmp_path):
     assert "ChildFailedError" in proc.stderr and "exitcode  : 1" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("command", [["bench", "report", "results/reference/cpu-2c-torch2.14.1"], ["tour"]])
+def test_report_and_tour_refuse_an_unwritable_out_in_one_line(capsys, monkeypatch, command):
+    """Both write through results.make_dirs/atomic_write: the folder is checked before any work is done."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main([*command, "--out", "/proc/labkit/out"]) == 2
+    line = _one_error_line(capsys)
+    assert "/proc/labkit/out" in line and "choose a writable folder" in line, line
+
+
 def test_any_unwritable_path_is_one_line(capsys, tmp_path):
     """The command's safety net for paths written outside results.py (here a collective animation)."""
     blocker = tmp_path / "file"
