@@ -192,7 +192,7 @@ def resnet50(num_classes: int = 10, in_channels: int = 1) -> torchvision.models.
     max-pool stays, so the four stages run at 14, 7, 4 and 2 pixels (a quarter of the compute of
     dropping it as well).
     """
-    model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
+    model = torchvision.models.resnet50(weights=None, num_classes=num_classes, zero_init_residual=True)
     model.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
     return model
