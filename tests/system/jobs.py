@@ -27,6 +27,11 @@ NO_RESULTS = re.compile(r"^#\s*results:\s*none\b", re.MULTILINE)
 PREEMPTION_NONE = re.compile(r"^#\s*pre-emption:\s*none\b", re.MULTILINE)
 
 
+# A script names no memory, which SLURM reads as the whole node's: tests ask for a share, so that two jobs
+# (8 of the 16 CPUs the test node advertises each) run at once.
+JOB_MEMORY = "--mem=8G"
+
+
 def job_scripts() -> list[Path]:
     """Every ``job_*.sh`` under ``jobs/`` (sub-folders too), sorted."""
     return sorted(JOBS.rglob("job_*.sh"))

@@ -9,8 +9,8 @@ must resolve (see :func:`hosts_entry`).
 No systemd here, so the daemons are started by hand; no cgroups either, hence
 ``proctrack/linuxproc`` and ``task/none``. The nodes advertise the size of a GPU node
 (``SlurmdParameters=config_overrides`` lets that exceed the real machine) so job scripts' real
-``#SBATCH`` requests are accepted unchanged; tests submit with ``--exclusive`` so the jobs run one
-at a time on the real cores.
+``#SBATCH`` requests are accepted unchanged; tests ask for 8 of the 16 CPUs and a share of the memory,
+so two jobs run at a time on the real cores (``--exclusive``: one).
 """
 
 from __future__ import annotations

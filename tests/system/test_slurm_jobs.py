@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .jobs import check_finished_job, job_env, script_id, single_node_scripts
+from .jobs import JOB_MEMORY, check_finished_job, job_env, script_id, single_node_scripts
 from .provision import REPO
 from .slurm_cluster import TERMINAL, Job, SlurmCluster
 
@@ -34,8 +34,6 @@ JOB_TIME_LIMIT_MIN = 5
 # pipeline schedule (both in tests/test_pipelining.py), the hybrid run without its DDP twin (job_ddp)
 LEAN = {"job_zero": {"RUNS": "zero-3 fsdp"}, "job_pipeline": {"SCHEDULES": "1f1b"},
         "job_hybrid": {"COMPARE_DDP": "0"}}
-# a job names no memory, which SLURM would read as the whole node's: ask for a share so two fit
-JOB_MEMORY = "--mem=8G"
 
 
 @pytest.fixture(scope="module")
