@@ -27,13 +27,16 @@ SCRIPTS = single_node_scripts()
 # For the whole batch; the jobs run two at a time, so this bounds half their sum.
 BATCH_TIMEOUT_S = float(os.environ.get("LABKIT_SYSTEM_JOBS_TIMEOUT", "600"))
 # Per job (sbatch --time, minutes): a hung job ends as TIMEOUT and the queue moves on.
-JOB_TIME_LIMIT_MIN = 5
+JOB_TIME_LIMIT_MIN = 8
 
 
 # the lean subsets: ZeRO stage 3 and FSDP (tests/test_zero.py compares every stage with DDP), one
-# pipeline schedule (both in tests/test_pipelining.py), the hybrid run without its DDP twin (job_ddp)
+# pipeline schedule (both in tests/test_pipelining.py), the hybrid run without its DDP twin (job_ddp);
+# the seed's ResNet-50 hands-on scripts at the smallest batch their micro-batches allow
 LEAN = {"job_zero": {"RUNS": "zero-3 fsdp"}, "job_pipeline": {"SCHEDULES": "1f1b"},
-        "job_hybrid": {"COMPARE_DDP": "0"}}
+        "job_hybrid": {"COMPARE_DDP": "0"},
+        "gpipe-job_gpipe_answer": {"BATCHSIZE": "4", "NUM_MICROBATCHES": "2"},
+        "gpipe-job_gpipe_exercise": {"BATCHSIZE": "4"}, "gpipe-job_pytorch": {"BATCHSIZE": "4"}}
 
 
 @pytest.fixture(scope="module")
