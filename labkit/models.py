@@ -194,11 +194,13 @@ def resnet50(num_classes: int = 10, in_channels: int = 1) -> torchvision.models.
 
     The 7x7 stride-2 stem conv becomes 3x3 stride 1, so a 28x28 digit is not cut to 14x14 at once; the
     max-pool stays, so the four stages run at 14, 7, 4 and 2 pixels (a quarter of the compute of
-    dropping it as well).
+    dropping it as well). Each residual block's last BatchNorm starts at zero (``zero_init_residual``,
+    Goyal et al. 2017), so the untrained network is a chain of identities and projections: with
+    torchvision's default init the logits of 16 stacked blocks blew the loss up from 2.4 to 51 in four steps.
     """
     import torchvision
 
-    model = torchvision.models.resnet50(weights=None, num_classes=num_classes)
+    model = torchvision.models.resnet50(weights=None, num_classes=num_classes, zero_init_residual=True)
     model.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
     return model
@@ -237,8 +239,9 @@ MODELS: dict[str, tuple[Callable[[int, int, int], nn.Module], int]] = {
 }
 
 
-#: the ``--base-lr`` a model trains with by default, when not 0.05 (SGD with momentum 0.9, batch 64)
-DEFAULT_LR: dict[str, float] = {"alexnet_small": 0.005}
+#: the ``--base-lr`` a model trains with by default, when not 0.05 (SGD with momentum 0.9, batch 64); resnet50's
+#: 16 bottleneck blocks at 0.05 and batch 16 took the loss from 2.4 to 7 in five steps, at 0.01 it falls steadily
+DEFAULT_LR: dict[str, float] = {"alexnet_small": 0.005, "resnet50": 0.01}
 
 
 def default_lr(name: str) -> float:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,6 +36,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
 from labkit.optim import OptimizerSpec
+from labkit.results import atomic_write_text
 from labkit.strategies.base import Strategy
 from labkit.strategies.data_parallel import ShardSampler
 from labkit.strategies.ps_server import MODES, ServerState, shard_tensors, wait
@@ -267,5 +267,4 @@ class ParameterServerStrategy(Strategy):
             return
         record = self.records()
         if self.env.is_main:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(record))
+            atomic_write_text(path, json.dumps(record))
