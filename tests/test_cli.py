@@ -60,7 +60,7 @@ def test_help_and_argument_errors_do_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip().splitlines()[-1] == "NO TORCH", proc.stderr
     assert "invalid int value: 'x'" in proc.stderr and "invalid choice: 'nosuch'" in proc.stderr
-    assert "invalid choice: 'sometimes'" in proc.stderr
+    assert "labkit: error: argument --checkpoint: invalid choice: 'sometimes'" in proc.stderr.splitlines()[-1]
     for name in BENCHMARKS:
         assert f"usage: labkit bench {name} [-h]" in proc.stdout, name
 

@@ -38,9 +38,16 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A benchmark's parser: a bad flag is one ``labkit: error: ...`` line and exit code 2, like labkit's errors."""
+
+    def error(self, message: str):
+        self.exit(2, f"labkit: error: {message} (see {self.prog} --help)\n")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (labkit vs plain PyTorch, scaling, sweeps)", description=__doc__)
-    names = p.add_subparsers(dest="bench", metavar="NAME")
+    names = p.add_subparsers(dest="bench", metavar="NAME", parser_class=_Parser)
     for name, module in BENCHMARKS.items():
         if words()[1:2] != [name]:  # only the benchmark asked for has its flags read
             names.add_parser(name, help=summary_line(module))
@@ -57,8 +64,8 @@ def parser(name: str) -> argparse.ArgumentParser:
     """
     if name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
-    return _fill(argparse.ArgumentParser(prog=f"labkit bench {name}", description=module_doc(BENCHMARKS[name]),
-                                         formatter_class=_Formatter), name)
+    return _fill(_Parser(prog=f"labkit bench {name}", description=module_doc(BENCHMARKS[name]),
+                         formatter_class=_Formatter), name)
 
 
 def _fill(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
