@@ -24,9 +24,11 @@ from labkit.errors import ConfigError
 PLOTS = ("throughput", "scaling", "memory", "communication", "time_to_accuracy")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN", help="suite folders (or their suite.json)")
-    p.add_argument("--out", default="runs/report", help="folder for report.html and the PNGs")
+#: ``labkit bench report`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "runs", "nargs": "+", "metavar": "RUN", "help": "suite folders (or their suite.json)"},
+    {"flag": "--out", "default": "runs/report", "help": "folder for report.html and the PNGs"},
+]
 
 
 def load_suite(path: str | Path) -> dict:
