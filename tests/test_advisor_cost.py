@@ -198,3 +198,29 @@ def test_parameter_server_loses_on_a_slow_link_and_wins_when_the_update_dominate
     heavy = _table([conv("c1", 1e-6, 2**20), conv("c2", 1e-6, 2**20)], update_s_per_byte=1e-6)
     best = candidates(lambda p: heavy, topo(alpha=0.0, beta=0.0, ranks=3), 60, ("single", "ddp", "ps"))[0]
     assert best.plan.label == "ps×3 S=2" and best.time["update"] == pytest.approx(1e-6 * 2**20)
+
+
+def test_buffer_broadcasts_and_ddp_buckets_by_hand():
+    from dataclasses import replace
+
+    from labkit.advisor.cost import bucketed_allreduce
+
+    prof, t = tiny_profile(), topo()
+    # l0 as a batch-norm-like layer: 3 buffers of 264 bytes in all (two of 32 floats and a step counter)
+    prof.layers[0] = replace(prof.layers[0], buffers=3, buffer_bytes=264)
+    one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
+    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
+    # ZeRO broadcasts each buffer before every forward: 3 α + β · 264
+    assert z2.time["communication"] == pytest.approx(2 * one + 3e-3 + 264e-6)
+    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)), prof, t)
+    assert fsdp.time["communication"] == pytest.approx(2 * one)  # FSDP leaves buffers alone
+    # PyTorch's DDP broadcasts the buffers once, coalesced; the kit's hand-made all-reduce does not
+    ddp = price(Plan("ddp", 2, 2, 8, (("allreduce", "ddp"),)), prof, t)
+    assert ddp.time["communication"] == pytest.approx(0.00644 + 1e-3 + 264e-6)
+    ring = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, t)
+    assert ring.time["communication"] == pytest.approx(0.00644)
+    # DDP's first bucket holds 1 MiB: 3 MiB leave in two all-reduces (2α + β·n each, on 2 ranks), the
+    # hand-made ring sends one 3 MiB bucket
+    fast = topo(alpha=1e-3, beta=1e-9)
+    assert bucketed_allreduce(3 * 2**20, 2, "ddp", fast) == pytest.approx(4e-3 + 3 * 2**20 * 1e-9)
+    assert bucketed_allreduce(3 * 2**20, 2, "ring", fast) == pytest.approx(2e-3 + 3 * 2**20 * 1e-9)
