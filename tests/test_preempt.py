@@ -51,9 +51,10 @@ def _equal_runs(clean, resumed, checkpoint="checkpoint.pt"):
 
 
 def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatch, capsys, one_thread):
-    """One process, K-FAC updating every step: SIGUSR1 arrives during step 3 of epoch 2 (from the per-step
-    sleep hook), the step finishes, the checkpoint holds step 3 and K-FAC's factors."""
-    kfac = dict(optimizer="kfac", optim_options={"kfac_update_freq": 1}, step_delay_s=1e-6)
+    """One process, K-FAC updating its factors and decompositions every 4 steps (global steps 0, 4, 8, ...):
+    SIGUSR1 arrives during step 3 of epoch 2 (global step 8, from the per-step sleep hook), the step finishes, the
+    checkpoint holds step 3 and K-FAC's state, and the resumed step 9 preconditions with what was restored."""
+    kfac = dict(optimizer="kfac", optim_options={"kfac_update_freq": 4}, step_delay_s=1e-6)
     ktrain.run(TrainConfig(**SMALL, **kfac, out=str(tmp_path / "clean")))
     steps = []
 
@@ -64,7 +65,7 @@ def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatc
     monkeypatch.setattr(ktrain, "time", types.SimpleNamespace(sleep=sleep, perf_counter=time.perf_counter))
     args = ["train", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "96", "--test-size", "32",
             "--batch-size", "16", "--epochs", "3", "--device", "cpu", "--log-every", "100", "--seed", "5",
-            "--optimizer", "kfac", "--kfac-update-freq", "1", "--step-delay-s", "1e-6", "--out", str(tmp_path / "int")]
+            "--optimizer", "kfac", "--kfac-update-freq", "4", "--step-delay-s", "1e-6", "--out", str(tmp_path / "int")]
     assert main(args) == EXIT_PREEMPTED
     err = capsys.readouterr().err
     assert "labkit: stopped on SIGUSR1 in epoch 2 after step 3" in err and "--resume" in err
