@@ -161,3 +161,66 @@ def test_zero_and_fsdp_terms_by_hand():
     assert fsdp.time["communication"] == pytest.approx(2 * one)
     assert Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)).train_args("lenet", "mnist-sample")[-1] == \
         "--fsdp-no-reshard"
+
+
+def test_parameter_server_terms_by_hand():
+    prof, t = tiny_profile(), topo(ranks=3)
+    one = price(Plan("ps", 3, 3, 8, (("ps_servers", 1),)), prof, t)
+    assert one.plan.per_rank_batch == 4 and one.plan.label == "ps×3 S=1"
+    assert one.time["compute"] == pytest.approx(0.0172)  # 2 workers, b = 4, as ddp's
+    # the server takes 2 pushes of 4440 bytes and sends 2 replies (16-byte header + 4440 bytes):
+    # 2 (2 (1e-3 + 1e-6 · 4440) + (1e-3 + 1e-6 · 16))
+    assert one.time["communication"] == pytest.approx(0.023792)
+    assert one.time["update"] == pytest.approx(0.00444) and one.time["data"] == pytest.approx(0.0004)
+    # the server is the fuller device: 3 · 4440 (shard, gradient, momentum) + 2 · 2 · 4440 (pushes, stack)
+    assert one.peak_bytes == pytest.approx(31080) and one.memory["optimizer"] == 4440
+    two = price(Plan("ps", 3, 3, 8, (("ps_servers", 2),)), prof, t)
+    # shards of whole layers, largest first: 4000 | 400 + 40; one worker trains all 8 samples
+    assert two.plan.per_rank_batch == 8 and two.time["compute"] == pytest.approx(0.0304)
+    assert two.time["communication"] == pytest.approx(2 * (1e-3 + 1e-6 * 4000) + (1e-3 + 1e-6 * 16))
+    assert two.time["update"] == pytest.approx(0.004)
+    assert Plan("ps", 3, 3, 8, (("ps_servers", 2),)).train_args("lenet", "mnist-sample")[-4:] == \
+        ["--batch-size", "8", "--ps-servers", "2"]
+    assert "fewer layers" in price(Plan("ps", 5, 5, 8, (("ps_servers", 4),)), prof, topo(ranks=5)).note
+
+
+def test_parameter_server_loses_on_a_slow_link_and_wins_when_the_update_dominates():
+    big = _table([conv("c1", 1e-4, 20 * 2**20), conv("c2", 1e-4, 20 * 2**20)])
+    ranked = candidates(lambda p: big, topo(alpha=1e-4, beta=1e-8, ranks=3), 60, ("ddp", "ps"))
+    ps = next(e for e in ranked if e.plan.label == "ps×3 S=1")
+    ddp = next(e for e in ranked if e.plan.strategy == "ddp" and e.plan.processes == 3)
+    # one server's link carries 2W·P = 160 MB per step (W = 2 workers) where a
+    # ring rank sends and receives 2(p-1)/p·P = 53 MB
+    assert ranked[0].plan.strategy == "ddp" and ps.main_term == "communication"
+    assert ps.time["communication"] == pytest.approx(3 * ddp.time["communication"], rel=0.01)
+    # an optimizer step far dearer than the gradients: two servers each step half of the weights, while every
+    # ddp rank steps them all (the link is free here)
+    heavy = _table([conv("c1", 1e-6, 2**20), conv("c2", 1e-6, 2**20)], update_s_per_byte=1e-6)
+    best = candidates(lambda p: heavy, topo(alpha=0.0, beta=0.0, ranks=3), 60, ("single", "ddp", "ps"))[0]
+    assert best.plan.label == "ps×3 S=2" and best.time["update"] == pytest.approx(1e-6 * 2**20)
+
+
+def test_buffer_broadcasts_and_ddp_buckets_by_hand():
+    from dataclasses import replace
+
+    from labkit.advisor.cost import bucketed_allreduce
+
+    prof, t = tiny_profile(), topo()
+    # l0 as a batch-norm-like layer: 3 buffers of 264 bytes in all (two of 32 floats and a step counter)
+    prof.layers[0] = replace(prof.layers[0], buffers=3, buffer_bytes=264)
+    one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
+    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
+    # ZeRO broadcasts each buffer before every forward: 3 α + β · 264
+    assert z2.time["communication"] == pytest.approx(2 * one + 3e-3 + 264e-6)
+    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)), prof, t)
+    assert fsdp.time["communication"] == pytest.approx(2 * one)  # FSDP leaves buffers alone
+    # PyTorch's DDP broadcasts the buffers once, coalesced; the kit's hand-made all-reduce does not
+    ddp = price(Plan("ddp", 2, 2, 8, (("allreduce", "ddp"),)), prof, t)
+    assert ddp.time["communication"] == pytest.approx(0.00644 + 1e-3 + 264e-6)
+    ring = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, t)
+    assert ring.time["communication"] == pytest.approx(0.00644)
+    # DDP's first bucket holds 1 MiB: 3 MiB leave in two all-reduces (2α + β·n each, on 2 ranks), the
+    # hand-made ring sends one 3 MiB bucket
+    fast = topo(alpha=1e-3, beta=1e-9)
+    assert bucketed_allreduce(3 * 2**20, 2, "ddp", fast) == pytest.approx(4e-3 + 3 * 2**20 * 1e-9)
+    assert bucketed_allreduce(3 * 2**20, 2, "ring", fast) == pytest.approx(2e-3 + 3 * 2**20 * 1e-9)

@@ -26,6 +26,7 @@ from labkit.advisor.topology import Topology
 from labkit.collectives.registry import get_schedule
 
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, also labkit's --bucket-mb
+FIRST_BUCKET_BYTES = 2**20  # DistributedDataParallel's first bucket (the last layers' gradients) is capped lower
 
 
 def allreduce_time(nbytes: float, ranks: int, algorithm: str, topo: Topology) -> float:
@@ -46,9 +47,20 @@ def message_time(nbytes: float, topo: Topology, ranks: int = 2) -> float:
 
 
 def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo: Topology) -> float:
-    """``Σ_buckets AR(bucket, algo, p)``: gradients leave in buckets of at most 25 MB."""
-    full, rest = divmod(nbytes, BUCKET_BYTES)
-    return full * allreduce_time(BUCKET_BYTES, ranks, algorithm, topo) + allreduce_time(rest, ranks, algorithm, topo)
+    """``Σ_buckets AR(bucket, algo, p)``: gradients leave in buckets of at most 25 MB; PyTorch's DDP
+    (``algo = ddp``) caps its first bucket at 1 MB, so a model over 1 MB pays at least two all-reduces."""
+    first = min(nbytes, FIRST_BUCKET_BYTES) if algorithm == "ddp" else 0.0
+    full, rest = divmod(nbytes - first, BUCKET_BYTES)
+    return (allreduce_time(first, ranks, algorithm, topo) + full * allreduce_time(BUCKET_BYTES, ranks, algorithm, topo)
+            + allreduce_time(rest, ranks, algorithm, topo))
+
+
+def broadcast_time(count: int, nbytes: float, ranks: int, topo: Topology) -> float:
+    """``BC(k, n) = (p − 1)·(k·α + β·n)``: ``k`` broadcasts of ``n`` bytes in all, the root sending to each rank."""
+    if ranks <= 1 or count == 0:
+        return 0.0
+    link = topo.collective_link(ranks)
+    return (ranks - 1) * (count * link.alpha + link.beta * nbytes)
 
 
 def common_terms(prof: Profile, topo: Topology, params: float, loaded: float) -> dict[str, float]:
@@ -76,13 +88,16 @@ def price_ddp(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """Data parallel over ``p`` ranks, each ``b = B/p`` samples:
 
     ``compute = s·T_all(b)``; ``communication = Σ_buckets AR(bucket, algo, p)`` after backward (no overlap
-    is assumed: small models fit one bucket, which is ready only at the end of backward);
-    memory ``3P + M_all(b) + P`` (the flat gradient bucket).
+    is assumed: small models fit one or two buckets, ready only near the end of backward) ``+ BC(1, n_buf)``
+    under PyTorch's DDP, which broadcasts the model's buffers (``n_buf`` bytes, coalesced) from rank 0 in
+    every forward; memory ``3P + M_all(b) + P`` (the flat gradient bucket).
     """
     p, b = plan.processes, plan.batch_size / plan.processes
     algo = plan.option.get("allreduce", "ddp")
+    count, nbytes = prof.buffers
+    sync = broadcast_time(1, nbytes, p, topo) if algo == "ddp" and count else 0.0
     time = {"compute": compute_scale(topo, p) * prof.time(b),
-            "communication": bucketed_allreduce(prof.param_bytes, p, algo, topo),
+            "communication": bucketed_allreduce(prof.param_bytes, p, algo, topo) + sync,
             **common_terms(prof, topo, prof.param_bytes, b)}
     return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(b), prof.param_bytes))
 

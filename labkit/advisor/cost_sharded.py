@@ -6,7 +6,7 @@ unit: ``RS(U) = (p − 1)·(α + (β + γ)·U/p)`` (reduce-scatter, every chunk 
 """
 from __future__ import annotations
 
-from labkit.advisor.cost import common_terms, compute_scale, memory_terms
+from labkit.advisor.cost import broadcast_time, common_terms, compute_scale, memory_terms
 from labkit.advisor.plan import Estimate, Plan
 from labkit.advisor.profile import Profile
 from labkit.advisor.topology import Topology
@@ -33,7 +33,9 @@ def price_sharded(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
 
     ``compute = s·T_all(b)``; ``communication = Σ_units RS(U) + g·AG(U)`` with ``g = 1`` (ZeRO 1, 2: gather
     the stepped parameters; FSDP no-reshard: gather once before forward) or ``g = 2`` (ZeRO 3, FSDP: gather
-    before forward and again before backward). Memory (fp32, momentum: optimizer state = P):
+    before forward and again before backward), each collective paying its ``(p − 1)·α`` per unit, ``+ BC(N_buf,
+    n_buf)`` for ZeRO, which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every forward
+    (:func:`labkit.advisor.cost.broadcast_time`; FSDP leaves buffers alone). Memory (fp32, momentum: optimizer state = P):
     stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
     prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
     plus activations ``M_all(b)``.
@@ -45,6 +47,8 @@ def price_sharded(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     units = _units(prof)
     gathers = 2 if stage == 3 else 1
     comm = sum(reduce_scatter_time(u, p, topo) + gathers * all_gather_time(u, p, topo) for u in units)
+    if plan.strategy == "zero":
+        comm += broadcast_time(*prof.buffers, p, topo)
     time = {"compute": compute_scale(topo, p) * prof.time(b), "communication": comm,
             **common_terms(prof, topo, P / p, b)}
     memory = memory_terms(prof, topo, P, prof.saved_bytes(b))

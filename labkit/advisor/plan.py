@@ -29,6 +29,9 @@ class Plan:
 
     @property
     def data_parallel(self) -> int:
+        """Ranks that each train their own share of the batch (a parameter server's workers, not its servers)."""
+        if self.strategy == "ps":
+            return self.processes - self.option.get("ps_servers", 1)
         return self.processes if self.strategy in DATA_PARALLEL else 1
 
     @property
@@ -45,6 +48,8 @@ class Plan:
             parts.append(o["allreduce"])
         if "zero_stage" in o:
             parts.append(f"stage {o['zero_stage']}")
+        if "ps_servers" in o:
+            parts.append(f"S={o['ps_servers']}")
         if o.get("fsdp_no_reshard"):
             parts.append("no-reshard")
         if "schedule" in o:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from labkit.advisor.cost import (price_ddp, price_hybrid, price_one_process_pipeline, price_pipeline, price_single,
                                  price_tensor_parallel)
+from labkit.advisor.cost_ps import price_ps
 from labkit.advisor.cost_sharded import price_sharded
 from labkit.advisor.plan import Estimate, Plan
 from labkit.advisor.profile import Profile
@@ -19,6 +20,7 @@ PRICERS = {
     "model-parallel": price_one_process_pipeline,
     "zero": price_sharded,
     "fsdp": price_sharded,
+    "ps": price_ps,
 }
 
 

@@ -58,6 +58,8 @@ class LayerProfile:
     out_bytes: int
     saved_bytes: int
     units: int = 1                        # modules owning parameters directly (ZeRO/FSDP shard each one)
+    buffers: int = 0                      # buffer tensors (batch-norm statistics), broadcast every ZeRO step
+    buffer_bytes: int = 0
 
     def time(self, batch: float) -> float:
         """Forward + backward seconds on ``batch`` samples: ``fwd0 + bwd0 + (fwd1 + bwd1) · b``."""
@@ -87,6 +89,11 @@ class Profile:
     @property
     def param_bytes(self) -> int:
         return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def buffers(self) -> tuple[int, int]:
+        """``(N_buf, bytes)``: the model's buffer tensors and their bytes."""
+        return sum(layer.buffers for layer in self.layers), sum(layer.buffer_bytes for layer in self.layers)
 
     def time(self, batch: float, layers: range | None = None) -> float:
         """Forward + backward seconds of ``layers`` (default all) on ``batch`` samples."""
@@ -220,7 +227,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                            _line(sizes[0], timed[0][i][0], sizes[1], timed[1][i][0]),
                            _line(sizes[0], timed[0][i][1], sizes[1], timed[1][i][1]),
                            sum(p.numel() * p.element_size() for p in layer.parameters()), outs[i], saved[i],
-                           sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))))
+                           sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
+                           sum(1 for _ in layer.buffers()), sum(b.numel() * b.element_size() for b in layer.buffers()))
               for i, (name, layer) in enumerate(seq.named_children())]
     pairs = _tp_pairs(seq)
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,

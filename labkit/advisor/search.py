@@ -5,7 +5,8 @@ What is enumerated for ``N`` ranks and global batch ``B``:
 * ``single``; ``ddp`` on ``p = 2..N`` ranks with each all-reduce (PyTorch's ``ddp`` and the kit's
   schedules), keeping the cheapest (``ddp`` on ties: it is the library's); ``hybrid`` and
   ``tensor-parallel`` on ``p = 2..N``; ``zero`` stages 1, 2, 3 and ``fsdp`` (resharding or not) on
-  ``p = 2..N``;
+  ``p = 2..N``; ``ps`` (synchronous) on ``p = 2..N`` ranks with ``S = 1..p − 1`` servers and ``W = p − S``
+  workers dividing ``B``;
 * ``pipeline`` on ``p = 2..N`` stages, ``gpipe`` and ``model-parallel`` on ``k = 2..N`` partitions, with
   ``m ∈ {1, 2, 4, …, 32}`` micro-batches dividing ``B`` (``m = 1`` only for model-parallel), the gpipe
   schedule (and 1f1b where gpipe's does not fit in memory);
@@ -78,6 +79,9 @@ def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
                 out += [add(Plan("zero", p, p, batch, (("zero_stage", stage),))) for stage in (1, 2, 3)]
             elif name == "fsdp":
                 out += [add(Plan("fsdp", p, p, batch, (("fsdp_no_reshard", keep),))) for keep in (False, True)]
+            elif name == "ps":
+                out += [add(Plan("ps", p, p, batch, (("ps_servers", s),))) for s in range(1, p)
+                        if batch % (p - s) == 0]
             elif name == "ddp":
                 options = [add(Plan("ddp", p, p, batch, (("allreduce", a),))) for a in ("ddp", *ALGORITHMS)]
                 out.append(min(options, key=lambda e: e.step_s))

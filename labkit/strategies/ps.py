@@ -44,7 +44,6 @@ import dataclasses
 import json
 import re
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,6 +53,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.optim import OptimizerSpec
+from labkit.results import atomic_write_text
 from labkit.strategies.base import Strategy
 from labkit.strategies.data_parallel import ShardSampler
 from labkit.strategies.ps_server import MODES, ServerState, shard_tensors, wait
@@ -316,5 +316,4 @@ class ParameterServerStrategy(Strategy):
             return
         record = self.records()
         if self.env.is_main:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(record))
+            atomic_write_text(path, json.dumps(record))
