@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from labkit.bench import BENCHMARKS
+
 COMMANDS = [
     ["--help"],
     ["tour", "--help"],
@@ -27,6 +29,9 @@ COMMANDS = [
     ["bench", "nosuch"],
     ["check", "--help"],
     ["train", "--help"],
+    ["train", "--strategy", "ddp", "--epochs", "x"],
+    *(["bench", name, "--help"] for name in BENCHMARKS),
+    ["bench", "gpipe", "--steps", "x"],
 ]
 _PROBE = ("import runpy, sys; sys.argv = ['labkit', *sys.argv[1:]]\n"
           "try:\n    runpy.run_module('labkit', run_name='__main__')\n"

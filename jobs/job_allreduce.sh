@@ -16,6 +16,9 @@
 #   ALLREDUCE_REPEATS [10 on GPUs; 5 on CPU; 2 quick]
 #   LABKIT_QUICK=1: CPU, tiny sizes     LABKIT_OUT: results folder [runs/allreduce-<jobid>]; PYTHON [python3]
 #
+# pre-emption: none (a few minutes of measurements, nothing to continue: run it again); a configuration
+# error (e.g. an unknown ALLREDUCE_ALGO) is one `labkit: error:` line and exit code 2
+#
 # Results: <LABKIT_OUT>/summary.json and metrics.jsonl (records of kind "bench", "cost-model", "trace");
 # in notebook 01: labkit.results.load_run("runs/allreduce-<jobid>")
 #
@@ -51,7 +54,7 @@ algo="${ALLREDUCE_ALGO:-all}"
 out="${LABKIT_OUT:-runs/allreduce-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
 
 echo "labkit all-reduce job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $ranks ranks on $device"
-launch=("$python" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$ranks" -m labkit allreduce)
+launch=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$ranks" -m labkit allreduce)
 verify=("${launch[@]}" verify --algo "$algo" --device "$device")
 bench=("${launch[@]}" bench --algo "$algo" --sizes "$sizes" --repeats "$repeats" --device "$device" --out "$out")
 echo "+ ${verify[*]}"

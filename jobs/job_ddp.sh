@@ -60,7 +60,7 @@ if (( restarts > 0 )); then
 fi
 
 read -r -a extra <<< "${EXTRA_ARGS:-}"
-cmd=("$python" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc"
+cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
      --max-restarts "$restarts"
      -m labkit train --strategy ddp --allreduce "${ALLREDUCE:-ddp}" --device "$device" --backend "$backend"
      "${sizes[@]}" --out "$out" "${resume[@]}" "${extra[@]}")

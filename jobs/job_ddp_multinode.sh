@@ -15,6 +15,8 @@
 #   WARMUP_EPOCHS [2]  (the LR is scaled by the number of ranks: --scale-lr, linear scaling + warm-up)
 #   NPROC [ranks per node: the node's GPUs; on CPU 1, or 2 without SLURM]   ALLREDUCE [ddp; or native, ring, tree, ...]
 #   RDZV_PORT [29500 + job id mod 1000]   MAX_RESTARTS [0]   EXTRA_ARGS: more `labkit train` flags
+#   RESUME [0]: 1 continues the checkpoint in LABKIT_OUT (a requeued job does so by itself)
+#   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
 #   LABKIT_QUICK=1: lenet on the offline mnist-sample, 1 short epoch, CPU/gloo
 #   LABKIT_OUT: results folder, on a file system all nodes share [runs/ddp-multinode-<jobid>]
 #
@@ -27,6 +29,8 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:4
 #SBATCH --time=02:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=ddp-multinode-%j.out
 
 set -euo pipefail
@@ -36,6 +40,7 @@ quick="${LABKIT_QUICK:-0}"
 
 cpu_ranks=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo 1 || echo 2)  # CPU: 1 rank per node under SLURM, 2 without
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--model "${MODEL:-lenet}" --dataset "${DATASET:-mnist-sample}" --epochs "${EPOCHS:-1}"
@@ -48,7 +53,6 @@ else
 fi
 out="${LABKIT_OUT:-runs/ddp-multinode-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
 restarts="${MAX_RESTARTS:-0}"
-resume=()
 if (( restarts > 0 )); then
     resume=(--resume)
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # a fresh rendezvous store per restart
@@ -64,18 +68,16 @@ if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     head_addr="$(scontrol show node "$head_node" -o 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)"
     head_addr="${head_addr:-$head_node}"
     port="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}"
-    launcher=(srun --nodes="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=1
-              ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"})
+    run_nodes="$nnodes"  # run_ranks: one torchrun per node
     rdzv=(--nnodes "$nnodes" --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_addr:$port")
 else
     nnodes=1
-    launcher=()
     rdzv=(--standalone --nnodes 1)
 fi
-cmd=("$python" -m torch.distributed.run "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$restarts"
+cmd=("$python" -m labkit.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$restarts"
      "${train[@]}")
 
 echo "labkit ddp job ${SLURM_JOB_ID:-(no SLURM)}: $nnodes node(s) × $nproc rank(s) on $device ($backend)"
-echo "+ ${launcher[*]} ${cmd[*]}"
-"${launcher[@]}" "${cmd[@]}"
+echo "+ ${cmd[*]}"
+run_ranks "$out" "${cmd[@]}"
 echo "results: $out/summary.json"

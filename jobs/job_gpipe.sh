@@ -16,6 +16,8 @@
 #   PARTITIONS [the GPUs of the node; 2 CPU partitions without GPUs]
 #   SWEEP [0]: also run `labkit bench gpipe sweep` (throughput and peak memory vs micro-batches) into <out>/sweep
 #   LABKIT_QUICK=1: lenet on the offline mnist-sample, a few steps, CPU
+#   RESUME [0]: 1 continues the checkpoint in LABKIT_OUT (a requeued job does so by itself)
+#   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
 #   LABKIT_OUT: results folder [runs/gpipe-<jobid>]; PYTHON [python3]
 #
 # Results: <LABKIT_OUT>/summary.json, metrics.jsonl; in a notebook: labkit.results.load_run("runs/gpipe-<jobid>")
@@ -26,12 +28,15 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:2
 #SBATCH --time=01:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=gpipe-%j.out
 
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 gpus=0
 if [[ "$quick" == 0 ]] && command -v nvidia-smi >/dev/null 2>&1; then
@@ -52,8 +57,9 @@ cmd=("$python" -m labkit train --strategy gpipe --device "$device" --partitions 
      --balance-by "${BALANCE_BY:-time}" --checkpoint-mode "${CHECKPOINT_MODE:-except_last}" "${sizes[@]}" --out "$out")
 
 echo "labkit gpipe job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $partitions partition(s) on $device"
+cmd+=("${resume[@]}")
 echo "+ ${cmd[*]}"
-"${cmd[@]}"
+run_ranks "$out" "${cmd[@]}"
 if [[ "${SWEEP:-0}" != 0 ]]; then
     sweep=("$python" -m labkit bench gpipe sweep --device "$device" --partitions "$partitions" --out "$out/sweep"
            --checkpoint always never)

@@ -15,6 +15,8 @@
 #   DATASET [cifar10]   EPOCHS [10]   BATCH_SIZE [128, per rank]   OPTIMIZER [adam]   BASE_LR [0.001]
 #   (alexnet_small has no normalisation layers; plain SGD with momentum needs a small LR to stay stable)
 #   NPROC [the GPUs of the node; 2 on CPU]   COMPARE_DDP [1]
+#   RESUME [0]: 1 continues the checkpoints in LABKIT_OUT (a requeued job does so by itself)
+#   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
 #   LABKIT_QUICK=1: alexnet_small on the offline synthetic-cifar10, 1 short epoch, CPU/gloo
 #   LABKIT_OUT: results folder [runs/hybrid-<jobid>]; PYTHON [python3]
 #
@@ -27,6 +29,8 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:2
 #SBATCH --time=01:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=hybrid-%j.out
 
 set -euo pipefail
@@ -35,6 +39,7 @@ python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--dataset "${DATASET:-synthetic-cifar10}" --epochs "${EPOCHS:-1}" --batch-size "${BATCH_SIZE:-16}"
@@ -43,24 +48,20 @@ else
     sizes=(--dataset "${DATASET:-cifar10}" --epochs "${EPOCHS:-10}" --batch-size "${BATCH_SIZE:-128}" --augment)
 fi
 out="${LABKIT_OUT:-runs/hybrid-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
-launch=("$python" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc" -m labkit train
+launch=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" -m labkit train
         --model alexnet_small --device "$device" --backend "$backend" "${sizes[@]}"
         --optimizer "${OPTIMIZER:-adam}" --base-lr "${BASE_LR:-0.001}")
 
-run() {
-    echo "+ ${*}"
-    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-        srun --nodes=1 --ntasks=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "$@"
-    else
-        "$@"
-    fi
-}
-
 echo "labkit hybrid job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $nproc rank(s) on $device ($backend)"
-run "${launch[@]}" --strategy hybrid --out "$out"
-results="$out/summary.json"
-if [[ "${COMPARE_DDP:-1}" != 0 ]]; then
-    run "${launch[@]}" --strategy ddp --out "$out/ddp"
-    results+=" and $out/ddp/summary.json"
-fi
-echo "results: $results"
+runs=(hybrid)
+[[ "${COMPARE_DDP:-1}" != 0 ]] && runs+=(ddp)
+results=()
+for run in "${runs[@]}"; do
+    dir="$out"
+    [[ "$run" == ddp ]] && dir="$out/ddp"
+    cmd=("${launch[@]}" --strategy "$run" --out "$dir" "${resume[@]}")
+    echo "+ ${cmd[*]}"
+    run_ranks "$dir" "${cmd[@]}"
+    results+=("$dir/summary.json")
+done
+echo "results: ${results[*]}"

@@ -19,6 +19,8 @@
 #   MP_SPLIT_POINTS: cut before these layer indices instead, e.g. "8 14"
 #   SWEEP [0]: also run the split-size sweep   SPLIT_SIZES [8 16 32 64 128 256]
 #   LABKIT_QUICK=1: lenet on the offline mnist-sample, a few steps, 2 CPU "devices"
+#   RESUME [0]: 1 continues the checkpoint in LABKIT_OUT (a requeued job does so by itself)
+#   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
 #   LABKIT_OUT: results folder [runs/model-parallel-<jobid>]; PYTHON [python3]
 #
 # Results: <LABKIT_OUT>/summary.json, metrics.jsonl (and sweep/ with split_size_sweep.png); in a notebook:
@@ -30,12 +32,15 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:2
 #SBATCH --time=01:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=model-parallel-%j.out
 
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 gpus=0
 if [[ "$quick" == 0 ]] && command -v nvidia-smi >/dev/null 2>&1; then
@@ -77,8 +82,9 @@ cmd=("$python" -m labkit train --strategy model-parallel --device "$device" "${p
      "${sizes[@]}" --out "$out")
 
 echo "labkit model-parallel job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $stages stage(s) on $device"
+cmd+=("${resume[@]}")
 echo "+ ${cmd[*]}"
-"${cmd[@]}"
+run_ranks "$out" "${cmd[@]}"
 if [[ "${SWEEP:-0}" != 0 ]]; then
     sweep=("$python" -m labkit bench model-parallel --part sweep --device "$device" --mp-devices "$stages"
            "${sweep_sizes[@]}" --out "$out/sweep")

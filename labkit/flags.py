@@ -9,9 +9,12 @@ once. So each strategy declares its ``labkit train`` flags as a literal at the t
     ]
 
 and :func:`read_flags` reads that literal from the source with :mod:`ast`, without executing the file.
-Keys: ``flag`` (required), ``help`` (required), ``default``, ``type`` (``"int"``, ``"float"``, ``"str"``),
-``choices``, ``nargs``, ``metavar``, ``action`` (``"store_true"``). The parsed value reaches the strategy
-as ``options[dest]`` with ``dest`` = the flag without ``--``, dashes as underscores.
+Keys: ``flag`` (required; a name without ``--`` is a positional argument), ``help`` (required),
+``default``, ``type`` (``"int"``, ``"float"``, ``"str"``), ``choices``, ``nargs``, ``metavar``, ``action``
+(``"store_true"``, ``"store_false"``), ``dest``, ``hidden`` (``True``: left out of ``--help``, for flags
+the kit passes to its own sub-processes). The parsed value reaches the strategy as ``options[dest]`` with
+``dest`` = the flag without ``--``, dashes as underscores, unless the entry names its ``dest``.
+``labkit bench NAME`` builds its parsers the same way (:mod:`labkit.bench`).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import importlib.util
 from labkit.errors import ConfigError
 
 _TYPES = {"int": int, "float": float, "str": str}
-_KEYS = {"flag", "help", "default", "type", "choices", "nargs", "metavar", "action"}
+_KEYS = {"flag", "help", "default", "type", "choices", "nargs", "metavar", "action", "dest", "hidden"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,20 +61,29 @@ def read_flags(module: str) -> tuple[dict, ...]:
 
 def dest(flag: dict) -> str:
     """``--bucket-mb`` -> ``bucket_mb``: the key of the parsed value in the options dict."""
-    return flag["flag"].lstrip("-").replace("-", "_")
+    return flag.get("dest") or flag["flag"].lstrip("-").replace("-", "_")
+
+
+def _default(flag: dict):
+    """The declared default, else what a switch means when absent (``store_false``: True)."""
+    return flag.get("default", {"store_true": False, "store_false": True}.get(flag.get("action")))
 
 
 def add_flags(group: argparse._ArgumentGroup, flags: tuple[dict, ...]) -> list[str]:
-    """Add ``flags`` to an argparse group; return their ``dest`` names."""
+    """Add ``flags`` to an argparse group (or parser); return their ``dest`` names."""
     for f in flags:
-        kwargs = {k: v for k, v in f.items() if k in ("default", "choices", "nargs", "metavar", "action", "help")}
+        kwargs = {k: v for k, v in f.items() if k in ("choices", "nargs", "metavar", "action", "help")}
+        kwargs["default"] = _default(f)
         if "type" in f:
             kwargs["type"] = _TYPES[f["type"]]
-        kwargs.setdefault("default", False if f.get("action") == "store_true" else None)
-        group.add_argument(f["flag"], dest=dest(f), **kwargs)
+        if f.get("hidden"):
+            kwargs["help"] = argparse.SUPPRESS
+        if f["flag"].startswith("-"):
+            kwargs["dest"] = dest(f)
+        group.add_argument(f["flag"], **kwargs)
     return [dest(f) for f in flags]
 
 
 def defaults(flags: tuple[dict, ...]) -> dict:
     """``{dest: default}``: the options a strategy gets when built from Python without the CLI."""
-    return {dest(f): f.get("default", False if f.get("action") == "store_true" else None) for f in flags}
+    return {dest(f): _default(f) for f in flags}

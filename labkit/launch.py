@@ -27,6 +27,7 @@ from labkit.errors import ConfigError, LabkitError
 from labkit.results import Run, load_run, make_dirs, output_errors
 
 TAIL_LINES = 30
+_CONFIG_ERROR = "labkit: error: "
 _ERROR_LINE = re.compile(r"^(labkit: error: |[\w.]*(Error|Exception)(\[\w+\])?: )")
 #: SLURM job states after which a job never runs again
 _DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -35,6 +36,10 @@ _DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 
 class RunFailed(LabkitError):
     """A launched run exited with an error; the message ends with the last lines of its log."""
+
+
+class RanksConfigError(ConfigError, RunFailed):
+    """The ranks of a launched run stopped on a configuration error; the message is theirs (printed once)."""
 
 
 def _out_dir(args: list[str], prefix: str) -> tuple[list[str], Path]:
@@ -136,7 +141,8 @@ def _stop(proc: subprocess.Popen) -> None:
 def torchrun(args: Sequence[str], nproc: int = 2, *, env: Mapping[str, str] | None = None,
              max_restarts: int = 0, timeout: float | None = None, module: str = "labkit",
              echo: Callable[[str], None] | None = print) -> Run:
-    """Run ``torchrun --standalone --nproc-per-node nproc -m labkit ARGS`` on this machine and load its results.
+    """Run ``torchrun --standalone --nproc-per-node nproc -m labkit ARGS`` on this machine (through
+    :mod:`labkit.torchrun`) and load its results.
 
     Args:
         args: the ``labkit`` command line, e.g. ``["train", "--strategy", "ddp", "--out", "runs/x"]``;
@@ -153,7 +159,9 @@ def torchrun(args: Sequence[str], nproc: int = 2, *, env: Mapping[str, str] | No
         The run read back by :func:`labkit.results.load_run` (``summary``, ``records``).
 
     Raises:
-        RunFailed: non-zero exit, or a timeout; the message holds the last lines of the log.
+        RanksConfigError: the ranks stopped on a configuration error (a ConfigError and a RunFailed; its
+            message is the ranks' one line).
+        RunFailed: any other non-zero exit, or a timeout; the message holds the last lines of the log.
     """
     if nproc < 1:
         raise ConfigError(f"nproc must be >= 1, got {nproc}")
@@ -161,7 +169,9 @@ def torchrun(args: Sequence[str], nproc: int = 2, *, env: Mapping[str, str] | No
     make_dirs(out)
     # one thread per core share: torchrun alone would pick 1 thread per rank, or all cores for nproc=1
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+    # labkit.torchrun: a rank's configuration error ends the run with its one line and exit 2, without
+    # torchrun's own error block
+    cmd = [sys.executable, "-m", "labkit.torchrun", "--standalone", "--nnodes", "1",
            "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "-m", module, *args]
     child = _child_env(env, threads)
     if max_restarts > 0:
@@ -172,6 +182,9 @@ def torchrun(args: Sequence[str], nproc: int = 2, *, env: Mapping[str, str] | No
     with output_errors(log):
         log.write_text("$ " + " ".join(cmd) + "\n")
     rc, tail = stream(cmd, child, log, timeout, echo)
+    said = [e[len(_CONFIG_ERROR):] for e in tail.errors if e.startswith(_CONFIG_ERROR)]
+    if rc == 2 and said:
+        raise RanksConfigError(said[0])
     if rc != 0:
         raise RunFailed(f"torchrun with {nproc} rank(s) exited with code {rc} (log: {log}); " + tail.text())
     return load_run(out)

@@ -81,11 +81,14 @@ class ThroughputMeter:
 
     Two steps by default: the first pays allocator growth and first-call costs, and the second still differs
     from the rest (DDP rebuilds its gradient buckets in the order the first backward produced them). An epoch
-    too short to spare them (``steps <= 2 warmup + 1``) is timed whole; :attr:`timed_steps` says what counted.
+    too short to spare them (``steps - first <= 2 warmup + 1``) is timed whole; :attr:`timed_steps` says what
+    counted. An epoch resumed from a mid-epoch checkpoint starts at step ``first``: the percentage counts the
+    epoch's steps done, ``(first + steps run) / steps``, and the rate only the steps this process ran.
 
     Args:
         epoch, epochs: shown as ``epoch/epochs`` (1-based epoch).
         steps: batches in this epoch.
+        first: steps of this epoch done before this meter started (a resumed run).
         every: print an ``(estimated)`` line every this many steps (plain mode).
         warmup: steps excluded from the rate.
         printer: where lines go (``print`` on rank 0 by default).
@@ -97,11 +100,11 @@ class ThroughputMeter:
 
     def __init__(self, epoch: int, epochs: int, steps: int, every: int = 20, warmup: int = 2,
                  printer: Callable[[str], None] = print, world_factor: int = 1, device: torch.device | None = None,
-                 estimate_printer: Callable[[str], None] | None = None):
-        self.epoch, self.epochs, self.steps = epoch, epochs, steps
+                 estimate_printer: Callable[[str], None] | None = None, first: int = 0):
+        self.epoch, self.epochs, self.steps, self.first = epoch, epochs, steps, first
         self.every, self.printer = max(1, every), printer
         self.estimate_printer = estimate_printer or printer
-        self.warmup = warmup if steps > 2 * warmup + 1 else 0
+        self.warmup = warmup if steps - first > 2 * warmup + 1 else 0
         self.world_factor = world_factor
         self.cuda = device is not None and torch.device(device).type == "cuda"
         self.device = device
@@ -127,9 +130,9 @@ class ThroughputMeter:
             if self.step + 1 == self.warmup:
                 self.start, self.samples = self._now(), 0
             return
-        if self.step % self.every == 0 and self.step < self.steps - 1:
-            self.estimate_printer(throughput_line(self.epoch, self.epochs, self.step + 1, self.steps, self.rate,
-                                                  True))
+        done = self.first + self.step + 1
+        if self.step % self.every == 0 and done < self.steps:
+            self.estimate_printer(throughput_line(self.epoch, self.epochs, done, self.steps, self.rate, True))
 
     @property
     def rate(self) -> float:
@@ -141,5 +144,5 @@ class ThroughputMeter:
     def finish(self) -> float:
         """Print the end-of-epoch line and return samples/sec."""
         rate = self.rate
-        self.printer(throughput_line(self.epoch, self.epochs, self.step + 1, self.steps, rate, False))
+        self.printer(throughput_line(self.epoch, self.epochs, self.first + self.step + 1, self.steps, rate, False))
         return rate

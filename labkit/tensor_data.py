@@ -159,9 +159,8 @@ def tensor_dataset(name: str, train: bool = True, root: str | os.PathLike | None
                    device: torch.device | str = "cpu") -> TensorImages:
     """The split of ``name`` as a :class:`TensorImages` on ``device``; arguments as :func:`labkit.data.get_dataset`
     (and the same errors). Augmentation applies to the CIFAR10 training splits only."""
-    source = kdata.get_dataset(name, train=train, root=root, download=download, size=size)
+    data, targets = kdata.raw_split(name, train=train, root=root, download=download, size=size)
     info = kdata.dataset_info(name)
-    data, targets = source.data, source.targets
     if not isinstance(data, torch.Tensor):  # CIFAR10: numpy (N, H, W, C) uint8, list of labels
         data = torch.from_numpy(data).permute(0, 3, 1, 2)
     elif data.ndim == 3:  # MNIST: (N, H, W) uint8

@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     from labkit import results
     from labkit.train import TrainConfig, run
 
-    out = Path(args.out)
+    out = results.make_dirs(args.out)  # an unwritable --out is one line now, not after the training
     _section("1. where you are")
     print(f"torch {torch.__version__} | {os.cpu_count()} CPU cores | "
           f"{torch.cuda.device_count()} GPU(s) | training on {args.device}")
@@ -112,7 +112,7 @@ def _plot(run, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from labkit.results import plot_metric
+    from labkit.results import atomic_write, plot_metric
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.2))
     plot_metric(run, y="train_loss", ax=ax1, labels=["train"])
@@ -122,7 +122,7 @@ def _plot(run, path: Path) -> Path:
     ax2.set_ylabel("accuracy")
     fig.suptitle("LeNet on mnist-sample (labkit tour)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100), binary=True)
     plt.close(fig)
     return path
 

@@ -188,10 +188,6 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         model.train()
         steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
         bar = _progress(steps, f"epoch {epoch + 1}/{epochs}", rank)  # None: the throughput lines are the progress
-        meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
-                                printer=printer, device=strategy.input_device,
-                                estimate_printer=None if bar is None else (
-                                    lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
@@ -200,6 +196,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             first = _resume_position(batches, position, totals, rank)
             if bar is not None:
                 bar.update(first)
+        meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
+                                printer=printer, device=strategy.input_device, first=first,
+                                estimate_printer=None if bar is None else (
+                                    lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         for step, (x, y) in enumerate(batches, start=first):
             if step >= steps:
                 break

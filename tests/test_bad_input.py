@@ -121,8 +121,31 @@ def test_config_error_under_torchrun_is_printed_once_and_the_job_script_exits_2(
     proc = subprocess.run(["bash", "jobs/job_ddp.sh"], env=env, capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 2, proc.stderr[-2000:]
-    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "labkit: error:" in ln]
+    errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
     assert errors == ["labkit: error: --epochs must be > 0, got 0"], proc.stderr[-2000:]
+    block = [ln for ln in proc.stderr.splitlines() if "Traceback" in ln or "Root Cause" in ln or "exitcode" in ln]
+    assert not block, proc.stderr[-2000:]  # torchrun's own error block is left out
+
+
+def test_a_crash_under_torchrun_still_shows_its_traceback(tmp_path):
+    """Only labkit's exit codes are quietened: a rank that raises shows its traceback and torchrun's report."""
+    script = tmp_path / "crash.py"
+    script.write_text("raise RuntimeError('not a configuration error')\n")
+    proc = subprocess.run([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "1",
+                           str(script)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "RuntimeError: not a configuration error" in proc.stderr and "Traceback" in proc.stderr
+    assert "ChildFailedError" in proc.stderr and "exitcode  : 1" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("command", [["bench", "report", "results/reference/cpu-2c-torch2.14.1"], ["tour"]])
+def test_report_and_tour_refuse_an_unwritable_out_in_one_line(capsys, monkeypatch, command):
+    """Both write through results.make_dirs/atomic_write: the folder is checked before any work is done."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert main([*command, "--out", "/proc/labkit/out"]) == 2
+    line = _one_error_line(capsys)
+    assert "/proc/labkit/out" in line and "choose a writable folder" in line, line
 
 
 def test_any_unwritable_path_is_one_line(capsys, tmp_path):

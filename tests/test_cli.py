@@ -44,10 +44,15 @@ def test_gpu_flag_on_cpu_node_exits_2_from_the_real_command(tmp_path):
 
 
 def test_help_and_argument_errors_do_not_import_torch():
-    """Every sub-command's help (and its argument errors) is answered before torch is imported."""
+    """Every sub-command's help (and its argument errors) is answered before torch is imported, every
+    benchmark's too."""
+    from labkit.bench import BENCHMARKS
+
     argvs = [["--help"], ["tour", "--help"], ["data", "--help"], ["data", "fetch", "--help"], ["allreduce", "--help"],
              ["allreduce", "verify", "--help"], ["allreduce", "animate", "--ranks", "x"], ["bench", "--help"],
-             ["bench", "nosuch"], ["check", "--help"], ["nosuch"]]
+             ["bench", "nosuch"], ["check", "--help"], ["train", "--help"], ["train", "--epochs", "x"], ["nosuch"],
+             *(["bench", name, "--help"] for name in BENCHMARKS), ["bench", "single", "--steps", "x"],
+             ["bench", "gpipe", "sweep", "--checkpoint", "sometimes"]]
     probe = ("import sys\nfrom labkit.cli import main\n"
              f"for argv in {argvs!r}:\n"
              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
@@ -55,6 +60,29 @@ def test_help_and_argument_errors_do_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip().splitlines()[-1] == "NO TORCH", proc.stderr
     assert "invalid int value: 'x'" in proc.stderr and "invalid choice: 'nosuch'" in proc.stderr
+    assert "labkit: error: argument --checkpoint: invalid choice: 'sometimes'" in proc.stderr.splitlines()[-1]
+    for name in BENCHMARKS:
+        assert f"usage: labkit bench {name} [-h]" in proc.stdout, name
+
+
+def test_bench_flags_agree_with_the_code_they_feed():
+    """The benchmarks' flag literals name the same choices as the modules that use them, and parse to
+    the options their ``main`` reads."""
+    from labkit.bench import largebatch, parser, suite
+    from labkit.strategies.gpipe import CHECKPOINT_MODES
+
+    args = parser("gpipe").parse_args(["sweep", "--chunks", "1", "4", "--checkpoint", "always", "never"])
+    assert (args.mode, args.chunks, args.checkpoint) == ("sweep", [1, 4], ["always", "never"])
+    assert args.func.args == ("labkit.bench.gpipe",)
+    gpipe_flags = {f["flag"]: f for f in __import__("labkit.flags").flags.read_flags("labkit.bench.gpipe")}
+    assert tuple(gpipe_flags["--checkpoint"]["choices"]) == CHECKPOINT_MODES
+    assert parser("largebatch").parse_args([]).optimizers == list(largebatch.RECIPES)
+    only_help = next(a.help for a in parser("suite")._actions if a.dest == "only")
+    assert only_help.endswith(", ".join([*suite.STRATEGY_RUNS, *suite.BENCHES]))
+    datapath = parser("datapath")
+    assert datapath.parse_args([]).augment is True and datapath.parse_args(["--no-augment"]).augment is False
+    assert parser("zero").parse_args(["--worker"]).worker is True
+    assert "--worker" not in parser("zero").format_help()
 
 
 def test_data_help_names_every_dataset_and_the_root_it_uses(tmp_path, monkeypatch):

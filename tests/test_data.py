@@ -208,7 +208,7 @@ def test_fetch_downloads_both_splits_of_real_datasets(tmp_path, monkeypatch, cap
         def __init__(self, root, train, transform=None, download=False):
             calls.append((root, train, download))
 
-    monkeypatch.setitem(data._REAL, "mnist", FakeMNIST)  # no network in tests
+    monkeypatch.setattr(data, "_torchvision_dataset", lambda name: FakeMNIST)  # no network in tests
     data.fetch(["mnist", "synthetic-cifar10"], root=tmp_path)
     assert calls == [(tmp_path, True, True), (tmp_path, False, True)]
     out = capsys.readouterr().out
@@ -222,7 +222,7 @@ def test_failed_download_is_one_clear_error(tmp_path, monkeypatch):
         def __init__(self, root, train, transform=None, download=False):
             raise URLError("Name or service not known")
 
-    monkeypatch.setitem(data._REAL, "cifar10", Offline)
+    monkeypatch.setattr(data, "_torchvision_dataset", lambda name: Offline)
     with pytest.raises(DatasetMissing, match="could not download cifar10 into .*Name or service not known.*login node"):
         data.fetch(["cifar10"], root=tmp_path)
     with pytest.raises(DatasetMissing, match="could not download cifar10"):

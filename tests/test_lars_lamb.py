@@ -110,13 +110,14 @@ def test_bad_values_are_config_errors():
 def test_kfac_feeds_lamb_and_resumes_bit_identically(tmp_path, capsys):
     from labkit.cli import main
 
-    flags = ["train", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "64", "--test-size", "64",
+    # LeNet: K-FAC's largest factor is 257 × 257 (the MLP's 785 × 785 eigendecompositions took most of the time)
+    flags = ["train", "--model", "lenet", "--dataset", "synthetic-mnist", "--train-size", "64", "--test-size", "64",
              "--batch-size", "32", "--device", "cpu", "--optimizer", "kfac", "--kfac-base", "lamb",
              "--kfac-update-freq", "3", "--base-lr", "0.01", "--weight-decay", "0.01", "--log-every", "100"]
     assert main([*flags, "--epochs", "2", "--out", str(tmp_path / "straight")]) == 0
     assert main([*flags, "--epochs", "1", "--out", str(tmp_path / "resumed")]) == 0
     assert main([*flags, "--epochs", "2", "--out", str(tmp_path / "resumed"), "--resume"]) == 0
-    assert "K-FAC: 3 layers" in capsys.readouterr().out
+    assert "K-FAC: 5 layers" in capsys.readouterr().out
     a = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
     b = load_checkpoint(tmp_path / "resumed" / "checkpoint.pt")
     assert a["epoch"] == b["epoch"] == 2

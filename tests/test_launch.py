@@ -9,8 +9,9 @@ import textwrap
 
 import pytest
 
-from labkit.errors import ConfigError, LabkitError
+from labkit.errors import ConfigError
 from labkit.launch import RunFailed, _child_env, sbatch, torchrun
+from labkit.meters import ThroughputMeter
 
 TINY = ["train", "--strategy", "ddp", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "128",
         "--test-size", "50", "--epochs", "1", "--device", "cpu", "--log-every", "2", "--no-checkpoint"]
@@ -39,16 +40,18 @@ def test_torchrun_streams_output_and_returns_the_run(tmp_path):
     assert "--nproc-per-node 2" in log and lines[-1] in log
 
 
-def test_failed_run_raises_with_the_tail_of_the_log(tmp_path):
-    # world size larger than the data: every rank stops with one clear error and exit code 2
+def test_config_error_of_the_ranks_is_their_one_line(tmp_path):
+    # world size larger than the data: every rank stops with one clear error and exit code 2, and torchrun's
+    # own error block (ChildFailedError, "Root Cause") is left out
+    lines = []
     with pytest.raises(RunFailed) as info:
-        torchrun([*TINY, "--train-size", "1", "--out", str(tmp_path / "bad")], nproc=2, echo=None, timeout=300)
-    message = str(info.value)
-    assert isinstance(info.value, LabkitError)
-    assert "torchrun with 2 rank(s) exited with code 1" in message
-    assert ("labkit: error: the training set has 1 samples, fewer than one global batch (2 ranks × "
-            "--batch-size 64); use fewer ranks or a smaller batch") in message
-    assert "exitcode  : 2" in message  # the ranks' own exit code, as torchrun reports it
+        torchrun([*TINY, "--train-size", "1", "--out", str(tmp_path / "bad")], nproc=2, echo=lines.append,
+                 timeout=300)
+    assert isinstance(info.value, ConfigError)
+    assert str(info.value) == ("the training set has 1 samples, fewer than one global batch (2 ranks × "
+                               "--batch-size 64); use fewer ranks or a smaller batch")
+    assert [ln for ln in lines if "error" in ln.lower()] == [f"labkit: error: {info.value}"], lines
+    assert not [ln for ln in lines if "Traceback" in ln or "Root Cause" in ln or "exitcode" in ln], lines
 
 
 def test_ranks_get_a_share_of_the_cores(monkeypatch):
@@ -84,7 +87,7 @@ JOB = """\
 #!/bin/bash
 echo "job $SLURM_JOB_ID starts, EPOCHS=$EPOCHS"
 sleep 0.5
-echo "train | 1/1 epoch (99%) | 123.000 samples/sec"
+echo "{epoch_line}"
 [[ "$EPOCHS" == 0 ]] && { echo "labkit: error: --epochs must be > 0, got 0"; exit 2; }
 cat > "$LABKIT_OUT/summary.json" <<EOF
 {"schema": "labkit.run/1", "name": "fake", "kind": "train", "config": {}, "environment": {},
@@ -92,6 +95,16 @@ cat > "$LABKIT_OUT/summary.json" <<EOF
 EOF
 echo '{"kind": "epoch", "epoch": 1, "test_acc": 0.5}' > "$LABKIT_OUT/metrics.jsonl"
 """
+
+
+def finished_epoch_line() -> str:
+    """The line labkit's meter prints at the end of a 7-step epoch (what the fake job prints as its own)."""
+    lines = []
+    meter = ThroughputMeter(epoch=1, epochs=1, steps=7, every=3, printer=lines.append)
+    for _ in range(7):
+        meter.update(16)
+    meter.finish()
+    return lines[-1]
 
 
 @pytest.fixture
@@ -104,7 +117,7 @@ def fake_slurm(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SLURM", str(tmp_path))
     script = tmp_path / "job.sh"
-    script.write_text(textwrap.dedent(JOB))
+    script.write_text(textwrap.dedent(JOB).replace("{epoch_line}", finished_epoch_line()))
     return script
 
 
@@ -112,7 +125,8 @@ def test_sbatch_follows_the_job_and_returns_its_results(fake_slurm, tmp_path):
     lines = []
     run = sbatch(fake_slurm, env={"EPOCHS": "3"}, out=tmp_path / "out", poll_s=0.1, echo=lines.append, timeout=60)
     assert lines[0].startswith(f"submitted {fake_slurm} as SLURM job 4242; output: ")
-    assert lines[1:] == ["job 4242 starts, EPOCHS=3", "train | 1/1 epoch (99%) | 123.000 samples/sec"]
+    assert lines[1] == "job 4242 starts, EPOCHS=3" and len(lines) == 3
+    assert lines[2].startswith("train | 1/1 epoch (100%) | ") and lines[2].endswith(" samples/sec")
     assert run.summary["metrics"]["samples_per_sec"] == 123.0
     assert run.records_of("epoch") == [{"kind": "epoch", "epoch": 1, "test_acc": 0.5}]
     assert (tmp_path / "out" / "slurm-4242.out").exists()

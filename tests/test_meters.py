@@ -28,3 +28,16 @@ def test_meter_prints_estimates_then_final_line_and_counts_samples():
     assert all(line.endswith("(estimated)") for line in lines[:-1]) and len(lines) == 3  # steps 3, 6, then final
     assert re.fullmatch(r"train \| 2/5 epoch \(100%\) \| \d+\.\d{3} samples/sec", lines[-1])
     assert meter.samples == 9 * 8 and rate > 0  # first step is warm-up, not throughput
+
+
+def test_resumed_epoch_counts_from_its_first_step():
+    """An epoch of 10 steps resumed after step 7: 3 steps run here, too few to spare a warm-up, so all are timed;
+    the lines say how much of the epoch is done (80 %, then 100 %), never 0 samples/sec."""
+    lines = []
+    meter = ThroughputMeter(2, 3, steps=10, every=1, printer=lines.append, first=7)
+    for _ in range(3):
+        meter.update(4)
+    rate = meter.finish()
+    assert [line.split(" | ")[1] for line in lines] == ["2/3 epoch (80%)", "2/3 epoch (90%)", "2/3 epoch (100%)"]
+    assert meter.samples == 12 and meter.timed_steps == 3 and rate > 0
+    assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines

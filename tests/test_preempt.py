@@ -1,7 +1,8 @@
 """Pre-emption without SLURM: a stop signal (SIGUSR1: SLURM's warning; SIGTERM: scancel, pre-emption, time limit,
 forwarded by torchrun) mid-epoch → the step finishes, a mid-epoch checkpoint is written, the run exits 75 with
 ``preempted.json``; ``--resume`` continues from that step and ends bit-identical to an uninterrupted run.
-The SLURM round trip (job script trap, requeue) is in tests/system/test_slurm_preempt.py."""
+Under torchrun, a rank killed outright is restarted with the whole group (``--max-restarts``), which resumes
+from the last checkpoint. The SLURM round trip (job script trap, requeue) is in tests/system/test_slurm_preempt.py."""
 import json
 import os
 import signal
@@ -73,28 +74,37 @@ def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatc
 
     monkeypatch.undo()
     assert main([*args, "--resume"]) == 0
-    assert "resumed from" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "resumed from" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith("train | 2/3 epoch")]  # the resumed epoch's
+    assert lines[0].startswith("train | 2/3 epoch (66%)") and lines[-1].startswith("train | 2/3 epoch (100%)"), lines
+    assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines
     assert not (tmp_path / "int" / MARKER).exists()
     _equal_runs(tmp_path / "clean", tmp_path / "int")
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "pipeline"])
-def test_sigterm_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path, strategy):
-    """torchrun forwards SIGTERM to both ranks; they stop after the same step (a non-replicated strategy
-    writes one checkpoint per rank)."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "labkit",
-            "train", "--strategy", strategy, *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()],
-            "--train-size", "192", "--log-every", "1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", LABKIT_PLAIN="1", PYTHONUNBUFFERED="1")
-    subprocess.run([*args, "--out", str(tmp_path / "clean")], env=env, check=True, capture_output=True, timeout=300)
-    # slowed down (the delay changes no result) so that the signal lands mid-epoch
-    proc = subprocess.Popen([*args, "--out", str(tmp_path / "int"), "--step-delay-s", "0.15"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _train(strategy, out, *extra, restarts=0):
+    """``labkit train`` of SMALL on 192 samples in batches of 16 under torchrun with 2 ranks (DDP: 2 × 16 per
+    step, 6 steps per epoch; pipeline: 12)."""
+    return [sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+            str(restarts), "-m", "labkit", "train", "--strategy", strategy,
+            *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()], "--train-size", "192", "--log-every", "1",
+            "--out", str(out), *extra]
+
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", LABKIT_PLAIN="1", PYTHONUNBUFFERED="1",
+           TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # a fresh rendezvous store for a restarted group
+
+
+def _sigterm_when(cmd, line_start):
+    """Run ``cmd``; SIGTERM torchrun (which forwards it to the ranks) at the first line starting with
+    ``line_start``. Returns (exit code, the whole output)."""
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         log = []
         for line in proc.stdout:
             log.append(line)
-            if line.startswith("train | 2/3 epoch"):  # epoch 2 under way (a line per step)
+            if line.startswith(line_start):
                 proc.send_signal(signal.SIGTERM)
                 break
         log += proc.stdout.readlines()
@@ -102,13 +112,43 @@ def test_sigterm_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path, strateg
     finally:
         if proc.poll() is None:
             proc.kill()
-    text = "".join(log)
-    marker = json.loads((tmp_path / "int" / MARKER).read_text())
-    assert marker["epoch"] == 1 and 0 < marker["step"] < 6 and marker["signal"] == "SIGTERM", text
-    assert text.count("labkit: stopped on SIGTERM") == 1, text
-    resumed = subprocess.run([*args, "--out", str(tmp_path / "int"), "--resume"], env=env, capture_output=True,
-                             text=True, timeout=300)
+    return proc.returncode, "".join(log)
+
+
+def _stopped_and_resumed(strategy, out, log, steps):
+    """The SIGTERM stopped the run mid-epoch 3 with one message; ``--resume`` continues from that step and the
+    resumed epoch's throughput line counts from there (100 % at its end, a real rate)."""
+    marker = json.loads((out / MARKER).read_text())
+    assert marker["epoch"] == 2 and 0 < marker["step"] < steps and marker["signal"] == "SIGTERM", log
+    assert log.count("labkit: stopped on SIGTERM") == 1, log
+    resumed = subprocess.run([*_train(strategy, out), "--resume"], env=ENV, capture_output=True, text=True,
+                             timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:]
-    assert f"at epoch 1, step {marker['step']}" in resumed.stdout
-    for name in ["checkpoint.pt"] if strategy == "ddp" else ["checkpoint.rank0.pt", "checkpoint.rank1.pt"]:
+    assert f"at epoch 2, step {marker['step']}" in resumed.stdout
+    lines = [ln for ln in resumed.stdout.splitlines() if ln.startswith("train | 3/3 epoch")]
+    done = [int(ln.split("(")[1].split("%")[0]) for ln in lines]
+    assert 100 * marker["step"] // steps < done[0] and done == sorted(done) and done[-1] == 100, lines
+    assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines
+
+
+def test_ddp_killed_rank_restarts_then_sigterm_mid_epoch_resumes_bit_identically(tmp_path):
+    """One DDP run meets both failures. Rank 1 is SIGKILLed in epoch 2 under ``--max-restarts 1``: torchrun
+    restarts the whole group, which resumes from epoch 1's checkpoint. In epoch 3 torchrun gets SIGTERM and
+    forwards it; both ranks stop after the same step, rank 0 writes the mid-epoch checkpoint, and the run exits 75.
+    ``--resume`` finishes it, equal to an uninterrupted run (weights, momentum, every epoch's loss)."""
+    subprocess.run(_train("ddp", tmp_path / "clean"), env=ENV, check=True, capture_output=True, timeout=300)
+    # slowed down (the delay changes no result) so that the signal lands mid-epoch
+    code, log = _sigterm_when(_train("ddp", tmp_path / "int", "--resume", "--kill-rank-at", "1:8",
+                                     "--step-delay-s", "0.15", restarts=1), "train | 3/3 epoch")
+    assert "rank 1: --kill-rank-at: SIGKILL before step 8" in log and "at epoch 1" in log, log
+    _stopped_and_resumed("ddp", tmp_path / "int", log, steps=6)
+    _equal_runs(tmp_path / "clean", tmp_path / "int")
+
+
+def test_pipeline_sigterm_mid_epoch_resumes_bit_identically(tmp_path):
+    """A non-replicated strategy: every rank writes its own mid-epoch checkpoint of the same step."""
+    subprocess.run(_train("pipeline", tmp_path / "clean"), env=ENV, check=True, capture_output=True, timeout=300)
+    code, log = _sigterm_when(_train("pipeline", tmp_path / "int", "--step-delay-s", "0.15"), "train | 3/3 epoch")
+    _stopped_and_resumed("pipeline", tmp_path / "int", log, steps=12)  # one pipeline sees the whole batch
+    for name in ["checkpoint.rank0.pt", "checkpoint.rank1.pt"]:
         _equal_runs(tmp_path / "clean", tmp_path / "int", name)

@@ -1,11 +1,21 @@
 """The parameter-server strategy through ``labkit.train.fit`` on gloo ranks.
 
-One 3-rank spawn (server 0, workers 1 and 2) checks: synchronous PS == DistributedDataParallel's weights
-after k steps; bytes through the server == the parameter-server formula of notebook 01 (the schedule's own
-count); the staleness record in async and SSP mode (SSP: no worker ever more than K clocks ahead, staleness
-within its bound; async with a straggler: the fast worker makes more updates). A 2-rank spawn checks that
-async with one worker is sync, bit for bit, and that a dead worker stops the server with a clear error.
+One 4-rank spawn checks, on one toy net:
+
+* sync PS with 2 servers (ranks 0, 1) and 2 workers == DistributedDataParallel on the workers, after k steps;
+  the bytes through each server sum to the parameter-server formula of notebook 01 (the schedule's count);
+* a stop signal mid-epoch under sync PS with 2 servers: every rank stops after the same step, checkpoints,
+  and the resumed run ends bit-identical (weights and the servers' momentum) to the uninterrupted one;
+* async with one worker (3 servers) is sync, bit for bit;
+* with 1 server and 3 workers, one of them a straggler: the SSP record never has a worker more than K clocks
+  ahead and bounds the staleness; in async the fast workers make more updates and the slow one's are stale;
+* a stop signal mid-epoch under async is honoured at the end of the epoch, by every rank;
+* SSP on real digits at the rate and momentum that stalled before (lr 0.05, momentum 0.9) learns: the loss
+  stays finite and falls epoch after epoch.
+
+A 2-rank spawn checks that a dead worker stops the server with a clear error.
 """
+import math
 import os
 import re
 import time
@@ -19,13 +29,15 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labkit.collectives import get_schedule
 from labkit.collectives.simulate import count
-from labkit.errors import ConfigError
-from labkit.preempt import StopSignals
 from labkit.dist import DistEnv
+from labkit.errors import ConfigError
+from labkit.optim import OptimizerSpec
+from labkit.preempt import Preempted, StopSignals
 from labkit.strategies.ps import ParameterServerStrategy
+from labkit.strategies.ps_lab import compare_modes
 from labkit.strategies.ps_server import PeerFailure
 from labkit.testing import run_ranks
-from labkit.train import fit
+from labkit.train import fit, load_training_state, save_training_state
 
 STEPS, BATCH, LR = 3, 4, 0.1
 
@@ -40,100 +52,162 @@ def net() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
-def train_ps(env, mode, steps=STEPS, epochs=1, **options):
-    """fit() under --strategy ps; returns (flat weights, the records) on every rank."""
+class StopAt(StopSignals):
+    """A stop signal that arrives on this rank at its ``call``-th check (``labkit train``'s StopSignals)."""
+
+    def __init__(self, call: int | None):
+        super().__init__()
+        self.call, self.calls = call, 0
+
+    def requested(self, strategy=None) -> bool:
+        self.calls += 1
+        if self.calls == self.call:
+            self.received = "SIGTERM"
+        return super().requested(strategy)
+
+
+def train_ps(env, mode, steps=STEPS, epochs=1, out=None, stop_call=None, resume=False, **options):
+    """fit() under --strategy ps as ``labkit train`` runs it (checkpoint per epoch and on a stop signal);
+    returns (flat weights, the records, the optimizer's momentum buffers), or ("stopped", epoch, step)."""
     strategy = ParameterServerStrategy(env, {"ps_mode": mode, "ps_timeout_s": 30, **options})
     model = strategy.prepare(net())
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    optimizer, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", LR, 0.9, env=env))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     loader = DataLoader(data(), BATCH, sampler=strategy.sampler(data(), True, seed=1), drop_last=True)
-    # the stop-signal check labkit train runs after every step must not put the ranks in lockstep
-    fit(model, loader, None, optimizer, epochs=epochs, strategy=strategy, max_steps=steps, seed=1,
-        printer=lambda *_: None, stop=StopSignals())
-    return nn.utils.parameters_to_vector(model.parameters()).detach(), strategy.records()
+    path = strategy.checkpoint_file(out) if out else None
+
+    def save(epochs_done, position=None):
+        if path:
+            save_training_state(path, strategy, model, optimizer, scheduler, None,
+                                {"epoch": epochs_done, "position": position}, {})
+    start, position = 0, None
+    if resume:
+        state = load_training_state(path, strategy, model, optimizer, scheduler, None)
+        start, position = state["epoch"], state["position"]
+    try:
+        fit(model, loader, None, optimizer, epochs=epochs, strategy=strategy, max_steps=steps, seed=1,
+            printer=lambda *_: None, stop=StopAt(stop_call), on_stop=save, start_epoch=start, position=position,
+            on_epoch_end=lambda epoch: save(epoch + 1))
+    except Preempted as stopped:
+        return "stopped", stopped.epoch, stopped.step
+    momentum = [optimizer.state[p]["momentum_buffer"] for p in model.parameters() if p in optimizer.state]
+    return nn.utils.parameters_to_vector(model.parameters()).detach(), strategy.records(), momentum
 
 
-def three_ranks(env):
-    out = {"sync": train_ps(env, "sync")}
-    # DDP on the two workers, same shards (DistributedSampler over 2 replicas, seed 1), same SGD
-    workers = dist.new_group([1, 2])
-    if env.rank > 0:
-        model = net()
-        ddp = DistributedDataParallel(model, process_group=workers)
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-        sampler = DistributedSampler(data(), num_replicas=2, rank=env.rank - 1, shuffle=True, seed=1, drop_last=True)
-        sampler.set_epoch(0)
+def ddp_on(env, workers, epochs):
+    """The reference: DDP over the worker ranks, same shards (DistributedSampler, seed 1), same SGD."""
+    group = dist.new_group(workers)
+    if env.rank not in workers:
+        return None
+    model = net()
+    ddp = DistributedDataParallel(model, process_group=group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    sampler = DistributedSampler(data(), num_replicas=len(workers), rank=workers.index(env.rank), shuffle=True,
+                                 seed=1, drop_last=True)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
         for step, (x, y) in zip(range(STEPS), DataLoader(data(), BATCH, sampler=sampler, drop_last=True)):
             optimizer.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()
             optimizer.step()
-        out["ddp"] = nn.utils.parameters_to_vector(model.parameters()).detach()
-    dist.barrier()
-    out["ssp"] = train_ps(env, "ssp", steps=24, max_staleness=1, ps_slow_worker="2:4")
-    out["async"] = train_ps(env, "async", steps=24, ps_slow_worker="2:4")
-    return out
+    return nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
-def test_ps_sync_is_ddp_async_and_ssp_record_staleness(one_thread):
-    per_rank = run_ranks(three_ranks, 3, timeout=300)
-    sync_weights, sync_record = per_rank[0]["sync"]
-    for r in range(3):  # every rank holds the server's model after the epoch
+def four_ranks(env, out):
+    two_servers = {"ps_servers": 2}
+    res = {"sync": train_ps(env, "sync", epochs=2, **two_servers), "ddp": ddp_on(env, [2, 3], epochs=2)}
+    # checks 1-3 of epoch 1, 4 (after step 1) of epoch 2: rank 3's signal stops every rank there
+    res["stopped"] = train_ps(env, "sync", epochs=2, out=out, stop_call=4 if env.rank == 3 else None, **two_servers)
+    res["resumed"] = train_ps(env, "sync", epochs=2, out=out, resume=True, **two_servers)
+    one_worker = {"ps_servers": 3}
+    res["1w-sync"] = train_ps(env, "sync", steps=4, epochs=2, **one_worker)[0]
+    res["1w-async"] = train_ps(env, "async", steps=4, epochs=2, **one_worker)[0]
+    res["ssp"] = train_ps(env, "ssp", steps=24, max_staleness=1, ps_slow_worker="3:4")
+    res["async"] = train_ps(env, "async", steps=24, ps_slow_worker="3:4")
+    res["async-stopped"] = train_ps(env, "async", steps=12, epochs=2, out=out + "-async",
+                                    stop_call=2 if env.rank == 2 else None)
+    res["digits"] = compare_modes(env, ("ssp",), epochs=2, train_size=1024, test_size=250, lr=0.05, momentum=0.9,
+                                  max_staleness=1, model="mlp")["ssp"]["history"]
+    return res
+
+
+def test_ps_sync_is_ddp_resumes_bit_identically_and_async_ssp_record_staleness(one_thread, tmp_path):
+    per_rank = run_ranks(four_ranks, 4, str(tmp_path / "ckpt"), timeout=300)
+    sync_weights, sync_record, sync_momentum = per_rank[0]["sync"]
+    for r in range(4):  # every rank holds the servers' model after the epoch
         assert torch.equal(per_rank[r]["sync"][0], sync_weights)
-    torch.testing.assert_close(sync_weights, per_rank[1]["ddp"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sync_weights, per_rank[2]["ddp"], rtol=0, atol=1e-6)
     assert not torch.equal(sync_weights, nn.utils.parameters_to_vector(net().parameters()).detach())
 
-    server = sync_record["per_server"][0]
-    updates = server["updates"]
-    assert [u["version"] for u in updates] == [1, 1, 2, 2, 3, 3] and all(u["staleness"] == 0 for u in updates)
-    # notebook 01: with W workers and S servers each server receives (and sends) W n / S elements per step
+    servers = sync_record["per_server"]
+    assert [[u["version"] for u in s["updates"]] for s in servers] == [[1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]] * 2
+    assert all(u["staleness"] == 0 for s in servers for u in s["updates"])
+    # notebook 01: with W workers each server receives and sends W × its shard per step; the shards add up to
+    # the one-server count of the parameter-server schedule, W n
     n = sum(p.numel() for p in net().parameters())
     formula = count(get_schedule("parameter-server", 3), n)
-    assert server["bytes"] == {"received": STEPS * formula.elements_recv[0] * 4,
-                               "sent": STEPS * formula.elements_sent[0] * 4}
-    assert formula.elements_recv[0] == 2 * n
+    assert formula.elements_recv[0] == formula.elements_sent[0] == 2 * n
+    assert sum(s["bytes"]["received"] for s in servers) == 2 * STEPS * formula.elements_recv[0] * 4
+    assert sum(s["bytes"]["sent"] for s in servers) == 2 * STEPS * formula.elements_sent[0] * 4
+    assert [s["numel"] for s in servers] == [6 * 8, 8 + 8 * 3 + 3]  # whole tensors, largest first
+
+    # stopped mid-epoch 2 after step 1 on every rank; each rank wrote its own file (two servers: two shards)
+    assert [per_rank[r]["stopped"] for r in range(4)] == [("stopped", 1, 1)] * 4
+    assert sorted(p.name for p in tmp_path.glob("ckpt/checkpoint*.pt")) == [f"checkpoint.rank{r}.pt" for r in range(4)]
+    for r in range(4):
+        weights, _, momentum = per_rank[r]["resumed"]
+        assert torch.equal(weights, sync_weights)
+        assert len(momentum) == len(per_rank[r]["sync"][2])
+        assert all(torch.equal(a, b) for a, b in zip(momentum, per_rank[r]["sync"][2]))
+    assert [len(per_rank[r]["sync"][2]) for r in range(4)] == [1, 3, 0, 0]  # momentum lives on the servers
+
+    for r in range(4):
+        assert torch.equal(per_rank[r]["1w-sync"], per_rank[r]["1w-async"])
 
     ssp = per_rank[0]["ssp"][1]["per_server"][0]["updates"]
     assert len(ssp) == 24
     ahead = [u["ahead"] for u in ssp if u["ahead"] is not None]
-    assert max(ahead) <= 1 and max(ahead) == 1  # K = 1 bounds it, and the straggler makes it bind
-    assert max(u["staleness"] for u in ssp) <= (2 - 1) * (2 * 1 + 1)  # (W-1)(2K+1)
+    assert max(ahead) == 1  # K = 1 bounds it, and the straggler makes it bind
+    assert max(u["staleness"] for u in ssp) <= (3 - 1) * (2 * 1 + 1)  # (W-1)(2K+1)
     asyn = per_rank[0]["async"][1]["per_server"][0]["updates"]
-    fast, slow = (sum(u["worker"] == w for u in asyn) for w in (1, 2))
-    assert fast + slow == 24 and fast >= 2 * slow, (fast, slow)  # the straggler does not hold the fast one back
-    assert max(u["staleness"] for u in asyn) >= 2  # ... but the slow worker's gradients are stale
-    for r in range(3):
+    made = {w: sum(u["worker"] == w for u in asyn) for w in (1, 2, 3)}
+    assert sum(made.values()) == 24 and min(made[1], made[2]) >= 2 * made[3], made  # nobody waits for rank 3
+    assert max(u["staleness"] for u in asyn) >= 2  # ... but its gradients are stale
+    for r in range(4):
         assert torch.equal(per_rank[r]["ssp"][0], per_rank[0]["ssp"][0])
 
+    # async: rank 2's signal in epoch 1 stops every rank at the end of that epoch, after its checkpoint
+    assert [per_rank[r]["async-stopped"] for r in range(4)] == [("stopped", 1, 0)] * 4
+    assert (tmp_path / "ckpt-async" / "checkpoint.pt").exists()
 
-def two_ranks(env, die):
-    if die:
-        strategy_cls = ParameterServerStrategy
-        if env.rank == 1:  # the worker dies after its second push
-            original = strategy_cls.sync_gradients
-
-            def sync_then_die(self, model, calls=[0]):
-                original(self, model)
-                calls[0] += 1
-                if calls[0] == 2:
-                    os._exit(1)
-            strategy_cls.sync_gradients = sync_then_die
-        started = time.monotonic()
-        try:
-            return train_ps(env, "async", steps=6, ps_timeout_s=4)
-        except PeerFailure as exc:
-            raise PeerFailure(f"after {time.monotonic() - started:.1f} s: {exc}") from None
-    return {mode: train_ps(env, mode, steps=4, epochs=2) for mode in ("sync", "async")}
+    losses = [e["train_loss"] for e in per_rank[0]["digits"]]
+    assert all(math.isfinite(x) for x in losses) and losses[1] < 0.8 * losses[0] < 0.8 * math.log(10), losses
 
 
-def test_ps_async_with_one_worker_is_sync_and_a_dead_worker_is_a_clear_error(one_thread):
-    per_rank = run_ranks(two_ranks, 2, False, timeout=300)
-    for r in range(2):
-        assert torch.equal(per_rank[r]["sync"][0], per_rank[r]["async"][0])
+def dead_worker(env):
+    if env.rank == 1:  # the worker dies after its second push
+        original = ParameterServerStrategy.sync_gradients
+
+        def sync_then_die(self, model, calls=[0]):
+            original(self, model)
+            calls[0] += 1
+            if calls[0] == 2:
+                os._exit(1)
+        ParameterServerStrategy.sync_gradients = sync_then_die
+    started = time.monotonic()
+    try:
+        return train_ps(env, "async", steps=6, ps_timeout_s=3)
+    except PeerFailure as exc:
+        raise PeerFailure(f"after {time.monotonic() - started:.1f} s: {exc}") from None
+
+
+def test_a_dead_worker_is_a_clear_error(one_thread):
     with pytest.raises(RuntimeError) as failure:
-        run_ranks(two_ranks, 2, True, timeout=300)
+        run_ranks(dead_worker, 2, timeout=120)
     found = re.search(r"PeerFailure: after ([0-9.]+) s: server rank 0 waiting for a push from workers \[1\]: "
-                      r"nothing arrived within 4 s \(--ps-timeout-s\) or the peer died", str(failure.value))
+                      r"nothing arrived within 3 s \(--ps-timeout-s\) or the peer died", str(failure.value))
     assert found, str(failure.value)[-2000:]
-    assert float(found[1]) < 4 + 6  # a receive from any source notices the dead peer by --ps-timeout-s
+    assert float(found[1]) < 3 + 6  # a receive from any source notices the dead peer by --ps-timeout-s
 
 
 def test_bad_ps_options_are_config_errors():
@@ -146,6 +220,18 @@ def test_bad_ps_options_are_config_errors():
         ParameterServerStrategy(env, {"ps_slow_worker": "0:2"})
     with pytest.raises(ConfigError, match="not RANK:FACTOR"):
         ParameterServerStrategy(env, {"ps_slow_worker": "fast"})
+    with pytest.raises(ConfigError, match="--ps-momentum 0.5: it applies to --ps-mode async or ssp"):
+        ParameterServerStrategy(env, {"ps_momentum": 0.5})
+
+
+def test_async_servers_take_off_the_momentum_asynchrony_adds():
+    """μ − (1 − 1/W), at least 0: 0.9 − 1/2 = 0.4 with 2 workers, 0.9 − 2/3 with 3, 0 with 11 (10 workers)."""
+    def momentum(world, mode="async", **options):
+        strategy = ParameterServerStrategy(DistEnv(rank=1, world_size=world), {"ps_mode": mode, **options})
+        return strategy.server_momentum(0.9)
+    assert momentum(3) == pytest.approx(0.4) and momentum(4, "ssp") == pytest.approx(0.9 - 2 / 3)
+    assert momentum(11) == 0.0 and momentum(2) == 0.9  # one worker: nothing implicit
+    assert momentum(3, ps_momentum=0.7) == 0.7
 
 
 def test_bench_ps_contenders_and_time_to_target():

@@ -14,6 +14,7 @@
 #   BATCHSIZE [512; 16 with LABKIT_QUICK=1]   EPOCHS [1]   DATASET [mnist; mnist-sample with LABKIT_QUICK=1]
 #   DEVICES [cuda:0 cuda:1 with 2 GPUs, else cpu cpu]   LABKIT_OUT [runs/gpipe-exercise-<jobid>]   PYTHON [python3]
 # MNIST must be on disk (once, on the login node): labkit data fetch mnist
+# pre-emption: none (the seed's plain PyTorch script keeps no checkpoint; labkit train --resume does)
 #
 #SBATCH --job-name=gpipe-exercise
 #SBATCH --nodes=1

@@ -13,6 +13,7 @@
 #   BATCHSIZE [256; 8 with LABKIT_QUICK=1]   EPOCHS [1]   DATASET [mnist; mnist-sample with LABKIT_QUICK=1]
 #   LABKIT_OUT: results folder [runs/gpipe-pytorch-<jobid>]; PYTHON [python3]
 # MNIST must be on disk (once, on the login node): labkit data fetch mnist
+# pre-emption: none (the seed's plain PyTorch script keeps no checkpoint; labkit train --resume does)
 #
 #SBATCH --job-name=gpipe-pytorch
 #SBATCH --nodes=1

@@ -8,6 +8,10 @@
 #   SIGTERM (scancel, pre-emption, the time limit) also ends the ranks with a checkpoint; only the warning
 #   requeues (a cancelled job stays cancelled; PreemptMode=REQUEUE partitions requeue by themselves).
 #
+# CMD is usually `python -m labkit.torchrun ...` (torchrun that ends a configuration error with labkit's one
+# line and exit 2, not torchrun's error block) or `python -m labkit ...` for one process. Inside a job it runs
+# as one srun step with one task per node on $run_nodes nodes (default 1; the multi-node script sets it).
+#
 # Sets resume=(--resume) on a requeued run (SLURM_RESTART_COUNT > 0) or with RESUME=1, for the scripts to
 # pass to labkit; a resumed OUT that already holds a finished run (summary.json) is not run again.
 # Returns the ranks' exit code (2 when labkit reported a configuration error, 75 when they stopped with a
@@ -36,7 +40,8 @@ run_ranks() {
     rm -f "$out/preempted.json"  # from the stop this run continues; a new stop writes a new one
     local launcher=()
     if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-        launcher=(srun --nodes=1 --ntasks=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"})
+        launcher=(srun --nodes="${run_nodes:-1}" --ntasks-per-node=1 --kill-on-bad-exit=1
+                  ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"})
     fi
     LABKIT_ERROR_FILE="$(mktemp)"
     export LABKIT_ERROR_FILE

@@ -5,12 +5,14 @@ Each benchmark writes its results in the labkit schema (records of kind "bench")
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 
-from labkit.cli import summary_line, words
+from labkit.cli import module_doc, summary_line, words
 from labkit.errors import ConfigError
+from labkit.flags import add_flags, read_flags
 
-#: benchmark name -> module with ``add_arguments(parser)`` and ``main(args) -> int``
+#: benchmark name -> module with a ``FLAGS`` literal (see :mod:`labkit.flags`) and ``main(args) -> int``
 BENCHMARKS: dict[str, str] = {
     "single": "labkit.bench.single",
     "ddp": "labkit.bench.ddp",
@@ -26,24 +28,55 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written (it holds example command lines), and every valued flag's default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or isinstance(action.default, bool):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A benchmark's parser: a bad flag is one ``labkit: error: ...`` line and exit code 2, like labkit's errors."""
+
+    def error(self, message: str):
+        self.exit(2, f"labkit: error: {message} (see {self.prog} --help)\n")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks (labkit vs plain PyTorch, scaling, sweeps)", description=__doc__)
-    names = p.add_subparsers(dest="bench", metavar="NAME")
+    names = p.add_subparsers(dest="bench", metavar="NAME", parser_class=_Parser)
     for name, module in BENCHMARKS.items():
-        if words()[1:2] != [name]:  # only the benchmark asked for is imported (they import torch)
+        if words()[1:2] != [name]:  # only the benchmark asked for has its flags read
             names.add_parser(name, help=summary_line(module))
             continue
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        bp = names.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0], description=mod.__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-        mod.add_arguments(bp)
-        bp.set_defaults(func=mod.main)
+        _fill(names.add_parser(name, help=summary_line(module), description=module_doc(module),
+                               formatter_class=_Formatter), name)
     p.set_defaults(func=lambda a: _missing(a))
+
+
+def parser(name: str) -> argparse.ArgumentParser:
+    """The parser of ``labkit bench NAME`` alone, e.g. ``parser("gpipe").parse_args(["sweep", ...])``.
+
+    Its ``func`` runs the benchmark: ``args = parser(name).parse_args(argv); args.func(args)``.
+    """
+    if name not in BENCHMARKS:
+        raise ConfigError(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
+    return _fill(_Parser(prog=f"labkit bench {name}", description=module_doc(BENCHMARKS[name]),
+                         formatter_class=_Formatter), name)
+
+
+def _fill(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """Add the benchmark's flags (read from its source, torch stays unloaded) and the function that runs it."""
+    add_flags(p, read_flags(BENCHMARKS[name]))
+    p.set_defaults(func=functools.partial(_run, BENCHMARKS[name]))
+    return p
+
+
+def _run(module: str, args: argparse.Namespace) -> int:
+    return importlib.import_module(module).main(args)
 
 
 def _missing(args) -> int:

@@ -23,18 +23,20 @@ import torch
 from labkit.bench.harness import alternate, config_of
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="resnet32")
-    p.add_argument("--dataset", default="synthetic-cifar10", help="cifar10 where it is on disk")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--steps", type=int, default=10, help="steps per contender per round")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--no-augment", dest="augment", action="store_false", help="no crop + flip")
-    p.add_argument("--amp", default=None, choices=("bf16",), help="bfloat16 autocast for every contender")
-    p.add_argument("--channels-last", action="store_true", help="NHWC model and batches for every contender")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="runs/bench-datapath")
+#: ``labkit bench datapath`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--model", "default": "resnet32", "help": "labkit model"},
+    {"flag": "--dataset", "default": "synthetic-cifar10", "help": "dataset (cifar10 where it is on disk)"},
+    {"flag": "--batch-size", "type": "int", "default": 128, "help": "samples per step"},
+    {"flag": "--steps", "type": "int", "default": 10, "help": "steps per contender per round"},
+    {"flag": "--rounds", "type": "int", "default": 5, "help": "timed rounds (each runs every contender)"},
+    {"flag": "--no-augment", "dest": "augment", "action": "store_false", "help": "no crop + flip"},
+    {"flag": "--amp", "default": None, "choices": ["bf16"], "help": "bfloat16 autocast for every contender"},
+    {"flag": "--channels-last", "action": "store_true", "help": "NHWC model and batches for every contender"},
+    {"flag": "--threads", "type": "int", "default": None, "help": "CPU threads (default: torch's choice)"},
+    {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
+    {"flag": "--out", "default": "runs/bench-datapath", "help": "results folder"},
+]
 
 
 def run_datapath(args: argparse.Namespace, writer=None) -> dict:

@@ -30,21 +30,23 @@ from labkit.errors import ConfigError
 TARGET = 0.97
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", default="1,2,4", help="rank counts of the scaling sweep, e.g. 1,2,4")
-    p.add_argument("--compare-ranks", type=int, default=2, help="ranks of the labkit/plain comparison (0: skip)")
-    p.add_argument("--model", default="lenet")
-    p.add_argument("--dataset", default="mnist-sample")
-    p.add_argument("--batch-size", type=int, default=64, help="per rank")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run / per contender and round")
-    p.add_argument("--rounds", type=int, default=8, help="comparison rounds (each runs both contenders)")
-    p.add_argument("--loader", default="tensor", choices=("tensor", "torch"), help="labkit's data path")
-    p.add_argument("--repeat", type=int, default=1, help="runs per rank count, alternating; the median counts")
-    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one rank per GPU)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads per rank (default 1: on a CPU each rank stands for one device of one core)")
-    p.add_argument("--out", default="runs/bench-ddp")
-    p.add_argument("--compare-worker", action="store_true", help=argparse.SUPPRESS)  # a rank of the comparison
+#: ``labkit bench ddp`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--ranks", "default": "1,2,4", "help": "rank counts of the scaling sweep, e.g. 1,2,4"},
+    {"flag": "--compare-ranks", "type": "int", "default": 2, "help": "ranks of the labkit/plain comparison (0: skip)"},
+    {"flag": "--model", "default": "lenet", "help": "labkit model"},
+    {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
+    {"flag": "--batch-size", "type": "int", "default": 64, "help": "samples per rank per step"},
+    {"flag": "--steps", "type": "int", "default": 30, "help": "optimizer steps per run / per contender and round"},
+    {"flag": "--rounds", "type": "int", "default": 8, "help": "comparison rounds (each runs both contenders)"},
+    {"flag": "--loader", "default": "tensor", "choices": ["tensor", "torch"], "help": "labkit's data path"},
+    {"flag": "--repeat", "type": "int", "default": 1, "help": "runs per rank count, alternating; the median counts"},
+    {"flag": "--device", "default": "cpu", "help": "cpu (gloo) or cuda (NCCL, one rank per GPU)"},
+    {"flag": "--threads", "type": "int", "default": 1,
+     "help": "CPU threads per rank (1: on a CPU each rank stands for one device of one core)"},
+    {"flag": "--out", "default": "runs/bench-ddp", "help": "results folder"},
+    {"flag": "--compare-worker", "action": "store_true", "hidden": True, "help": "one rank of the comparison"},
+]
 
 
 def parse_ranks(spec: str) -> list[int]:

@@ -28,27 +28,32 @@ import torch
 from torch import nn
 
 from labkit.bench.harness import config_of, sync
-from labkit.strategies.gpipe import CHECKPOINT_MODES, compute_balance, gpipe_devices, make_gpipe
+from labkit.strategies.gpipe import compute_balance, gpipe_devices, make_gpipe
 
 GB = 1024 ** 3
 TARGET = 0.97
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("mode", nargs="?", choices=("compare", "sweep", "point"), default="compare")
-    p.add_argument("--model", default="resnet50")
-    p.add_argument("--dataset", default="mnist-sample")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--chunks", type=int, nargs="+", default=[4], help="micro-batches (several for sweep)")
-    p.add_argument("--checkpoint", nargs="+", choices=CHECKPOINT_MODES, default=["except_last"])
-    p.add_argument("--partitions", type=int, default=None, help="default: every GPU, or 2 on CPU")
-    p.add_argument("--balance", type=int, nargs="+", default=None, help="default: measured by time once")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per contender per round")
-    p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--loader", default="tensor", choices=("tensor", "torch"), help="compare: labkit's data path")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="runs/bench-gpipe")
+#: ``labkit bench gpipe`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "mode", "nargs": "?", "choices": ["compare", "sweep", "point"], "default": "compare",
+     "help": "compare (labkit vs raw torchgpipe), sweep (micro-batches x checkpoint modes), point (one sweep point)"},
+    {"flag": "--model", "default": "resnet50", "help": "labkit model"},
+    {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
+    {"flag": "--batch-size", "type": "int", "default": 64, "help": "samples per step"},
+    {"flag": "--chunks", "type": "int", "nargs": "+", "default": [4], "help": "micro-batches (several for sweep)"},
+    {"flag": "--checkpoint", "nargs": "+", "choices": ["always", "except_last", "never"], "default": ["except_last"],
+     "help": "recompute activations in backward (several for sweep)"},
+    {"flag": "--partitions", "type": "int", "default": None, "help": "partitions (default: every GPU, or 2 on CPU)"},
+    {"flag": "--balance", "type": "int", "nargs": "+", "default": None,
+     "help": "layers per partition (default: measured by time once)"},
+    {"flag": "--steps", "type": "int", "default": 6, "help": "timed steps per contender per round"},
+    {"flag": "--rounds", "type": "int", "default": 6, "help": "timed rounds (each runs both contenders)"},
+    {"flag": "--loader", "default": "tensor", "choices": ["tensor", "torch"], "help": "compare: labkit's data path"},
+    {"flag": "--threads", "type": "int", "default": None, "help": "CPU threads (default: torch's choice)"},
+    {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
+    {"flag": "--out", "default": "runs/bench-gpipe", "help": "results folder"},
+]
 
 
 def _setup(args: argparse.Namespace):

@@ -31,18 +31,21 @@ from labkit.strategies import Strategy
 PHASES = ("factors", "decomposition", "precondition")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", nargs="+", default=["lenet", "resnet20"], help="labkit models (default lenet resnet20)")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--methods", nargs="+", default=["eigen", "inverse"], choices=["eigen", "inverse"])
-    p.add_argument("--freqs", nargs="+", type=int, default=[1, 10], help="K-FAC update frequencies (default 1 10)")
-    p.add_argument("--approx", nargs="+", default=["expand"], choices=["expand", "reduce"],
-                   help="Conv2d factor approximations to time (default expand; reduce is K-FAC-reduce)")
-    p.add_argument("--steps", type=int, default=20, help="steps per contender per round (a multiple of every freq)")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="runs/bench-kfac")
+#: ``labkit bench kfac`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--models", "nargs": "+", "default": ["lenet", "resnet20"], "help": "labkit models"},
+    {"flag": "--batch-size", "type": "int", "default": 128, "help": "samples per step"},
+    {"flag": "--methods", "nargs": "+", "default": ["eigen", "inverse"], "choices": ["eigen", "inverse"],
+     "help": "K-FAC inversion methods to time"},
+    {"flag": "--freqs", "nargs": "+", "type": "int", "default": [1, 10], "help": "K-FAC update frequencies"},
+    {"flag": "--approx", "nargs": "+", "default": ["expand"], "choices": ["expand", "reduce"],
+     "help": "Conv2d factor approximations to time (reduce is K-FAC-reduce)"},
+    {"flag": "--steps", "type": "int", "default": 20, "help": "steps per contender per round (a multiple of every freq)"},
+    {"flag": "--rounds", "type": "int", "default": 3, "help": "timed rounds (each runs every contender)"},
+    {"flag": "--threads", "type": "int", "default": None, "help": "torch CPU threads (default: torch's choice)"},
+    {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
+    {"flag": "--out", "default": "runs/bench-kfac", "help": "results folder"},
+]
 
 
 class Contender:

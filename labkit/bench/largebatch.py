@@ -25,18 +25,21 @@ RECIPES = {"sgd": (0.01, 1.0, {}), "lars": (1.0, 0.5, {"lars_trust_coefficient":
            "kfac": (0.01, 1.0, {"kfac_update_freq": 5, "kfac_damping": 0.03, "kfac_base": "sgd"})}
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="mlp")
-    p.add_argument("--dataset", default="mnist-sample")
-    p.add_argument("--optimizers", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    p.add_argument("--scales", nargs="+", type=int, default=[1, 4, 16, 64], help="global batch = batch × scale")
-    p.add_argument("--batch-size", type=int, default=16, help="base batch at scale 1")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--train-size", type=int, default=None, help="first N training samples (default all)")
-    p.add_argument("--test-size", type=int, default=1000)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="runs/bench-largebatch")
+#: ``labkit bench largebatch`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--model", "default": "mlp", "help": "labkit model"},
+    {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
+    {"flag": "--optimizers", "nargs": "+", "default": ["sgd", "lars", "lamb", "kfac"],
+     "choices": ["sgd", "lars", "lamb", "kfac"], "help": "optimizers to compare (see RECIPES)"},
+    {"flag": "--scales", "nargs": "+", "type": "int", "default": [1, 4, 16, 64], "help": "global batch = batch × scale"},
+    {"flag": "--batch-size", "type": "int", "default": 16, "help": "base batch at scale 1"},
+    {"flag": "--epochs", "type": "int", "default": 3, "help": "epochs of every run"},
+    {"flag": "--train-size", "type": "int", "default": None, "help": "first N training samples (default: all)"},
+    {"flag": "--test-size", "type": "int", "default": 1000, "help": "test samples evaluated after each epoch"},
+    {"flag": "--seed", "type": "int", "default": 0, "help": "seed of the weights and the data order"},
+    {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
+    {"flag": "--out", "default": "runs/bench-largebatch", "help": "results folder"},
+]
 
 
 def learning_rate(optimizer: str, scale: int) -> float:

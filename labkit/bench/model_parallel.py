@@ -25,19 +25,22 @@ from labkit.dist import DistEnv, print0, resolve_device, seed_everything
 from labkit.strategies import Strategy
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--part", default="all", choices=["all", "sweep", "hybrid-ddp"])
-    p.add_argument("--model", default="alexnet_small")
-    p.add_argument("--dataset", default="synthetic-cifar10")
-    p.add_argument("--batch-size", type=int, default=128, help="sweep: samples per step")
-    p.add_argument("--split-sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64], metavar="N")
-    p.add_argument("--mp-devices", type=int, default=2, help="sweep: devices (stages)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per contender per round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--ranks", type=int, default=2, help="hybrid vs DDP: ranks to start")
-    p.add_argument("--rank-batch-size", type=int, default=32, help="hybrid vs DDP: samples per rank per step")
-    p.add_argument("--out", default="runs/bench-model-parallel")
+#: ``labkit bench model-parallel`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--part", "default": "all", "choices": ["all", "sweep", "hybrid-ddp"], "help": "which part to run"},
+    {"flag": "--model", "default": "alexnet_small", "help": "labkit model"},
+    {"flag": "--dataset", "default": "synthetic-cifar10", "help": "dataset"},
+    {"flag": "--batch-size", "type": "int", "default": 128, "help": "sweep: samples per step"},
+    {"flag": "--split-sizes", "type": "int", "nargs": "+", "default": [4, 8, 16, 32, 64], "metavar": "N",
+     "help": "sweep: micro-batch sizes"},
+    {"flag": "--mp-devices", "type": "int", "default": 2, "help": "sweep: devices (stages)"},
+    {"flag": "--steps", "type": "int", "default": 5, "help": "timed steps per contender per round"},
+    {"flag": "--rounds", "type": "int", "default": 3, "help": "timed rounds (each runs every contender)"},
+    {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
+    {"flag": "--ranks", "type": "int", "default": 2, "help": "hybrid vs DDP: ranks to start"},
+    {"flag": "--rank-batch-size", "type": "int", "default": 32, "help": "hybrid vs DDP: samples per rank per step"},
+    {"flag": "--out", "default": "runs/bench-model-parallel", "help": "results folder"},
+]
 
 
 def split_size_sweep(model_name: str = "alexnet_small", dataset: str = "synthetic-cifar10", batch_size: int = 128,

@@ -24,9 +24,11 @@ from labkit.errors import ConfigError
 PLOTS = ("throughput", "scaling", "memory", "communication", "time_to_accuracy")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN", help="suite folders (or their suite.json)")
-    p.add_argument("--out", default="runs/report", help="folder for report.html and the PNGs")
+#: ``labkit bench report`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "runs", "nargs": "+", "metavar": "RUN", "help": "suite folders (or their suite.json)"},
+    {"flag": "--out", "default": "runs/report", "help": "folder for report.html and the PNGs"},
+]
 
 
 def load_suite(path: str | Path) -> dict:
@@ -144,8 +146,9 @@ def render(suites: list[dict], out: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    from labkit.results import atomic_write, atomic_write_text, make_dirs
+
+    out = make_dirs(out)
     draw = {"throughput": plot_throughput, "scaling": plot_scaling, "memory": plot_memory,
             "communication": plot_communication, "time_to_accuracy": plot_time_to_accuracy}
     for name in PLOTS:
@@ -155,7 +158,7 @@ def render(suites: list[dict], out: str | Path) -> Path:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=110)
+        atomic_write(out / f"{name}.png", lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
         plt.close(fig)
     parts = ["<!doctype html><meta charset='utf-8'><title>labkit benchmark report</title>",
              "<style>body{font-family:sans-serif;max-width:60em;margin:auto}td,th{padding:2px 8px;text-align:left}"
@@ -172,7 +175,7 @@ def render(suites: list[dict], out: str | Path) -> Path:
         parts.append("</table>")
     parts += [f"<h2>{name.replace('_', ' ')}</h2><img src='{name}.png' alt='{name}'>" for name in PLOTS]
     page = out / "report.html"
-    page.write_text("\n".join(parts) + "\n")
+    atomic_write_text(page, "\n".join(parts) + "\n")
     return page
 
 

@@ -19,16 +19,18 @@ from labkit.bench.harness import alternate, config_of
 TARGET = 0.97
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="lenet")
-    p.add_argument("--dataset", default="mnist-sample")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per contender per round")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--loader", default="tensor", choices=("tensor", "torch"), help="labkit's data path")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: one core stands for one device)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--out", default="runs/bench-single")
+#: ``labkit bench single`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--model", "default": "lenet", "help": "labkit model"},
+    {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
+    {"flag": "--batch-size", "type": "int", "default": 64, "help": "samples per step"},
+    {"flag": "--steps", "type": "int", "default": 40, "help": "optimizer steps per contender per round"},
+    {"flag": "--rounds", "type": "int", "default": 8, "help": "timed rounds (each runs both contenders)"},
+    {"flag": "--loader", "default": "tensor", "choices": ["tensor", "torch"], "help": "labkit's data path"},
+    {"flag": "--threads", "type": "int", "default": 1, "help": "CPU threads (1: one core stands for one device)"},
+    {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
+    {"flag": "--out", "default": "runs/bench-single", "help": "results folder"},
+]
 
 
 def run_compare(args: argparse.Namespace, writer=None) -> dict:

@@ -44,12 +44,15 @@ STRATEGY_RUNS: dict[str, tuple[int, list[str]]] = {
 }
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="short runs (minutes on a laptop CPU)")
-    p.add_argument("--only", nargs="+", default=None, metavar="PART",
-                   help=f"run only these parts: {', '.join([*STRATEGY_RUNS, *BENCHES])}")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--out", default=None, help="results folder (default runs/suite-<machine tag>)")
+#: ``labkit bench suite`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--quick", "action": "store_true", "help": "short runs (minutes on a laptop CPU)"},
+    {"flag": "--only", "nargs": "+", "default": None, "metavar": "PART",
+     "help": "run only these parts: single, ddp, hybrid, tensor-parallel, pipeline, model-parallel, gpipe, "
+             "bench-single, bench-ddp, bench-gpipe, bench-kfac, allreduce"},
+    {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
+    {"flag": "--out", "default": None, "help": "results folder (default: runs/suite-<machine tag>)"},
+]
 
 
 def machine() -> dict:

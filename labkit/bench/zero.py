@@ -21,17 +21,19 @@ import torch
 TARGET = 0.15
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", default="2,4", help="rank counts, e.g. 2,4")
-    p.add_argument("--model", default="mlp", help="model to train (mlp: 0.67 M parameters)")
-    p.add_argument("--dataset", default="synthetic-mnist", help="dataset")
-    p.add_argument("--optimizer", default="adam", choices=("sgd", "adam"), help="sgd (with momentum) or adam")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per contender and round")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (each runs every contender)")
-    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one rank per GPU)")
-    p.add_argument("--out", default="runs/bench-zero", help="results folder (one sub-folder per rank count)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one rank of one job
+#: ``labkit bench zero`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--ranks", "default": "2,4", "help": "rank counts, e.g. 2,4"},
+    {"flag": "--model", "default": "mlp", "help": "model to train (mlp: 0.67 M parameters)"},
+    {"flag": "--dataset", "default": "synthetic-mnist", "help": "dataset"},
+    {"flag": "--optimizer", "default": "adam", "choices": ["sgd", "adam"], "help": "sgd (with momentum) or adam"},
+    {"flag": "--batch-size", "type": "int", "default": 32, "help": "samples per rank per step"},
+    {"flag": "--steps", "type": "int", "default": 5, "help": "optimizer steps per contender and round"},
+    {"flag": "--rounds", "type": "int", "default": 3, "help": "timed rounds (each runs every contender)"},
+    {"flag": "--device", "default": "cpu", "help": "cpu (gloo) or cuda (NCCL, one rank per GPU)"},
+    {"flag": "--out", "default": "runs/bench-zero", "help": "results folder (one sub-folder per rank count)"},
+    {"flag": "--worker", "action": "store_true", "hidden": True, "help": "one rank of one job"},
+]
 
 
 def formula_bytes(contender: str, psi: int, world: int, k: int) -> dict[str, float]:

@@ -283,14 +283,22 @@ class KFAC:
     # ----- communication model --------------------------------------------------------------------------------
 
     def communication_per_step(self, element_size: int = 4) -> dict[str, int]:
-        """Payload bytes K-FAC's own collectives move on one rank (0 everywhere on a single process).
+        """Payload bytes K-FAC's own collectives move on this rank (0 everywhere on a single process).
 
         Returns:
             ``{"factors": on each factor-update step, "decompositions": on each inverse-update step,
-            "gradients": on every step}`` — the formulas of :mod:`labkit.optim.kfac_dist`.
+            "gradients": on every step}`` — the formulas of :mod:`labkit.optim.kfac_dist`, or with a
+            grad-worker fraction those of :mod:`labkit.optim.kfac_kaisa` (they depend on this rank's block).
         """
-        return kfac_dist.communication_per_step([(l.d_in, l.d_out) for l in self.layers], self.world_size,
-                                                self.method.value, self.broadcast.value, element_size)
+        shapes = [(l.d_in, l.d_out) for l in self.layers]
+        if self.kaisa is None:
+            return kfac_dist.communication_per_step(shapes, self.world_size, self.method.value, self.broadcast.value,
+                                                    element_size)
+        factors = kfac_dist.communication_per_step(shapes, self.world_size, self.method.value, "gradients",
+                                                   element_size)["factors"]
+        shared = kfac_kaisa.cost_per_rank(shapes, self.owners, self.world_size, self.kaisa.g, self.rank,
+                                          self.method.value, element_size)
+        return {"factors": factors, "decompositions": shared["decompositions"], "gradients": shared["gradients"]}
 
     def decomposition_bytes(self) -> int:
         """Bytes of the decompositions this rank holds (what the grad-worker fraction trades for traffic)."""

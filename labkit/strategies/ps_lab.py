@@ -15,12 +15,14 @@ import torch
 from labkit import data as kdata
 from labkit import models as kmodels
 from labkit.dist import DistEnv
+from labkit.optim import OptimizerSpec
 from labkit.strategies.ps import ParameterServerStrategy
 from labkit.train import fit
 
 
 def compare_modes(env: DistEnv, modes: tuple[str, ...] = ("sync", "async", "ssp"), *, epochs: int = 2,
                   train_size: int = 1024, test_size: int = 500, batch_size: int = 32, lr: float = 0.05,
+                  momentum: float = 0.9,
                   max_staleness: int = 1, slow_worker: str | None = None, dataset: str = "mnist-sample",
                   model: str = "lenet") -> dict:
     """Train once per mode; every rank returns ``{mode: {"history", "updates", "time_s"}}``.
@@ -40,7 +42,8 @@ def compare_modes(env: DistEnv, modes: tuple[str, ...] = ("sync", "async", "ssp"
         torch.manual_seed(0)
         net = strategy.prepare(kmodels.get_model(model, num_classes=info.num_classes, in_channels=info.in_channels,
                                                  image_size=info.image_size))
-        optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+        # async/ssp servers take off the momentum asynchrony adds (labkit.strategies.ps)
+        optimizer, _ = strategy.build_optimizer(net, OptimizerSpec("sgd", lr, momentum, env=env))
         train_loader = kdata.make_loader(train, batch_size, shuffle=True, sampler=strategy.sampler(train, True, 0),
                                          drop_last=True)
         test_loader = kdata.make_loader(test, 250, shuffle=False, sampler=strategy.sampler(test, False, 0))

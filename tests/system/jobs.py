@@ -22,6 +22,14 @@ MULTINODE_JOB = JOBS / "job_ddp_multinode.sh"
 THROUGHPUT = re.compile(r"\d samples/sec|\d\s*[GM]B/s")
 # A script whose header says "# results: none" writes no results file (the seed's plain scripts).
 NO_RESULTS = re.compile(r"^#\s*results:\s*none\b", re.MULTILINE)
+# A script with nothing to continue after a pre-emption (a benchmark, the seed's plain scripts) says so with a
+# header line "# pre-emption: none (why)"; every other one checkpoints and requeues through run_ranks.
+PREEMPTION_NONE = re.compile(r"^#\s*pre-emption:\s*none\b", re.MULTILINE)
+
+
+# A script names no memory, which SLURM reads as the whole node's: tests ask for a share, so that two jobs
+# (8 of the 16 CPUs the test node advertises each) run at once.
+JOB_MEMORY = "--mem=8G"
 
 
 def job_scripts() -> list[Path]:

@@ -9,8 +9,8 @@ must resolve (see :func:`hosts_entry`).
 No systemd here, so the daemons are started by hand; no cgroups either, hence
 ``proctrack/linuxproc`` and ``task/none``. The nodes advertise the size of a GPU node
 (``SlurmdParameters=config_overrides`` lets that exceed the real machine) so job scripts' real
-``#SBATCH`` requests are accepted unchanged; tests submit with ``--exclusive`` so the jobs run one
-at a time on the real cores.
+``#SBATCH`` requests are accepted unchanged; tests ask for 8 of the 16 CPUs and a share of the memory,
+so two jobs run at a time on the real cores (``--exclusive``: one).
 """
 
 from __future__ import annotations
@@ -157,7 +157,9 @@ class SlurmCluster:
             "ClusterName=labkit-test",
             f"SlurmctldHost={host}(127.0.0.1)",
             f"SlurmctldPort={free_port()}",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: also how long a requeued job waits before it may start again (default 120 s; 5 is
+            # SLURM's minimum); a step's credential is used within a second of being issued here
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=10",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}/%n",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r}/slurmd-%n.pid",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from .jobs import JOBS, JUPYTER_JOB, NO_RESULTS, job_scripts, script_id
+from .jobs import JOBS, JUPYTER_JOB, NO_RESULTS, PREEMPTION_NONE, job_scripts, script_id
 from .provision import REPO
 from .slurm_cluster import requested_nodes, sbatch_directives
 
@@ -65,6 +65,41 @@ def test_script_keeps_the_job_conventions(script: Path) -> None:
         assert "LABKIT_OUT" in text, (
             f"{name}: must write its results under $LABKIT_OUT when set (or declare "
             "`# results: none` in its header)")
+
+
+def commands(script: Path) -> list[str]:
+    """The script's lines that are not comments, without their trailing comments."""
+    return [line.split(" #")[0] for line in script.read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=script_id)
+def test_ranks_start_through_labkits_torchrun(script: Path) -> None:
+    """Plain torchrun follows a rank's one-line configuration error with its own error block and exit 1."""
+    plain = [line for line in commands(script)
+             if "torch.distributed.run" in line or re.search(r"(?<![\w.])torchrun\b", line)]
+    assert not plain, f"{script.relative_to(REPO)}: start ranks with `python -m labkit.torchrun`, not {plain}"
+
+
+@pytest.mark.parametrize("script", [s for s in SCRIPTS if s != JUPYTER_JOB], ids=script_id)
+def test_training_script_checkpoints_and_requeues_on_the_warning(script: Path) -> None:
+    """A script that trains asks for SLURM's warning and a requeue, and starts every run through ``run_ranks``
+    (jobs/lib/run.sh) with ``--resume`` on a requeued run; one with nothing to continue says so in its header."""
+    text, name = script.read_text(), script.relative_to(REPO)
+    directives = list(sbatch_directives(script))
+    code = commands(script)
+    if PREEMPTION_NONE.search(text):
+        assert "--requeue" not in directives, f"{name}: says `# pre-emption: none` but asks for --requeue"
+        return
+    assert any(re.fullmatch(r"--signal=B:USR1@\d+", d) for d in directives) and "--requeue" in directives, (
+        f"{name}: needs `#SBATCH --signal=B:USR1@120` and `#SBATCH --requeue` (or `# pre-emption: none` and why)")
+    assert "source jobs/lib/run.sh" in [line.strip() for line in code], (
+        f"{name}: must `source jobs/lib/run.sh`")
+    runs = [line for line in code if line.strip().startswith("run_ranks ")]
+    assert runs, f"{name}: starts no run through `run_ranks OUT CMD...`"
+    assert '"${resume[@]}"' in text, f"{name}: a requeued run must pass \"${{resume[@]}}\" (--resume) to labkit"
+    direct = [line for line in code if re.match(r'\s*(srun\b|"\$\{(cmd|launch)\[@\]\}")', line)]
+    assert not direct, f"{name}: starts ranks outside run_ranks (no checkpoint on the warning): {direct}"
 
 
 def test_requested_nodes_reads_only_the_sbatch_header(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from labkit.train import load_checkpoint
 
-from .jobs import JOBS, job_env
+from .jobs import JOB_MEMORY, JOBS, job_env
 from .provision import REPO
 from .slurm_cluster import TERMINAL, SlurmCluster
 
@@ -29,7 +29,7 @@ ARGS = ("--model mlp --dataset synthetic-mnist --train-size 192 --test-size 32 -
 def _submit(slurm: SlurmCluster, root: Path, name: str, extra: str = ""):
     env = job_env(root / name) | {"NPROC": "2", "EXTRA_ARGS": f"{ARGS} {extra}"}
     return slurm.submit(JOBS / "job_ddp.sh", name=name, output=root / f"{name}.log", env=env,
-                        args=("--exclusive", "--time=5", "--open-mode=append"), cwd=REPO)
+                        args=(JOB_MEMORY, "--time=5", "--open-mode=append"), cwd=REPO)  # both jobs at once
 
 
 def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm: SlurmCluster, tmp_path: Path) -> None:
