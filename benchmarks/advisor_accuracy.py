@@ -6,8 +6,9 @@ and the predicted step time is set beside the measured one.
 
 Targets: every plan within 25 % (measured / predicted in 0.75 .. 1.25), and the predicted best is the
 measured best or within 10 % of it. Each plan's prediction is shown twice: from the profile, and priced again
-with the loop's step re-timed right after its run (the machine's speed at that moment; see ``validate``). Prints one compact table and the load average (the machine may be shared);
-results: ``runs/advisor-accuracy/<model>/advice.json`` and ``summary.json``.
+with the loop's step re-timed right after its run (the machine's speed at that moment; see ``validate``).
+Prints one compact table and the load average (the machine may be shared); results:
+``runs/advisor-accuracy/<model>/advice.json`` and ``summary.json``.
 """
 from __future__ import annotations
 

@@ -224,3 +224,19 @@ def test_buffer_broadcasts_and_ddp_buckets_by_hand():
     fast = topo(alpha=1e-3, beta=1e-9)
     assert bucketed_allreduce(3 * 2**20, 2, "ddp", fast) == pytest.approx(4e-3 + 3 * 2**20 * 1e-9)
     assert bucketed_allreduce(3 * 2**20, 2, "ring", fast) == pytest.approx(2e-3 + 3 * 2**20 * 1e-9)
+
+
+def test_every_collective_launched_in_a_step_pays_kappa():
+    from dataclasses import replace
+
+    prof, t = tiny_profile(), replace(topo(), launch_s=5e-4)
+    one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
+    # ZeRO 3 launches 3 collectives per unit (gather, gather again, reduce-scatter): 3 units · 3 · κ
+    z3 = price(Plan("zero", 2, 2, 8, (("zero_stage", 3),)), prof, t)
+    assert z3.time["communication"] == pytest.approx(3 * one + 9 * 5e-4)
+    ring = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, t)
+    assert ring.time["communication"] == pytest.approx(0.00644 + 5e-4)  # one bucket, one launch
+    # the pipeline's cut: 2 messages (activation, gradient) per micro-batch, each α + β·4·40 + κ
+    pipe = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (2, 1)))), prof, t)
+    assert pipe.time["communication"] == pytest.approx(2 * 2 * (1e-3 + 160e-6 + 5e-4))
+    assert price(Plan("single", 1, 1, 8), prof, t).time == price(Plan("single", 1, 1, 8), prof, topo()).time
