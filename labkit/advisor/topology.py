@@ -156,12 +156,11 @@ def _per_call(fn, calls: int = 20, windows: int = 5) -> float:
 
 def _fit_rank(env):
     """α-β-γ from the point-to-point fit; κ = (a small computation + a 4-byte all-reduce) − the computation
-    alone − the all-reduce's α-β-γ price (a ring over ``p`` ranks)."""
+    alone − the all-reduce alone, back to back (the tight loop the α-β fit sees)."""
     import torch
     import torch.distributed as dist
 
     from labkit.collectives.cost import fit_cost_model
-    from labkit.collectives.registry import get_schedule
 
     model, points = fit_cost_model(FIT_SIZES, repeats=3)
     a, tiny = torch.randn(96, 96), torch.zeros(1)
@@ -174,8 +173,8 @@ def _fit_rank(env):
         work()
         dist.all_reduce(tiny)
 
-    work_s = _per_call(work)
-    launch = max(0.0, _per_call(both) - work_s - model.predict(get_schedule("ring", env.world_size), 1, 4))
+    work_s, alone_s = _per_call(work), _per_call(lambda: dist.all_reduce(tiny))
+    launch = max(0.0, _per_call(both) - work_s - alone_s)
     return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "p2p": points}
 
 
