@@ -62,7 +62,7 @@ def _rank_main(payload, rank, world_size, port, timeout_s, results, caller):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 120.0, **kwargs) -> list[Any]:
-    """Spawn ``world_size`` processes, run ``fn(env, *args, **kwargs)`` on each, return their results.
+    """Start ``world_size`` processes, run ``fn(env, *args, **kwargs)`` on each, return their results.
 
     Args:
         fn: a module-level function (pickled by name) taking a :class:`labkit.dist.DistEnv`.

@@ -224,3 +224,36 @@ def test_buffer_broadcasts_and_ddp_buckets_by_hand():
     fast = topo(alpha=1e-3, beta=1e-9)
     assert bucketed_allreduce(3 * 2**20, 2, "ddp", fast) == pytest.approx(4e-3 + 3 * 2**20 * 1e-9)
     assert bucketed_allreduce(3 * 2**20, 2, "ring", fast) == pytest.approx(2e-3 + 3 * 2**20 * 1e-9)
+
+
+def test_every_collective_launched_in_a_step_pays_kappa():
+    from dataclasses import replace
+
+    prof, t = tiny_profile(), replace(topo(), launch_s=5e-4)
+    one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
+    # ZeRO 3 launches 3 collectives per unit (gather, gather again, reduce-scatter): 3 units · 3 · κ
+    z3 = price(Plan("zero", 2, 2, 8, (("zero_stage", 3),)), prof, t)
+    assert z3.time["communication"] == pytest.approx(3 * one + 9 * 5e-4)
+    ring = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, t)
+    assert ring.time["communication"] == pytest.approx(0.00644 + 5e-4)  # one bucket, one launch
+    # the pipeline's cut: 2 messages (activation, gradient) per micro-batch, each α + β·4·40 + κ
+    pipe = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (2, 1)))), prof, t)
+    assert pipe.time["communication"] == pytest.approx(2 * 2 * (1e-3 + 160e-6 + 5e-4))
+    assert price(Plan("single", 1, 1, 8), prof, t).time == price(Plan("single", 1, 1, 8), prof, topo()).time
+
+
+def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
+    from labkit.advisor import profile
+
+    layers = [LayerProfile("a", "Conv2d", (0.002, 0.0001), (0.004, 0.0002), 1000, 10, 10),
+              LayerProfile("b", "Linear", (0.001, 0.0005), (0.002, 0.001), 0, 10, 10)]
+    prof = Profile("mlp", "synthetic-mnist", 1, (2, 8), layers, 16, 1e-9, 1e-9, 0)  # T(2) 0.0126 s, T(8) 0.0234 s
+    # the loop's step timed now: 1.5 times the layers' time at 2 samples, twice at 8, plus update and data
+    whole = [1.5 * 0.0126 + 1e-6 * 1000 + 1e-4 * 2, 2 * 0.0234 + 1e-6 * 1000 + 1e-4 * 8]
+    monkeypatch.setattr(profile, "_loop_costs", lambda model, dataset, sizes, repeats: (1e-4, 1e-6, whole))
+    now = profile.relevel(prof)
+    assert now.time(2) == pytest.approx(0.0189) and now.time(8) == pytest.approx(0.0468)
+    # a's forward 0.002 + 0.0001·b becomes the line through (2, 1.5 · 0.0022) and (8, 2 · 0.0028)
+    slope = (2 * 0.0028 - 1.5 * 0.0022) / 6
+    assert now.layers[0].fwd == pytest.approx((1.5 * 0.0022 - 2 * slope, slope))
+    assert (now.update_s_per_byte, now.data_s_per_sample) == (1e-6, 1e-4) and now.layers[0].param_bytes == 1000

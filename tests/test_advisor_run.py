@@ -83,7 +83,7 @@ def _cached(tmp_path):
     for threads in {1, os.cpu_count() or 1}:
         save_profile(_lenet_profile(threads), 64, tmp_path)
     writer = RunWriter(tmp_path / "links-2")
-    writer.log({"kind": "cost-model", "world_size": 2, "alpha": 1e-4, "beta": 1e-9, "gamma": 0.0})
+    writer.log({"kind": "cost-model", "world_size": 2, "alpha": 1e-4, "beta": 1e-9, "gamma": 0.0, "launch": 2e-4})
     writer.finish("links", "cost-model", {}, {})
     return tmp_path
 
@@ -96,6 +96,7 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
     assert "pred samples/s" in text and "torchrun --nproc_per_node 2 -m labkit train" in text
     saved = json.loads((out / "advice.json").read_text())
     assert saved["schema"] == "labkit.advice/1" and saved["topology"]["alpha"] == 1e-4
+    assert saved["topology"]["launch_s"] == 2e-4
     steps = [p["step_s"] for p in saved["plans"]]
     assert steps == sorted(steps) and {p["plan"]["strategy"] for p in saved["plans"]} >= {"single", "ddp", "pipeline"}
     for argv, message in [(["--model", "nope", "--ranks", "2"], "unknown model 'nope'"),

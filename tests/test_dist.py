@@ -81,3 +81,18 @@ def test_run_ranks_reports_failing_rank_without_hanging():
     waiting would be killed without one); a hang would end in run_ranks' TimeoutError instead."""
     with pytest.raises(RuntimeError, match="(?s)rank 1 of 2 failed.*boom on rank one.*rank 0 also failed"):
         run_ranks(_rank1_fails, 2, timeout=60)
+
+
+def _callers_state(env):
+    import os
+
+    return os.environ.get("LABKIT_RANKS_MARK"), os.getcwd()
+
+
+def test_run_ranks_see_the_callers_environment_and_folder_of_now(tmp_path, monkeypatch):
+    """The ranks are forked from a server started by an earlier call; they still see the caller as it is now."""
+    monkeypatch.setenv("LABKIT_RANKS_MARK", "before")
+    assert run_ranks(_callers_state, 2)[0][0] == "before"
+    monkeypatch.setenv("LABKIT_RANKS_MARK", "after")
+    monkeypatch.chdir(tmp_path)
+    assert run_ranks(_callers_state, 2) == [("after", str(tmp_path))] * 2

@@ -131,6 +131,7 @@ def test_kfac_feeds_lamb_and_resumes_bit_identically(tmp_path, capsys):
 
 
 def test_bench_largebatch_trains_every_optimizer_at_every_scale(tmp_path, capsys):
+    from labkit.bench import largebatch
     from labkit.cli import main
     from labkit.results import load_run
 
@@ -142,5 +143,8 @@ def test_bench_largebatch_trains_every_optimizer_at_every_scale(tmp_path, capsys
     rows = load_run(tmp_path / "lb").records_of("bench")
     assert [(r["optimizer"], r["scale"], r["global_batch"]) for r in rows] == \
         [("sgd", 1, 8), ("lamb", 1, 8), ("sgd", 4, 32), ("lamb", 4, 32)]
-    assert [r["lr"] for r in rows] == pytest.approx([0.01, 0.005, 0.04, 0.01])  # SGD × k, LAMB × √k
+    assert [r["lr"] for r in rows] == pytest.approx([0.01, 0.003, 0.04, 0.006])  # SGD × k, LAMB × √k
     assert "x4 (32)" in capsys.readouterr().out
+    # LARS 4·k^¼ (the trust ratio does most of the scaling); K-FAC updates every 16 / k steps, at least every step
+    assert [largebatch.learning_rate("lars", k) for k in (1, 16, 81)] == pytest.approx([4.0, 8.0, 12.0])
+    assert [largebatch.optim_options("kfac", k)["kfac_update_freq"] for k in (1, 4, 64)] == [16, 4, 1]

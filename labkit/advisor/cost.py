@@ -7,8 +7,9 @@ Notation (per optimizer step, global batch ``B``):
 * ``P`` parameter bytes (``P_S`` of layers ``S``); ``A_k`` output bytes of layer ``k`` per sample;
   ``M_S(b)`` bytes autograd saves in layers ``S`` for ``b`` samples;
 * ``AR(n, algo, p)`` the all-reduce of ``n`` bytes over ``p`` ranks priced from the kit's schedule counts:
-  ``Σ_steps α·m_s + β·b_s + γ·r_s`` (:meth:`labkit.collectives.cost.CostModel.predict`);
-  ``msg(n) = α + β·n`` one point-to-point message;
+  ``Σ_steps α·m_s + β·b_s + γ·r_s + κ`` (:meth:`labkit.collectives.cost.CostModel.predict`);
+  ``msg(n) = α + β·n + κ`` one point-to-point message; ``κ`` what every collective or message launched
+  between computations costs on top (:class:`labkit.advisor.topology.Topology`'s ``launch_s``);
 * ``u`` optimizer seconds per parameter byte, ``d`` loading seconds per sample (measured by the profile;
   the loss and the loop's own work are inside ``T``, which the profile scales to whole measured steps).
 
@@ -30,7 +31,7 @@ FIRST_BUCKET_BYTES = 2**20  # DistributedDataParallel's first bucket (the last l
 
 
 def allreduce_time(nbytes: float, ranks: int, algorithm: str, topo: Topology) -> float:
-    """``AR(n, algo, p)``: the schedule's per-step counts priced by the α-β-γ link (0 for one rank).
+    """``AR(n, algo, p)``: the schedule's per-step counts priced by the α-β-γ link, plus κ (0 for one rank).
 
     ``ddp`` (PyTorch's DistributedDataParallel over gloo/NCCL) and ``native`` (``dist.all_reduce``) are
     priced as the ring schedule, the algorithm those libraries use for large messages.
@@ -38,12 +39,12 @@ def allreduce_time(nbytes: float, ranks: int, algorithm: str, topo: Topology) ->
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     name = "ring" if algorithm in ("ddp", "native") else algorithm
-    return topo.collective_link(ranks).predict(get_schedule(name, ranks), math.ceil(nbytes / 4), 4)
+    return topo.collective_link(ranks).predict(get_schedule(name, ranks), math.ceil(nbytes / 4), 4) + topo.launch_s
 
 
 def message_time(nbytes: float, topo: Topology, ranks: int = 2) -> float:
-    """``msg(n) = α + β·n``: one point-to-point message."""
-    return topo.collective_link(ranks).transfer_time(nbytes)
+    """``msg(n) = α + β·n + κ``: one point-to-point message."""
+    return topo.collective_link(ranks).transfer_time(nbytes) + topo.launch_s
 
 
 def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo: Topology) -> float:
@@ -56,11 +57,12 @@ def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo: Topology
 
 
 def broadcast_time(count: int, nbytes: float, ranks: int, topo: Topology) -> float:
-    """``BC(k, n) = (p − 1)·(k·α + β·n)``: ``k`` broadcasts of ``n`` bytes in all, the root sending to each rank."""
+    """``BC(k, n) = (p − 1)·(k·α + β·n) + k·κ``: ``k`` broadcasts of ``n`` bytes in all, the root sending to
+    each rank."""
     if ranks <= 1 or count == 0:
         return 0.0
     link = topo.collective_link(ranks)
-    return (ranks - 1) * (count * link.alpha + link.beta * nbytes)
+    return (ranks - 1) * (count * link.alpha + link.beta * nbytes) + count * topo.launch_s
 
 
 def common_terms(prof: Profile, topo: Topology, params: float, loaded: float) -> dict[str, float]:

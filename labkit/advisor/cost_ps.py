@@ -1,4 +1,4 @@
-"""The price of the synchronous parameter server (``--strategy ps --ps-mode sync``; notation: :mod:`labkit.advisor.cost`).
+"""The synchronous parameter server's price (``--strategy ps``; notation: :mod:`labkit.advisor.cost`).
 
 Ranks ``0 .. S−1`` are servers, the other ``W = p − S`` are workers, each training ``b = B/W`` samples. The
 servers hold the parameters in shards of whole layers (the strategy shards whole tensors, largest first to

@@ -1,8 +1,10 @@
 """Prices of the sharded data-parallel strategies: ZeRO stages 1-3 and FSDP2 (notation: :mod:`labkit.advisor.cost`).
 
 Each module owning parameters is one unit of ``U`` bytes, sharded over ``p`` ranks. Ring collectives over a
-unit: ``RS(U) = (p − 1)·(α + (β + γ)·U/p)`` (reduce-scatter, every chunk added once), ``AG(U) = (p − 1)·(α +
-β·U/p)`` (all-gather). Every rank trains ``b = B/p`` samples and steps only its shard (``update = u·P/p``).
+unit: ``RS(U) = (p − 1)·(α + (β + γ)·U/p) + κ`` (reduce-scatter, every chunk added once), ``AG(U) =
+(p − 1)·(α + β·U/p) + κ`` (all-gather); κ is what each collective launched between computations costs on top
+(:class:`labkit.advisor.topology.Topology`), paid per unit: a model of many small layers pays it many times.
+Every rank trains ``b = B/p`` samples and steps only its shard (``update = u·P/p``).
 """
 from __future__ import annotations
 
@@ -13,15 +15,17 @@ from labkit.advisor.topology import Topology
 
 
 def reduce_scatter_time(nbytes: float, ranks: int, topo: Topology) -> float:
-    """``RS(U) = (p − 1)·(α + (β + γ)·U/p)``."""
+    """``RS(U) = (p − 1)·(α + (β + γ)·U/p) + κ``."""
     link = topo.collective_link(ranks)
-    return (ranks - 1) * (link.alpha + (link.beta + link.gamma) * nbytes / ranks) if ranks > 1 else 0.0
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * (link.alpha + (link.beta + link.gamma) * nbytes / ranks) + topo.launch_s
 
 
 def all_gather_time(nbytes: float, ranks: int, topo: Topology) -> float:
-    """``AG(U) = (p − 1)·(α + β·U/p)``."""
+    """``AG(U) = (p − 1)·(α + β·U/p) + κ``."""
     link = topo.collective_link(ranks)
-    return (ranks - 1) * (link.alpha + link.beta * nbytes / ranks) if ranks > 1 else 0.0
+    return (ranks - 1) * (link.alpha + link.beta * nbytes / ranks) + topo.launch_s if ranks > 1 else 0.0
 
 
 def _units(prof: Profile) -> list[float]:
@@ -33,9 +37,10 @@ def price_sharded(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
 
     ``compute = s·T_all(b)``; ``communication = Σ_units RS(U) + g·AG(U)`` with ``g = 1`` (ZeRO 1, 2: gather
     the stepped parameters; FSDP no-reshard: gather once before forward) or ``g = 2`` (ZeRO 3, FSDP: gather
-    before forward and again before backward), each collective paying its ``(p − 1)·α`` per unit, ``+ BC(N_buf,
-    n_buf)`` for ZeRO, which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every forward
-    (:func:`labkit.advisor.cost.broadcast_time`; FSDP leaves buffers alone). Memory (fp32, momentum: optimizer state = P):
+    before forward and again before backward), each collective paying its ``(p − 1)·α + κ`` per unit, ``+
+    BC(N_buf, n_buf)`` for ZeRO, which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every
+    forward (:func:`labkit.advisor.cost.broadcast_time`; FSDP leaves buffers alone). Memory (fp32, momentum:
+    optimizer state = P):
     stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
     prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
     plus activations ``M_all(b)``.

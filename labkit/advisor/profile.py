@@ -8,10 +8,11 @@ fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a pri
 (``fwd0`` is the per-call cost a micro-batch pays however small it is). A layer timed alone is not timed
 as the training loop runs it: between two timed calls the CPU's worker threads go to sleep, and on a busy
 machine waking them costs more than a small layer's work. So the layers give the *shape* and whole steps
-give the *level*: at each size ``b`` the loop's own step (forward, loss, backward, optimizer, several
-back to back) is timed, and every layer's time is scaled by
+give the *level*: at each size ``b`` the loop's own step (the next batch from the loader, forward, loss,
+backward, optimizer) is timed back to back, the median of ``repeats`` windows of at least 50 ms (shorter
+windows are all luck on a shared machine), and every layer's time is scaled by
 
-    scale(b) = (step(b) − update(P)) / Σ_i (fwd_i + bwd_i)(b)
+    scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
 
 so the layers sum to what the loop spends on them. Besides the layers:
 
@@ -26,10 +27,11 @@ dataset, sizes, threads, host and torch version match.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +46,8 @@ from labkit.strategies.gpipe import SavedActivations
 from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
+WINDOW_S = 0.05      # the shortest timed window of back-to-back steps
+FORMAT = 2           # profiles of another format are measured again
 
 
 @dataclass
@@ -156,38 +160,54 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
     return pairs
 
 
-def _back_to_back(fn, calls: int, repeats: int) -> float:
-    """Seconds per call of ``fn`` run ``calls`` times in a row (as a loop runs it), the median of ``repeats``."""
-    def run():
+def _windowed(fn, windows: int, window_s: float = WINDOW_S) -> float:
+    """Seconds per call of ``fn`` called back to back (as a loop calls it): the median over ``windows`` windows
+    of at least ``window_s`` each. A window shorter than a scheduler time slice is all luck on a shared machine
+    (one process more or less on the cores for its whole length); a window this long averages over slices."""
+    start = time.perf_counter()
+    fn()
+    calls = max(1, math.ceil(window_s / max(time.perf_counter() - start, 1e-6)))
+    times = []
+    for _ in range(windows):
+        start = time.perf_counter()
         for _ in range(calls):
             fn()
-    return _median_time(run, repeats) / calls
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
 
 
 def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
                 repeats: int) -> tuple[float, float, list[float]]:
-    """(s per sample of data loading, s per parameter byte of SGD, s per training step at each size)."""
+    """(s per sample of data loading, s per parameter byte of SGD, s per training step at each size).
+
+    A step is timed as ``labkit.train.fit`` runs one: the next batch from ``labkit train``'s default loader
+    (resident tensors), forward, loss, backward, optimizer step, back to back.
+    """
     from labkit.tensor_data import load_split
 
-    train_set = load_split("tensor", dataset, train=True)  # labkit train's default loader
-    loader = kdata.make_loader(train_set, sizes[1], shuffle=True)
-    fetch = iter(loader)
-    data = _back_to_back(lambda: next(fetch), 2, min(repeats, len(loader) // 2)) / sizes[1]
+    train_set = load_split("tensor", dataset, train=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
     criterion = nn.CrossEntropyLoss()
-    steps = []
+    data, steps = 0.0, []
     for b in sizes:
-        x, y = next(iter(kdata.make_loader(train_set, b, shuffle=True)))
+        batches = _endless(kdata.make_loader(train_set, b, shuffle=True, drop_last=True))
+        data = _windowed(lambda: next(batches), repeats) / b
 
         def step():
+            x, y = next(batches)
             opt.zero_grad(set_to_none=True)
             criterion(model(x), y).backward()
             opt.step()
 
         step()  # warm-up: allocations
-        steps.append(_back_to_back(step, 2, repeats))
-    update = _back_to_back(opt.step, 3, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
+        steps.append(_windowed(step, repeats))
+    update = _windowed(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
     return data, update, steps
+
+
+def _endless(loader):
+    while True:
+        yield from loader
 
 
 def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3) -> Profile:
@@ -216,12 +236,12 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole = _loop_costs(copy.deepcopy(seq).train(), dataset, sizes, repeats)
+        data_s, update_s, whole = _loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats))
     finally:
         torch.set_num_threads(before)
     param_bytes = sum(p.numel() * p.element_size() for p in seq.parameters())
-    scale = [max(0.0, whole[k] - update_s * param_bytes) / max(1e-12, sum(f + b for f, b in timed[k]))
-             for k in range(2)]
+    scale = [max(0.0, whole[k] - update_s * param_bytes - data_s * sizes[k]) /
+             max(1e-12, sum(f + b for f, b in timed[k])) for k in range(2)]
     timed = [[(f * scale[k], b * scale[k]) for f, b in timed[k]] for k in range(2)]
     layers = [LayerProfile(name, type(layer).__name__,
                            _line(sizes[0], timed[0][i][0], sizes[1], timed[1][i][0]),
@@ -235,6 +255,30 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
                    [seq[i].out_features for i, _ in pairs])
     return prof
+
+
+def relevel(prof: Profile, repeats: int = 5) -> Profile:
+    """``prof`` at this moment's machine speed: the loop's step is timed again at the profile's two sizes and
+    every layer's line is rescaled through ``r_k·T_i(b_k)``, ``r_k = (step(b_k) − update − data) / T_all(b_k)``
+    (the layers' shape stays, the level is now's). About a second for small models: what a validation
+    prices its run with, so that the prediction and the run see the same load on a shared machine."""
+    info = kdata.dataset_info(prof.dataset)
+    seq = kmodels.get_model(prof.model, info.num_classes, info.in_channels, info.image_size, sequential=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(prof.threads)
+    try:
+        data_s, update_s, whole = _loop_costs(seq.train(), prof.dataset, prof.sizes, repeats)
+    finally:
+        torch.set_num_threads(before)
+    b0, b1 = prof.sizes
+    r0, r1 = (max(0.0, whole[k] - update_s * prof.param_bytes - data_s * b) / max(1e-12, prof.time(b))
+              for k, b in enumerate(prof.sizes))
+
+    def line(ab):
+        return _line(b0, r0 * (ab[0] + ab[1] * b0), b1, r1 * (ab[0] + ab[1] * b1))
+
+    layers = [replace(layer, fwd=line(layer.fwd), bwd=line(layer.bwd)) for layer in prof.layers]
+    return replace(prof, layers=layers, update_s_per_byte=update_s, data_s_per_sample=data_s)
 
 
 def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Path) -> Path:
@@ -260,7 +304,7 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
 
 
 def _key(model: str, dataset: str, batch_size: int, threads: int) -> dict:
-    return {"model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
+    return {"format": FORMAT, "model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
             "torch": torch.__version__, "host": os.uname().nodename}
 
 

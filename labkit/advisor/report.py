@@ -14,11 +14,12 @@ FLEXFLOW_ALEXNET_2GPU = (
 
 
 def table(advice: Advice) -> str:
-    """Ranked plans: predicted samples/s, peak memory per device, main term, measured columns if validated."""
+    """Ranked plans: predicted samples/s, peak memory per device, main term, measured columns if validated
+    (``at run``: measured over the prediction priced at the run's machine speed, see ``validate``)."""
     measured = any("step_s" in advice.measured.get(e.plan.label, {}) for e in advice.table)
     head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<13}"
     if measured:
-        head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'meas MB':>8}"
+        head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'at run':>6} {'meas MB':>8}"
     lines = [head]
     for i, est in enumerate(advice.table, 1):
         mark = "" if est.feasible else "  (does not fit)"
@@ -28,7 +29,8 @@ def table(advice: Advice) -> str:
         if m and "error" in m:
             line += f"  run failed: {m['error']}"
         elif m:
-            line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} "
+            at_run = f"{m['ratio_at_run']:.2f}" if "ratio_at_run" in m else "-"
+            line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} {at_run:>6} "
                      f"{m['peak_bytes'] / MB:>8.1f}")
         lines.append(line + mark)
     lines.append("")

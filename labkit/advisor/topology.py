@@ -1,7 +1,10 @@
 """The device topology: devices, their memory, and an α-β(-γ) price per link (seed 000's ``D = (D_N, D_E)``).
 
 A message of ``n`` bytes over a link costs ``alpha + beta · n``; reducing ``n`` bytes costs ``gamma · n``
-(:class:`labkit.collectives.cost.CostModel`). Three shapes:
+(:class:`labkit.collectives.cost.CostModel`). A collective launched *between computations*, as a training step
+launches them, also costs ``launch`` (κ) seconds: the rank that arrives first sleeps in its wait and must be
+woken and scheduled again when its peer's data comes, which on a busy CPU means queueing behind other
+processes. The α-β fit, whose ranks exchange messages in a tight loop, does not see it. Three shapes:
 
 * :meth:`Topology.local` — N gloo ranks on this machine: the link is fitted by the collectives benchmark
   (``labkit allreduce bench --out DIR`` writes ``"cost-model"`` records) or measured on the spot with the
@@ -35,6 +38,8 @@ class Topology:
         cores: CPU cores the ranks share (CPU topologies); a process gets ``cores // processes`` threads.
         separate_devices: the devices one process drives really run at once (GPUs); False on one CPU.
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
+        launch_s: κ, seconds every collective or message launched between computations costs on top of its
+            α-β price (0 on GPUs, where the host does not wait for it).
     """
 
     name: str
@@ -47,6 +52,7 @@ class Topology:
     inter: CostModel | None = None
     separate_devices: bool = False
     compute_scale: float = 1.0
+    launch_s: float = 0.0
 
     def __post_init__(self):
         if self.ranks < 1:
@@ -75,14 +81,19 @@ class Topology:
         (``refresh``: measured now even if cached)."""
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
+        launch = 0.0
         if link is None and links_from:
-            link = read_fit(links_from, ranks)
+            link, launch = read_fit(links_from, ranks)
+            launch = launch or 0.0  # `labkit allreduce bench` does not measure κ
         elif link is None and not refresh:
-            link = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
+            link, launch = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
+            if launch is None:  # a cache from before κ was measured
+                link = None
         if link is None:
-            link = measure_link(ranks, Path(cache) / f"links-{ranks}")
+            link, launch = measure_link(ranks, Path(cache) / f"links-{ranks}")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1)
+        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1,
+                   launch_s=launch)
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
@@ -97,8 +108,8 @@ class Topology:
                    True, compute_scale)
 
 
-def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel | None:
-    """The α-β-γ fit for ``ranks`` ranks from a results run holding ``"cost-model"`` records."""
+def read_fit(path: str | Path, ranks: int, required: bool = True) -> tuple[CostModel | None, float | None]:
+    """``(α-β-γ fit, κ or None if not recorded)`` for ``ranks`` ranks from a run with ``"cost-model"`` records."""
     from labkit.results import load_run
 
     try:
@@ -106,39 +117,77 @@ def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel |
     except (FileNotFoundError, ValueError) as exc:
         if required:
             raise ConfigError(f"--links {path}: {exc}; write one with `labkit allreduce bench --out {path}`") from None
-        return None
+        return None, None
     fits = {r["world_size"]: r for r in run.records_of("cost-model")}
     if ranks not in fits:
         if ranks == 1:
-            return CostModel(0.0, 0.0, 0.0)
+            return CostModel(0.0, 0.0, 0.0), 0.0
         if required:
             raise ConfigError(f"--links {path} has fits for {sorted(fits)} rank(s), not {ranks}; "
                               f"run `labkit allreduce bench --ranks {ranks} --out {path}`")
-        return None
+        return None, None
     fit = fits[ranks]
-    return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0))
+    return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)), fit.get("launch")
 
 
 #: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
 
 
+def _per_call(fn, calls: int = 20, windows: int = 5) -> float:
+    """Seconds per call of ``fn`` back to back, the median of ``windows``, the slowest rank's."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(windows):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    slowest = torch.tensor(statistics.median(times), dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
 def _fit_rank(env):
+    """α-β-γ from the point-to-point fit; κ = (a small computation + a 4-byte all-reduce) − the computation
+    alone − the all-reduce alone, back to back (the tight loop the α-β fit sees)."""
+    import torch
+    import torch.distributed as dist
+
     from labkit.collectives.cost import fit_cost_model
 
     model, points = fit_cost_model(FIT_SIZES, repeats=3)
-    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "p2p": points}
+    a, tiny = torch.randn(96, 96), torch.zeros(1)
+
+    def work():
+        for _ in range(4):
+            a @ a
+
+    def both():
+        work()
+        dist.all_reduce(tiny)
+
+    work_s, alone_s = _per_call(work), _per_call(lambda: dist.all_reduce(tiny))
+    launch = max(0.0, _per_call(both) - work_s - alone_s)
+    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "p2p": points}
 
 
-def measure_link(ranks: int, out: Path) -> CostModel:
-    """Fit α-β-γ on ``ranks`` spawned gloo ranks now and cache it at ``out`` (the bench's record format)."""
+def measure_link(ranks: int, out: Path) -> tuple[CostModel, float]:
+    """Fit α-β-γ and κ on ``ranks`` spawned gloo ranks now and cache them at ``out`` (the bench's record format)."""
     if ranks == 1:
-        return CostModel(0.0, 0.0, 0.0)
+        return CostModel(0.0, 0.0, 0.0), 0.0
     from labkit.results import RunWriter
     from labkit.testing import run_ranks
 
     fit = run_ranks(_fit_rank, ranks, timeout=300)[0]
     writer = RunWriter(out)
     writer.log({"kind": "cost-model", "world_size": ranks, **fit})
-    writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {"alpha": fit["alpha"], "beta": fit["beta"]})
-    return CostModel(fit["alpha"], fit["beta"], fit["gamma"])
+    writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {"alpha": fit["alpha"], "beta": fit["beta"],
+                                                                     "launch": fit["launch"]})
+    return CostModel(fit["alpha"], fit["beta"], fit["gamma"]), fit["launch"]

@@ -25,16 +25,20 @@ def run_args(advice: Advice, label: str, out: Path, steps: int) -> list[str]:
 
 def validate(advice: Advice, top: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              echo: Callable[[str], None] | None = None, progress: bool = True,
-             extra: tuple[str, ...] = ()) -> dict[str, dict]:
+             extra: tuple[str, ...] = (), relevel: bool = True) -> dict[str, dict]:
     """Run the first ``top`` feasible plans of ``advice.table``; fill and return ``advice.measured``.
 
     ``extra`` are more ``labkit train`` arguments (e.g. ``("--base-lr", "0.005")`` for AlexNet). A plan whose
-    run fails gets ``{"error": last line, "run"}`` instead of numbers.
+    run fails gets ``{"error": last line, "run"}`` instead of numbers. ``relevel``: right after each run,
+    time the loop's step again (:func:`labkit.advisor.profile.relevel`) and price the plan with it too: on a
+    shared machine the load a minute earlier, when the profile was taken, may not be the run's.
 
     Returns:
         ``{plan label: {"step_s", "samples_per_s", "peak_bytes", "ratio" (measured / predicted step),
-        "final_train_loss", "run"}}``.
+        "final_train_loss", "run"[, "predicted_at_run_s", "ratio_at_run"]}}``.
     """
+    from labkit.advisor.pricing import price
+    from labkit.advisor.profile import relevel as relevel_profile
     from labkit.launch import RunFailed, torchrun
 
     chosen = [e for e in advice.table if e.feasible][:top]
@@ -63,6 +67,10 @@ def validate(advice: Advice, top: int = 3, steps: int = 8, out: str | Path = Pat
             "step_s": step, "samples_per_s": rate, "peak_bytes": metrics["peak_memory_gb"] * GB,
             "ratio": step / est.step_s, "memory_ratio": metrics["peak_memory_gb"] * GB / est.peak_bytes,
             "final_train_loss": metrics["final_train_loss"], "run": str(run_dir)}
+        prof = advice.profiles.get(advice.topology.threads(est.plan.processes)) if relevel else None
+        if prof is not None:  # priced again with the machine's speed right after the run
+            now = price(est.plan, relevel_profile(prof), advice.topology).step_s
+            advice.measured[est.plan.label].update(predicted_at_run_s=now, ratio_at_run=step / now)
     if bar is not None:
         bar.close()
     return advice.measured

@@ -5,11 +5,39 @@
 
 Every run trains the same model from the same weights through ``labkit train``'s loop for the same number
 of epochs; only the global batch (base batch × scale) and the optimizer change. A larger batch means
-fewer steps per epoch, which is where the optimizers differ. Learning rates follow each method's scaling
-rule (base rate × scale for SGD and K-FAC, base rate × √scale for LAMB; LARS's trust ratio sets the
-per-layer rate itself, from base rate × √scale), with a one-epoch linear warm-up whenever the batch is scaled up. One process: a
-global batch is a batch, as data parallelism with that many ranks would see it (same gradient). Reports
-test accuracy after each epoch, in the labkit results schema (records of kind "bench").
+fewer steps per epoch (4,000 digits: 250 steps at ×1, 4 at ×64), which is where the optimizers differ.
+Every run scaled up warms its rate up linearly over the first epoch. One process: a global batch is a
+batch, as data parallelism with that many ranks would see it (same gradient). Reports test accuracy after
+each epoch, in the labkit results schema (records of kind "bench").
+
+**The recipes** (:data:`RECIPES`, rate = base × scale^exponent) come from a sweep on this default setting (MLP,
+4,000 digits, base batch 16, 3 epochs; test accuracy after epoch 3):
+
+* SGD, linear scaling (exponent 1): base 0.01 gave 94.4 % at ×1 (0.03: 92.0 %, 0.1: diverged); ×16 at
+  0.16 92.5 %; at ×64 every rate failed: 0.32 68.4 %, 0.64 16.3 %, 1.28 10 % (two-epoch warm-up: 67.5 % at
+  0.16, 15.8 % at 0.32).
+* LARS (trust coefficient η = 0.001, weight decay 1e-4): the trust ratio already sets each layer's step from
+  ‖w‖, so the global rate needs little scaling: γ = 4 gave 89.4 % at ×1 (γ = 8: 76.7 %); γ = 8 89.5 % at
+  ×16 (γ = 20: 86.8 %) and 87.6 % at ×64 (γ = 4: 84.7 %, 16: 84.5 %, 40: 41.3 %). η = 0.01 (γ = 8 to 16)
+  or 0.02 was worse at ×16 and ×64 (≤ 55 %). Hence γ = 4 × scale^¼.
+* LAMB (weight decay 0.01), √ scaling: base 0.003 gave 93.9 % at ×1 (0.001: 91.6 %), 90.3 % at ×16 and
+  85.6 % at ×64 (0.01 × 8 = 0.08: 72.1 %).
+* K-FAC on SGD (damping 0.03, KL clipping): 88.9 % at ×64 with factors every step, whether the rate was
+  0.32 or 0.64 (the KL clip bounds the step). Updates every max(1, 16 / scale) steps: a large batch has few
+  steps and better factor estimates.
+
+The full run with these recipes (``labkit bench largebatch --device cpu``, test accuracy after 3 epochs):
+
+    optimizer      x1 (16)      x4 (64)    x16 (256)   x64 (1024)
+          sgd        94.5%        92.2%        90.1%        11.4%
+         lars        80.7%        91.5%        91.2%        79.9%
+         lamb        92.9%        92.2%        89.2%        85.9%
+         kfac        90.9%        92.9%        91.7%        89.4%
+
+So at these sizes linear scaling + warm-up is as good as anything at small batches (LARS caps small-batch
+steps and is the noisiest at ×1); by ×16 LARS and K-FAC are ahead of it, and at ×64, 12 steps in all, it
+diverges while LARS, LAMB and K-FAC keep 80-89 %: the large-batch effect of the literature, at the larger
+batches only.
 """
 from __future__ import annotations
 
@@ -19,10 +47,14 @@ from pathlib import Path
 
 from labkit.errors import ConfigError
 
-#: optimizer -> (base learning rate at scale 1, exponent of the scale in the rate, extra optim options)
-RECIPES = {"sgd": (0.01, 1.0, {}), "lars": (1.0, 0.5, {"lars_trust_coefficient": 0.001}),
-           "lamb": (0.005, 0.5, {}),
-           "kfac": (0.01, 1.0, {"kfac_update_freq": 5, "kfac_damping": 0.03, "kfac_base": "sgd"})}
+#: optimizer -> (base learning rate at scale 1, exponent of the scale in the rate, weight decay, optim options);
+#: the sweep behind them is in the module docstring
+RECIPES = {"sgd": (0.01, 1.0, 0.0, {}),
+           "lars": (4.0, 0.25, 1e-4, {"lars_trust_coefficient": 0.001}),
+           "lamb": (0.003, 0.5, 0.01, {}),
+           "kfac": (0.01, 1.0, 0.0, {"kfac_damping": 0.03, "kfac_base": "sgd"})}
+#: steps between K-FAC updates at scale 1; max(1, KFAC_INTERVAL // scale) at larger batches
+KFAC_INTERVAL = 16
 
 
 #: ``labkit bench largebatch`` flags, plain data read without importing this module (labkit.flags)
@@ -43,8 +75,16 @@ FLAGS = [
 
 
 def learning_rate(optimizer: str, scale: int) -> float:
-    base, exponent, _ = RECIPES[optimizer]
+    base, exponent, _, _ = RECIPES[optimizer]
     return base * scale ** exponent
+
+
+def optim_options(optimizer: str, scale: int) -> dict:
+    """The recipe's optimizer options at ``scale`` (K-FAC's update interval shrinks as the batch grows)."""
+    options = dict(RECIPES[optimizer][3])
+    if optimizer == "kfac":
+        options["kfac_update_freq"] = max(1, KFAC_INTERVAL // scale)
+    return options
 
 
 def sweep(out: str | Path, *, model: str = "mlp", dataset: str = "mnist-sample", optimizers=tuple(RECIPES),
@@ -67,9 +107,9 @@ def sweep(out: str | Path, *, model: str = "mlp", dataset: str = "mnist-sample",
             cfg = TrainConfig(model=model, dataset=dataset, epochs=epochs, batch_size=batch_size * scale,
                               optimizer=name, base_lr=learning_rate(name, scale),
                               warmup_epochs=1.0 if scale > 1 else 0.0,
-                              weight_decay=1e-4 if name in ("lars", "lamb") else 0.0, train_size=train_size,
+                              weight_decay=RECIPES[name][2], train_size=train_size,
                               test_size=test_size, seed=seed, device=device, out=str(out / f"{name}-x{scale}"),
-                              checkpoint=False, log_every=10**6, optim_options=dict(RECIPES[name][2]))
+                              checkpoint=False, log_every=10**6, optim_options=optim_options(name, scale))
             summary = run(cfg)
             accs = [r["test_acc"] for r in load_run(cfg.out).records_of("epoch")]
             row = {"kind": "bench", "optimizer": name, "scale": scale, "global_batch": cfg.batch_size,

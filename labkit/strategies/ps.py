@@ -28,7 +28,7 @@ echo of the steps since. On top of the optimizer's own momentum 0.9 this was too
 (lr 0.05, 2 workers, batch 32, 2,048 samples) stalled at chance in async mode and reached 41 % after 3
 epochs in SSP (K = 1), where sync reached 91 %; with momentum 0.5 async reached 91 % and SSP 89 %, with
 momentum 0 84 %. So in async and SSP mode the servers' momentum is ``--momentum − (1 − 1/W)`` (at least 0)
-unless ``--ps-momentum`` sets it; sync keeps ``--momentum``.
+unless ``--ps-momentum`` sets it (SGD and LARS; Adam and LAMB keep their β₁); sync keeps ``--momentum``.
 
 **Pre-emption.** In sync mode every rank runs the same steps, so a stop signal is handled as in the other
 strategies: the ranks agree after a step (the server first answers that step's pushes), checkpoint the
@@ -157,7 +157,7 @@ class ParameterServerStrategy(Strategy):
         if spec.name == "kfac":
             raise ConfigError("--strategy ps applies the optimizer on the servers, but K-FAC's factors come from "
                               "the forward pass on the workers; use --strategy ddp for K-FAC")
-        if self.mode != "sync":
+        if self.mode != "sync" and spec.name in ("sgd", "lars"):  # Adam and LAMB keep their β₁
             spec = dataclasses.replace(spec, momentum=self.server_momentum(spec.momentum))
         return super().build_optimizer(model, spec)
 
