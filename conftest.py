@@ -1,6 +1,8 @@
 """Test-run settings shared by tests/ and the notebooks nbval executes."""
 import os
 
+import pytest
+
 # Notebooks run in quick mode (offline data, CPU-minutes); kernels inherit this environment.
 os.environ.setdefault("LABKIT_QUICK", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -8,13 +10,16 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("LABKIT_PLAIN", "1")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under ``pytest -n N --dist loadgroup`` (pytest-xdist): keep each file on one worker (a notebook's cells
-    share one kernel; a module's fixtures are built once) and every system test on the same worker (one SLURM
-    cluster, one JupyterLab, one apt at a time)."""
-    import pytest
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``pytest -n N`` (pytest-xdist): each file runs on one worker (a notebook's cells share one kernel; a
+    module's fixtures are built once), and the whole system layer on one worker (one SLURM cluster, one
+    JupyterLab, one apt at a time)."""
+    from xdist.scheduler import LoadScopeScheduling
 
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = "system" if path.startswith("tests/system/") else path
-        item.add_marker(pytest.mark.xdist_group(group))
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/system" if path.startswith("tests/system/") else path
+
+    return ByFile(config, log)
