@@ -23,3 +23,13 @@ def pytest_xdist_make_scheduler(config, log):
             return "tests/system" if path.startswith("tests/system/") else path
 
     return ByFile(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest work first, so that two workers end together: the system layer (one unit of several minutes),
+    then the notebooks (a unit each), then the test files (many short units that fill the gaps)."""
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return 0 if path.startswith("tests/system/") else 1 if path.startswith("notebooks/") else 2
+
+    items.sort(key=rank)  # stable: each file's own order is kept

@@ -25,8 +25,11 @@ def run_args(advice: Advice, label: str, out: Path, steps: int) -> list[str]:
 
 def validate(advice: Advice, top: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              echo: Callable[[str], None] | None = None, progress: bool = True,
-             extra: tuple[str, ...] = (), relevel: bool = True) -> dict[str, dict]:
+             extra: tuple[str, ...] = (), relevel: bool = True,
+             processes: int | None = None) -> dict[str, dict]:
     """Run the first ``top`` feasible plans of ``advice.table``; fill and return ``advice.measured``.
+
+    ``processes``: only plans that run on this many processes (e.g. the ranks the profile was re-timed for).
 
     ``extra`` are more ``labkit train`` arguments (e.g. ``("--base-lr", "0.005")`` for AlexNet). A plan whose
     run fails gets ``{"error": last line, "run"}`` instead of numbers. ``relevel``: right after each run,
@@ -41,7 +44,7 @@ def validate(advice: Advice, top: int = 3, steps: int = 8, out: str | Path = Pat
     from labkit.advisor.profile import relevel as relevel_profile
     from labkit.launch import RunFailed, torchrun
 
-    chosen = [e for e in advice.table if e.feasible][:top]
+    chosen = [e for e in advice.table if e.feasible and processes in (None, e.plan.processes)][:top]
     bar = None
     if progress:
         from tqdm.auto import tqdm
