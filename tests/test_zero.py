@@ -50,7 +50,9 @@ def _full(strategy, model):
 def _train_all(env, steps, tmp=None):
     """Every strategy × optimizer through `fit` for `steps` steps; bytes sent per step and memory held;
     with ``tmp``, also the resume check (one spawn checks it all)."""
-    out = {"params": {}, "bytes": {}, "memory": {}, "resume": _resume(env, tmp) if tmp else None}
+    out = {"params": {}, "bytes": {}, "memory": {},
+           "resume": _resume(env, tmp, "zero", {"zero_stage": 3}) if tmp else None,
+           "resume_fsdp": _resume(env, tmp / "fsdp", "fsdp", {}) if tmp else None}
     for optimizer in ("sgd", "adam"):
         for name, options in [("ddp", {"allreduce": "native"}), *SHARDED]:
             strategy, model, opt, loader = _setup(env, name, options, optimizer)
@@ -111,17 +113,18 @@ def test_sharded_strategies_equal_ddp_and_one_process_with_the_formulas_bytes_an
     # FSDP2 shards each tensor along dim 0: 53 floats over the ranks, rows of 6 and 5 (weights), 1 (biases)
     fsdp = [r["memory"][("sgd", "fsdp", None, False)]["params"] for r in ranks]
     assert sum(fsdp) == 53 * 4
-    if world == 2:  # resume from the ZeRO-3 shards: bit-identical; a corrupt shard on rank 1 stops both ranks
-        (identical0, message0), (identical1, message1) = (r["resume"] for r in ranks)
-        assert identical0 and identical1
-        assert "could not load their checkpoint" in message0
-        assert "is corrupt or not a labkit checkpoint" in message1
+    if world == 2:  # resume from the ZeRO-3 and FSDP shards: bit-identical; a corrupt shard on rank 1 stops both
+        for key in ("resume", "resume_fsdp"):
+            (identical0, message0), (identical1, message1) = (r[key] for r in ranks)
+            assert identical0 and identical1, key
+            assert "could not load their checkpoint" in message0, key
+            assert "is corrupt or not a labkit checkpoint" in message1, key
 
 
-def _resume(env, tmp):
+def _resume(env, tmp, name, options):
     """2 epochs straight vs 1 epoch, checkpoint, fresh start, resume: identical; then a corrupt shard."""
     def run(epochs, start, path, resume_from=None):
-        strategy, model, opt, loader = _setup(env, "zero", {"zero_stage": 3}, "adam")
+        strategy, model, opt, loader = _setup(env, name, options, "adam")
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         if resume_from:
             start = load_training_state(resume_from, strategy, model, opt, sched, None)["epoch"]
@@ -129,7 +132,7 @@ def _resume(env, tmp):
         fit(model, loader, None, opt, epochs=epochs, strategy=strategy, start_epoch=start, scheduler=sched,
             printer=lambda s: None, on_epoch_end=lambda e: save_training_state(
                 ckpt, strategy, model, opt, sched, None, {"epoch": e + 1}, {}))
-        return strategy.full_parameters(), ckpt
+        return _full(strategy, model), ckpt
 
     straight, _ = run(2, 0, tmp / "straight")
     _, ckpt = run(1, 0, tmp / "half")

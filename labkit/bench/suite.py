@@ -7,8 +7,8 @@
 Parts, each a real run whose own results folder is kept under ``--out``:
 
 - strategies: ``labkit train`` with every strategy on LeNet / mnist-sample, batch 64 per data-parallel rank
-  (single, ddp, hybrid, tensor-parallel, pipeline on 2 ranks; model-parallel and gpipe driving 2 devices
-  from one process): samples/s, peak memory, test accuracy after each epoch and the time it took. The
+  (single, ddp, hybrid, tensor-parallel, pipeline, zero (stage 3) and fsdp on 2 ranks; model-parallel and
+  gpipe driving 2 devices from one process): samples/s, peak memory, test accuracy after each epoch and the time it took. The
   hybrid strategy needs a model split into convolutional features and FC classifier: it trains
   alexnet_small on synthetic-cifar10, and the report names it so;
 - benchmarks on the shared harness: labkit vs plain PyTorch on one device and under DDP (with the 1 → 2 rank
@@ -41,6 +41,8 @@ STRATEGY_RUNS: dict[str, tuple[int, list[str]]] = {
     "pipeline": (2, ["--num-microbatches", "4"]),
     "model-parallel": (1, ["--mp-devices", "2"]),
     "gpipe": (1, ["--partitions", "2", "--num-microbatches", "4"]),
+    "zero": (2, ["--zero-stage", "3"]),
+    "fsdp": (2, []),
 }
 
 
@@ -49,6 +51,7 @@ FLAGS = [
     {"flag": "--quick", "action": "store_true", "help": "short runs (minutes on a laptop CPU)"},
     {"flag": "--only", "nargs": "+", "default": None, "metavar": "PART",
      "help": "run only these parts: single, ddp, hybrid, tensor-parallel, pipeline, model-parallel, gpipe, "
+             "zero, fsdp, "
              "bench-single, bench-ddp, bench-gpipe, bench-kfac, allreduce"},
     {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
     {"flag": "--out", "default": None, "help": "results folder (default: runs/suite-<machine tag>)"},
