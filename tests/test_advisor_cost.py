@@ -242,6 +242,54 @@ def test_every_collective_launched_in_a_step_pays_kappa():
     assert price(Plan("single", 1, 1, 8), prof, t).time == price(Plan("single", 1, 1, 8), prof, topo()).time
 
 
+def test_sharded_collectives_at_their_measured_price_by_hand():
+    from dataclasses import replace
+
+    prof = tiny_profile()
+    t = replace(topo(), call_s={"zero-1": 2e-3, "zero-3": 3e-3, "fsdp-no-reshard": 5e-3})
+    # 3 units (400, 4000, 40 bytes): each rank moves half of 4440 bytes per reduce-scatter or all-gather at β 1e-6
+    z1 = price(Plan("zero", 2, 2, 8, (("zero_stage", 1),)), prof, t)
+    assert z1.time["communication"] == pytest.approx(6 * 2e-3 + 2 * 2220e-6)  # 3 reduce-scatters, 3 all-gathers
+    z3 = price(Plan("zero", 2, 2, 8, (("zero_stage", 3),)), prof, t)
+    assert z3.time["communication"] == pytest.approx(9 * 3e-3 + 3 * 2220e-6)  # and 3 all-gathers before backward
+    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)), prof, t)
+    assert fsdp.time["communication"] == pytest.approx(6 * 5e-3 + 2 * 2220e-6)
+    # 3 buffers of 264 bytes: ZeRO broadcasts each (3 more collectives, 264 bytes to the one other rank)
+    prof.layers[0] = replace(prof.layers[0], buffers=3, buffer_bytes=264)
+    z1 = price(Plan("zero", 2, 2, 8, (("zero_stage", 1),)), prof, t)
+    assert z1.time["communication"] == pytest.approx(9 * 2e-3 + 2 * 2220e-6 + 264e-6)
+    # zero-2 has no measured price here: α-β and κ as before (2 collectives per unit, 3 broadcasts)
+    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
+    assert z2.time["communication"] == pytest.approx(2 * sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
+                                                     + 3e-3 + 264e-6)
+
+
+def _calibrate(env, base, step):
+    from labkit.advisor.calibrate import calibrate_rank
+
+    times = [base] + [step] * 5
+
+    def per_call(fn, calls, windows):
+        fn()  # the step runs (the strategies are real); its time is given
+        return times.pop(0)
+
+    return calibrate_rank(env, CostModel(1e-4, 1e-9, 0.0), per_call)
+
+
+def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
+    from labkit.testing import run_ranks
+
+    calls = run_ranks(_calibrate, 2, 0.01, 0.06, timeout=120)[0]
+    # the chain: 6 convs (32·32·9 + 32 floats), 6 batch norms (64), a Linear (8192·10 + 10): 551,208 bytes in 13
+    # units; 18 buffers (2 × 32 floats and a step counter per batch norm): 1,584 bytes. Each rank moves half
+    # of the bytes per reduce-scatter or all-gather at β 1e-9 s/byte; ZeRO also broadcasts the buffers.
+    moved = 551_208 / 2 * 1e-9
+    assert calls["zero-1"] == pytest.approx((0.05 - 2 * moved - 1_584e-9) / (13 * 2 + 18))
+    assert calls["zero-3"] == pytest.approx((0.05 - 3 * moved - 1_584e-9) / (13 * 3 + 18))
+    assert calls["fsdp"] == pytest.approx((0.05 - 3 * moved) / (13 * 3))
+    assert calls["fsdp-no-reshard"] == pytest.approx((0.05 - 2 * moved) / (13 * 2))
+
+
 def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
     from labkit.advisor import profile
 

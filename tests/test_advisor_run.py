@@ -78,12 +78,16 @@ def test_parallelize_refuses_what_it_cannot_run():
     assert isinstance(single.model, nn.Module)
 
 
+CALLS = {"zero-1": 1e-3, "zero-2": 1.1e-3, "zero-3": 1.2e-3, "fsdp": 2e-3, "fsdp-no-reshard": 2.5e-3}
+
+
 def _cached(tmp_path):
     """Profiles and a link fit in the cache, so the CLI needs no measurement."""
     for threads in {1, os.cpu_count() or 1}:
         save_profile(_lenet_profile(threads), 64, tmp_path)
     writer = RunWriter(tmp_path / "links-2")
-    writer.log({"kind": "cost-model", "world_size": 2, "alpha": 1e-4, "beta": 1e-9, "gamma": 0.0, "launch": 2e-4})
+    writer.log({"kind": "cost-model", "world_size": 2, "alpha": 1e-4, "beta": 1e-9, "gamma": 0.0, "launch": 2e-4,
+                "call": CALLS})
     writer.finish("links", "cost-model", {}, {})
     return tmp_path
 
@@ -96,7 +100,7 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
     assert "pred samples/s" in text and "torchrun --nproc_per_node 2 -m labkit train" in text
     saved = json.loads((out / "advice.json").read_text())
     assert saved["schema"] == "labkit.advice/1" and saved["topology"]["alpha"] == 1e-4
-    assert saved["topology"]["launch_s"] == 2e-4
+    assert saved["topology"]["launch_s"] == 2e-4 and saved["topology"]["call_s"] == CALLS
     steps = [p["step_s"] for p in saved["plans"]]
     assert steps == sorted(steps) and {p["plan"]["strategy"] for p in saved["plans"]} >= {"single", "ddp", "pipeline"}
     for argv, message in [(["--model", "nope", "--ranks", "2"], "unknown model 'nope'"),

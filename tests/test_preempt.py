@@ -11,7 +11,6 @@ import sys
 import time
 import types
 
-import pytest
 import torch
 
 from labkit import train as ktrain

@@ -5,6 +5,13 @@ unit: ``RS(U) = (p − 1)·(α + (β + γ)·U/p) + κ`` (reduce-scatter, every c
 (p − 1)·(α + β·U/p) + κ`` (all-gather); κ is what each collective launched between computations costs on top
 (:class:`labkit.advisor.topology.Topology`), paid per unit: a model of many small layers pays it many times.
 Every rank trains ``b = B/p`` samples and steps only its shard (``update = u·P/p``).
+
+Where the topology holds a measured price per collective for the strategy, ``c_s`` (``Topology.call_s``,
+:mod:`labkit.advisor.calibrate`: the strategy itself run on a calibration chain), a step's ``N_s`` collectives
+cost ``N_s·c_s`` plus their bytes at ``β`` (and ``γ`` for the reduction) instead of ``(p − 1)·α + κ`` each: on
+a CPU the fixed part of each collective is the strategy's Python hooks, copies and the wake-up of the waiting
+gloo worker, which the α-β fit of a tight loop of messages does not see (measured: 0.6–2.5 ms per collective
+in a training step on 2 gloo ranks, against α ≈ 0.2 ms).
 """
 from __future__ import annotations
 
@@ -32,6 +39,36 @@ def _units(prof: Profile) -> list[float]:
     return [layer.param_bytes / layer.units for layer in prof.layers if layer.param_bytes for _ in range(layer.units)]
 
 
+def stage_of(plan: Plan) -> int:
+    """ZeRO's stage, or FSDP's equivalent: 3 (reshard after forward) or 2 (``--fsdp-no-reshard``)."""
+    if plan.strategy == "fsdp":
+        return 2 if plan.option.get("fsdp_no_reshard") else 3
+    return plan.option.get("zero_stage", 1)
+
+
+def call_key(strategy: str, stage: int) -> str:
+    """The name a measured per-collective price is kept under: ``zero-1`` … ``zero-3``, ``fsdp``, ``fsdp-no-reshard``."""
+    return f"zero-{stage}" if strategy == "zero" else ("fsdp" if stage == 3 else "fsdp-no-reshard")
+
+
+def collective_count(strategy: str, stage: int, units: int, buffers: int) -> int:
+    """``N_s``, the collectives one step launches: per unit a reduce-scatter and ``g`` all-gathers (``g = 2`` at
+    stage 3 / FSDP with resharding, else 1), plus ZeRO's one broadcast per buffer."""
+    return units * (1 + (2 if stage == 3 else 1)) + (buffers if strategy == "zero" else 0)
+
+
+def bytes_time(units: list[float], buffer_bytes: float, ranks: int, stage: int, strategy: str, topo: Topology) -> float:
+    """The bytes part of a step's collectives: ``Σ_units (p − 1)/p·U·((β + γ) + g·β)`` ``+ (p − 1)·β·n_buf``
+    (ZeRO's buffer broadcasts)."""
+    if ranks <= 1:
+        return 0.0
+    link = topo.collective_link(ranks)
+    g = 2 if stage == 3 else 1
+    moved = (ranks - 1) / ranks * sum(units)
+    broadcast = (ranks - 1) * link.beta * buffer_bytes if strategy == "zero" else 0.0
+    return moved * (link.beta + link.gamma + g * link.beta) + broadcast
+
+
 def price_sharded(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """ZeRO (``--zero-stage 1|2|3``) and FSDP (reshard after forward, or ``--fsdp-no-reshard``), ``b = B/p``:
 
@@ -39,21 +76,25 @@ def price_sharded(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     the stepped parameters; FSDP no-reshard: gather once before forward) or ``g = 2`` (ZeRO 3, FSDP: gather
     before forward and again before backward), each collective paying its ``(p − 1)·α + κ`` per unit, ``+
     BC(N_buf, n_buf)`` for ZeRO, which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every
-    forward (:func:`labkit.advisor.cost.broadcast_time`; FSDP leaves buffers alone). Memory (fp32, momentum:
-    optimizer state = P):
+    forward (:func:`labkit.advisor.cost.broadcast_time`; FSDP leaves buffers alone). With a measured price per
+    collective ``c_s``: ``communication = N_s·c_s + bytes`` (:func:`collective_count`, :func:`bytes_time`).
+    Memory (fp32, momentum: optimizer state = P):
     stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
     prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
     plus activations ``M_all(b)``.
     """
     p, b, P = plan.processes, plan.batch_size / plan.processes, prof.param_bytes
-    o = plan.option
-    stage = 3 if plan.strategy == "fsdp" and not o.get("fsdp_no_reshard") else (
-        2 if plan.strategy == "fsdp" else o.get("zero_stage", 1))
+    stage = stage_of(plan)
     units = _units(prof)
     gathers = 2 if stage == 3 else 1
-    comm = sum(reduce_scatter_time(u, p, topo) + gathers * all_gather_time(u, p, topo) for u in units)
-    if plan.strategy == "zero":
-        comm += broadcast_time(*prof.buffers, p, topo)
+    call = topo.call_s.get(call_key(plan.strategy, stage)) if p > 1 else None
+    if call is not None:
+        comm = (collective_count(plan.strategy, stage, len(units), prof.buffers[0]) * call
+                + bytes_time(units, prof.buffers[1], p, stage, plan.strategy, topo))
+    else:
+        comm = sum(reduce_scatter_time(u, p, topo) + gathers * all_gather_time(u, p, topo) for u in units)
+        if plan.strategy == "zero":
+            comm += broadcast_time(*prof.buffers, p, topo)
     time = {"compute": compute_scale(topo, p) * prof.time(b), "communication": comm,
             **common_terms(prof, topo, P / p, b)}
     memory = memory_terms(prof, topo, P, prof.saved_bytes(b))

@@ -18,7 +18,7 @@ processes. The α-β fit, whose ranks exchange messages in a tight loop, does no
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from labkit.collectives.cost import CostModel
@@ -40,6 +40,8 @@ class Topology:
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
         launch_s: κ, seconds every collective or message launched between computations costs on top of its
             α-β price (0 on GPUs, where the host does not wait for it).
+        call_s: measured seconds per collective of each sharded strategy in a training step (``zero-1`` …
+            ``fsdp-no-reshard``; :mod:`labkit.advisor.calibrate`); where absent, α-β and κ price each one.
     """
 
     name: str
@@ -53,6 +55,7 @@ class Topology:
     separate_devices: bool = False
     compute_scale: float = 1.0
     launch_s: float = 0.0
+    call_s: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.ranks < 1:
@@ -81,19 +84,19 @@ class Topology:
         (``refresh``: measured now even if cached)."""
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        launch = 0.0
+        launch, call = 0.0, {}
         if link is None and links_from:
-            link, launch = read_fit(links_from, ranks)
-            launch = launch or 0.0  # `labkit allreduce bench` does not measure κ
+            link, launch, call = read_fit(links_from, ranks)
+            launch = launch or 0.0  # `labkit allreduce bench` measures neither κ nor the per-collective prices
         elif link is None and not refresh:
-            link, launch = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
-            if launch is None:  # a cache from before κ was measured
+            link, launch, call = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
+            if launch is None or call is None:  # a cache from before κ and the calibration were measured
                 link = None
         if link is None:
-            link, launch = measure_link(ranks, Path(cache) / f"links-{ranks}")
+            link, launch, call = measure_link(ranks, Path(cache) / f"links-{ranks}")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1,
-                   launch_s=launch)
+                   launch_s=launch, call_s=call or {})
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
@@ -108,8 +111,10 @@ class Topology:
                    True, compute_scale)
 
 
-def read_fit(path: str | Path, ranks: int, required: bool = True) -> tuple[CostModel | None, float | None]:
-    """``(α-β-γ fit, κ or None if not recorded)`` for ``ranks`` ranks from a run with ``"cost-model"`` records."""
+def read_fit(path: str | Path, ranks: int,
+             required: bool = True) -> tuple[CostModel | None, float | None, dict[str, float] | None]:
+    """``(α-β-γ fit, κ, per-collective prices)`` for ``ranks`` ranks from a run with ``"cost-model"`` records;
+    κ and the prices are None where the run did not measure them."""
     from labkit.results import load_run
 
     try:
@@ -117,17 +122,17 @@ def read_fit(path: str | Path, ranks: int, required: bool = True) -> tuple[CostM
     except (FileNotFoundError, ValueError) as exc:
         if required:
             raise ConfigError(f"--links {path}: {exc}; write one with `labkit allreduce bench --out {path}`") from None
-        return None, None
+        return None, None, None
     fits = {r["world_size"]: r for r in run.records_of("cost-model")}
     if ranks not in fits:
         if ranks == 1:
-            return CostModel(0.0, 0.0, 0.0), 0.0
+            return CostModel(0.0, 0.0, 0.0), 0.0, {}
         if required:
             raise ConfigError(f"--links {path} has fits for {sorted(fits)} rank(s), not {ranks}; "
                               f"run `labkit allreduce bench --ranks {ranks} --out {path}`")
-        return None, None
+        return None, None, None
     fit = fits[ranks]
-    return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)), fit.get("launch")
+    return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)), fit.get("launch"), fit.get("call")
 
 
 #: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
@@ -155,14 +160,18 @@ def _per_call(fn, calls: int = 20, windows: int = 5) -> float:
 
 
 def _fit_rank(env):
-    """α-β-γ from the point-to-point fit; κ = (a small computation + a 4-byte all-reduce) − the computation
-    alone − the all-reduce alone, back to back (the tight loop the α-β fit sees)."""
+    """α-β-γ from the point-to-point fit (the median of 9 rounds per size: single rounds on a virtual machine
+    swing several-fold); κ = (a small computation + a 4-byte all-reduce) − the computation alone − the
+    all-reduce alone, back to back (the tight loop the α-β fit sees); the sharded strategies' price per
+    collective (:mod:`labkit.advisor.calibrate`)."""
     import torch
     import torch.distributed as dist
 
+    from labkit.advisor.calibrate import calibrate_rank
     from labkit.collectives.cost import fit_cost_model
 
-    model, points = fit_cost_model(FIT_SIZES, repeats=3)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
+    model, points = fit_cost_model(FIT_SIZES, repeats=9)
     a, tiny = torch.randn(96, 96), torch.zeros(1)
 
     def work():
@@ -175,13 +184,15 @@ def _fit_rank(env):
 
     work_s, alone_s = _per_call(work), _per_call(lambda: dist.all_reduce(tiny))
     launch = max(0.0, _per_call(both) - work_s - alone_s)
-    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "p2p": points}
+    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "p2p": points,
+            "call": calibrate_rank(env, model, _per_call)}
 
 
-def measure_link(ranks: int, out: Path) -> tuple[CostModel, float]:
-    """Fit α-β-γ and κ on ``ranks`` spawned gloo ranks now and cache them at ``out`` (the bench's record format)."""
+def measure_link(ranks: int, out: Path) -> tuple[CostModel, float, dict[str, float]]:
+    """Fit α-β-γ and κ and calibrate the sharded strategies on ``ranks`` spawned gloo ranks now; cache them at
+    ``out`` (the bench's record format)."""
     if ranks == 1:
-        return CostModel(0.0, 0.0, 0.0), 0.0
+        return CostModel(0.0, 0.0, 0.0), 0.0, {}
     from labkit.results import RunWriter
     from labkit.testing import run_ranks
 
@@ -189,5 +200,5 @@ def measure_link(ranks: int, out: Path) -> tuple[CostModel, float]:
     writer = RunWriter(out)
     writer.log({"kind": "cost-model", "world_size": ranks, **fit})
     writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {"alpha": fit["alpha"], "beta": fit["beta"],
-                                                                     "launch": fit["launch"]})
-    return CostModel(fit["alpha"], fit["beta"], fit["gamma"]), fit["launch"]
+                                                                     "launch": fit["launch"], "call": fit["call"]})
+    return CostModel(fit["alpha"], fit["beta"], fit["gamma"]), fit["launch"], fit["call"]

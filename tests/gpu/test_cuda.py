@@ -124,7 +124,7 @@ def test_nccl_runs_two_ranks_on_one_gpu_and_ddp_equals_gloo(tmp_path):
     a, b = (torch.load(tmp_path / r / "checkpoint.pt", weights_only=True)["model"] for r in ("nccl", "gloo"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
-    assert nccl.summary["environment"]["backend"] == "nccl"
+    assert nccl.summary["environment"]["backend"] == "nccl" and gloo.summary["environment"]["backend"] == "gloo"
     verify = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "labkit", "allreduce", "verify", "--device", "cuda"], capture_output=True,
                             text=True, timeout=300, check=False)

@@ -1,0 +1,81 @@
+"""What a sharded strategy's own machinery costs per collective on this machine, measured by running it.
+
+The α-β fit times messages in a tight loop; a sharded strategy launches its collectives from inside a training
+step — one or more per unit — through Python hooks that copy, allocate and wait. On a CPU that fixed part is
+far larger than α (measured on 2 gloo ranks: 0.6–2.5 ms per collective in a step, α ≈ 0.2 ms), and it differs
+between ZeRO's hooks and FSDP2's. So each sharded strategy is run for real on a calibration chain and its price
+per collective is what the step costs beyond the same chain's plain step, less the bytes:
+
+    c_s = (T_s − T_0 − bytes_s) / N_s
+
+``T_s`` the strategy's step (the slowest rank's median), ``T_0`` the plain step of the same chain on each rank at
+the same time (no collectives), ``bytes_s`` and ``N_s`` the bytes and the number of collectives the cost model
+prices for that step (:func:`labkit.advisor.cost_sharded.bytes_time`, :func:`collective_count`). The chain: six
+units of 3×3 convolution (32 → 32 channels) with batch norm, and a Linear, on 32 samples of 32×16×16 per rank —
+convolutions of the size the kit's CIFAR models train, so the collectives sit between computations as theirs do.
+Run once per topology, inside the ranks that fit the link (:func:`labkit.advisor.topology.measure_link`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from labkit.advisor.cost_sharded import bytes_time, call_key, collective_count
+
+#: the strategies priced per collective: (strategy, options, stage the cost model uses)
+SHARDED = [("zero", {"zero_stage": 1}, 1), ("zero", {"zero_stage": 2}, 2), ("zero", {"zero_stage": 3}, 3),
+           ("fsdp", {}, 3), ("fsdp", {"fsdp_no_reshard": True}, 2)]
+CHANNELS, SIZE, BATCH = 32, 16, 32
+
+
+def chain() -> nn.Sequential:
+    """The calibration chain: 6 × (conv 3×3, batch norm, ReLU), flatten, Linear to 10 classes (13 units)."""
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1), nn.BatchNorm2d(CHANNELS),
+                                           nn.ReLU())]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(CHANNELS * SIZE * SIZE, 10))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, strategy, x, y, criterion):
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if strategy is None:
+            criterion(model(x), y).backward()
+        else:  # as labkit.train.fit drives a strategy
+            strategy.forward_backward(model, x, y, criterion)
+            strategy.sync_gradients(model)
+        opt.step()
+    return step
+
+
+def calibrate_rank(env, link, per_call) -> dict[str, float]:
+    """``{call key: c_s seconds}`` for every sharded strategy; every rank of ``env`` calls it.
+
+    ``link``: the α-β-γ fit of these ranks (prices the bytes); ``per_call(fn, calls, windows)``: seconds per
+    call of ``fn``, the slowest rank's median (a collective).
+    """
+    from labkit.advisor.topology import Topology
+    from labkit.optim import OptimizerSpec
+    from labkit.strategies import get_strategy
+
+    topo = Topology("calibration", env.world_size, link, float("inf"))
+    x, y = torch.randn(BATCH, CHANNELS, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
+    criterion = nn.CrossEntropyLoss()
+    plain = chain()
+    units = [float(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)))
+             for m in plain.modules() if any(True for _ in m.parameters(recurse=False))]
+    buffers = list(plain.buffers())
+    buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    step = _step(plain, torch.optim.SGD(plain.parameters(), lr=1e-9, momentum=0.9), None, x, y, criterion)
+    step()
+    base = per_call(step, 2, 5)
+    out = {}
+    for name, options, stage in SHARDED:
+        strategy = get_strategy(name)(env, options)
+        model = strategy.prepare(chain())
+        opt, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", 1e-9, 0.9, 0.0, {}, env))
+        step = _step(model, opt, strategy, x, y, criterion)
+        step()
+        extra = per_call(step, 2, 5) - base - bytes_time(units, buffer_bytes, env.world_size, stage, name, topo)
+        out[call_key(name, stage)] = max(0.0, extra) / collective_count(name, stage, len(units), len(buffers))
+    return out
