@@ -200,6 +200,7 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
             opt.step()
 
         step()  # warm-up: allocations
+        _windowed(step, 2)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
         steps.append(_windowed(step, repeats))
     update = _windowed(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
     return data, update, steps
