@@ -242,7 +242,7 @@ def test_every_collective_launched_in_a_step_pays_kappa():
     assert price(Plan("single", 1, 1, 8), prof, t).time == price(Plan("single", 1, 1, 8), prof, topo()).time
 
 
-def test_sharded_collectives_at_their_measured_price_by_hand():
+def test_sharded_and_tensor_parallel_collectives_at_their_measured_price_by_hand():
     from dataclasses import replace
 
     prof = tiny_profile()
@@ -258,16 +258,20 @@ def test_sharded_collectives_at_their_measured_price_by_hand():
     prof.layers[0] = replace(prof.layers[0], buffers=3, buffer_bytes=264)
     z1 = price(Plan("zero", 2, 2, 8, (("zero_stage", 1),)), prof, t)
     assert z1.time["communication"] == pytest.approx(9 * 2e-3 + 2 * 2220e-6 + 264e-6)
+    # tensor parallelism at 2.5 ms per all-reduce: its pair's input gradient (8·100 bytes) and partial sums
+    # (8·40 bytes), each rank sending and receiving half of each twice on the ring at β 1e-6
+    tp = price(Plan("tensor-parallel", 2, 2, 8), prof, replace(t, call_s={"tensor-parallel": 2.5e-3}))
+    assert tp.time["communication"] == pytest.approx(2 * 2.5e-3 + 800e-6 + 320e-6)
     # zero-2 has no measured price here: α-β and κ as before (2 collectives per unit, 3 broadcasts)
     z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
     assert z2.time["communication"] == pytest.approx(2 * sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
                                                      + 3e-3 + 264e-6)
 
 
-def _calibrate(env, base, step):
+def _calibrate(env, base, step, tp_base, tp_step):
     from labkit.advisor.calibrate import calibrate_rank
 
-    times = [base] + [step] * 5
+    times = [base] + [step] * 5 + [tp_base, tp_step]
 
     def per_call(fn, calls, windows):
         fn()  # the step runs (the strategies are real); its time is given
@@ -279,7 +283,7 @@ def _calibrate(env, base, step):
 def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     from labkit.testing import run_ranks
 
-    calls = run_ranks(_calibrate, 2, 0.01, 0.06, timeout=120)[0]
+    calls = run_ranks(_calibrate, 2, 0.01, 0.06, 0.01, 0.03, timeout=120)[0]
     # the chain: 6 convs (32·32·9 + 32 floats), 6 batch norms (64), a Linear (8192·10 + 10): 551,208 bytes in 13
     # units; 18 buffers (2 × 32 floats and a step counter per batch norm): 1,584 bytes. Each rank moves half
     # of the bytes per reduce-scatter or all-gather at β 1e-9 s/byte; ZeRO also broadcasts the buffers.
@@ -288,6 +292,8 @@ def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     assert calls["zero-3"] == pytest.approx((0.05 - 3 * moved - 1_584e-9) / (13 * 3 + 18))
     assert calls["fsdp"] == pytest.approx((0.05 - 3 * moved) / (13 * 3))
     assert calls["fsdp-no-reshard"] == pytest.approx((0.05 - 2 * moved) / (13 * 2))
+    # tensor parallelism: 4 all-reduces of 32 × 256 floats, each rank sending and receiving half of them twice
+    assert calls["tensor-parallel"] == pytest.approx((0.03 - 0.01 - 4 * 32_768e-9) / 4)
 
 
 def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):

@@ -13,6 +13,9 @@ the same time (no collectives), ``bytes_s`` and ``N_s`` the bytes and the number
 prices for that step (:func:`labkit.advisor.cost_sharded.bytes_time`, :func:`collective_count`). The chain: six
 units of 3×3 convolution (32 → 32 channels) with batch norm, and a Linear, on 32 samples of 32×16×16 per rank —
 convolutions of the size the kit's CIFAR models train, so the collectives sit between computations as theirs do.
+Tensor parallelism is priced the same way (key ``tensor-parallel``): two column/row pairs after a convolution
+(so that the first pair's input gradient is all-reduced too), 4 all-reduces a step, against the plain step of
+the layers each rank holds (the sliced shapes) and the all-reduces' bytes on a ring.
 Run once per topology, inside the ranks that fit the link (:func:`labkit.advisor.topology.measure_link`).
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from labkit.advisor.cost import ring_bytes_time
 from labkit.advisor.cost_sharded import bytes_time, call_key, collective_count
 
 #: the strategies priced per collective: (strategy, options, stage the cost model uses)
@@ -34,6 +38,18 @@ def chain() -> nn.Sequential:
     layers = [m for _ in range(6) for m in (nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1), nn.BatchNorm2d(CHANNELS),
                                            nn.ReLU())]
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(CHANNELS * SIZE * SIZE, 10))
+
+
+HIDDEN, TP_BATCH = 256, 32
+
+
+def mlp_chain(world: int = 1) -> nn.Sequential:
+    """Tensor parallelism's calibration chain: a convolution, then two Linear pairs of ``HIDDEN`` features
+    (``world`` > 1: the layers one rank of ``world`` holds once the pairs are sliced)."""
+    torch.manual_seed(0)
+    h = HIDDEN // world
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, h), nn.ReLU(),
+                         nn.Linear(h, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, h), nn.ReLU(), nn.Linear(h, HIDDEN))
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, strategy, x, y, criterion):
@@ -78,4 +94,22 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
         step()
         extra = per_call(step, 2, 5) - base - bytes_time(units, buffer_bytes, env.world_size, stage, name, topo)
         out[call_key(name, stage)] = max(0.0, extra) / collective_count(name, stage, len(units), len(buffers))
+    out["tensor-parallel"] = _tensor_parallel(env, link, per_call, criterion)
     return out
+
+
+def _tensor_parallel(env, link, per_call, criterion) -> float:
+    """``c_tp``: 2 pairs → 4 all-reduces of ``TP_BATCH × HIDDEN`` floats (forward sums, backward input gradients)."""
+    from labkit.strategies.tensor_parallel import parallelize_linears
+
+    p = env.world_size
+    x, y = torch.randn(TP_BATCH, 3, 8, 8), torch.randint(0, HIDDEN, (TP_BATCH,))
+    local = mlp_chain(p)
+    step = _step(local, torch.optim.SGD(local.parameters(), lr=1e-9, momentum=0.9), None, x, y, criterion)
+    step()
+    base = per_call(step, 5, 5)
+    model = parallelize_linears(mlp_chain())
+    step = _step(model, torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9), None, x, y, criterion)
+    step()
+    wire = ring_bytes_time(TP_BATCH * HIDDEN * 4, p, link)
+    return max(0.0, per_call(step, 5, 5) - base - 4 * wire) / 4

@@ -24,6 +24,7 @@ import math
 from labkit.advisor.plan import Estimate, Plan
 from labkit.advisor.profile import Profile
 from labkit.advisor.topology import Topology
+from labkit.collectives.cost import CostModel
 from labkit.collectives.registry import get_schedule
 
 BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, also labkit's --bucket-mb
@@ -40,6 +41,13 @@ def allreduce_time(nbytes: float, ranks: int, algorithm: str, topo: Topology) ->
         return 0.0
     name = "ring" if algorithm in ("ddp", "native") else algorithm
     return topo.collective_link(ranks).predict(get_schedule(name, ranks), math.ceil(nbytes / 4), 4) + topo.launch_s
+
+
+def ring_bytes_time(nbytes: float, ranks: int, link: CostModel) -> float:
+    """The bytes part of a ring all-reduce of ``n`` bytes: ``2(p − 1)/p·n·β + (p − 1)/p·n·γ`` (no α)."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return CostModel(0.0, link.beta, link.gamma).predict(get_schedule("ring", ranks), math.ceil(nbytes / 4), 4)
 
 
 def message_time(nbytes: float, topo: Topology, ranks: int = 2) -> float:
@@ -133,7 +141,10 @@ def price_tensor_parallel(plan: Plan, prof: Profile, topo: Topology) -> Estimate
     Sliced layers ``S`` (each pair and the elementwise layers between) cost ``T_k(B/p)``, the rest
     ``T_k(B)``: ``compute = s·(T_rest(B) + Σ_{k∈S} T_k(B/p))``. Per pair (column i, row j):
     ``communication = AR(B·A_{i−1}, ring, p)`` (backward, input gradient) ``+ AR(B·A_j, ring, p)``
-    (forward, partial sums). Memory ``3·P_dev + M_rest(B) + M_S(B)/p`` with ``P_dev = P − (1 − 1/p)·P_S``.
+    (forward, partial sums); where the topology has a measured price per all-reduce in a step ``c_tp``
+    (``call_s["tensor-parallel"]``, :mod:`labkit.advisor.calibrate`), each costs ``c_tp`` plus its bytes on
+    the ring (:func:`ring_bytes_time`) instead. Memory ``3·P_dev + M_rest(B) + M_S(B)/p`` with
+    ``P_dev = P − (1 − 1/p)·P_S``.
     """
     p, B = plan.processes, plan.batch_size
     if not prof.tp_pairs:
@@ -144,8 +155,14 @@ def price_tensor_parallel(plan: Plan, prof: Profile, topo: Topology) -> Estimate
     rest = [k for k in range(len(prof.layers)) if k not in sliced]
     compute = sum(prof.layers[k].time(B) for k in rest) + sum(prof.layers[k].time(B / p) for k in sliced)
     inputs = [prof.layers[i - 1].out_bytes if i else prof.input_bytes for i, _ in prof.tp_pairs]
-    comm = sum(allreduce_time(B * a, p, "ring", topo) + allreduce_time(B * prof.layers[j].out_bytes, p, "ring", topo)
-               for a, (_, j) in zip(inputs, prof.tp_pairs))
+    call = topo.call_s.get("tensor-parallel")
+    if call is not None:
+        link = topo.collective_link(p)
+        comm = sum(2 * call + ring_bytes_time(B * a, p, link) + ring_bytes_time(B * prof.layers[j].out_bytes, p, link)
+                   for a, (_, j) in zip(inputs, prof.tp_pairs))
+    else:
+        comm = sum(allreduce_time(B * a, p, "ring", topo) + allreduce_time(B * prof.layers[j].out_bytes, p, "ring", topo)
+                   for a, (_, j) in zip(inputs, prof.tp_pairs))
     p_sliced = sum(prof.layers[k].param_bytes for k in sliced)
     p_dev = prof.param_bytes - (1 - 1 / p) * p_sliced
     time = {"compute": compute_scale(topo, p) * compute, "communication": comm, **common_terms(prof, topo, p_dev, B)}
