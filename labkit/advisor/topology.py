@@ -160,8 +160,9 @@ def _per_call(fn, calls: int = 20, windows: int = 5) -> float:
 
 
 def _fit_rank(env):
-    """α-β-γ from the point-to-point fit (the median of 9 rounds per size: single rounds on a virtual machine
-    swing several-fold); κ = (a small computation + a 4-byte all-reduce) − the computation alone − the
+    """α-β-γ from the point-to-point fit (the lower quartile of 9 rounds per size: on a virtual machine the
+    latency has slow spells lasting seconds — α 0.15 ms, then 1.0–1.6 ms — and a median flips between them;
+    what a step pays beyond the quiet α is κ's and the calibration's part); κ = (a small computation + a 4-byte all-reduce) − the computation alone − the
     all-reduce alone, back to back (the tight loop the α-β fit sees); the sharded strategies' price per
     collective (:mod:`labkit.advisor.calibrate`)."""
     import torch
@@ -171,7 +172,7 @@ def _fit_rank(env):
     from labkit.collectives.cost import fit_cost_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
-    model, points = fit_cost_model(FIT_SIZES, repeats=9)
+    model, points = fit_cost_model(FIT_SIZES, repeats=9, quantile=0.25)
     a, tiny = torch.randn(96, 96), torch.zeros(1)
 
     def work():
