@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(DATASETS))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help="at least this many steps per run (more for fast models)")
     parser.add_argument("--refresh", action="store_true", help="profile again (do it when the machine's load changed)")
     parser.add_argument("--out", default="runs/advisor-accuracy")
     args = parser.parse_args()
@@ -41,7 +42,10 @@ def main() -> None:
                         refresh=args.refresh)
         out = Path(args.out) / model
         # the learning rate changes no timing; AlexNet without BatchNorm needs a small one not to diverge
-        validate(advice, top=len(advice.table), steps=args.steps, out=out, extra=("--base-lr", "0.005"))
+        # a measurement shorter than a second is mostly noise (lenet steps take 3-20 ms): time at least ~1 s of
+        # the fastest plan's steps, at most one epoch (the run stops there)
+        steps = max(args.steps, min(200, math.ceil(1.0 / advice.best.step_s)))
+        validate(advice, top=len(advice.table), steps=steps, out=out, extra=("--base-lr", "0.005"))
         advice.write(out / "advice.json")
         measured = advice.measured
         rows = [(e.plan.label, e.step_s, measured[e.plan.label].get("predicted_at_run_s", e.step_s),
