@@ -130,7 +130,7 @@ def test_kfac_feeds_lamb_and_resumes_bit_identically(tmp_path, capsys):
     assert a["config"]["optim_options"]["kfac_base"] == "lamb"
 
 
-def test_bench_largebatch_trains_every_optimizer_at_every_scale(tmp_path, capsys):
+def test_bench_largebatch_trains_and_scales_each_recipe(tmp_path, capsys):
     from labkit.bench import largebatch
     from labkit.cli import main
     from labkit.results import load_run

@@ -1,6 +1,6 @@
 """labkit's training loop vs a plain-PyTorch loop on preloaded tensors: same model, data and batch, one process.
 
-    labkit bench single --model lenet --dataset mnist-sample --batch-size 64 --steps 40 --rounds 8
+    labkit bench single --model lenet --dataset mnist-sample --batch-size 64 --steps 60 --rounds 16
 
 labkit = ``labkit.train.fit`` on the single-device strategy with ``--loader`` (default: the resident tensor
 path); plain = the textbook loop over the dataset preloaded as one normalised tensor. Both start from the
@@ -24,8 +24,9 @@ FLAGS = [
     {"flag": "--model", "default": "lenet", "help": "labkit model"},
     {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
     {"flag": "--batch-size", "type": "int", "default": 64, "help": "samples per step"},
-    {"flag": "--steps", "type": "int", "default": 40, "help": "optimizer steps per contender per round"},
-    {"flag": "--rounds", "type": "int", "default": 8, "help": "timed rounds (each runs both contenders)"},
+    {"flag": "--steps", "type": "int", "default": 60, "help": "optimizer steps per contender per round"},
+    {"flag": "--rounds", "type": "int", "default": 16,
+     "help": "timed rounds, each running both contenders (the median of many is steadier than a few)"},
     {"flag": "--loader", "default": "tensor", "choices": ["tensor", "torch"], "help": "labkit's data path"},
     {"flag": "--threads", "type": "int", "default": 1, "help": "CPU threads (1: one core stands for one device)"},
     {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
