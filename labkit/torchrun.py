@@ -6,12 +6,15 @@ signal after checkpointing (exit 75, ``labkit: stopped ...``), plain torchrun ad
 (a ``ChildFailedError`` traceback, a "Root Cause" table and a log line per failed rank) and exits 1. Here
 that block is left out and the exit code is the rank's: 2 or 75, what the job scripts act on. Any other
 failure (a Python exception in a rank, a killed rank) shows torchrun's block and the rank's traceback as
-before.
+before. When torchrun itself is signalled (``scancel``, a time limit, Ctrl-C), it passes the signal on to the
+ranks, which write their checkpoint and say so; instead of torchrun's traceback it ends with one line and
+exit code 128 + the signal's number, as a shell reports a process stopped by a signal.
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
 
@@ -47,6 +50,7 @@ def _has_content(path: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv`` (default ``sys.argv[1:]``); return the exit code for the shell."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
@@ -63,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         if first.exitcode in LABKIT_EXITS:
             return first.exitcode
         raise
+    except SignalException as exc:  # torchrun was signalled and has stopped its ranks
+        print(f"labkit: torchrun stopped on {signal.Signals(exc.sigval).name}; its ranks were stopped with it",
+              file=sys.stderr)
+        return 128 + int(exc.sigval)
     finally:
         if own_file is not None:
             os.unlink(own_file)

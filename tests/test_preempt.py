@@ -149,6 +149,9 @@ def test_pipeline_sigterm_mid_epoch_resumes_bit_identically(tmp_path):
     """A non-replicated strategy: every rank writes its own mid-epoch checkpoint of the same step."""
     subprocess.run(_train("pipeline", tmp_path / "clean"), env=ENV, check=True, capture_output=True, timeout=300)
     code, log = _sigterm_when(_train("pipeline", tmp_path / "int", "--step-delay-s", "0.15"), "train | 3/3 epoch")
+    # torchrun itself got the signal: one line and 128 + 15, not its traceback
+    assert code == 128 + signal.SIGTERM and "Traceback" not in log, log
+    assert "labkit: torchrun stopped on SIGTERM; its ranks were stopped with it" in log, log
     _stopped_and_resumed("pipeline", tmp_path / "int", log, steps=12)  # one pipeline sees the whole batch
     for name in ["checkpoint.rank0.pt", "checkpoint.rank1.pt"]:
         _equal_runs(tmp_path / "clean", tmp_path / "int", name)
