@@ -60,6 +60,18 @@ def make_dirs(path: str | Path) -> Path:
     return path
 
 
+def check_writable(path: str | Path) -> Path:
+    """Fail now, not after the work, if ``path`` cannot be written: its folder is made and a file created in it
+    and removed (:class:`OutputError` otherwise)."""
+    path = Path(path)
+    make_dirs(path.parent)
+    with output_errors(path):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        os.close(fd)
+        os.unlink(tmp)
+    return path
+
+
 def file_mode() -> int:
     """The mode a plain ``open(path, "w")`` gives a new file: 0o666 minus the process umask."""
     umask = os.umask(0o022)

@@ -230,6 +230,8 @@ def test_bad_ps_options_are_config_errors():
         ParameterServerStrategy(env, {"ps_slow_worker": "fast"})
     with pytest.raises(ConfigError, match="--ps-momentum 0.5: it applies to --ps-mode async or ssp"):
         ParameterServerStrategy(env, {"ps_momentum": 0.5})
+    with pytest.raises(ConfigError, match="--ps-record /proc/labkit/record.json: cannot write /proc/labkit"):
+        ParameterServerStrategy(env, {"ps_record": "/proc/labkit/record.json"})
 
 
 def test_async_servers_take_off_the_momentum_asynchrony_adds():

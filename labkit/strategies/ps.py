@@ -51,9 +51,9 @@ from torch import nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from labkit.dist import DistEnv, print0
-from labkit.errors import ConfigError
+from labkit.errors import ConfigError, OutputError
 from labkit.optim import OptimizerSpec
-from labkit.results import atomic_write_text
+from labkit.results import atomic_write_text, check_writable
 from labkit.strategies.base import Strategy
 from labkit.strategies.data_parallel import ShardSampler
 from labkit.strategies.ps_server import MODES, ServerState, shard_tensors, wait
@@ -142,6 +142,12 @@ class ParameterServerStrategy(Strategy):
         if self.mode != "sync" and env.backend == "nccl":
             raise ConfigError(f"--ps-mode {self.mode} receives pushes from any worker, which NCCL cannot do; "
                               "use --backend gloo (CPU tensors) or --ps-mode sync")
+        if self.options.get("ps_record"):  # written after training: an unwritable path fails now instead
+            try:
+                check_writable(self.options["ps_record"])
+            except OutputError as exc:
+                raise OutputError(f"--ps-record {self.options['ps_record']}: {str(exc).split('; ')[0]}; "
+                                  "choose a writable file") from None
         self.is_server = env.rank < self.num_servers
         # one server holds all optimizer state; with several each server checkpoints its own shard's
         self.replicated = self.num_servers == 1
