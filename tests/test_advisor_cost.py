@@ -262,16 +262,22 @@ def test_sharded_and_tensor_parallel_collectives_at_their_measured_price_by_hand
     # (8·40 bytes), each rank sending and receiving half of each twice on the ring at β 1e-6
     tp = price(Plan("tensor-parallel", 2, 2, 8), prof, replace(t, call_s={"tensor-parallel": 2.5e-3}))
     assert tp.time["communication"] == pytest.approx(2 * 2.5e-3 + 800e-6 + 320e-6)
+    # DDP: a measured launch price is the κ its collectives pay; the kit's ring sends one bucket of 4440 bytes,
+    # PyTorch's DDP one bucket and one coalesced broadcast of the 264 buffer bytes (α + β·264), each paying κ
+    kit = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, replace(t, call_s={"ddp-kit": 7e-4}))
+    assert kit.time["communication"] == pytest.approx(0.00644 + 7e-4)
+    torch_ddp = price(Plan("ddp", 2, 2, 8, (("allreduce", "ddp"),)), prof, replace(t, call_s={"ddp": 6e-4}))
+    assert torch_ddp.time["communication"] == pytest.approx(0.00644 + 6e-4 + 1e-3 + 264e-6 + 6e-4)
     # zero-2 has no measured price here: α-β and κ as before (2 collectives per unit, 3 broadcasts)
     z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
     assert z2.time["communication"] == pytest.approx(2 * sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
                                                      + 3e-3 + 264e-6)
 
 
-def _calibrate(env, base, step, tp_base, tp_step):
+def _calibrate(env, base, step, dp_base, ddp, ring, tp_base, tp_step):
     from labkit.advisor.calibrate import calibrate_rank
 
-    times = [base] + [step] * 5 + [tp_base, tp_step]
+    times = [base] + [step] * 5 + [dp_base, ddp, ring, tp_base, tp_step]
 
     def per_call(fn, calls, windows):
         fn()  # the step runs (the strategies are real); its time is given
@@ -283,7 +289,7 @@ def _calibrate(env, base, step, tp_base, tp_step):
 def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     from labkit.testing import run_ranks
 
-    calls = run_ranks(_calibrate, 2, 0.01, 0.06, 0.01, 0.03, timeout=120)[0]
+    calls = run_ranks(_calibrate, 2, 0.01, 0.06, 0.005, 0.01, 0.009, 0.01, 0.03, timeout=120)[0]
     # the chain: 6 convs (32·32·9 + 32 floats), 6 batch norms (64), a Linear (8192·10 + 10): 551,208 bytes in 13
     # units; 18 buffers (2 × 32 floats and a step counter per batch norm): 1,584 bytes. Each rank moves half
     # of the bytes per reduce-scatter or all-gather at β 1e-9 s/byte; ZeRO also broadcasts the buffers.
@@ -292,6 +298,11 @@ def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     assert calls["zero-3"] == pytest.approx((0.05 - 3 * moved - 1_584e-9) / (13 * 3 + 18))
     assert calls["fsdp"] == pytest.approx((0.05 - 3 * moved) / (13 * 3))
     assert calls["fsdp-no-reshard"] == pytest.approx((0.05 - 2 * moved) / (13 * 2))
+    # DDP on the 8-channel chain: 96,360 parameter bytes in one bucket, a ring over 2 ranks (2 messages of half of
+    # it: 2α + β·n); PyTorch's DDP also broadcasts the 432 buffer bytes (α + β·n). What is left, per collective:
+    ring = 2e-4 + 96_360e-9
+    assert calls["ddp"] == pytest.approx((0.01 - 0.005 - ring - (1e-4 + 432e-9)) / 2)
+    assert calls["ddp-kit"] == pytest.approx(0.009 - 0.005 - ring)
     # tensor parallelism: 4 all-reduces of 32 × 256 floats, each rank sending and receiving half of them twice
     assert calls["tensor-parallel"] == pytest.approx((0.03 - 0.01 - 4 * 32_768e-9) / 4)
 

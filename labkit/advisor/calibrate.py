@@ -13,6 +13,12 @@ the same time (no collectives), ``bytes_s`` and ``N_s`` the bytes and the number
 prices for that step (:func:`labkit.advisor.cost_sharded.bytes_time`, :func:`collective_count`). The chain: six
 units of 3×3 convolution (32 → 32 channels) with batch norm, and a Linear, on 32 samples of 32×16×16 per rank —
 convolutions of the size the kit's CIFAR models train, so the collectives sit between computations as theirs do.
+Data parallelism's all-reduces get the same treatment as a κ of their own: keys ``ddp`` (PyTorch's DDP: its
+buckets and its buffer broadcast) and ``ddp-kit`` (the kit's schedules, measured with ring) — the chain's step under
+``--strategy ddp`` less the plain step and the α-β-γ price of what it sends, over the collectives launched. They
+are measured on the chain with 8 channels: the fixed price of a launch shows best where little computation sits
+between two synchronisations (with more, the ranks drift apart and each synchronisation also waits for the slower
+one — a share of the step that a large model's step hides).
 Tensor parallelism is priced the same way (key ``tensor-parallel``): two column/row pairs after a convolution
 (so that the first pair's input gradient is all-reduced too), 4 all-reduces a step, against the plain step of
 the layers each rank holds (the sliced shapes) and the all-reduces' bytes on a ring.
@@ -23,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labkit.advisor.cost import ring_bytes_time
+from labkit.advisor.cost import broadcast_time, bucket_count, bucketed_allreduce, ddp_key, ring_bytes_time
 from labkit.advisor.cost_sharded import bytes_time, call_key, collective_count
 
 #: the strategies priced per collective: (strategy, options, stage the cost model uses)
@@ -32,12 +38,18 @@ SHARDED = [("zero", {"zero_stage": 1}, 1), ("zero", {"zero_stage": 2}, 2), ("zer
 CHANNELS, SIZE, BATCH = 32, 16, 32
 
 
-def chain() -> nn.Sequential:
+def chain(channels: int = CHANNELS) -> nn.Sequential:
     """The calibration chain: 6 × (conv 3×3, batch norm, ReLU), flatten, Linear to 10 classes (13 units)."""
     torch.manual_seed(0)
-    layers = [m for _ in range(6) for m in (nn.Conv2d(CHANNELS, CHANNELS, 3, padding=1), nn.BatchNorm2d(CHANNELS),
+    layers = [m for _ in range(6) for m in (nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels),
                                            nn.ReLU())]
-    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(CHANNELS * SIZE * SIZE, 10))
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(channels * SIZE * SIZE, 10))
+
+
+def _bytes_of(model: nn.Module) -> tuple[float, int, int]:
+    """(parameter bytes, buffer tensors, buffer bytes)."""
+    return (float(sum(p.numel() * p.element_size() for p in model.parameters())), sum(1 for _ in model.buffers()),
+            sum(b.numel() * b.element_size() for b in model.buffers()))
 
 
 HIDDEN, TP_BATCH = 256, 32
@@ -94,7 +106,35 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
         step()
         extra = per_call(step, 2, 5) - base - bytes_time(units, buffer_bytes, env.world_size, stage, name, topo)
         out[call_key(name, stage)] = max(0.0, extra) / collective_count(name, stage, len(units), len(buffers))
+    out.update(_data_parallel(env, topo, per_call, criterion))
     out["tensor-parallel"] = _tensor_parallel(env, link, per_call, criterion)
+    return out
+
+
+def _data_parallel(env, topo, per_call, criterion, channels: int = 8) -> dict[str, float]:
+    """``{"ddp": c, "ddp-kit": c}``: each DDP flavour's price per collective launched, on the 8-channel chain."""
+    from labkit.optim import OptimizerSpec
+    from labkit.strategies import get_strategy
+
+    x, y = torch.randn(BATCH, channels, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
+    plain = chain(channels)
+    nbytes, buffers, buffer_bytes = _bytes_of(plain)
+    step = _step(plain, torch.optim.SGD(plain.parameters(), lr=1e-9, momentum=0.9), None, x, y, criterion)
+    step()
+    base = per_call(step, 3, 5)
+    out = {}
+    for algo in ("ddp", "ring"):
+        strategy = get_strategy("ddp")(env, {"allreduce": algo})
+        model = strategy.prepare(chain(channels))
+        opt, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", 1e-9, 0.9, 0.0, {}, env))
+        step = _step(model, opt, strategy, x, y, criterion)
+        step()
+        priced = bucketed_allreduce(nbytes, env.world_size, algo, topo)  # κ = 0 in this topology
+        launches = bucket_count(nbytes, algo)
+        if algo == "ddp" and buffers:  # PyTorch's DDP broadcasts the buffers, coalesced, every forward
+            priced += broadcast_time(1, buffer_bytes, env.world_size, topo)
+            launches += 1
+        out[ddp_key(algo)] = max(0.0, per_call(step, 3, 5) - base - priced) / launches
     return out
 
 

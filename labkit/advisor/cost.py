@@ -20,6 +20,7 @@ the fullest device: ``parameters + gradients + optimizer (momentum) = 3·P_dev``
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from labkit.advisor.plan import Estimate, Plan
 from labkit.advisor.profile import Profile
@@ -64,6 +65,18 @@ def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo: Topology
             + allreduce_time(rest, ranks, algorithm, topo))
 
 
+def bucket_count(nbytes: float, algorithm: str) -> int:
+    """How many all-reduces :func:`bucketed_allreduce` launches for ``nbytes`` of gradients."""
+    first = min(nbytes, FIRST_BUCKET_BYTES) if algorithm == "ddp" else 0.0
+    full, rest = divmod(nbytes - first, BUCKET_BYTES)
+    return int(first > 0) + int(full) + int(rest > 0)
+
+
+def ddp_key(algorithm: str) -> str:
+    """The measured launch price a DDP plan pays: ``ddp`` (PyTorch's DDP) or ``ddp-kit`` (the kit's schedules)."""
+    return "ddp" if algorithm == "ddp" else "ddp-kit"
+
+
 def broadcast_time(count: int, nbytes: float, ranks: int, topo: Topology) -> float:
     """``BC(k, n) = (p − 1)·(k·α + β·n) + k·κ``: ``k`` broadcasts of ``n`` bytes in all, the root sending to
     each rank."""
@@ -100,10 +113,14 @@ def price_ddp(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     ``compute = s·T_all(b)``; ``communication = Σ_buckets AR(bucket, algo, p)`` after backward (no overlap
     is assumed: small models fit one or two buckets, ready only near the end of backward) ``+ BC(1, n_buf)``
     under PyTorch's DDP, which broadcasts the model's buffers (``n_buf`` bytes, coalesced) from rank 0 in
-    every forward; memory ``3P + M_all(b) + P`` (the flat gradient bucket).
+    every forward; memory ``3P + M_all(b) + P`` (the flat gradient bucket). Where the topology has a measured
+    price for launching one of these collectives from a step (``call_s["ddp"]`` for PyTorch's DDP,
+    ``call_s["ddp-kit"]`` for the kit's schedules; :mod:`labkit.advisor.calibrate`), that price is their κ.
     """
     p, b = plan.processes, plan.batch_size / plan.processes
     algo = plan.option.get("allreduce", "ddp")
+    launch = topo.call_s.get(ddp_key(algo))
+    topo = topo if launch is None else replace(topo, launch_s=launch)
     count, nbytes = prof.buffers
     sync = broadcast_time(1, nbytes, p, topo) if algo == "ddp" and count else 0.0
     time = {"compute": compute_scale(topo, p) * prof.time(b),

@@ -90,7 +90,8 @@ class Topology:
             launch = launch or 0.0  # `labkit allreduce bench` measures neither κ nor the per-collective prices
         elif link is None and not refresh:
             link, launch, call = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
-            if launch is None or call is None:  # a cache from before κ and the calibration were measured
+            # a cache from before κ, or before one of the prices was calibrated, is measured again
+            if launch is None or call is None or not CALL_KEYS <= set(call):
                 link = None
         if link is None:
             link, launch, call = measure_link(ranks, Path(cache) / f"links-{ranks}")
@@ -134,6 +135,9 @@ def read_fit(path: str | Path, ranks: int,
     fit = fits[ranks]
     return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)), fit.get("launch"), fit.get("call")
 
+
+#: the per-collective prices :mod:`labkit.advisor.calibrate` measures (a cache missing one is measured again)
+CALL_KEYS = {"zero-1", "zero-2", "zero-3", "fsdp", "fsdp-no-reshard", "ddp", "ddp-kit", "tensor-parallel"}
 
 #: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
