@@ -171,7 +171,9 @@ def test_ps_sync_is_ddp_resumes_bit_identically_and_async_ssp_record_staleness(o
     assert max(u["staleness"] for u in ssp) <= (3 - 1) * (2 * 1 + 1)  # (W-1)(2K+1)
     asyn = per_rank[0]["async"][1]["per_server"][0]["updates"]
     made = {w: sum(u["worker"] == w for u in asyn) for w in (1, 2, 3)}
-    assert sum(made.values()) == 24 and min(made[1], made[2]) >= 2 * made[3], made  # nobody waits for rank 3
+    # nobody waits for rank 3 (4x slower): each fast worker makes more updates than it (sync: 8 each). Not a fixed
+    # multiple: 4 ranks on 2 cores beside other work share the CPU unevenly (9, 10, 5 seen under a busy test run)
+    assert sum(made.values()) == 24 and min(made[1], made[2]) > made[3], made
     assert max(u["staleness"] for u in asyn) >= 2  # ... but its gradients are stale
     for r in range(4):
         assert torch.equal(per_rank[r]["ssp"][0], per_rank[0]["ssp"][0])

@@ -64,48 +64,55 @@ def mlp_chain(world: int = 1) -> nn.Sequential:
                          nn.Linear(h, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, h), nn.ReLU(), nn.Linear(h, HIDDEN))
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, strategy, x, y, criterion):
+def _time_step(env, model: nn.Module, x, y, criterion, per_call, calls: int, strategy: str | None = None,
+               options: dict | None = None) -> float:
+    """Seconds per training step of ``model`` (the slowest rank's median of 5 windows of ``calls`` steps), plain
+    or under ``strategy``, driven as :func:`labkit.train.fit` drives a strategy."""
+    from labkit.optim import OptimizerSpec
+    from labkit.strategies import get_strategy
+
+    strat = None
+    if strategy is None:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    else:
+        strat = get_strategy(strategy)(env, options)
+        model = strat.prepare(model)
+        opt, _ = strat.build_optimizer(model, OptimizerSpec("sgd", 1e-9, 0.9, 0.0, {}, env))
+
     def step():
         opt.zero_grad(set_to_none=True)
-        if strategy is None:
+        if strat is None:
             criterion(model(x), y).backward()
-        else:  # as labkit.train.fit drives a strategy
-            strategy.forward_backward(model, x, y, criterion)
-            strategy.sync_gradients(model)
+        else:
+            strat.forward_backward(model, x, y, criterion)
+            strat.sync_gradients(model)
         opt.step()
-    return step
+
+    step()  # warm-up: allocations
+    return per_call(step, calls, 5)
 
 
 def calibrate_rank(env, link, per_call) -> dict[str, float]:
-    """``{call key: c_s seconds}`` for every sharded strategy; every rank of ``env`` calls it.
+    """``{call key: c_s seconds}`` for every calibrated strategy; every rank of ``env`` calls it.
 
     ``link``: the α-β-γ fit of these ranks (prices the bytes); ``per_call(fn, calls, windows)``: seconds per
     call of ``fn``, the slowest rank's median (a collective).
     """
     from labkit.advisor.topology import Topology
-    from labkit.optim import OptimizerSpec
-    from labkit.strategies import get_strategy
 
-    topo = Topology("calibration", env.world_size, link, float("inf"))
+    topo = Topology("calibration", env.world_size, link, float("inf"))  # κ = 0: what is left is the price
     x, y = torch.randn(BATCH, CHANNELS, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
     criterion = nn.CrossEntropyLoss()
     plain = chain()
     units = [float(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)))
              for m in plain.modules() if any(True for _ in m.parameters(recurse=False))]
-    buffers = list(plain.buffers())
-    buffer_bytes = sum(b.numel() * b.element_size() for b in buffers)
-    step = _step(plain, torch.optim.SGD(plain.parameters(), lr=1e-9, momentum=0.9), None, x, y, criterion)
-    step()
-    base = per_call(step, 2, 5)
+    _, buffers, buffer_bytes = _bytes_of(plain)
+    base = _time_step(env, plain, x, y, criterion, per_call, 2)
     out = {}
     for name, options, stage in SHARDED:
-        strategy = get_strategy(name)(env, options)
-        model = strategy.prepare(chain())
-        opt, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", 1e-9, 0.9, 0.0, {}, env))
-        step = _step(model, opt, strategy, x, y, criterion)
-        step()
-        extra = per_call(step, 2, 5) - base - bytes_time(units, buffer_bytes, env.world_size, stage, name, topo)
-        out[call_key(name, stage)] = max(0.0, extra) / collective_count(name, stage, len(units), len(buffers))
+        extra = (_time_step(env, chain(), x, y, criterion, per_call, 2, name, options) - base
+                 - bytes_time(units, buffer_bytes, env.world_size, stage, name, topo))
+        out[call_key(name, stage)] = max(0.0, extra) / collective_count(name, stage, len(units), buffers)
     out.update(_data_parallel(env, topo, per_call, criterion))
     out["tensor-parallel"] = _tensor_parallel(env, link, per_call, criterion)
     return out
@@ -113,28 +120,18 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
 
 def _data_parallel(env, topo, per_call, criterion, channels: int = 8) -> dict[str, float]:
     """``{"ddp": c, "ddp-kit": c}``: each DDP flavour's price per collective launched, on the 8-channel chain."""
-    from labkit.optim import OptimizerSpec
-    from labkit.strategies import get_strategy
-
     x, y = torch.randn(BATCH, channels, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
-    plain = chain(channels)
-    nbytes, buffers, buffer_bytes = _bytes_of(plain)
-    step = _step(plain, torch.optim.SGD(plain.parameters(), lr=1e-9, momentum=0.9), None, x, y, criterion)
-    step()
-    base = per_call(step, 3, 5)
+    nbytes, buffers, buffer_bytes = _bytes_of(chain(channels))
+    base = _time_step(env, chain(channels), x, y, criterion, per_call, 3)
     out = {}
     for algo in ("ddp", "ring"):
-        strategy = get_strategy("ddp")(env, {"allreduce": algo})
-        model = strategy.prepare(chain(channels))
-        opt, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", 1e-9, 0.9, 0.0, {}, env))
-        step = _step(model, opt, strategy, x, y, criterion)
-        step()
         priced = bucketed_allreduce(nbytes, env.world_size, algo, topo)  # κ = 0 in this topology
         launches = bucket_count(nbytes, algo)
         if algo == "ddp" and buffers:  # PyTorch's DDP broadcasts the buffers, coalesced, every forward
             priced += broadcast_time(1, buffer_bytes, env.world_size, topo)
             launches += 1
-        out[ddp_key(algo)] = max(0.0, per_call(step, 3, 5) - base - priced) / launches
+        step = _time_step(env, chain(channels), x, y, criterion, per_call, 3, "ddp", {"allreduce": algo})
+        out[ddp_key(algo)] = max(0.0, step - base - priced) / launches
     return out
 
 
@@ -144,12 +141,6 @@ def _tensor_parallel(env, link, per_call, criterion) -> float:
 
     p = env.world_size
     x, y = torch.randn(TP_BATCH, 3, 8, 8), torch.randint(0, HIDDEN, (TP_BATCH,))
-    local = mlp_chain(p)
-    step = _step(local, torch.optim.SGD(local.parameters(), lr=1e-9, momentum=0.9), None, x, y, criterion)
-    step()
-    base = per_call(step, 5, 5)
-    model = parallelize_linears(mlp_chain())
-    step = _step(model, torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9), None, x, y, criterion)
-    step()
-    wire = ring_bytes_time(TP_BATCH * HIDDEN * 4, p, link)
-    return max(0.0, per_call(step, 5, 5) - base - 4 * wire) / 4
+    base = _time_step(env, mlp_chain(p), x, y, criterion, per_call, 5)  # the layers one rank holds, no messages
+    step = _time_step(env, parallelize_linears(mlp_chain()), x, y, criterion, per_call, 5)
+    return max(0.0, step - base - 4 * ring_bytes_time(TP_BATCH * HIDDEN * 4, p, link)) / 4
