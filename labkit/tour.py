@@ -19,11 +19,14 @@ from pathlib import Path
 NOTEBOOKS = """\
     00_single_device      PyTorch in 4 steps, throughput, memory and utilisation
     01_allreduce          seven all-reduce algorithms, animated and run for real
+    01b_synchronisation   parameter server: sync, async and stale-synchronous, staleness measured
     02_data_parallel      DDP with torchrun, scaling, linear LR scaling + warm-up
     03_model_parallel     layer split, vertical FC slicing, the FlexFlow hybrid strategy
     04_pipeline           GPipe micro-batches, GPipe vs 1F1B bubbles
     05_kfac               K-FAC, the Kronecker-factored preconditioner
-    06_cifar10_resnet32_multi_gpu   SGD vs K-FAC on N GPUs"""
+    06_cifar10_resnet32_multi_gpu   SGD vs K-FAC on N GPUs
+    07_sharded_data_parallel        ZeRO stages 1-3 from scratch and FSDP2, memory per rank
+    08_strategy_advisor   which strategy for this model on this machine: predicted vs measured"""
 
 
 def next_steps(cwd: Path | None = None) -> list[tuple[str, str]]:
@@ -42,7 +45,7 @@ def next_steps(cwd: Path | None = None) -> list[tuple[str, str]]:
             return name
         return _relative(mine, cwd) if mine.exists() else name
 
-    steps = [(f"{exe('jupyter')} lab {_relative(checkout / 'notebooks', cwd)}", "then walk 00 -> 06 in order"),
+    steps = [(f"{exe('jupyter')} lab {_relative(checkout / 'notebooks', cwd)}", "then walk 00 -> 08 in order"),
              (f"{exe('labkit')} train --help", "every training flag"),
              (f"{exe('labkit')} check allreduce --init my_ring.py", "write the ring all-reduce yourself")]
     if shutil.which("sbatch"):

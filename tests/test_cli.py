@@ -100,6 +100,15 @@ def test_data_help_names_every_dataset_and_the_root_it_uses(tmp_path, monkeypatc
     assert "data/ folder of the labkit checkout" in data_cli.ROOT_HELP
 
 
+def test_tour_lists_every_notebook():
+    from pathlib import Path
+
+    from labkit.tour import NOTEBOOKS
+
+    listed = [line.split()[0] for line in NOTEBOOKS.splitlines()]
+    assert listed == sorted(p.stem for p in (Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
+
+
 def test_tour_next_steps_run_as_printed(tmp_path):
     """Each command the tour prints names an executable that exists from where the user stands, and the
     exercise starter command works as printed."""
