@@ -1,4 +1,5 @@
-"""What a sharded strategy's own machinery costs per collective on this machine, measured by running it.
+"""What a strategy's own machinery costs per collective on this machine (ZeRO, FSDP2, DDP, tensor parallelism),
+measured by running it.
 
 The α-β fit times messages in a tight loop; a sharded strategy launches its collectives from inside a training
 step — one or more per unit — through Python hooks that copy, allocate and wait. On a CPU that fixed part is

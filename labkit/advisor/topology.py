@@ -40,8 +40,9 @@ class Topology:
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
         launch_s: κ, seconds every collective or message launched between computations costs on top of its
             α-β price (0 on GPUs, where the host does not wait for it).
-        call_s: measured seconds per collective of each sharded strategy in a training step (``zero-1`` …
-            ``fsdp-no-reshard``; :mod:`labkit.advisor.calibrate`); where absent, α-β and κ price each one.
+        call_s: measured seconds per collective in a training step (keys :data:`CALL_KEYS`:
+            ZeRO stages, FSDP, DDP and tensor parallelism; :mod:`labkit.advisor.calibrate`); where absent, α-β
+            and κ price each one.
     """
 
     name: str
@@ -164,11 +165,15 @@ def _per_call(fn, calls: int = 20, windows: int = 5) -> float:
 
 
 def _fit_rank(env):
-    """α-β-γ from the point-to-point fit (the lower quartile of 9 rounds per size: on a virtual machine the
-    latency has slow spells lasting seconds — α 0.15 ms, then 1.0–1.6 ms — and a median flips between them;
-    what a step pays beyond the quiet α is κ's and the calibration's part); κ = (a small computation + a 4-byte all-reduce) − the computation alone − the
-    all-reduce alone, back to back (the tight loop the α-β fit sees); the sharded strategies' price per
-    collective (:mod:`labkit.advisor.calibrate`)."""
+    """Everything the topology measures, on every rank:
+
+    * α-β-γ from the point-to-point fit, the lower quartile of 9 rounds per size (on a virtual machine the
+      latency has slow spells lasting seconds — α 0.15 ms, then 1.0–1.6 ms — and a median flips between them;
+      what a step pays beyond the quiet α is κ's and the calibration's part);
+    * κ = (a small computation + a 4-byte all-reduce) − the computation alone − the all-reduce alone, back to
+      back (the tight loop the α-β fit sees);
+    * the price per collective in a step of ZeRO, FSDP, DDP and tensor parallelism (:mod:`labkit.advisor.calibrate`).
+    """
     import torch
     import torch.distributed as dist
 
