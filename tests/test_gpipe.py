@@ -145,3 +145,66 @@ def test_labkit_train_gpipe_bad_balance_is_one_line_exit_2(tmp_path, capsys):
                 "1", "--device", "cpu", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--balance 1 1 sums to 2 but the model has 6 layers" in err[0]
+
+
+def test_cpu_tasks_run_on_the_calling_thread_and_equal_torchgpipes_own_worker_threads(monkeypatch):
+    """On CPU the pipeline's tasks run inline (no thread started per mini-batch); the result is bit-identical
+    to torchgpipe's own worker threads, for every checkpoint mode, over a few optimizer steps."""
+    import threading
+
+    import torchgpipe.pipeline
+    from torchgpipe.worker import spawn_workers
+
+    from labkit.strategies import gpipe_workers
+
+    x, y = torch.randn(8, 1, 6, 6), torch.randint(0, 5, (8,))
+    for checkpoint in ["always", "except_last", "never"]:
+        runs = {}
+        for mode in ["inline", "threads"]:
+            model = mlp()
+            pipe = make_gpipe(model, CPU2, chunks=4, checkpoint=checkpoint, balance=[3, 3])
+            if mode == "threads":
+                monkeypatch.setattr(torchgpipe.pipeline, "spawn_workers", spawn_workers)
+            threads = set()
+            model[1].register_forward_hook(lambda *_: threads.add(threading.get_ident()))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for _ in range(3):
+                opt.zero_grad()
+                nn.functional.cross_entropy(pipe(x), y).backward()
+                opt.step()
+            assert (threads == {threading.get_ident()}) == (mode == "inline"), (mode, checkpoint)
+            runs[mode] = [p.detach().clone() for p in model.parameters()]
+            gpipe_workers.install()
+        for a, b in zip(runs["inline"], runs["threads"]):
+            assert torch.equal(a, b), checkpoint
+
+
+def test_an_error_inside_a_partition_surfaces_and_the_pipeline_still_works_after_it():
+    model = mlp()
+    pipe = make_gpipe(model, CPU2, chunks=2, checkpoint="never", balance=[3, 3])
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        pipe(torch.randn(4, 1, 5, 5))  # 25 features where the Linear takes 36
+    reference = copy.deepcopy(mlp())
+    x = torch.randn(4, 1, 6, 6)
+    torch.testing.assert_close(pipe(x), reference(x), atol=1e-6, rtol=1e-5)
+
+
+def test_a_pipeline_with_a_gpu_keeps_torchgpipes_worker_threads(monkeypatch):
+    from contextlib import contextmanager
+
+    from labkit.strategies import gpipe_workers
+
+    seen = []
+
+    @contextmanager
+    def threads(devices):
+        seen.append(list(devices))
+        yield "queues"
+
+    monkeypatch.setattr(gpipe_workers, "spawn_workers", threads)
+    gpu = [torch.device("cpu"), torch.device("cuda", 0)]
+    with gpipe_workers._workers(gpu) as queues:
+        assert queues == "queues"
+    with gpipe_workers._workers(CPU2) as (ins, outs):
+        assert all(isinstance(q, gpipe_workers.InlineWorker) for q in ins + outs)
+    assert seen == [gpu]
