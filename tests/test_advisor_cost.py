@@ -1,5 +1,6 @@
 """The advisor's cost terms against hand-computed numbers, and its search on cost tables with known answers."""
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -201,7 +202,6 @@ def test_parameter_server_loses_on_a_slow_link_and_wins_when_the_update_dominate
 
 
 def test_buffer_broadcasts_and_ddp_buckets_by_hand():
-    from dataclasses import replace
 
     from labkit.advisor.cost import bucketed_allreduce
 
@@ -227,7 +227,6 @@ def test_buffer_broadcasts_and_ddp_buckets_by_hand():
 
 
 def test_every_collective_launched_in_a_step_pays_kappa():
-    from dataclasses import replace
 
     prof, t = tiny_profile(), replace(topo(), launch_s=5e-4)
     one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
@@ -243,7 +242,6 @@ def test_every_collective_launched_in_a_step_pays_kappa():
 
 
 def test_sharded_and_tensor_parallel_collectives_at_their_measured_price_by_hand():
-    from dataclasses import replace
 
     prof = tiny_profile()
     t = replace(topo(), call_s={"zero-1": 2e-3, "zero-3": 3e-3, "fsdp-no-reshard": 5e-3})
@@ -307,6 +305,29 @@ def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     assert calls["tensor-parallel"] == pytest.approx((0.03 - 0.01 - 4 * 32_768e-9) / 4)
 
 
+def test_gpipe_on_one_cpu_terms_by_hand():
+    prof = tiny_profile()
+    prof.input_grad = (0.0005, 0.00005)
+    est = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, topo())
+    # B/m = 4: T_all(4) = l0 0.0042 + l1 0.012 + l2 0.001 = 0.0172, twice; no bubble on one CPU
+    assert est.time["compute"] == pytest.approx(0.0344)
+    # one micro-batch recomputed (except_last): forwards at 4 samples 0.0014 + 0.004 + 0.0005
+    assert est.time["recompute"] == pytest.approx(0.0059)
+    # the second micro-batch's input needs a gradient (torchgpipe's fork/join): 0.0005 + 0.00005·4
+    assert est.time["input gradient"] == pytest.approx(0.0007)
+    assert est.step_s == pytest.approx(0.0344 + 0.0059 + 0.0007 + 0.00444 + 0.0008)
+    # manual model parallelism has no fork/join, no recomputation
+    mp = price(Plan("model-parallel", 1, 2, 8, (("mp_split_points", (1,)),)), prof, topo())
+    assert "input gradient" not in mp.time and "recompute" not in mp.time
+    # on GPUs the input gradient belongs to stage 0: (0.0042 + 0.0007 / 2) + 2 messages of 4·100 bytes
+    gpus = replace(topo(), separate_devices=True)
+    on_gpus = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
+    assert on_gpus.time["compute"] == pytest.approx(2 * 0.013)  # stage 1 (0.013) is still the slower
+    prof.input_grad = (0.02, 0.0)
+    slow0 = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
+    assert slow0.time["compute"] == pytest.approx(2 * (0.0042 + 0.01))  # now stage 0: 0.0042 + 0.02 / 2
+
+
 def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
     from labkit.advisor import profile
 
@@ -322,3 +343,30 @@ def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
     slope = (2 * 0.0028 - 1.5 * 0.0022) / 6
     assert now.layers[0].fwd == pytest.approx((1.5 * 0.0022 - 2 * slope, slope))
     assert (now.update_s_per_byte, now.data_s_per_sample) == (1e-6, 1e-4) and now.layers[0].param_bytes == 1000
+    # the first layer's input gradient (0 here) is rescaled the same way
+    prof.input_grad = (0.001, 0.0001)  # 0.0012 s at 2 samples, 0.0018 s at 8
+    slope = (2 * 0.0018 - 1.5 * 0.0012) / 6
+    assert profile.relevel(prof).input_grad == pytest.approx((1.5 * 0.0012 - 2 * slope, slope))
+
+
+def test_profile_times_the_first_layer_as_training_runs_it_and_its_input_gradient_apart(monkeypatch):
+    """A training step never asks the first layer for its input's gradient (the data needs none); torchgpipe's
+    micro-batches after the first do. The profile times that layer's backward without it, then with it, and
+    keeps the difference; every later layer's input needs a gradient, as in training."""
+    import torch
+    from torch import nn
+
+    from labkit.advisor import profile
+
+    asked = []
+
+    def fake_backward(layer, inp, repeats):
+        asked.append((type(layer).__name__, inp.requires_grad))
+        return 0.005 if inp.requires_grad else 0.003
+
+    monkeypatch.setattr(profile, "_backward_time", fake_backward)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3))
+    times, input_grad = profile._layer_times(model, torch.randn(2, 1, 4, 4), repeats=1)
+    assert asked == [("Conv2d", False), ("Conv2d", True), ("ReLU", True), ("Flatten", True), ("Linear", True)]
+    assert [b for _, b in times] == [0.003, 0.005, 0.005, 0.005]
+    assert input_grad == pytest.approx(0.002)

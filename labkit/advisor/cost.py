@@ -243,9 +243,12 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
     On separate devices (GPUs) the partitions overlap as in :func:`pipeline_terms` (copies between devices
     priced as messages). On one CPU they share the cores, so nothing overlaps: ``compute = s·m·T_all(B/m)``
     and there is no bubble to speak of. GPipe's checkpointing (``except_last``) runs the forward again for
-    all but the last micro-batch: ``recompute = s·(m − 1)·Σ_k fwd_k(B/m)``. Memory ``3P + M_all(B)``
-    (model-parallel, gpipe without checkpointing), or with checkpointing ``3P + M_all(B/m) +
-    Σ_j m·(B/m)·A_{input of j}`` (each partition keeps only its inputs).
+    all but the last micro-batch: ``recompute = s·(m − 1)·Σ_k fwd_k(B/m)``. GPipe also orders its
+    micro-batches by joining each one's input with the previous one's output, so the first layer computes a
+    gradient for the input of every micro-batch but the first: ``input gradient = s·(m − 1)·g_0(B/m)``
+    (:meth:`labkit.advisor.profile.Profile.input_grad_time`; on separate devices part of stage 0's time).
+    Memory ``3P + M_all(B)`` (model-parallel, gpipe without checkpointing), or with checkpointing
+    ``3P + M_all(B/m) + Σ_j m·(B/m)·A_{input of j}`` (each partition keeps only its inputs).
     """
     o = plan.option
     B, k = plan.batch_size, plan.devices
@@ -254,15 +257,18 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
     balance = o.get("balance") or _split_balance(o.get("mp_split_points", ()), len(prof.layers))
     stages = stages_of(balance)
     s = compute_scale(topo, 1)
+    gpipe = plan.strategy == "gpipe" and m > 1  # torchgpipe, checkpointing except_last (what plans run)
+    input_grad = s * (m - 1) * prof.input_grad_time(bm) if gpipe else 0.0
     if topo.separate_devices:
-        times = [s * prof.time(bm, st) for st in stages]
+        times = [s * prof.time(bm, st) + (input_grad / m if j == 0 else 0.0) for j, st in enumerate(stages)]
         comm = [2 * message_time(bm * prof.layers[st[-1]].out_bytes, topo) if j < k - 1 else 0.0
                 for j, st in enumerate(stages)]
         time = pipeline_terms(times, comm, m)
     else:
         time = {"compute": s * m * prof.time(bm)}
-    checkpoint = plan.strategy == "gpipe" and m > 1
-    if checkpoint:
+        if input_grad:
+            time["input gradient"] = input_grad
+    if gpipe:
         time["recompute"] = s * (m - 1) * sum(layer.forward_time(bm) for layer in prof.layers)
         inputs = sum(prof.layers[st[0] - 1].out_bytes if st[0] else prof.input_bytes for st in stages)
         acts = prof.saved_bytes(bm) + B * inputs

@@ -47,7 +47,7 @@ from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
 WINDOW_S = 0.05      # the shortest timed window of back-to-back steps
-FORMAT = 2           # profiles of another format are measured again
+FORMAT = 3           # profiles of another format are measured again
 
 
 @dataclass
@@ -89,6 +89,17 @@ class Profile:
     feature_layers: int | None = None     # first layers that form ``model.features`` (hybrid)
     tp_pairs: list[tuple[int, int]] = field(default_factory=list)  # (column, row) Linear indices
     tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
+    input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): see below
+
+    def input_grad_time(self, batch: float) -> float:
+        """Seconds the first layer spends on the gradient of its *input* for ``batch`` samples.
+
+        A training step never asks for it (the data needs no gradient), so the first layer's ``bwd`` is timed
+        without it; torchgpipe asks for it on every micro-batch after the first (its fork/join orders the
+        micro-batches by joining each one's input with the previous one's output, which makes the input need
+        a gradient): measured as that layer's backward with an input that needs a gradient, less without.
+        """
+        return self.input_grad[0] + self.input_grad[1] * batch
 
     @property
     def param_bytes(self) -> int:
@@ -119,24 +130,33 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float]]:
-    """(forward s, backward s) per layer on ``x``, each the median of ``repeats`` after one warm-up."""
-    out = []
-    for layer in model:
-        inp = x.detach().requires_grad_(x.is_floating_point())
+def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
+    y = layer(inp)
+    grad = torch.randn_like(y)
+    y.backward(grad)  # warm-up: allocations, kernel choice
+    times = []
+    for _ in range(repeats):
         y = layer(inp)
-        grad = torch.randn_like(y)
-        y.backward(grad)  # warm-up: allocations, kernel choice
+        start = time.perf_counter()
+        y.backward(grad)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> tuple[list[tuple[float, float]], float]:
+    """((forward s, backward s) per layer on ``x``, each the median of ``repeats`` after one warm-up; the first
+    layer's input-gradient seconds). Every layer's input needs a gradient, as in training, except the first's
+    (the data); the first is also timed with one, and the difference returned."""
+    out, input_grad = [], 0.0
+    for i, layer in enumerate(model):
+        inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         fwd = _median_time(lambda: layer(inp), repeats)
-        times = []
-        for _ in range(repeats):
-            y = layer(inp)
-            start = time.perf_counter()
-            y.backward(grad)
-            times.append(time.perf_counter() - start)
-        out.append((fwd, statistics.median(times)))
-        x = y.detach()
-    return out
+        bwd = _backward_time(layer, inp, repeats)
+        if i == 0 and x.is_floating_point():
+            input_grad = max(0.0, _backward_time(layer, x.detach().requires_grad_(), repeats) - bwd)
+        out.append((fwd, bwd))
+        x = layer(inp).detach()
+    return out, input_grad
 
 
 def _line(b0: int, t0: float, b1: int, t1: float) -> tuple[float, float]:
@@ -230,7 +250,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
         base = int(process_memory_gb()[0] * 2**30)
         torch.manual_seed(0)
         shape = (info.in_channels, info.image_size, info.image_size)
-        timed = [_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats) for b in sizes]
+        timed, input_grad = zip(*(_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats)
+                                  for b in sizes))
         outs, saved, x = [], [], torch.randn(sizes[0], *shape)
         for layer in copy.deepcopy(seq).train():
             with SavedActivations(exclude=list(layer.parameters())) as meter:
@@ -244,6 +265,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     scale = [max(0.0, whole[k] - update_s * param_bytes - data_s * sizes[k]) /
              max(1e-12, sum(f + b for f, b in timed[k])) for k in range(2)]
     timed = [[(f * scale[k], b * scale[k]) for f, b in timed[k]] for k in range(2)]
+    input_grad = _line(sizes[0], input_grad[0] * scale[0], sizes[1], input_grad[1] * scale[1])
     layers = [LayerProfile(name, type(layer).__name__,
                            _line(sizes[0], timed[0][i][0], sizes[1], timed[1][i][0]),
                            _line(sizes[0], timed[0][i][1], sizes[1], timed[1][i][1]),
@@ -254,7 +276,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     pairs = _tp_pairs(seq)
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs])
+                   [seq[i].out_features for i, _ in pairs], input_grad)
     return prof
 
 
@@ -279,7 +301,8 @@ def relevel(prof: Profile, repeats: int = 5) -> Profile:
         return _line(b0, r0 * (ab[0] + ab[1] * b0), b1, r1 * (ab[0] + ab[1] * b1))
 
     layers = [replace(layer, fwd=line(layer.fwd), bwd=line(layer.bwd)) for layer in prof.layers]
-    return replace(prof, layers=layers, update_s_per_byte=update_s, data_s_per_sample=data_s)
+    return replace(prof, layers=layers, update_s_per_byte=update_s, data_s_per_sample=data_s,
+                   input_grad=line(prof.input_grad))
 
 
 def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Path) -> Path:
@@ -327,4 +350,5 @@ def profile_from_dict(d: dict) -> Profile:
                    for layer in d["layers"]]
     d["sizes"] = tuple(d["sizes"])
     d["tp_pairs"] = [tuple(p) for p in d.get("tp_pairs", [])]
+    d["input_grad"] = tuple(d.get("input_grad", (0.0, 0.0)))
     return Profile(**d)
