@@ -10,10 +10,14 @@ per collective is what the step costs beyond the same chain's plain step, less t
     c_s = (T_s − T_0 − bytes_s) / N_s
 
 ``T_s`` the strategy's step (the slowest rank's median), ``T_0`` the plain step of the same chain on each rank at
-the same time (no collectives), ``bytes_s`` and ``N_s`` the bytes and the number of collectives the cost model
-prices for that step (:func:`labkit.advisor.cost_sharded.bytes_time`, :func:`collective_count`). The chain: six
-units of 3×3 convolution (32 → 32 channels) with batch norm, and a Linear, on 32 samples of 32×16×16 per rank —
-convolutions of the size the kit's CIFAR models train, so the collectives sit between computations as theirs do.
+the same time (no collectives), ``bytes_s`` and ``N_s`` the bytes and the number of reduce-scatters and
+all-gathers the cost model prices for that step (:func:`labkit.advisor.cost_sharded.bytes_time`,
+:func:`collective_count`). ZeRO also broadcasts every buffer before each forward: tiny tensors back to back,
+far cheaper each than a reduce-scatter in a step (measured 0.23–0.25 ms against 1.1–1.6 ms), so they have a price
+of their own (key ``zero-broadcast``: the chain's buffers broadcast in a loop, per broadcast), taken off ZeRO's
+step before dividing. The chain: six units of 3×3 convolution (32 → 32 channels) with batch norm, and a Linear,
+on 32 samples of 32×16×16 per rank — convolutions of the size the kit's CIFAR models train, so the collectives
+sit between computations as theirs do.
 Data parallelism's all-reduces get the same treatment as a κ of their own: keys ``ddp`` (PyTorch's DDP: its
 buckets and its buffer broadcast) and ``ddp-kit`` (the kit's schedules, measured with ring) — the chain's step under
 ``--strategy ddp`` less the plain step and the α-β-γ price of what it sends, over the collectives launched. They
@@ -31,7 +35,7 @@ import torch
 from torch import nn
 
 from labkit.advisor.cost import broadcast_time, bucket_count, bucketed_allreduce, ddp_key, ring_bytes_time
-from labkit.advisor.cost_sharded import bytes_time, call_key, collective_count
+from labkit.advisor.cost_sharded import BROADCAST_KEY, bytes_time, call_key, collective_count
 
 #: the strategies priced per collective: (strategy, options, stage the cost model uses)
 SHARDED = [("zero", {"zero_stage": 1}, 1), ("zero", {"zero_stage": 2}, 2), ("zero", {"zero_stage": 3}, 3),
@@ -108,15 +112,32 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
     units = [float(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)))
              for m in plain.modules() if any(True for _ in m.parameters(recurse=False))]
     _, buffers, buffer_bytes = _bytes_of(plain)
-    base = _time_step(env, plain, x, y, criterion, per_call, 2)
-    out = {}
+    base = _time_step(env, plain, x, y, criterion, per_call, 3)
+    out = {BROADCAST_KEY: _broadcast_price(plain, per_call)}
+    broadcasts = (buffers * out[BROADCAST_KEY]
+                  + (env.world_size - 1) * link.beta * buffer_bytes)  # ZeRO's, as the cost model prices them
     for name, options, stage in SHARDED:
-        extra = (_time_step(env, chain(), x, y, criterion, per_call, 2, name, options) - base
-                 - bytes_time(units, buffer_bytes, env.world_size, stage, name, topo))
-        out[call_key(name, stage)] = max(0.0, extra) / collective_count(name, stage, len(units), buffers)
+        extra = (_time_step(env, chain(), x, y, criterion, per_call, 3, name, options) - base
+                 - bytes_time(units, env.world_size, stage, topo) - (broadcasts if name == "zero" else 0.0))
+        out[call_key(name, stage)] = max(0.0, extra) / collective_count(stage, len(units))
     out.update(_data_parallel(env, topo, per_call, criterion))
     out["tensor-parallel"] = _tensor_parallel(env, link, per_call, criterion)
     return out
+
+
+def _broadcast_price(model: nn.Module, per_call) -> float:
+    """``c_b``: one of ZeRO's buffer broadcasts — every buffer of ``model`` from rank 0, back to back, as ZeRO
+    does before each forward — less the bytes (tiny here), per broadcast."""
+    import torch.distributed as dist
+
+    buffers = list(model.buffers())
+
+    def broadcast_all():
+        with torch.no_grad():
+            for b in buffers:
+                dist.broadcast(b, src=0)
+
+    return per_call(broadcast_all, 10, 5) / len(buffers)
 
 
 def _data_parallel(env, topo, per_call, criterion, channels: int = 8) -> dict[str, float]:

@@ -51,22 +51,36 @@ def call_key(strategy: str, stage: int) -> str:
     return f"zero-{stage}" if strategy == "zero" else ("fsdp" if stage == 3 else "fsdp-no-reshard")
 
 
-def collective_count(strategy: str, stage: int, units: int, buffers: int) -> int:
-    """``N_s``, the collectives one step launches: per unit a reduce-scatter and ``g`` all-gathers (``g = 2`` at
-    stage 3 / FSDP with resharding, else 1), plus ZeRO's one broadcast per buffer."""
-    return units * (1 + (2 if stage == 3 else 1)) + (buffers if strategy == "zero" else 0)
+def collective_count(stage: int, units: int) -> int:
+    """``N_s``, the reduce-scatters and all-gathers one step launches: per unit a reduce-scatter and ``g``
+    all-gathers (``g = 2`` at stage 3 / FSDP with resharding, else 1). ZeRO's buffer broadcasts are counted
+    apart (:data:`BROADCAST_KEY`)."""
+    return units * (1 + (2 if stage == 3 else 1))
 
 
-def bytes_time(units: list[float], buffer_bytes: float, ranks: int, stage: int, strategy: str, topo: Topology) -> float:
-    """The bytes part of a step's collectives: ``Σ_units (p − 1)/p·U·((β + γ) + g·β)`` ``+ (p − 1)·β·n_buf``
-    (ZeRO's buffer broadcasts)."""
+#: the measured price of one of ZeRO's buffer broadcasts (tiny tensors, back to back before each forward)
+BROADCAST_KEY = "zero-broadcast"
+
+
+def buffer_broadcasts(prof_buffers: tuple[int, int], ranks: int, topo: Topology) -> float:
+    """ZeRO's ``N_buf`` buffer broadcasts: ``N_buf·c_b + (p − 1)·β·n_buf`` with the measured ``c_b``
+    (``Topology.call_s[BROADCAST_KEY]``), else ``BC(N_buf, n_buf)`` (:func:`labkit.advisor.cost.broadcast_time`)."""
+    count, nbytes = prof_buffers
+    if ranks <= 1 or count == 0:
+        return 0.0
+    price = topo.call_s.get(BROADCAST_KEY)
+    if price is None:
+        return broadcast_time(count, nbytes, ranks, topo)
+    return count * price + (ranks - 1) * topo.collective_link(ranks).beta * nbytes
+
+
+def bytes_time(units: list[float], ranks: int, stage: int, topo: Topology) -> float:
+    """The bytes part of a step's reduce-scatters and all-gathers: ``Σ_units (p − 1)/p·U·((β + γ) + g·β)``."""
     if ranks <= 1:
         return 0.0
     link = topo.collective_link(ranks)
     g = 2 if stage == 3 else 1
-    moved = (ranks - 1) / ranks * sum(units)
-    broadcast = (ranks - 1) * link.beta * buffer_bytes if strategy == "zero" else 0.0
-    return moved * (link.beta + link.gamma + g * link.beta) + broadcast
+    return (ranks - 1) / ranks * sum(units) * (link.beta + link.gamma + g * link.beta)
 
 
 def price_sharded(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
@@ -77,7 +91,8 @@ def price_sharded(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     before forward and again before backward), each collective paying its ``(p − 1)·α + κ`` per unit, ``+
     BC(N_buf, n_buf)`` for ZeRO, which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every
     forward (:func:`labkit.advisor.cost.broadcast_time`; FSDP leaves buffers alone). With a measured price per
-    collective ``c_s``: ``communication = N_s·c_s + bytes`` (:func:`collective_count`, :func:`bytes_time`).
+    collective ``c_s``: ``communication = N_s·c_s + bytes`` (:func:`collective_count`, :func:`bytes_time`), and
+    ZeRO's broadcasts at their own measured price (:func:`buffer_broadcasts`).
     Memory (fp32, momentum: optimizer state = P):
     stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
     prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
@@ -89,12 +104,11 @@ def price_sharded(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     gathers = 2 if stage == 3 else 1
     call = topo.call_s.get(call_key(plan.strategy, stage)) if p > 1 else None
     if call is not None:
-        comm = (collective_count(plan.strategy, stage, len(units), prof.buffers[0]) * call
-                + bytes_time(units, prof.buffers[1], p, stage, plan.strategy, topo))
+        comm = collective_count(stage, len(units)) * call + bytes_time(units, p, stage, topo)
     else:
         comm = sum(reduce_scatter_time(u, p, topo) + gathers * all_gather_time(u, p, topo) for u in units)
-        if plan.strategy == "zero":
-            comm += broadcast_time(*prof.buffers, p, topo)
+    if plan.strategy == "zero":
+        comm += buffer_broadcasts(prof.buffers, p, topo)
     time = {"compute": compute_scale(topo, p) * prof.time(b), "communication": comm,
             **common_terms(prof, topo, P / p, b)}
     memory = memory_terms(prof, topo, P, prof.saved_bytes(b))

@@ -41,8 +41,8 @@ class Topology:
         launch_s: κ, seconds every collective or message launched between computations costs on top of its
             α-β price (0 on GPUs, where the host does not wait for it).
         call_s: measured seconds per collective in a training step (keys :data:`CALL_KEYS`:
-            ZeRO stages, FSDP, DDP and tensor parallelism; :mod:`labkit.advisor.calibrate`); where absent, α-β
-            and κ price each one.
+            ZeRO stages and ZeRO's buffer broadcasts, FSDP, DDP and tensor parallelism;
+            :mod:`labkit.advisor.calibrate`); where absent, α-β and κ price each one.
     """
 
     name: str
@@ -138,7 +138,8 @@ def read_fit(path: str | Path, ranks: int,
 
 
 #: the per-collective prices :mod:`labkit.advisor.calibrate` measures (a cache missing one is measured again)
-CALL_KEYS = {"zero-1", "zero-2", "zero-3", "fsdp", "fsdp-no-reshard", "ddp", "ddp-kit", "tensor-parallel"}
+CALL_KEYS = {"zero-1", "zero-2", "zero-3", "zero-broadcast", "fsdp", "fsdp-no-reshard", "ddp", "ddp-kit",
+             "tensor-parallel"}
 
 #: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
