@@ -15,7 +15,8 @@ from labkit.errors import ConfigError
 
 #: ``--amp`` choices
 AMP_MODES = ("bf16",)
-#: strategies whose forward runs in worker threads that autocast (a thread-local mode) does not reach
+#: strategies whose forward runs in worker threads (torchgpipe's, on GPUs) that autocast, a thread-local mode,
+#: does not reach; refused on every device so that a command means the same on a laptop and a GPU node
 _THREADED = ("gpipe",)
 
 
@@ -26,7 +27,7 @@ def check_amp(amp: str | None, strategy: str) -> None:
     if amp not in AMP_MODES:
         raise ConfigError(f"--amp {amp!r} is not supported; choose one of: {', '.join(AMP_MODES)}")
     if strategy in _THREADED:
-        raise ConfigError(f"--amp {amp} does not reach --strategy {strategy}: its stages run in worker threads, "
+        raise ConfigError(f"--amp {amp} does not reach --strategy {strategy}: on GPUs its stages run in worker threads, "
                           "and autocast is per thread; train it in float32")
 
 

@@ -9,8 +9,9 @@ fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a pri
 as the training loop runs it: between two timed calls the CPU's worker threads go to sleep, and on a busy
 machine waking them costs more than a small layer's work. So the layers give the *shape* and whole steps
 give the *level*: at each size ``b`` the loop's own step (the next batch from the loader, forward, loss,
-backward, optimizer) is timed back to back, the median of ``repeats`` windows of at least 50 ms (shorter
-windows are all luck on a shared machine), and every layer's time is scaled by
+backward, optimizer) is timed back to back, the lower quartile of at least 9 windows of at least 50 ms
+(shorter windows are all luck on a shared machine; other programs only ever slow a window down), and every
+layer's time is scaled by
 
     scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
 
@@ -151,9 +152,10 @@ def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> tuple[l
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         fwd = _median_time(lambda: layer(inp), repeats)
-        bwd = _backward_time(layer, inp, repeats)
-        if i == 0 and x.is_floating_point():
-            input_grad = max(0.0, _backward_time(layer, x.detach().requires_grad_(), repeats) - bwd)
+        first = i == 0 and x.is_floating_point()
+        bwd = _backward_time(layer, inp, max(7, repeats) if first else repeats)
+        if first:  # a difference of two timings: more repeats of both
+            input_grad = max(0.0, _backward_time(layer, x.detach().requires_grad_(), max(7, repeats)) - bwd)
         out.append((fwd, bwd))
         x = layer(inp).detach()
     return out, input_grad
@@ -180,10 +182,11 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
     return pairs
 
 
-def _windowed(fn, windows: int, window_s: float = WINDOW_S) -> float:
-    """Seconds per call of ``fn`` called back to back (as a loop calls it): the median over ``windows`` windows
-    of at least ``window_s`` each. A window shorter than a scheduler time slice is all luck on a shared machine
-    (one process more or less on the cores for its whole length); a window this long averages over slices."""
+def _windowed(fn, windows: int, window_s: float = WINDOW_S, quantile: float = 0.5) -> float:
+    """Seconds per call of ``fn`` called back to back (as a loop calls it): the ``quantile`` (default the
+    median) over ``windows`` windows of at least ``window_s`` each. A window shorter than a scheduler time slice
+    is all luck on a shared machine (one process more or less on the cores for its whole length); a window this
+    long averages over slices."""
     start = time.perf_counter()
     fn()
     calls = max(1, math.ceil(window_s / max(time.perf_counter() - start, 1e-6)))
@@ -193,7 +196,8 @@ def _windowed(fn, windows: int, window_s: float = WINDOW_S) -> float:
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
+    times.sort()
+    return times[round(quantile * (len(times) - 1))]
 
 
 def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
@@ -221,7 +225,9 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
 
         step()  # warm-up: allocations
         _windowed(step, 2)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
-        steps.append(_windowed(step, repeats))
+        # the lower quartile of 9 or more windows: other programs only ever slow a window down, and this
+        # level sets every layer's time (a median of 5 once caught a slow spell of the machine: lenet 2x)
+        steps.append(_windowed(step, max(9, repeats), quantile=0.25))
     update = _windowed(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
     return data, update, steps
 
