@@ -6,7 +6,9 @@
 
 ``compare``: the same model, balance, chunks and checkpoint mode; the trainer is ``labkit.train.fit`` with
 :class:`~labkit.strategies.gpipe.GPipeStrategy` and ``--loader``'s data path, the raw loop is the torchgpipe
-tutorial's loop over the dataset preloaded as one tensor. They alternate round by round
+tutorial's loop over the dataset preloaded as one tensor, on the same ``GPipe`` (built by
+:func:`~labkit.strategies.gpipe.make_gpipe`; on CPU its tasks run on the calling thread, see
+:mod:`labkit.strategies.gpipe_workers`), so the ratio is the trainer's own cost. They alternate round by round
 (:mod:`labkit.bench.harness`); the result is the median of the per-round ratios labkit / raw (target >= 0.97),
 printed with their spread and the ratio of CPU seconds (robust when other jobs share the machine).
 
