@@ -7,6 +7,7 @@ and the predicted step time is set beside the measured one.
 Targets: every plan within 25 % (measured / predicted in 0.75 .. 1.25), and the predicted best is the
 measured best or within 10 % of it. Each plan's prediction is shown twice: from the profile, and priced again
 with the loop's step re-timed right after its run (the machine's speed at that moment; see ``validate``).
+The link is measured afresh for each model, the median of ``--fit-rounds`` fits (default 3).
 Every plan is run ``--passes`` times (default 2), one pass over all plans after the other, so that a plan's runs
 are minutes apart, and its fastest run is kept: other programs on a shared machine only ever slow a run down
 (measured here: the same plan 1.2–2.3× slower in one run of this benchmark than in another, minutes apart).
@@ -24,6 +25,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from labkit.advisor.advise import advise
+from labkit.advisor.topology import Topology
 from labkit.advisor.validate import validate
 
 DATASETS = {"lenet": "mnist-sample", "alexnet_small": "synthetic-cifar10", "resnet20": "synthetic-cifar10"}
@@ -37,13 +39,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="at least this many steps per run (more for fast models)")
     parser.add_argument("--refresh", action="store_true", help="profile again (do it when the machine's load changed)")
     parser.add_argument("--passes", type=int, default=2, help="runs per plan; the fastest is kept")
+    parser.add_argument("--fit-rounds", type=int, default=3, help="link fits per model; each number's median")
     parser.add_argument("--out", default="runs/advisor-accuracy")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     summary, lines = {"load_before": load}, []
     for model in tqdm(args.models, desc="models"):
+        # the link measured now for each model (its α-β-κ and per-collective prices: the median of
+        # --fit-rounds fits, each of which one slow spell of the machine can move by 2x)
+        topo = Topology.local(args.ranks, refresh=True, rounds=args.fit_rounds)
         advice = advise(model, DATASETS.get(model, "synthetic-cifar10"), args.ranks, args.batch_size,
-                        refresh=args.refresh)
+                        refresh=args.refresh, topology=topo)
         out = Path(args.out) / model
         # the learning rate changes no timing; AlexNet without BatchNorm needs a small one not to diverge
         # a measurement shorter than a second is mostly noise (lenet steps take 3-20 ms): time at least ~1 s of

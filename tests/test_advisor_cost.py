@@ -376,3 +376,16 @@ def test_profile_times_the_first_layer_as_training_runs_it_and_its_input_gradien
     assert asked == [("Conv2d", False), ("Conv2d", True), ("ReLU", True), ("Flatten", True), ("Linear", True)]
     assert [b for _, b in times] == [0.003, 0.005, 0.005, 0.005]
     assert input_grad == pytest.approx(0.002)
+
+
+def test_a_link_fit_of_several_rounds_takes_each_numbers_median():
+    from labkit.advisor.topology import median_fit
+
+    def fit(alpha, beta, launch, ddp, zero):
+        return {"alpha": alpha, "beta": beta, "gamma": 0.0, "launch": launch, "call": {"ddp": ddp, "zero-1": zero},
+                "p2p": [[4, alpha]]}
+
+    rounds = [fit(2e-4, 2e-9, 1e-4, 2.3e-3, 1.4e-3), fit(3.5e-4, 2.4e-9, 0.0, 1.2e-3, 1.5e-3),
+              fit(2.4e-4, 0.6e-9, 3e-4, 2.1e-3, 1.4e-3)]
+    assert median_fit(rounds) == {"alpha": 2.4e-4, "beta": 2e-9, "gamma": 0.0, "launch": 1e-4,
+                                  "call": {"ddp": 2.1e-3, "zero-1": 1.4e-3}, "p2p": [[4, 2e-4]], "rounds": 3}

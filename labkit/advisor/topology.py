@@ -80,9 +80,9 @@ class Topology:
 
     @classmethod
     def local(cls, ranks: int, link: CostModel | None = None, links_from: str | Path | None = None,
-              cache: str | Path = Path("runs") / "advisor", refresh: bool = False) -> Topology:
+              cache: str | Path = Path("runs") / "advisor", refresh: bool = False, rounds: int = 1) -> Topology:
         """``ranks`` gloo ranks on this machine; the link from ``link``, a bench run dir, a cache, or measured now
-        (``refresh``: measured now even if cached)."""
+        (``refresh``: measured now even if cached; ``rounds``: the median of that many fits)."""
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
         launch, call = 0.0, {}
@@ -95,7 +95,7 @@ class Topology:
             if launch is None or call is None or not CALL_KEYS <= set(call):
                 link = None
         if link is None:
-            link, launch, call = measure_link(ranks, Path(cache) / f"links-{ranks}")
+            link, launch, call = measure_link(ranks, Path(cache) / f"links-{ranks}", rounds)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1,
                    launch_s=launch, call_s=call or {})
@@ -199,15 +199,25 @@ def _fit_rank(env):
             "call": calibrate_rank(env, model, _per_call)}
 
 
-def measure_link(ranks: int, out: Path) -> tuple[CostModel, float, dict[str, float]]:
-    """Fit α-β-γ and κ and calibrate the sharded strategies on ``ranks`` spawned gloo ranks now; cache them at
-    ``out`` (the bench's record format)."""
+def median_fit(fits: list[dict]) -> dict:
+    """One fit from several rounds: the median of each number (α, β, γ, κ and every calibrated price); the
+    first round's measured points. A round caught in one of the machine's slow spells moves no median."""
+    import statistics
+
+    out = {key: statistics.median(f[key] for f in fits) for key in ("alpha", "beta", "gamma", "launch")}
+    out["call"] = {key: statistics.median(f["call"][key] for f in fits) for key in fits[0]["call"]}
+    return {**out, "p2p": fits[0]["p2p"], "rounds": len(fits)}
+
+
+def measure_link(ranks: int, out: Path, rounds: int = 1) -> tuple[CostModel, float, dict[str, float]]:
+    """Fit α-β-γ and κ and calibrate the sharded strategies on ``ranks`` spawned gloo ranks now (``rounds``
+    times, each number the median: :func:`median_fit`); cache them at ``out`` (the bench's record format)."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), 0.0, {}
     from labkit.results import RunWriter
     from labkit.testing import run_ranks
 
-    fit = run_ranks(_fit_rank, ranks, timeout=300)[0]
+    fit = median_fit([run_ranks(_fit_rank, ranks, timeout=300)[0] for _ in range(max(1, rounds))])
     writer = RunWriter(out)
     writer.log({"kind": "cost-model", "world_size": ranks, **fit})
     writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {"alpha": fit["alpha"], "beta": fit["beta"],
