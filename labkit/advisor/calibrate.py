@@ -31,11 +31,13 @@ Run once per topology, inside the ranks that fit the link (:func:`labkit.advisor
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from labkit.advisor.cost import broadcast_time, bucket_count, bucketed_allreduce, ddp_key, ring_bytes_time
-from labkit.advisor.cost_sharded import BROADCAST_KEY, bytes_time, call_key, collective_count
+from labkit.advisor.cost_sharded import BROADCAST_KEY, buffer_broadcasts, bytes_time, call_key, collective_count
 
 #: the strategies priced per collective: (strategy, options, stage the cost model uses)
 SHARDED = [("zero", {"zero_stage": 1}, 1), ("zero", {"zero_stage": 2}, 2), ("zero", {"zero_stage": 3}, 3),
@@ -114,8 +116,8 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
     _, buffers, buffer_bytes = _bytes_of(plain)
     base = _time_step(env, plain, x, y, criterion, per_call, 3)
     out = {BROADCAST_KEY: _broadcast_price(plain, per_call)}
-    broadcasts = (buffers * out[BROADCAST_KEY]
-                  + (env.world_size - 1) * link.beta * buffer_bytes)  # ZeRO's, as the cost model prices them
+    priced = replace(topo, call_s=dict(out))
+    broadcasts = buffer_broadcasts((buffers, buffer_bytes), env.world_size, priced)  # ZeRO's, as the model prices them
     for name, options, stage in SHARDED:
         extra = (_time_step(env, chain(), x, y, criterion, per_call, 3, name, options) - base
                  - bytes_time(units, env.world_size, stage, topo) - (broadcasts if name == "zero" else 0.0))
@@ -127,7 +129,7 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
 
 def _broadcast_price(model: nn.Module, per_call) -> float:
     """``c_b``: one of ZeRO's buffer broadcasts — every buffer of ``model`` from rank 0, back to back, as ZeRO
-    does before each forward — less the bytes (tiny here), per broadcast."""
+    does before each forward — per broadcast (their bytes, 1.6 KB in all on the chain, are left in)."""
     import torch.distributed as dist
 
     buffers = list(model.buffers())
