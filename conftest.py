@@ -8,6 +8,9 @@ os.environ.setdefault("LABKIT_QUICK", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Plain log lines instead of progress bars in captured output.
 os.environ.setdefault("LABKIT_PLAIN", "1")
+# One compute thread per process (workers, notebook kernels, launched ranks): the two pytest workers already fill
+# the cores, and a second OpenMP thread per process only spins against the other worker's processes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.hookimpl(optionalhook=True)

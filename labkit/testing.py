@@ -6,8 +6,9 @@
 
     per_rank = run_ranks(grads_on_rank, 3, x)   # [rank0_result, rank1_result, rank2_result]
 
-The ranks are forked from multiprocessing's *forkserver*, a process that imported torch once: a rank starts in
-a fraction of a second instead of importing torch anew (seconds each, and several ranks share the cores), so
+The ranks are forked from multiprocessing's *forkserver*, a process that imported torch once (and
+``torch._dynamo``, which every optimizer's first ``step()`` imports: 2.8 s of a rank's start here): a rank starts
+in a fraction of a second instead of importing them anew (seconds each, and several ranks share the cores), so
 the second and later calls in one program are cheap. Each rank takes the caller's current environment
 variables, working directory and ``sys.path`` first, as a freshly spawned process would.
 """
@@ -34,7 +35,7 @@ def free_port() -> int:
 
 
 #: what the forkserver imports once, so that no rank imports it again ("__main__": the caller's script, as spawn)
-_PRELOAD = ["__main__", "torch", "torch.distributed", "labkit.dist"]
+_PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "labkit.dist"]
 
 
 def _caller() -> dict:
