@@ -280,18 +280,22 @@ def _calibrate(env, base, broadcast, step, dp_base, ddp, ring, tp_base, tp_step)
     from labkit.advisor.calibrate import calibrate_rank
 
     times = [base, broadcast] + [step] * 5 + [dp_base, ddp, ring, tp_base, tp_step]
+    asked = []
 
-    def per_call(fn, calls, windows):
+    def per_call(fn, calls, windows, quantile=0.5):
         fn()  # the step runs (the strategies are real); its time is given
+        asked.append((windows, quantile))
         return times.pop(0)
 
-    return calibrate_rank(env, CostModel(1e-4, 1e-9, 0.0), per_call)
+    return calibrate_rank(env, CostModel(1e-4, 1e-9, 0.0), per_call), asked
 
 
 def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     from labkit.testing import run_ranks
 
-    calls = run_ranks(_calibrate, 2, 0.01, 0.0045, 0.06, 0.005, 0.01, 0.009, 0.01, 0.03, timeout=120)[0]
+    calls, asked = run_ranks(_calibrate, 2, 0.01, 0.0045, 0.06, 0.005, 0.01, 0.009, 0.01, 0.03, timeout=120)[0]
+    # every training step is timed as the lower quartile of 9 windows; the broadcast loop as the median of 5
+    assert asked == [(9, 0.25), (5, 0.5)] + [(9, 0.25)] * 10
     # the chain: 6 convs (32·32·9 + 32 floats), 6 batch norms (64), a Linear (8192·10 + 10): 551,208 bytes in 13
     # units; 18 buffers (2 × 32 floats and a step counter per batch norm): 1,584 bytes. Each rank moves half
     # of the bytes per reduce-scatter or all-gather at β 1e-9 s/byte; ZeRO also broadcasts the 18 buffers:
@@ -389,3 +393,19 @@ def test_a_link_fit_of_several_rounds_takes_each_numbers_median():
               fit(2.4e-4, 0.6e-9, 3e-4, 2.1e-3, 1.4e-3)]
     assert median_fit(rounds) == {"alpha": 2.4e-4, "beta": 2e-9, "gamma": 0.0, "launch": 1e-4,
                                   "call": {"ddp": 2.1e-3, "zero-1": 1.4e-3}, "p2p": [[4, 2e-4]], "rounds": 3}
+
+
+def _sleepy_per_call(env, quantile):
+    import time
+
+    from labkit.advisor.topology import _per_call
+
+    waits = iter([0.05, 0.01, 0.04, 0.02, 0.03])  # one window each: 50, 10, 40, 20, 30 ms
+    return _per_call(lambda: time.sleep(next(waits)), 1, 5, quantile)
+
+
+def test_per_call_takes_the_asked_quantile_of_its_windows():
+    from labkit.testing import run_ranks
+
+    assert run_ranks(_sleepy_per_call, 2, 0.5, timeout=60)[0] == pytest.approx(0.03, abs=0.008)  # the median
+    assert run_ranks(_sleepy_per_call, 2, 0.25, timeout=60)[0] == pytest.approx(0.02, abs=0.008)  # the lower quartile

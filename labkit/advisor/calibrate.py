@@ -9,7 +9,7 @@ per collective is what the step costs beyond the same chain's plain step, less t
 
     c_s = (T_s − T_0 − bytes_s) / N_s
 
-``T_s`` the strategy's step (the slowest rank's median), ``T_0`` the plain step of the same chain on each rank at
+``T_s`` the strategy's step (the slowest rank's lower quartile of 9 windows), ``T_0`` the plain step of the same chain on each rank at
 the same time (no collectives), ``bytes_s`` and ``N_s`` the bytes and the number of reduce-scatters and
 all-gathers the cost model prices for that step (:func:`labkit.advisor.cost_sharded.bytes_time`,
 :func:`collective_count`). ZeRO also broadcasts every buffer before each forward: tiny tensors back to back,
@@ -73,8 +73,12 @@ def mlp_chain(world: int = 1) -> nn.Sequential:
 
 def _time_step(env, model: nn.Module, x, y, criterion, per_call, calls: int, strategy: str | None = None,
                options: dict | None = None) -> float:
-    """Seconds per training step of ``model`` (the slowest rank's median of 5 windows of ``calls`` steps), plain
-    or under ``strategy``, driven as :func:`labkit.train.fit` drives a strategy."""
+    """Seconds per training step of ``model`` (the slowest rank's lower quartile of 9 windows of ``calls`` steps),
+    plain or under ``strategy``, driven as :func:`labkit.train.fit` drives a strategy.
+
+    The lower quartile, not the median: other programs only ever slow a window down, and a price is a difference
+    of two steps (the strategy's less the plain one), so one slow spell in either moved it by 2× between fits
+    (FSDP's price per collective 3.3 ms in one fit, 6.6 ms in another, minutes apart)."""
     from labkit.optim import OptimizerSpec
     from labkit.strategies import get_strategy
 
@@ -96,14 +100,14 @@ def _time_step(env, model: nn.Module, x, y, criterion, per_call, calls: int, str
         opt.step()
 
     step()  # warm-up: allocations
-    return per_call(step, calls, 5)
+    return per_call(step, calls, 9, 0.25)
 
 
 def calibrate_rank(env, link, per_call) -> dict[str, float]:
     """``{call key: c_s seconds}`` for every calibrated strategy; every rank of ``env`` calls it.
 
-    ``link``: the α-β-γ fit of these ranks (prices the bytes); ``per_call(fn, calls, windows)``: seconds per
-    call of ``fn``, the slowest rank's median (a collective).
+    ``link``: the α-β-γ fit of these ranks (prices the bytes); ``per_call(fn, calls, windows, quantile=0.5)``:
+    seconds per call of ``fn``, the slowest rank's ``quantile`` of the windows (a collective).
     """
     from labkit.advisor.topology import Topology
 

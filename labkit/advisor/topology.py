@@ -145,9 +145,9 @@ CALL_KEYS = {"zero-1", "zero-2", "zero-3", "zero-broadcast", "fsdp", "fsdp-no-re
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
 
 
-def _per_call(fn, calls: int = 20, windows: int = 5) -> float:
-    """Seconds per call of ``fn`` back to back, the median of ``windows``, the slowest rank's."""
-    import statistics
+def _per_call(fn, calls: int = 20, windows: int = 5, quantile: float = 0.5) -> float:
+    """Seconds per call of ``fn`` back to back, the ``quantile`` of ``windows`` (default the median), the slowest
+    rank's."""
     import time
 
     import torch
@@ -160,7 +160,8 @@ def _per_call(fn, calls: int = 20, windows: int = 5) -> float:
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - start) / calls)
-    slowest = torch.tensor(statistics.median(times), dtype=torch.float64)
+    times.sort()
+    slowest = torch.tensor(times[round(quantile * (len(times) - 1))], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.item()
 
