@@ -64,6 +64,14 @@ def test_pipeline_bubble_and_messages_by_hand():
     assert bad.time["bubble"] == pytest.approx(0.01852)
     assert bubble_fraction(2, 2) == pytest.approx(1 / 3) and bubble_fraction(4, 8) == pytest.approx(3 / 11)
     assert good.time["bubble"] / (good.time["compute"] + good.time["bubble"]) == pytest.approx(1 / 3)
+    # a measured price per micro-batch and stage (2 ms): every stage pays it, messages pay α-β without κ
+    measured = replace(t, launch_s=5e-4, call_s={"pipeline": 0.002})
+    bad = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (2, 1)))), prof, measured)
+    # stage 0: 0.0162 + 0.002 + 2 (1e-3 + 1e-6 · 160) = 0.02052 = tau; stage 1: 0.001 + 0.002
+    assert bad.time["compute"] == pytest.approx(0.0324)
+    assert bad.time["schedule overhead"] == pytest.approx(0.004)
+    assert bad.time["communication"] == pytest.approx(0.00464)
+    assert bad.time["bubble"] == pytest.approx(0.02052)
 
 
 def test_hybrid_and_tensor_parallel_by_hand():
@@ -276,10 +284,10 @@ def test_sharded_and_tensor_parallel_collectives_at_their_measured_price_by_hand
                                                      + 3e-3 + 264e-6)
 
 
-def _calibrate(env, base, broadcast, step, dp_base, ddp, ring, tp_base, tp_step):
+def _calibrate(env, base, broadcast, step, dp_base, ddp, ring, tp_base, tp_step, pp_stage, pp_update, pp_step):
     from labkit.advisor.calibrate import calibrate_rank
 
-    times = [base, broadcast] + [step] * 5 + [dp_base, ddp, ring, tp_base, tp_step]
+    times = [base, broadcast] + [step] * 5 + [dp_base, ddp, ring, tp_base, tp_step, pp_stage, pp_update, pp_step]
     asked = []
 
     def per_call(fn, calls, windows, quantile=0.5):
@@ -293,9 +301,11 @@ def _calibrate(env, base, broadcast, step, dp_base, ddp, ring, tp_base, tp_step)
 def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     from labkit.testing import run_ranks
 
-    calls, asked = run_ranks(_calibrate, 2, 0.01, 0.0045, 0.06, 0.005, 0.01, 0.009, 0.01, 0.03, timeout=120)[0]
-    # every training step is timed as the lower quartile of 9 windows; the broadcast loop as the median of 5
-    assert asked == [(9, 0.25), (5, 0.5)] + [(9, 0.25)] * 10
+    calls, asked = run_ranks(_calibrate, 2, 0.01, 0.0045, 0.06, 0.005, 0.01, 0.009, 0.01, 0.03, 0.0011, 0.0001,
+                             0.0111, timeout=120)[0]
+    # every training step is timed as the lower quartile of 9 windows; the broadcast loop and the pipeline
+    # stage's optimizer step as the median of 5
+    assert asked == [(9, 0.25), (5, 0.5)] + [(9, 0.25)] * 10 + [(9, 0.25), (5, 0.5), (9, 0.25)]
     # the chain: 6 convs (32·32·9 + 32 floats), 6 batch norms (64), a Linear (8192·10 + 10): 551,208 bytes in 13
     # units; 18 buffers (2 × 32 floats and a step counter per batch norm): 1,584 bytes. Each rank moves half
     # of the bytes per reduce-scatter or all-gather at β 1e-9 s/byte; ZeRO also broadcasts the 18 buffers:
@@ -311,8 +321,12 @@ def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     ring = 2e-4 + 96_360e-9
     assert calls["ddp"] == pytest.approx((0.01 - 0.005 - ring - (1e-4 + 432e-9)) / 2)
     assert calls["ddp-kit"] == pytest.approx(0.009 - 0.005 - ring)
-    # tensor parallelism: 4 all-reduces of 32 × 256 floats, each rank sending and receiving half of them twice
-    assert calls["tensor-parallel"] == pytest.approx((0.03 - 0.01 - 4 * 32_768e-9) / 4)
+    # tensor parallelism: 4 all-reduces, three of 32 × 256 floats, one (the first pair's input gradient) of
+    # 32 × 1024 floats (16 channels × 8 × 8 after the pooling), each rank sending and receiving half of each twice
+    assert calls["tensor-parallel"] == pytest.approx((0.03 - 0.01 - 3 * 32_768e-9 - 131_072e-9) / 4)
+    # the pipeline: 2 stages, 4 micro-batches of 8 samples, so 5 slots of the slowest stage (1.1 ms a micro-batch)
+    # and its two messages at the cut (8 × 8 channels × 16 × 16 floats = 65,536 bytes: α + β·n each way)
+    assert calls["pipeline"] == pytest.approx((0.0111 - 0.0001) / 5 - 0.0011 - 2 * (1e-4 + 65_536e-9))
 
 
 def test_gpipe_on_one_cpu_terms_by_hand():
@@ -346,8 +360,12 @@ def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
     prof = Profile("mlp", "synthetic-mnist", 1, (2, 8), layers, 16, 1e-9, 1e-9, 0)  # T(2) 0.0126 s, T(8) 0.0234 s
     # the loop's step timed now: 1.5 times the layers' time at 2 samples, twice at 8, plus update and data
     whole = [1.5 * 0.0126 + 1e-6 * 1000 + 1e-4 * 2, 2 * 0.0234 + 1e-6 * 1000 + 1e-4 * 8]
-    monkeypatch.setattr(profile, "_loop_costs", lambda model, dataset, sizes, repeats: (1e-4, 1e-6, whole))
+    copies = []
+    monkeypatch.setattr(profile, "_loop_costs_together",
+                        lambda model, dataset, sizes, repeats, n: copies.append(n) or (1e-4, 1e-6, whole))
+    monkeypatch.setattr(profile.os, "cpu_count", lambda: 4)
     now = profile.relevel(prof)
+    assert copies == [4]  # a one-thread profile is re-timed with every core stepping, as its plans' ranks run
     assert now.time(2) == pytest.approx(0.0189) and now.time(8) == pytest.approx(0.0468)
     # a's forward 0.002 + 0.0001·b becomes the line through (2, 1.5 · 0.0022) and (8, 2 · 0.0028)
     slope = (2 * 0.0028 - 1.5 * 0.0022) / 6
@@ -409,3 +427,13 @@ def test_per_call_takes_the_asked_quantile_of_its_windows():
 
     assert run_ranks(_sleepy_per_call, 2, 0.5, timeout=60)[0] == pytest.approx(0.03, abs=0.008)  # the median
     assert run_ranks(_sleepy_per_call, 2, 0.25, timeout=60)[0] == pytest.approx(0.02, abs=0.008)  # the lower quartile
+
+
+def test_profile_levels_are_timed_with_as_many_processes_as_fill_the_cores(monkeypatch):
+    """A one-thread profile prices plans whose ranks all compute at once; a two-thread one the one-process plans."""
+    from labkit.advisor import profile
+
+    monkeypatch.setattr(profile.os, "cpu_count", lambda: 8)
+    assert [profile._copies(t) for t in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]
+    monkeypatch.setattr(profile.os, "cpu_count", lambda: 2)
+    assert [profile._copies(t) for t in (1, 2)] == [2, 1]

@@ -26,11 +26,32 @@ between two synchronisations (with more, the ranks drift apart and each synchron
 one — a share of the step that a large model's step hides).
 Tensor parallelism is priced the same way (key ``tensor-parallel``): two column/row pairs after a convolution
 (so that the first pair's input gradient is all-reduced too), 4 all-reduces a step, against the plain step of
-the layers each rank holds (the sliced shapes) and the all-reduces' bytes on a ring.
+the layers each rank holds (the sliced shapes) and the all-reduces' bytes on a ring. The convolution (3 → 16
+channels, 5×5, then a 2×2 pooling) is a CNN feature extractor's worth of work, about 2.5 ms a step here: the
+ranks reach the first all-reduce after real computation, drift apart on the way and the first to arrive
+sleeps, as in a CNN whose classifier is sliced. Behind a convolution a tenth that size the price came out
+0.97–1.25 ms per all-reduce while LeNet's own all-reduces cost 1.44–1.60 ms in the same minutes; behind this
+one 1.17–1.23 ms against LeNet's 1.16–1.50 ms.
+The multi-process pipeline (``torch.distributed.pipelining``) pays a price per micro-batch and stage (key
+``pipeline``, ``h``): the schedule's Python for one forward and one backward chunk, its send and receive
+operations and the wake-ups they cost beyond α-β (measured on 2 gloo ranks: a 2-stage pipeline of two tiny
+Linears, nothing to compute, took 1.0, 1.8, 4.0, 6.6 ms a step at m = 1, 2, 4, 8, its messages α-β 0.3 ms a
+micro-batch). The 8-channel chain is cut into ``p`` stages (:func:`labkit.strategies.pipelining.even_balance`),
+run with ``m = 4`` micro-batches, and
+
+    h = (T_pipe − update) / (m + p − 1) − (max_j t_j + 2·(α + β·n_cut))
+
+``t_j`` stage ``j``'s plain forward + backward of one micro-batch (the slowest rank's; the chain's first stages
+hold more of its convolutions, so the slowest stage is one that sends across a cut), ``n_cut`` the bytes of one
+micro-batch's activation at a cut (every cut of the chain carries the same shape), ``update`` the optimizer step
+of the slowest rank's stage: the fill-and-drain step of :func:`labkit.advisor.cost.pipeline_terms` with ``h``
+added to every stage's time.
 Run once per topology, inside the ranks that fit the link (:func:`labkit.advisor.topology.measure_link`).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 from dataclasses import replace
 
 import torch
@@ -59,16 +80,19 @@ def _bytes_of(model: nn.Module) -> tuple[float, int, int]:
             sum(b.numel() * b.element_size() for b in model.buffers()))
 
 
-HIDDEN, TP_BATCH = 256, 32
+HIDDEN, TP_BATCH, TP_CHANNELS, TP_SIZE = 256, 32, 16, 16
+TP_FEATURES = TP_CHANNELS * (TP_SIZE // 2) ** 2  # the first pair's input features
 
 
 def mlp_chain(world: int = 1) -> nn.Sequential:
-    """Tensor parallelism's calibration chain: a convolution, then two Linear pairs of ``HIDDEN`` features
-    (``world`` > 1: the layers one rank of ``world`` holds once the pairs are sliced)."""
+    """Tensor parallelism's calibration chain: a 5×5 convolution (3 → 16 channels) and pooling, then two Linear
+    pairs of ``HIDDEN`` features (``world`` > 1: the layers one rank of ``world`` holds once the pairs are
+    sliced). Input: ``TP_BATCH`` samples of 3 × ``TP_SIZE`` × ``TP_SIZE``."""
     torch.manual_seed(0)
     h = HIDDEN // world
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 8 * 8, h), nn.ReLU(),
-                         nn.Linear(h, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, h), nn.ReLU(), nn.Linear(h, HIDDEN))
+    return nn.Sequential(nn.Conv2d(3, TP_CHANNELS, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(TP_FEATURES, h), nn.ReLU(), nn.Linear(h, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, h),
+                         nn.ReLU(), nn.Linear(h, HIDDEN))
 
 
 def _time_step(env, model: nn.Module, x, y, criterion, per_call, calls: int, strategy: str | None = None,
@@ -128,6 +152,7 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
         out[call_key(name, stage)] = max(0.0, extra) / collective_count(stage, len(units))
     out.update(_data_parallel(env, topo, per_call, criterion))
     out["tensor-parallel"] = _tensor_parallel(env, link, per_call, criterion)
+    out["pipeline"] = _pipeline(env, link, per_call, criterion)
     return out
 
 
@@ -164,11 +189,51 @@ def _data_parallel(env, topo, per_call, criterion, channels: int = 8) -> dict[st
 
 
 def _tensor_parallel(env, link, per_call, criterion) -> float:
-    """``c_tp``: 2 pairs → 4 all-reduces of ``TP_BATCH × HIDDEN`` floats (forward sums, backward input gradients)."""
+    """``c_tp``: 2 pairs → 4 all-reduces: forward, each pair's ``TP_BATCH × HIDDEN`` partial sums; backward, each
+    pair's input gradient (``TP_BATCH × TP_FEATURES`` floats for the first, ``TP_BATCH × HIDDEN`` the second)."""
     from labkit.strategies.tensor_parallel import parallelize_linears
 
     p = env.world_size
-    x, y = torch.randn(TP_BATCH, 3, 8, 8), torch.randint(0, HIDDEN, (TP_BATCH,))
+    x, y = torch.randn(TP_BATCH, 3, TP_SIZE, TP_SIZE), torch.randint(0, HIDDEN, (TP_BATCH,))
     base = _time_step(env, mlp_chain(p), x, y, criterion, per_call, 5)  # the layers one rank holds, no messages
     step = _time_step(env, parallelize_linears(mlp_chain()), x, y, criterion, per_call, 5)
-    return max(0.0, step - base - 4 * ring_bytes_time(TP_BATCH * HIDDEN * 4, p, link)) / 4
+    sent = sum(ring_bytes_time(TP_BATCH * n * 4, p, link) for n in (HIDDEN, HIDDEN, HIDDEN, TP_FEATURES))
+    return max(0.0, step - base - sent) / 4
+
+
+PIPE_MICROBATCHES = 4
+
+
+def _pipeline(env, link, per_call, criterion, channels: int = 8) -> float:
+    """``h``: the pipeline schedule's price per micro-batch and stage, on the 8-channel chain cut into one stage
+    per rank with :data:`PIPE_MICROBATCHES` micro-batches (the formula is in the module's docstring)."""
+    from labkit.strategies.pipelining import even_balance, stage_layers
+
+    p, m = env.world_size, PIPE_MICROBATCHES
+    x, y = torch.randn(BATCH, channels, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
+    balance = even_balance(len(chain(channels)), p)
+    start = sum(balance[:env.rank])
+    mb, mb_y = x[:BATCH // m], y[:BATCH // m]
+    with torch.no_grad():
+        inp = chain(channels)[:start](mb)
+    stage = stage_layers(chain(channels), balance, env.rank)
+    inp.requires_grad_(env.rank > 0)
+    grad = torch.randn_like(stage(inp)) if env.rank < p - 1 else None
+    opt = torch.optim.SGD(stage.parameters(), lr=1e-9, momentum=0.9)
+
+    def plain():  # one micro-batch through this rank's stage, forward and backward
+        out = stage(inp)
+        if grad is None:
+            criterion(out, mb_y).backward()
+        else:
+            out.backward(grad)
+
+    plain()
+    opt.step()  # momentum buffers exist, as in a training step
+    t_max = per_call(plain, 10, 9, 0.25)
+    update = per_call(opt.step, 20, 5)
+    with contextlib.redirect_stdout(io.StringIO()):  # the strategy's set-up line is not the advisor's output
+        step = _time_step(env, chain(channels), x, y, criterion, per_call, 3, "pipeline",
+                          {"num_microbatches": m, "balance": balance})
+    cut = (BATCH // m) * channels * SIZE * SIZE * 4  # float32 activation of one micro-batch at any cut
+    return max(0.0, (step - update) / (m + p - 1) - t_max - 2 * link.transfer_time(cut))

@@ -218,7 +218,12 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """One stage per rank (``torch.distributed.pipelining``), ``m`` micro-batches of ``B/m``:
 
     ``t_j = s·T_{stage j}(B/m)``, ``c_j = 2·msg((B/m)·A_{last of j})`` (activation forward, gradient
-    backward; 0 for the last stage), terms from :func:`pipeline_terms`. Every rank loads the whole batch.
+    backward; 0 for the last stage), terms from :func:`pipeline_terms`. Where the topology has a measured
+    price per micro-batch and stage ``h`` (``call_s["pipeline"]``: the schedule's own work for one forward
+    and one backward chunk, its sends, receives and wake-ups; :mod:`labkit.advisor.calibrate`), every stage
+    pays it, ``t_j = s·T_{stage j}(B/m) + h``, and the messages their α-β alone, ``c_j = 2·(α + β·(B/m)·A)``;
+    the slowest stage's ``m·h`` is shown as its own term, ``schedule overhead``.
+    Every rank loads the whole batch.
     Memory of stage ``j``: ``3·P_j + k_j·M_j(B/m)`` with ``k_j = m`` (gpipe schedule) or
     ``min(p − j, m)`` (1f1b); the fullest stage counts.
     """
@@ -226,14 +231,22 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     p, m, B = plan.processes, o["num_microbatches"], plan.batch_size
     stages = stages_of(o["balance"])
     bm = B / m
-    times = [compute_scale(topo, p) * prof.time(bm, s) for s in stages]
-    comm = [2 * message_time(bm * prof.layers[s[-1]].out_bytes, topo, p) if j < p - 1 else 0.0
-            for j, s in enumerate(stages)]
+    h = topo.call_s.get("pipeline")
+    times = [compute_scale(topo, p) * prof.time(bm, s) + (h or 0.0) for s in stages]
+    if h is not None:
+        comm = [2 * topo.collective_link(p).transfer_time(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0
+                for j, s in enumerate(stages)]
+    else:
+        comm = [2 * message_time(bm * prof.layers[s[-1]].out_bytes, topo, p) if j < p - 1 else 0.0
+                for j, s in enumerate(stages)]
     held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
     mem = [memory_terms(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
     full = max(range(p), key=lambda j: sum(mem[j].values()))
-    time = {**pipeline_terms(times, comm, m),
-            **common_terms(prof, topo, max(prof.params(s) for s in stages), B)}
+    time = pipeline_terms(times, comm, m)
+    if h:  # shown apart: the schedule's own share of the slowest stage's m slots
+        time["compute"] -= m * h
+        time["schedule overhead"] = m * h
+    time.update(common_terms(prof, topo, max(prof.params(s) for s in stages), B))
     return Estimate(plan, time, mem[full])
 
 

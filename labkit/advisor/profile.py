@@ -15,7 +15,11 @@ layer's time is scaled by
 
     scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
 
-so the layers sum to what the loop spends on them. Besides the layers:
+so the layers sum to what the loop spends on them. The steps are timed in as many processes at once as fill the
+cores at the profile's thread count (:func:`_copies`), each stepping its own copy, and averaged: a multi-process
+plan's ranks all compute at the same time and share the caches and memory bandwidth (on 2 cores, one thread
+each, LeNet's step at 64 samples took 1.13× as long with a second process stepping beside it; the
+one-process plans' profile, two threads, is timed alone). Besides the layers:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
@@ -48,7 +52,7 @@ from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
 WINDOW_S = 0.05      # the shortest timed window of back-to-back steps
-FORMAT = 3           # profiles of another format are measured again
+FORMAT = 4           # profiles of another format are measured again (4: levels timed with the cores filled)
 
 
 @dataclass
@@ -232,6 +236,33 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
     return data, update, steps
 
 
+def _copies(threads: int) -> int:
+    """Processes that step at once when each has ``threads`` threads and together they fill the cores, as the
+    plans priced with a profile at ``threads`` run: one for two threads on two cores, two for one thread."""
+    return max(1, (os.cpu_count() or 1) // max(1, threads))
+
+
+def _loop_costs_rank(env, model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, threads: int):
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.barrier()  # every copy starts its windows together
+    return _loop_costs(model, dataset, sizes, repeats)
+
+
+def _loop_costs_together(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int,
+                         copies: int) -> tuple[float, float, list[float]]:
+    """:func:`_loop_costs` in ``copies`` processes at once, each on its own copy of ``model`` at this process's
+    thread count; each number the mean over the copies (one copy: timed here)."""
+    if copies <= 1:
+        return _loop_costs(model, dataset, sizes, repeats)
+    from labkit.testing import run_ranks
+
+    runs = run_ranks(_loop_costs_rank, copies, model, dataset, sizes, repeats, torch.get_num_threads(), timeout=600)
+    return (statistics.fmean(r[0] for r in runs), statistics.fmean(r[1] for r in runs),
+            [statistics.fmean(r[2][k] for r in runs) for k in range(len(sizes))])
+
+
 def _endless(loader):
     while True:
         yield from loader
@@ -264,7 +295,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole = _loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats))
+        data_s, update_s, whole = _loop_costs_together(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats),
+                                                       _copies(threads))
     finally:
         torch.set_num_threads(before)
     param_bytes = sum(p.numel() * p.element_size() for p in seq.parameters())
@@ -296,7 +328,8 @@ def relevel(prof: Profile, repeats: int = 5) -> Profile:
     before = torch.get_num_threads()
     torch.set_num_threads(prof.threads)
     try:
-        data_s, update_s, whole = _loop_costs(seq.train(), prof.dataset, prof.sizes, repeats)
+        data_s, update_s, whole = _loop_costs_together(seq.train(), prof.dataset, prof.sizes, repeats,
+                                                       _copies(prof.threads))
     finally:
         torch.set_num_threads(before)
     b0, b1 = prof.sizes

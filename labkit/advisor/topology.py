@@ -41,7 +41,8 @@ class Topology:
         launch_s: κ, seconds every collective or message launched between computations costs on top of its
             α-β price (0 on GPUs, where the host does not wait for it).
         call_s: measured seconds per collective in a training step (keys :data:`CALL_KEYS`:
-            ZeRO stages and ZeRO's buffer broadcasts, FSDP, DDP and tensor parallelism;
+            ZeRO stages and ZeRO's buffer broadcasts, FSDP, DDP, tensor parallelism, and the pipeline
+            schedule's price per micro-batch and stage;
             :mod:`labkit.advisor.calibrate`); where absent, α-β and κ price each one.
     """
 
@@ -139,7 +140,7 @@ def read_fit(path: str | Path, ranks: int,
 
 #: the per-collective prices :mod:`labkit.advisor.calibrate` measures (a cache missing one is measured again)
 CALL_KEYS = {"zero-1", "zero-2", "zero-3", "zero-broadcast", "fsdp", "fsdp-no-reshard", "ddp", "ddp-kit",
-             "tensor-parallel"}
+             "tensor-parallel", "pipeline"}
 
 #: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
@@ -174,7 +175,8 @@ def _fit_rank(env):
       what a step pays beyond the quiet α is κ's and the calibration's part);
     * κ = (a small computation + a 4-byte all-reduce) − the computation alone − the all-reduce alone, back to
       back (the tight loop the α-β fit sees);
-    * the price per collective in a step of ZeRO, FSDP, DDP and tensor parallelism (:mod:`labkit.advisor.calibrate`).
+    * the price per collective in a step of ZeRO, FSDP, DDP and tensor parallelism, and per micro-batch and stage
+      of the pipeline schedule (:mod:`labkit.advisor.calibrate`).
     """
     import torch
     import torch.distributed as dist
