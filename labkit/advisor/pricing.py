@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from labkit.advisor.cost import (price_ddp, price_hybrid, price_one_process_pipeline, price_pipeline, price_single,
-                                 price_tensor_parallel)
+                                 price_tensor_parallel, stop_check_time)
 from labkit.advisor.cost_ps import price_ps
 from labkit.advisor.cost_sharded import price_sharded
 from labkit.advisor.plan import Estimate, Plan
@@ -25,7 +25,10 @@ PRICERS = {
 
 
 def price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
-    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process."""
+    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process; a plan of several
+    processes also pays the training loop's per-step stop check (:func:`labkit.advisor.cost.stop_check_time`)."""
     est = PRICERS[plan.strategy](plan, prof, topo)
+    if plan.processes > 1 and est.applicable:
+        est.time["stop check"] = stop_check_time(plan.processes, topo)
     est.limit_bytes = topo.memory_bytes
     return est

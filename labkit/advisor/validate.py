@@ -16,10 +16,12 @@ GB = 2**30
 
 
 def run_args(advice: Advice, label: str, out: Path, steps: int) -> list[str]:
-    """The ``labkit train`` arguments a validation run of plan ``label`` uses."""
+    """The ``labkit train`` arguments a validation run of plan ``label`` uses: the plan's command, with its
+    checkpoint as the command has it (the training loop's per-step stop check comes with it), for ``steps``
+    steps, a small test set, its own ``--out``."""
     plan = advice.find(label).plan
     return [*plan.train_args(advice.model, advice.dataset), *advice.train_args, "--epochs", "1",
-            "--max-steps", str(steps), "--test-size", "64", "--no-checkpoint", "--device", advice.topology.device,
+            "--max-steps", str(steps), "--test-size", "64", "--device", advice.topology.device,
             "--log-every", "1000", "--out", str(out)]
 
 
