@@ -17,14 +17,14 @@ def table(advice: Advice) -> str:
     """Ranked plans: predicted samples/s, peak memory per device, main term, measured columns if validated
     (``at run``: measured over the prediction priced at the run's machine speed, see ``validate``)."""
     measured = any("step_s" in advice.measured.get(e.plan.label, {}) for e in advice.table)
-    head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<13}"
+    head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"
     if measured:
         head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'at run':>6} {'meas MB':>8}"
     lines = [head]
     for i, est in enumerate(advice.table, 1):
         mark = "" if est.feasible else "  (does not fit)"
         line = (f"{i:>2} {est.plan.label:<30} {est.samples_per_s:>14.1f} {est.step_s * 1e3:>12.1f} "
-                f"{est.peak_bytes / MB:>11.1f} {est.main_term:<13}")
+                f"{est.peak_bytes / MB:>11.1f} {est.main_term:<17}")
         m = advice.measured.get(est.plan.label)
         if m and "error" in m:
             line += f"  run failed: {m['error']}"
