@@ -343,6 +343,14 @@ def test_gpipe_on_one_cpu_terms_by_hand():
     # manual model parallelism has no fork/join, no recomputation
     mp = price(Plan("model-parallel", 1, 2, 8, (("mp_split_points", (1,)),)), prof, topo())
     assert "input gradient" not in mp.time and "recompute" not in mp.time
+    # torchgpipe's own work, 0.25 ms per micro-batch and partition: 2 micro-batches × 2 partitions on one CPU
+    prof.gpipe_task = 0.00025
+    tasks = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, topo())
+    assert tasks.time["schedule overhead"] == pytest.approx(0.001)
+    assert tasks.step_s == pytest.approx(est.step_s + 0.001)
+    assert "schedule overhead" not in price(Plan("model-parallel", 1, 2, 8, (("mp_split_points", (1,)),)), prof,
+                                            topo()).time
+    prof.gpipe_task = 0.0
     # on GPUs the input gradient belongs to stage 0: (0.0042 + 0.0007 / 2) + 2 messages of 4·100 bytes
     gpus = replace(topo(), separate_devices=True)
     on_gpus = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
@@ -350,6 +358,29 @@ def test_gpipe_on_one_cpu_terms_by_hand():
     prof.input_grad = (0.02, 0.0)
     slow0 = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
     assert slow0.time["compute"] == pytest.approx(2 * (0.0042 + 0.01))  # now stage 0: 0.0042 + 0.02 / 2
+    # on GPUs each stage's time per micro-batch includes h_g; the slowest stage's 2 × h_g is shown apart
+    prof.gpipe_task = 0.00025
+    tasks = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
+    assert tasks.time["compute"] == pytest.approx(2 * (0.0042 + 0.01))
+    assert tasks.time["schedule overhead"] == pytest.approx(2 * 0.00025)
+    assert tasks.time["bubble"] == pytest.approx(0.0042 + 0.01 + 0.00025 + 2 * (1e-3 + 400e-6))
+
+
+def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(monkeypatch):
+    """``h_g = (T_gpipe − T_plain) / (m·k)``: both steps really run (GPipe first); their times are given."""
+    from labkit.advisor import profile
+
+    given = [0.0, 0.0031, 0.0, 0.0011]  # warm-up windows, then GPipe (2 partitions, 4 micro-batches), then plain
+    ran = []
+
+    def fake_windowed(fn, windows, window_s=profile.WINDOW_S, quantile=0.5):
+        fn()
+        ran.append((windows, quantile))
+        return given.pop(0)
+
+    monkeypatch.setattr(profile, "_windowed", fake_windowed)
+    assert profile._gpipe_task_time(3) == pytest.approx((0.0031 - 0.0011) / 8)
+    assert ran == [(2, 0.5), (9, 0.25)] * 2
 
 
 def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):

@@ -269,6 +269,9 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
     micro-batches by joining each one's input with the previous one's output, so the first layer computes a
     gradient for the input of every micro-batch but the first: ``input gradient = s·(m − 1)·g_0(B/m)``
     (:meth:`labkit.advisor.profile.Profile.input_grad_time`; on separate devices part of stage 0's time).
+    torchgpipe's own work per micro-batch and partition, ``h_g`` (:class:`labkit.advisor.profile.Profile`'s
+    ``gpipe_task``), is ``schedule overhead = m·k·h_g`` on one CPU (one thread runs every task); on separate
+    devices every stage's time per micro-batch includes it and the slowest stage's ``m·h_g`` is the term.
     Memory ``3P + M_all(B)`` (model-parallel, gpipe without checkpointing), or with checkpointing
     ``3P + M_all(B/m) + Σ_j m·(B/m)·A_{input of j}`` (each partition keeps only its inputs).
     """
@@ -281,15 +284,21 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
     s = compute_scale(topo, 1)
     gpipe = plan.strategy == "gpipe" and m > 1  # torchgpipe, checkpointing except_last (what plans run)
     input_grad = s * (m - 1) * prof.input_grad_time(bm) if gpipe else 0.0
+    task = prof.gpipe_task if plan.strategy == "gpipe" else 0.0
     if topo.separate_devices:
-        times = [s * prof.time(bm, st) + (input_grad / m if j == 0 else 0.0) for j, st in enumerate(stages)]
+        times = [s * prof.time(bm, st) + task + (input_grad / m if j == 0 else 0.0) for j, st in enumerate(stages)]
         comm = [2 * message_time(bm * prof.layers[st[-1]].out_bytes, topo) if j < k - 1 else 0.0
                 for j, st in enumerate(stages)]
         time = pipeline_terms(times, comm, m)
+        if task:
+            time["compute"] -= m * task
+            time["schedule overhead"] = m * task
     else:
         time = {"compute": s * m * prof.time(bm)}
         if input_grad:
             time["input gradient"] = input_grad
+        if task:
+            time["schedule overhead"] = m * k * task
     if gpipe:
         time["recompute"] = s * (m - 1) * sum(layer.forward_time(bm) for layer in prof.layers)
         inputs = sum(prof.layers[st[0] - 1].out_bytes if st[0] else prof.input_bytes for st in stages)
