@@ -210,17 +210,22 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
-def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatches: int) -> dict[str, float]:
+def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatches: int,
+                   overhead: float = 0.0) -> dict[str, float]:
     """A fill-and-drain step over ``p`` stages of measured times ``t_j`` (per micro-batch) and outgoing
-    messages ``c_j``: with ``τ = max_j (t_j + c_j)`` reached at stage ``j*``, the step takes ``(m + p − 1)·τ``:
+    messages ``c_j``: with ``τ = max_j (t_j + h + c_j)`` reached at stage ``j*``, the step takes ``(m + p − 1)·τ``:
 
     ``compute = m·t_{j*}``, ``communication = m·c_{j*}``, ``bubble = (p − 1)·τ`` — the bubble is
-    ``(p − 1)/(m + p − 1)`` of the step.
+    ``(p − 1)/(m + p − 1)`` of the step. ``h`` (``overhead``) is what the pipeline's runtime spends per
+    micro-batch on every stage; when given, ``schedule overhead = m·h`` is a term of its own.
     """
     p, m = len(stage_times), microbatches
     j = max(range(p), key=lambda k: stage_times[k] + stage_comm[k])
-    tau = stage_times[j] + stage_comm[j]
-    return {"compute": m * stage_times[j], "communication": m * stage_comm[j], "bubble": (p - 1) * tau}
+    tau = stage_times[j] + overhead + stage_comm[j]
+    terms = {"compute": m * stage_times[j], "communication": m * stage_comm[j], "bubble": (p - 1) * tau}
+    if overhead:
+        terms["schedule overhead"] = m * overhead
+    return terms
 
 
 def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
@@ -241,20 +246,13 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     stages = stages_of(o["balance"])
     bm = B / m
     h = topo.call_s.get("pipeline")
-    times = [compute_scale(topo, p) * prof.time(bm, s) + (h or 0.0) for s in stages]
-    if h is not None:
-        comm = [2 * topo.collective_link(p).transfer_time(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0
-                for j, s in enumerate(stages)]
-    else:
-        comm = [2 * message_time(bm * prof.layers[s[-1]].out_bytes, topo, p) if j < p - 1 else 0.0
-                for j, s in enumerate(stages)]
+    msg = topo.collective_link(p).transfer_time if h is not None else lambda n: message_time(n, topo, p)
+    times = [compute_scale(topo, p) * prof.time(bm, s) for s in stages]
+    comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0 for j, s in enumerate(stages)]
     held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
     mem = [memory_terms(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
     full = max(range(p), key=lambda j: sum(mem[j].values()))
-    time = pipeline_terms(times, comm, m)
-    if h:  # shown apart: the schedule's own share of the slowest stage's m slots
-        time["compute"] -= m * h
-        time["schedule overhead"] = m * h
+    time = pipeline_terms(times, comm, m, h or 0.0)
     time.update(common_terms(prof, topo, max(prof.params(s) for s in stages), B))
     return Estimate(plan, time, mem[full])
 
@@ -286,13 +284,10 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
     input_grad = s * (m - 1) * prof.input_grad_time(bm) if gpipe else 0.0
     task = prof.gpipe_task if plan.strategy == "gpipe" else 0.0
     if topo.separate_devices:
-        times = [s * prof.time(bm, st) + task + (input_grad / m if j == 0 else 0.0) for j, st in enumerate(stages)]
+        times = [s * prof.time(bm, st) + (input_grad / m if j == 0 else 0.0) for j, st in enumerate(stages)]
         comm = [2 * message_time(bm * prof.layers[st[-1]].out_bytes, topo) if j < k - 1 else 0.0
                 for j, st in enumerate(stages)]
-        time = pipeline_terms(times, comm, m)
-        if task:
-            time["compute"] -= m * task
-            time["schedule overhead"] = m * task
+        time = pipeline_terms(times, comm, m, task)
     else:
         time = {"compute": s * m * prof.time(bm)}
         if input_grad:
