@@ -6,8 +6,8 @@ schedules) and every optimizer (SGD, Adam, SGD + K-FAC) runs through :func:`fit`
         --dataset cifar10 --optimizer kfac --base-lr 0.1 --batch-size 128 --epochs 100 \\
         --kfac-update-freq 10 --lr-decay 35 75 90                                      # 1 node, 4 GPUs
 
-Per step: ``strategy.forward_backward`` -> ``strategy.sync_gradients`` -> ``preconditioner.step``
--> ``optimizer.step`` -> ``scheduler.step``. Each epoch reseeds from (seed, epoch), so a run resumed from
+Per step (:func:`train_step`): ``strategy.forward_backward`` -> ``strategy.sync_gradients`` ->
+``preconditioner.step`` -> ``optimizer.step`` -> ``scheduler.step``, and the running metric sums. Each epoch reseeds from (seed, epoch), so a run resumed from
 its checkpoint continues bit-identically.
 """
 from __future__ import annotations
@@ -173,7 +173,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         "samples_per_sec", "lr", "time_s"}, ...]``.
     """
     if strategy is None:
-        strategy = Strategy(_single_env(model))
+        strategy = single_strategy(model)
     criterion = criterion or nn.CrossEntropyLoss()
     history = []
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -203,25 +203,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         for step, (x, y) in enumerate(batches, start=first):
             if step >= steps:
                 break
-            x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
-            y = y.to(strategy.target_device, non_blocking=True)  # (B,)
-            optimizer.zero_grad(set_to_none=True)
-            with autocast(amp, strategy.input_device):
-                loss, out = strategy.forward_backward(model, to_channels_last(x) if channels_last else x, y, criterion)
-            strategy.sync_gradients(model)
-            if preconditioner is not None:
-                preconditioner.step()
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-            if profiler is not None:
-                profiler.step()
-            if loss is not None and strategy.metric_owner():
-                y = y.to(out.device)
-                totals += torch.stack([loss.double() * len(y), (out.argmax(1) == y).sum().double(),
-                                       torch.tensor(float(len(y)), dtype=torch.float64, device=out.device)]).to(totals.device)
-                if (step + 1) % log_every == 0 or step + 1 == steps:
-                    _check_finite(totals[0], epoch, step)
+            owner = train_step(model, x, y, optimizer, strategy, criterion, totals, preconditioner=preconditioner,
+                               scheduler=scheduler, profiler=profiler, amp=amp, channels_last=channels_last)
+            if owner and ((step + 1) % log_every == 0 or step + 1 == steps):
+                _check_finite(totals[0], epoch, step)
             meter.update(len(x))
             if bar is not None:
                 bar.update()
@@ -249,6 +234,40 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         if stop is not None and epoch + 1 < epochs and stop.requested(strategy):
             raise Preempted(stop.received, epoch + 1, 0)
     return history
+
+
+def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,
+               strategy: Strategy, criterion: nn.Module, totals: torch.Tensor, *, preconditioner=None, scheduler=None,
+               profiler=None, amp: str | None = None, channels_last: bool = False) -> bool:
+    """One optimizer step of :func:`fit` on the batch ``(x, y)``, its bookkeeping included.
+
+    ``strategy.forward_backward`` -> ``strategy.sync_gradients`` -> ``preconditioner.step`` ->
+    ``optimizer.step`` -> ``scheduler.step`` (-> ``profiler.step``); on a rank that owns the outputs, the
+    batch's loss sum, correct predictions and sample count are added to ``totals`` (on the device: no host sync).
+    The strategy advisor times this very function (:mod:`labkit.advisor.profile`).
+
+    Returns:
+        whether this rank added to ``totals``.
+    """
+    x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
+    y = y.to(strategy.target_device, non_blocking=True)  # (B,)
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(amp, strategy.input_device):
+        loss, out = strategy.forward_backward(model, to_channels_last(x) if channels_last else x, y, criterion)
+    strategy.sync_gradients(model)
+    if preconditioner is not None:
+        preconditioner.step()
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    if profiler is not None:
+        profiler.step()
+    if loss is None or not strategy.metric_owner():
+        return False
+    y = y.to(out.device)
+    totals += torch.stack([loss.double() * len(y), (out.argmax(1) == y).sum().double(),
+                           torch.tensor(float(len(y)), dtype=torch.float64, device=out.device)]).to(totals.device)
+    return True
 
 
 # ----- where in the epoch a run is: what a mid-epoch checkpoint adds -----------------------------------
@@ -293,11 +312,12 @@ def _check_finite(loss_sum: torch.Tensor, epoch: int, step: int) -> None:
                                "lower --base-lr, add --warmup-epochs, or check the data")
 
 
-def _single_env(model: nn.Module):
+def single_strategy(model: nn.Module) -> Strategy:
+    """The single-device strategy for a plain ``model``, on the device its parameters are on."""
     from labkit.dist import DistEnv
 
     param = next(model.parameters(), None)
-    return DistEnv(device=param.device if param is not None else torch.device("cpu"))
+    return Strategy(DistEnv(device=param.device if param is not None else torch.device("cpu")))
 
 
 def _progress(steps: int, desc: str, rank: int):

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from labkit.advisor.cost import bubble_fraction
+from labkit.advisor.cost import bubble_fraction, pipeline_terms
 from labkit.advisor.pricing import price
 from labkit.advisor.plan import Plan
 from labkit.advisor.profile import LayerProfile, Profile
@@ -51,19 +51,18 @@ def test_ddp_ring_all_reduce_by_hand():
 def test_pipeline_bubble_and_messages_by_hand():
     prof, t = tiny_profile(), topo()
     good = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, t)
-    # stage times (B/m = 4): 0.0042 and 0.013 (+ its message 0); tau = 0.013 on stage 1
+    # stage times (B/m = 4): 0.0042 (+ its 2 messages of 4·100 bytes: 2 (1e-3 + 4e-4) = 0.0028) and 0.013 (no
+    # message): tau = 0.013 on stage 1; along the critical path stage 0 is crossed once: bubble 0.0042 + 0.0028
     assert good.time["compute"] == pytest.approx(0.026)
     assert good.time["communication"] == pytest.approx(0.0)
-    assert good.time["bubble"] == pytest.approx(0.013)
+    assert good.time["bubble"] == pytest.approx(0.007)
     assert good.time["update"] == pytest.approx(0.00404)
     assert good.memory["parameters"] == 4040 and good.memory["activations"] == pytest.approx(160)
     bad = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (2, 1)))), prof, t)
-    # stage 0: 0.0162 + 2 (1e-3 + 1e-6 · 4 · 40) = 0.01852 = tau
+    # stage 0: 0.0162 + 2 (1e-3 + 1e-6 · 4 · 40) = 0.01852 = tau; stage 1 (l2 alone): 0.001, the bubble
     assert bad.time["compute"] == pytest.approx(0.0324)
     assert bad.time["communication"] == pytest.approx(0.00464)
-    assert bad.time["bubble"] == pytest.approx(0.01852)
-    assert bubble_fraction(2, 2) == pytest.approx(1 / 3) and bubble_fraction(4, 8) == pytest.approx(3 / 11)
-    assert good.time["bubble"] / (good.time["compute"] + good.time["bubble"]) == pytest.approx(1 / 3)
+    assert bad.time["bubble"] == pytest.approx(0.001)
     # a measured price per micro-batch and stage (2 ms): every stage pays it, messages pay α-β without κ
     measured = replace(t, launch_s=5e-4, call_s={"pipeline": 0.002})
     bad = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (2, 1)))), prof, measured)
@@ -71,7 +70,27 @@ def test_pipeline_bubble_and_messages_by_hand():
     assert bad.time["compute"] == pytest.approx(0.0324)
     assert bad.time["schedule overhead"] == pytest.approx(0.004)
     assert bad.time["communication"] == pytest.approx(0.00464)
-    assert bad.time["bubble"] == pytest.approx(0.02052)
+    assert bad.time["bubble"] == pytest.approx(0.003)
+
+
+def test_textbook_bubble_and_the_critical_path():
+    # the textbook: (p - 1) slots of the slowest stage's pace, (p - 1)/(m + p - 1) of the step
+    assert bubble_fraction(2, 2) == pytest.approx(1 / 3) and bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    book = pipeline_terms([0.0042, 0.013], [0.0028, 0.0], 2)
+    assert book == pytest.approx({"compute": 0.026, "communication": 0.0, "bubble": 0.013})
+    assert book["bubble"] / sum(book.values()) == pytest.approx(1 / 3)
+    # 3 stages of 2, 5, 3 ms (messages 1, 1, 0 ms), 4 micro-batches: slots 3, 6, 3 ms, the pace 6 ms
+    book = pipeline_terms([0.002, 0.005, 0.003], [0.001, 0.001, 0.0], 4)
+    path = pipeline_terms([0.002, 0.005, 0.003], [0.001, 0.001, 0.0], 4, critical_path=True)
+    assert book["bubble"] == pytest.approx(0.012) and path["bubble"] == pytest.approx(0.006)
+    assert path["compute"] == book["compute"] == pytest.approx(0.02)
+    # with h = 0.5 ms per micro-batch and stage: every slot grows by h, the slowest stage's 4 h a term of their own
+    path = pipeline_terms([0.002, 0.005, 0.003], [0.001, 0.001, 0.0], 4, 0.0005, critical_path=True)
+    assert path["bubble"] == pytest.approx(0.007) and path["schedule overhead"] == pytest.approx(0.002)
+    # equal stages: the critical path is the textbook's
+    equal = [0.004] * 3 + [0.005], [0.001] * 3 + [0.0]  # every slot 5 ms, the last stage's without a message
+    assert pipeline_terms(*equal, 8, critical_path=True)["bubble"] == pytest.approx(3 * 0.005)
+    assert pipeline_terms(*equal, 8)["bubble"] == pytest.approx(3 * 0.005)
 
 
 def test_hybrid_and_tensor_parallel_by_hand():
@@ -290,7 +309,7 @@ def _calibrate(env, base, broadcast, step, dp_base, ddp, ring, tp_base, tp_step,
     times = [base, broadcast] + [step] * 5 + [dp_base, ddp, ring, tp_base, tp_step, pp_stage, pp_update, pp_step]
     asked = []
 
-    def per_call(fn, calls, windows, quantile=0.5):
+    def per_call(fn, calls, windows, quantile=0.5, each=False):
         fn()  # the step runs (the strategies are real); its time is given
         asked.append((windows, quantile))
         return times.pop(0)
@@ -301,8 +320,8 @@ def _calibrate(env, base, broadcast, step, dp_base, ddp, ring, tp_base, tp_step,
 def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     from labkit.testing import run_ranks
 
-    calls, asked = run_ranks(_calibrate, 2, 0.01, 0.0045, 0.06, 0.005, 0.01, 0.009, 0.01, 0.03, 0.0011, 0.0001,
-                             0.0111, timeout=120)[0]
+    calls, asked = run_ranks(_calibrate, 2, 0.01, 0.0045, 0.06, 0.005, 0.01, 0.009, 0.01, 0.03, [0.0011, 0.0006],
+                             0.0001, 0.0111, timeout=120)[0]
     # every training step is timed as the lower quartile of 9 windows; the broadcast loop and the pipeline
     # stage's optimizer step as the median of 5
     assert asked == [(9, 0.25), (5, 0.5)] + [(9, 0.25)] * 10 + [(9, 0.25), (5, 0.5), (9, 0.25)]
@@ -324,9 +343,10 @@ def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     # tensor parallelism: 4 all-reduces, three of 32 × 256 floats, one (the first pair's input gradient) of
     # 32 × 1024 floats (16 channels × 8 × 8 after the pooling), each rank sending and receiving half of each twice
     assert calls["tensor-parallel"] == pytest.approx((0.03 - 0.01 - 3 * 32_768e-9 - 131_072e-9) / 4)
-    # the pipeline: 2 stages, 4 micro-batches of 8 samples, so 5 slots of the slowest stage (1.1 ms a micro-batch)
-    # and its two messages at the cut (8 × 8 channels × 16 × 16 floats = 65,536 bytes: α + β·n each way)
-    assert calls["pipeline"] == pytest.approx((0.0111 - 0.0001) / 5 - 0.0011 - 2 * (1e-4 + 65_536e-9))
+    # the pipeline: 2 stages, 4 micro-batches of 8 samples. Without h its step is 4 slots of the slowest stage
+    # (1.1 ms a micro-batch and its two messages at the cut, 8 × 8 channels × 16 × 16 floats = 65,536 bytes:
+    # α + β·n each way) and stage 1 once (0.6 ms); h fills the 5 slots of micro-batches the stages run
+    assert calls["pipeline"] == pytest.approx((0.0111 - 0.0001 - 4 * (0.0011 + 2 * (1e-4 + 65_536e-9)) - 0.0006) / 5)
 
 
 def test_gpipe_on_one_cpu_terms_by_hand():
@@ -363,7 +383,8 @@ def test_gpipe_on_one_cpu_terms_by_hand():
     tasks = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
     assert tasks.time["compute"] == pytest.approx(2 * (0.0042 + 0.01))
     assert tasks.time["schedule overhead"] == pytest.approx(2 * 0.00025)
-    assert tasks.time["bubble"] == pytest.approx(0.0042 + 0.01 + 0.00025 + 2 * (1e-3 + 400e-6))
+    # stage 0 sets the pace; along the critical path the bubble is stage 1's slot once: 0.013 + h_g
+    assert tasks.time["bubble"] == pytest.approx(0.013 + 0.00025)
 
 
 def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(monkeypatch):
@@ -383,6 +404,59 @@ def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(m
     assert ran == [(2, 0.5), (9, 0.25)] * 2
 
 
+def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
+    """The level is the bare step's lower quartile; the bookkeeping is the median of the differences between
+    alternating windows of :func:`labkit.train.train_step` (really run, with ``labkit train``'s scheduler) and
+    of the bare step, the mean over both sizes."""
+    import torch
+    from torch import nn
+
+    from labkit import train
+    from labkit.advisor import profile
+
+    bare = [0.010, 0.012, 0.011, 0.030, 0.010, 0.013, 0.011, 0.012, 0.010,   # 2 samples: 9 windows
+            0.020, 0.021, 0.022, 0.020, 0.025, 0.021, 0.020, 0.050, 0.023]   # 8 samples
+    extra = [1e-4, 2e-4, 3e-4, -5e-4, 2e-4, 9e-3, 2e-4, 1e-4, 3e-4,          # median 2e-4
+             4e-4, 4e-4, 1e-4, 5e-4, 4e-4, 6e-4, 3e-4, 4e-4, 0.0]            # median 4e-4
+    looped = [b + e for b, e in zip(bare, extra)]
+
+    def fake_windowed(fn, windows, window_s=profile.WINDOW_S, quantile=0.5):
+        fn()  # everything timed really runs
+        if fn.__qualname__ == "SGD.step":
+            return 1e-6
+        if windows != 1:  # the loader, the warm-up windows
+            return 0.0
+        return (bare if fn.__qualname__.endswith("<locals>.step") else looped).pop(0)  # they alternate
+
+    schedulers, real = [], train.train_step
+
+    def spy(*args, **kwargs):
+        schedulers.append(type(kwargs["scheduler"]).__name__)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", spy)
+    monkeypatch.setattr(profile, "_windowed", fake_windowed)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    data, update, steps, loop = profile._loop_costs(model, "synthetic-mnist", (2, 8), 5)
+    assert steps == [0.010, 0.020]  # the lower quartile of each size's 9 bare windows
+    assert loop == pytest.approx((2e-4 + 4e-4) / 2)
+    assert not bare and not looped
+    assert set(schedulers) == {"LambdaLR"} and len(schedulers) >= 18  # train_step itself, with a scheduler
+    assert update == pytest.approx(1e-6 / (784 * 10 * 4 + 40))
+
+
+def test_bookkeeping_is_one_term_per_step_whatever_the_plan():
+    prof, t = tiny_profile(), topo()
+    prof.loop_s = 1.5e-4
+    for plan in (Plan("single", 1, 1, 8), Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)),
+                 Plan("pipeline", 2, 2, 8, (("num_microbatches", 4), ("balance", (1, 2)))),
+                 Plan("gpipe", 1, 2, 8, (("num_microbatches", 4), ("balance", (1, 2))))):
+        est = price(plan, prof, t)
+        assert est.time["bookkeeping"] == 1.5e-4  # once per step, not once per micro-batch
+        assert est.step_s == pytest.approx(price(plan, tiny_profile(), t).step_s + 1.5e-4)
+
+
 def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
     from labkit.advisor import profile
 
@@ -393,7 +467,7 @@ def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
     whole = [1.5 * 0.0126 + 1e-6 * 1000 + 1e-4 * 2, 2 * 0.0234 + 1e-6 * 1000 + 1e-4 * 8]
     copies = []
     monkeypatch.setattr(profile, "_loop_costs_together",
-                        lambda model, dataset, sizes, repeats, n: copies.append(n) or (1e-4, 1e-6, whole))
+                        lambda model, dataset, sizes, repeats, n: copies.append(n) or (1e-4, 1e-6, whole, 2e-4))
     monkeypatch.setattr(profile.os, "cpu_count", lambda: 4)
     now = profile.relevel(prof)
     assert copies == [4]  # a one-thread profile is re-timed with every core stepping, as its plans' ranks run
@@ -402,6 +476,7 @@ def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
     slope = (2 * 0.0028 - 1.5 * 0.0022) / 6
     assert now.layers[0].fwd == pytest.approx((1.5 * 0.0022 - 2 * slope, slope))
     assert (now.update_s_per_byte, now.data_s_per_sample) == (1e-6, 1e-4) and now.layers[0].param_bytes == 1000
+    assert now.loop_s == 2e-4  # the loop's bookkeeping as timed now
     # the first layer's input gradient (0 here) is rescaled the same way
     prof.input_grad = (0.001, 0.0001)  # 0.0012 s at 2 samples, 0.0018 s at 8
     slope = (2 * 0.0018 - 1.5 * 0.0012) / 6

@@ -37,15 +37,16 @@ The multi-process pipeline (``torch.distributed.pipelining``) pays a price per m
 operations and the wake-ups they cost beyond α-β (measured on 2 gloo ranks: a 2-stage pipeline of two tiny
 Linears, nothing to compute, took 1.0, 1.8, 4.0, 6.6 ms a step at m = 1, 2, 4, 8, its messages α-β 0.3 ms a
 micro-batch). The 8-channel chain is cut into ``p`` stages (:func:`labkit.strategies.pipelining.even_balance`),
-run with ``m = 4`` micro-batches, and
+run with ``m = 4`` micro-batches, and ``h`` is what its step takes beyond the same step priced without it. The
+pipeline's price grows by ``m + p − 1`` slots of ``h`` (every stage pays it per micro-batch; along the critical
+path of :func:`labkit.advisor.cost.pipeline_terms` the slowest stage ``m`` times, every other stage once), so
 
-    h = (T_pipe − update) / (m + p − 1) − (max_j t_j + 2·(α + β·n_cut))
+    h = (T_pipe − update − T_0) / (m + p − 1),   T_0 = m·τ_{j*} + Σ_{j≠j*} τ_j,   τ_j = t_j + c_j
 
-``t_j`` stage ``j``'s plain forward + backward of one micro-batch (the slowest rank's; the chain's first stages
-hold more of its convolutions, so the slowest stage is one that sends across a cut), ``n_cut`` the bytes of one
-micro-batch's activation at a cut (every cut of the chain carries the same shape), ``update`` the optimizer step
-of the slowest rank's stage: the fill-and-drain step of :func:`labkit.advisor.cost.pipeline_terms` with ``h``
-added to every stage's time.
+``t_j`` stage ``j``'s plain forward + backward of one micro-batch (its own rank's; the chain's first stages hold
+more of its convolutions, so stage 0 is the slowest), ``c_j = 2·(α + β·n_cut)`` its messages (0 for the last),
+``n_cut`` the bytes of one micro-batch's activation at a cut (every cut of the chain carries the same shape),
+``update`` the optimizer step of the slowest rank's stage.
 Run once per topology, inside the ranks that fit the link (:func:`labkit.advisor.topology.measure_link`).
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from labkit.advisor.cost import broadcast_time, bucket_count, bucketed_allreduce, ddp_key, ring_bytes_time
+from labkit.advisor.cost import (broadcast_time, bucket_count, bucketed_allreduce, ddp_key, pipeline_terms,
+                                 ring_bytes_time)
 from labkit.advisor.cost_sharded import BROADCAST_KEY, buffer_broadcasts, bytes_time, call_key, collective_count
 
 #: the strategies priced per collective: (strategy, options, stage the cost model uses)
@@ -130,8 +132,9 @@ def _time_step(env, model: nn.Module, x, y, criterion, per_call, calls: int, str
 def calibrate_rank(env, link, per_call) -> dict[str, float]:
     """``{call key: c_s seconds}`` for every calibrated strategy; every rank of ``env`` calls it.
 
-    ``link``: the α-β-γ fit of these ranks (prices the bytes); ``per_call(fn, calls, windows, quantile=0.5)``:
-    seconds per call of ``fn``, the slowest rank's ``quantile`` of the windows (a collective).
+    ``link``: the α-β-γ fit of these ranks (prices the bytes); ``per_call(fn, calls, windows, quantile=0.5,
+    each=False)``: seconds per call of ``fn``, the slowest rank's ``quantile`` of the windows (``each``: every
+    rank's, a list); a collective.
     """
     from labkit.advisor.topology import Topology
 
@@ -230,10 +233,12 @@ def _pipeline(env, link, per_call, criterion, channels: int = 8) -> float:
 
     plain()
     opt.step()  # momentum buffers exist, as in a training step
-    t_max = per_call(plain, 10, 9, 0.25)
+    times = per_call(plain, 10, 9, 0.25, each=True)  # every stage's t_j
     update = per_call(opt.step, 20, 5)
     with contextlib.redirect_stdout(io.StringIO()):  # the strategy's set-up line is not the advisor's output
         step = _time_step(env, chain(channels), x, y, criterion, per_call, 3, "pipeline",
                           {"num_microbatches": m, "balance": balance})
     cut = (BATCH // m) * channels * SIZE * SIZE * 4  # float32 activation of one micro-batch at any cut
-    return max(0.0, (step - update) / (m + p - 1) - t_max - 2 * link.transfer_time(cut))
+    comm = [2 * link.transfer_time(cut) if j < p - 1 else 0.0 for j in range(p)]
+    without = sum(pipeline_terms(times, comm, m, critical_path=True).values())  # the step priced with h = 0
+    return max(0.0, (step - update - without) / (m + p - 1))

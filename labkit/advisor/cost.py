@@ -13,7 +13,8 @@ Notation (per optimizer step, global batch ``B``):
 * ``u`` optimizer seconds per parameter byte, ``d`` loading seconds per sample (measured by the profile;
   the loss and the loop's own work are inside ``T``, which the profile scales to whole measured steps).
 
-Every plan pays ``update = u·P_dev`` and ``data = d·(samples its rank loads)``; a plan of ``p > 1`` processes also
+Every plan pays ``update = u·P_dev``, ``data = d·(samples its rank loads)`` and the loop's ``bookkeeping`` per step
+(measured by the profile; added by :func:`labkit.advisor.pricing.price`); a plan of ``p > 1`` processes also
 pays ``stop check = AR(8 B, native, p)`` (:func:`stop_check_time`). Memory on
 the fullest device: ``parameters + gradients + optimizer (momentum) = 3·P_dev``, ``activations``,
 ``buffers`` (communication copies), ``runtime`` (a process before any model; CPU only).
@@ -211,18 +212,30 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatches: int,
-                   overhead: float = 0.0) -> dict[str, float]:
+                   overhead: float = 0.0, critical_path: bool = False) -> dict[str, float]:
     """A fill-and-drain step over ``p`` stages of measured times ``t_j`` (per micro-batch) and outgoing
-    messages ``c_j``: with ``τ = max_j (t_j + h + c_j)`` reached at stage ``j*``, the step takes ``(m + p − 1)·τ``:
+    messages ``c_j``. A stage's slot is ``τ_j = t_j + h + c_j``; the slowest, ``τ = τ_{j*}``, sets the pace.
 
-    ``compute = m·t_{j*}``, ``communication = m·c_{j*}``, ``bubble = (p − 1)·τ`` — the bubble is
-    ``(p − 1)/(m + p − 1)`` of the step. ``h`` (``overhead``) is what the pipeline's runtime spends per
-    micro-batch on every stage; when given, ``schedule overhead = m·h`` is a term of its own.
+    The textbook count (default): the step takes ``(m + p − 1)·τ``: ``compute = m·t_{j*}``,
+    ``communication = m·c_{j*}``, ``bubble = (p − 1)·τ`` — the bubble is ``(p − 1)/(m + p − 1)`` of the step.
+
+    ``critical_path=True``: the step's critical path when the stages differ. The forwards are a flow shop: the
+    first micro-batch crosses every stage once, the others follow at the slowest stage's pace, so they end
+    after ``Σ_j f_j + (m − 1)·max_j f_j``; the backwards, which start when the last forward is done, alike. With
+    ``j*`` the slowest stage both ways, the step is ``m·τ + Σ_{j≠j*} τ_j``: ``bubble = Σ_{j≠j*} τ_j``, each
+    other stage crossed once on the way in and once on the way out at its own pace. Equal stages give the
+    textbook's ``(p − 1)·τ``; a light stage beside a heavy one costs its own time, not the heavy one's
+    (LeNet cut ``[3, 9]`` at ``m = 2`` on 2 gloo ranks, 2 passes of 3 runs: the textbook count priced it
+    1.15–1.24× its measured step).
+
+    ``h`` (``overhead``) is what the pipeline's runtime spends per micro-batch on every stage; when given,
+    ``schedule overhead = m·h`` is a term of its own.
     """
     p, m = len(stage_times), microbatches
-    j = max(range(p), key=lambda k: stage_times[k] + stage_comm[k])
-    tau = stage_times[j] + overhead + stage_comm[j]
-    terms = {"compute": m * stage_times[j], "communication": m * stage_comm[j], "bubble": (p - 1) * tau}
+    slots = [t + overhead + c for t, c in zip(stage_times, stage_comm)]
+    j = max(range(p), key=lambda k: slots[k])
+    bubble = sum(slots[k] for k in range(p) if k != j) if critical_path else (p - 1) * slots[j]
+    terms = {"compute": m * stage_times[j], "communication": m * stage_comm[j], "bubble": bubble}
     if overhead:
         terms["schedule overhead"] = m * overhead
     return terms
@@ -232,7 +245,8 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """One stage per rank (``torch.distributed.pipelining``), ``m`` micro-batches of ``B/m``:
 
     ``t_j = s·T_{stage j}(B/m)``, ``c_j = 2·msg((B/m)·A_{last of j})`` (activation forward, gradient
-    backward; 0 for the last stage), terms from :func:`pipeline_terms`. Where the topology has a measured
+    backward; 0 for the last stage), terms from :func:`pipeline_terms` along the critical path (the stages a
+    search cuts are seldom equal). Where the topology has a measured
     price per micro-batch and stage ``h`` (``call_s["pipeline"]``: the schedule's own work for one forward
     and one backward chunk, its sends, receives and wake-ups; :mod:`labkit.advisor.calibrate`), every stage
     pays it, ``t_j = s·T_{stage j}(B/m) + h``, and the messages their α-β alone, ``c_j = 2·(α + β·(B/m)·A)``;
@@ -252,7 +266,7 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
     mem = [memory_terms(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
     full = max(range(p), key=lambda j: sum(mem[j].values()))
-    time = pipeline_terms(times, comm, m, h or 0.0)
+    time = pipeline_terms(times, comm, m, h or 0.0, critical_path=True)
     time.update(common_terms(prof, topo, max(prof.params(s) for s in stages), B))
     return Estimate(plan, time, mem[full])
 
@@ -287,7 +301,7 @@ def price_one_process_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Est
         times = [s * prof.time(bm, st) + (input_grad / m if j == 0 else 0.0) for j, st in enumerate(stages)]
         comm = [2 * message_time(bm * prof.layers[st[-1]].out_bytes, topo) if j < k - 1 else 0.0
                 for j, st in enumerate(stages)]
-        time = pipeline_terms(times, comm, m, task)
+        time = pipeline_terms(times, comm, m, task, critical_path=True)
     else:
         time = {"compute": s * m * prof.time(bm)}
         if input_grad:

@@ -25,9 +25,13 @@ PRICERS = {
 
 
 def price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
-    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process; a plan of several
-    processes also pays the training loop's per-step stop check (:func:`labkit.advisor.cost.stop_check_time`)."""
+    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process. Every plan also pays
+    the training loop's own work per step, ``bookkeeping = loop_s`` (:class:`labkit.advisor.profile.Profile`,
+    where measured), and a plan of several processes the loop's per-step stop check
+    (:func:`labkit.advisor.cost.stop_check_time`)."""
     est = PRICERS[plan.strategy](plan, prof, topo)
+    if est.applicable and prof.loop_s:
+        est.time["bookkeeping"] = prof.loop_s  # host Python and tiny ops: not scaled with the device
     if plan.processes > 1 and est.applicable:
         est.time["stop check"] = stop_check_time(plan.processes, topo)
     est.limit_bytes = topo.memory_bytes

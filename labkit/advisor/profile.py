@@ -8,7 +8,7 @@ fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a pri
 (``fwd0`` is the per-call cost a micro-batch pays however small it is). A layer timed alone is not timed
 as the training loop runs it: between two timed calls the CPU's worker threads go to sleep, and on a busy
 machine waking them costs more than a small layer's work. So the layers give the *shape* and whole steps
-give the *level*: at each size ``b`` the loop's own step (the next batch from the loader, forward, loss,
+give the *level*: at each size ``b`` the bare training step (the next batch from the loader, forward, loss,
 backward, optimizer) is timed back to back, the lower quartile of at least 9 windows of at least 50 ms
 (shorter windows are all luck on a shared machine; other programs only ever slow a window down), and every
 layer's time is scaled by
@@ -23,6 +23,7 @@ one-process plans' profile, two threads, is timed alone). Besides the layers:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
+    loop       = loop_s                     the training loop's own bookkeeping per step (scheduler, metric sums)
 
 Memory per layer: parameter bytes, output bytes per sample (what crosses a cut) and saved bytes per
 sample (what autograd keeps for backward). A profile is cached as a run in the results schema
@@ -52,8 +53,8 @@ from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
 WINDOW_S = 0.05      # the shortest timed window of back-to-back steps
-FORMAT = 5           # profiles of another format are measured again (4: levels timed with the cores filled;
-                     # 5: torchgpipe's price per micro-batch and partition)
+FORMAT = 6           # profiles of another format are measured again (4: levels timed with the cores filled;
+                     # 5: torchgpipe's price per micro-batch and partition; 6: the loop's bookkeeping)
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Profile:
     tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
     input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): see below
     gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
+    loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
 
     def input_grad_time(self, batch: float) -> float:
         """Seconds the first layer spends on the gradient of its *input* for ``batch`` samples.
@@ -215,18 +217,26 @@ def _windowed(fn, windows: int, window_s: float = WINDOW_S, quantile: float = 0.
 
 
 def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
-                repeats: int) -> tuple[float, float, list[float]]:
-    """(s per sample of data loading, s per parameter byte of SGD, s per training step at each size).
+                repeats: int) -> tuple[float, float, list[float], float]:
+    """(s per sample of data loading, s per parameter byte of SGD, s per bare training step at each size,
+    s of the training loop's bookkeeping per step).
 
-    A step is timed as ``labkit.train.fit`` runs one: the next batch from ``labkit train``'s default loader
-    (resident tensors), forward, loss, backward, optimizer step, back to back.
+    The bare step is the next batch from ``labkit train``'s default loader (resident tensors), forward, loss,
+    backward, optimizer step, back to back. The loop's step is :func:`labkit.train.train_step` itself (with the
+    learning-rate scheduler ``labkit train`` steps, the metric sums, and the meter's update): windows of each
+    alternate, and the bookkeeping is the median of the pairs' differences, the mean over both sizes.
     """
+    from labkit.meters import ThroughputMeter
     from labkit.tensor_data import load_split
+    from labkit.train import lr_factor, single_strategy, train_step
 
     train_set = load_split("tensor", dataset, train=True)
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 1000, [], 0.1, 0.0, 1.0))
+    strategy, totals = single_strategy(model), torch.zeros(3, dtype=torch.float64)
+    meter = ThroughputMeter(1, 1, 2**62, every=1000, printer=lambda line: None)
     criterion = nn.CrossEntropyLoss()
-    data, steps = 0.0, []
+    data, steps, books = 0.0, [], []
     for b in sizes:
         batches = _endless(kdata.make_loader(train_set, b, shuffle=True, drop_last=True))
         data = _windowed(lambda: next(batches), repeats) / b
@@ -237,13 +247,24 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
             criterion(model(x), y).backward()
             opt.step()
 
-        step()  # warm-up: allocations
-        _windowed(step, 2)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
+        def loop_step():
+            x, y = next(batches)
+            train_step(model, x, y, opt, strategy, criterion, totals, scheduler=scheduler)
+            meter.update(len(x))
+
+        for fn in (step, loop_step):
+            fn()  # warm-up: allocations
+            _windowed(fn, 2)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
+        bare, extra = [], []
+        for _ in range(max(9, repeats)):
+            bare.append(_windowed(step, 1))
+            extra.append(_windowed(loop_step, 1) - bare[-1])
         # the lower quartile of 9 or more windows: other programs only ever slow a window down, and this
         # level sets every layer's time (a median of 5 once caught a slow spell of the machine: lenet 2x)
-        steps.append(_windowed(step, max(9, repeats), quantile=0.25))
+        steps.append(sorted(bare)[round(0.25 * (len(bare) - 1))])
+        books.append(statistics.median(extra))
     update = _windowed(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
-    return data, update, steps
+    return data, update, steps, max(0.0, statistics.fmean(books))
 
 
 def _copies(threads: int) -> int:
@@ -261,7 +282,7 @@ def _loop_costs_rank(env, model: nn.Sequential, dataset: str, sizes: tuple[int, 
 
 
 def _loop_costs_together(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int,
-                         copies: int) -> tuple[float, float, list[float]]:
+                         copies: int) -> tuple[float, float, list[float], float]:
     """:func:`_loop_costs` in ``copies`` processes at once, each on its own copy of ``model`` at this process's
     thread count; each number the mean over the copies (one copy: timed here)."""
     if copies <= 1:
@@ -270,7 +291,7 @@ def _loop_costs_together(model: nn.Sequential, dataset: str, sizes: tuple[int, i
 
     runs = run_ranks(_loop_costs_rank, copies, model, dataset, sizes, repeats, torch.get_num_threads(), timeout=600)
     return (statistics.fmean(r[0] for r in runs), statistics.fmean(r[1] for r in runs),
-            [statistics.fmean(r[2][k] for r in runs) for k in range(len(sizes))])
+            [statistics.fmean(r[2][k] for r in runs) for k in range(len(sizes))], statistics.fmean(r[3] for r in runs))
 
 
 GPIPE_PARTITIONS, GPIPE_MICROBATCHES = 2, 4
@@ -337,8 +358,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole = _loop_costs_together(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats),
-                                                       _copies(threads))
+        data_s, update_s, whole, loop_s = _loop_costs_together(copy.deepcopy(seq).train(), dataset, sizes,
+                                                               max(5, repeats), _copies(threads))
         gpipe_task = _gpipe_task_time(repeats)
     finally:
         torch.set_num_threads(before)
@@ -357,7 +378,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     pairs = _tp_pairs(seq)
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task)
+                   [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task, loop_s)
     return prof
 
 
@@ -371,8 +392,8 @@ def relevel(prof: Profile, repeats: int = 5) -> Profile:
     before = torch.get_num_threads()
     torch.set_num_threads(prof.threads)
     try:
-        data_s, update_s, whole = _loop_costs_together(seq.train(), prof.dataset, prof.sizes, repeats,
-                                                       _copies(prof.threads))
+        data_s, update_s, whole, loop_s = _loop_costs_together(seq.train(), prof.dataset, prof.sizes, repeats,
+                                                               _copies(prof.threads))
     finally:
         torch.set_num_threads(before)
     b0, b1 = prof.sizes
@@ -384,7 +405,7 @@ def relevel(prof: Profile, repeats: int = 5) -> Profile:
 
     layers = [replace(layer, fwd=line(layer.fwd), bwd=line(layer.bwd)) for layer in prof.layers]
     return replace(prof, layers=layers, update_s_per_byte=update_s, data_s_per_sample=data_s,
-                   input_grad=line(prof.input_grad))
+                   input_grad=line(prof.input_grad), loop_s=loop_s)
 
 
 def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Path) -> Path:

@@ -146,9 +146,9 @@ CALL_KEYS = {"zero-1", "zero-2", "zero-3", "zero-broadcast", "fsdp", "fsdp-no-re
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
 
 
-def _per_call(fn, calls: int = 20, windows: int = 5, quantile: float = 0.5) -> float:
+def _per_call(fn, calls: int = 20, windows: int = 5, quantile: float = 0.5, each: bool = False):
     """Seconds per call of ``fn`` back to back, the ``quantile`` of ``windows`` (default the median), the slowest
-    rank's."""
+    rank's (``each``: every rank's, a list in rank order)."""
     import time
 
     import torch
@@ -162,9 +162,13 @@ def _per_call(fn, calls: int = 20, windows: int = 5, quantile: float = 0.5) -> f
             fn()
         times.append((time.perf_counter() - start) / calls)
     times.sort()
-    slowest = torch.tensor(times[round(quantile * (len(times) - 1))], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item()
+    mine = torch.tensor(times[round(quantile * (len(times) - 1))], dtype=torch.float64)
+    if each:
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        return [t.item() for t in gathered]
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return mine.item()
 
 
 def _fit_rank(env):
