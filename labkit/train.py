@@ -7,8 +7,8 @@ schedules) and every optimizer (SGD, Adam, SGD + K-FAC) runs through :func:`fit`
         --kfac-update-freq 10 --lr-decay 35 75 90                                      # 1 node, 4 GPUs
 
 Per step (:func:`train_step`): ``strategy.forward_backward`` -> ``strategy.sync_gradients`` ->
-``preconditioner.step`` -> ``optimizer.step`` -> ``scheduler.step``, and the running metric sums. Each epoch reseeds from (seed, epoch), so a run resumed from
-its checkpoint continues bit-identically.
+``preconditioner.step`` -> ``optimizer.step`` -> ``scheduler.step``, and the running metric sums. Each epoch
+reseeds from (seed, epoch), so a run resumed from its checkpoint continues bit-identically.
 """
 from __future__ import annotations
 

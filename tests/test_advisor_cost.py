@@ -73,6 +73,20 @@ def test_pipeline_bubble_and_messages_by_hand():
     assert bad.time["bubble"] == pytest.approx(0.003)
 
 
+def test_pipeline_overhead_is_interpolated_between_the_micro_batch_counts_it_was_measured_at():
+    from labkit.advisor.cost import pipeline_overhead
+
+    t = replace(topo(), call_s={"pipeline-m2": 4e-4, "pipeline-m4": 1e-3, "pipeline-m8": 1.2e-3, "ddp": 1.0})
+    assert [pipeline_overhead(t, m) for m in (1, 2, 3, 4, 6, 8, 16, 32)] == pytest.approx(
+        [4e-4, 4e-4, 7e-4, 1e-3, 1.1e-3, 1.2e-3, 1.2e-3, 1.2e-3])
+    assert pipeline_overhead(replace(topo(), call_s={"pipeline": 2e-3}), 16) == 2e-3  # one price for every m
+    assert pipeline_overhead(topo(), 4) is None
+    # the pipeline plan pays h at its own m: 2 micro-batches here, 4e-4 on each of its 3 slots
+    est = price(Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (2, 1)))), tiny_profile(), t)
+    assert est.time["schedule overhead"] == pytest.approx(2 * 4e-4)
+    assert est.time["bubble"] == pytest.approx(0.001 + 4e-4)
+
+
 def test_textbook_bubble_and_the_critical_path():
     # the textbook: (p - 1) slots of the slowest stage's pace, (p - 1)/(m + p - 1) of the step
     assert bubble_fraction(2, 2) == pytest.approx(1 / 3) and bubble_fraction(4, 8) == pytest.approx(3 / 11)
@@ -303,10 +317,12 @@ def test_sharded_and_tensor_parallel_collectives_at_their_measured_price_by_hand
                                                      + 3e-3 + 264e-6)
 
 
-def _calibrate(env, base, broadcast, step, dp_base, ddp, ring, tp_base, tp_step, pp_stage, pp_update, pp_step):
+def _calibrate(env, base, broadcast, step, dp_base, ddp, ring, tp_base, tp_step, pp_stage, pp_update, pp_steps):
     from labkit.advisor.calibrate import calibrate_rank
 
-    times = [base, broadcast] + [step] * 5 + [dp_base, ddp, ring, tp_base, tp_step, pp_stage, pp_update, pp_step]
+    times = [base, broadcast] + [step] * 5 + [dp_base, ddp, ring, tp_base, tp_step]
+    for pp_step in pp_steps:  # the pipeline at 2, 4, 8 micro-batches
+        times += [pp_stage, pp_update, pp_step]
     asked = []
 
     def per_call(fn, calls, windows, quantile=0.5, each=False):
@@ -321,10 +337,10 @@ def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     from labkit.testing import run_ranks
 
     calls, asked = run_ranks(_calibrate, 2, 0.01, 0.0045, 0.06, 0.005, 0.01, 0.009, 0.01, 0.03, [0.0011, 0.0006],
-                             0.0001, 0.0111, timeout=120)[0]
+                             0.0001, (0.0061, 0.0111, 0.0201), timeout=120)[0]
     # every training step is timed as the lower quartile of 9 windows; the broadcast loop and the pipeline
     # stage's optimizer step as the median of 5
-    assert asked == [(9, 0.25), (5, 0.5)] + [(9, 0.25)] * 10 + [(9, 0.25), (5, 0.5), (9, 0.25)]
+    assert asked == [(9, 0.25), (5, 0.5)] + [(9, 0.25)] * 10 + [(9, 0.25), (5, 0.5), (9, 0.25)] * 3
     # the chain: 6 convs (32·32·9 + 32 floats), 6 batch norms (64), a Linear (8192·10 + 10): 551,208 bytes in 13
     # units; 18 buffers (2 × 32 floats and a step counter per batch norm): 1,584 bytes. Each rank moves half
     # of the bytes per reduce-scatter or all-gather at β 1e-9 s/byte; ZeRO also broadcasts the 18 buffers:
@@ -346,7 +362,11 @@ def test_calibration_divides_what_is_left_by_the_collectives_it_counted():
     # the pipeline: 2 stages, 4 micro-batches of 8 samples. Without h its step is 4 slots of the slowest stage
     # (1.1 ms a micro-batch and its two messages at the cut, 8 × 8 channels × 16 × 16 floats = 65,536 bytes:
     # α + β·n each way) and stage 1 once (0.6 ms); h fills the 5 slots of micro-batches the stages run
-    assert calls["pipeline"] == pytest.approx((0.0111 - 0.0001 - 4 * (0.0011 + 2 * (1e-4 + 65_536e-9)) - 0.0006) / 5)
+    assert calls["pipeline-m4"] == pytest.approx((0.0111 - 0.0001 - 4 * (0.0011 + 2 * (1e-4 + 65_536e-9)) - 0.0006) / 5)
+    # 2 micro-batches of 16 samples (131,072 bytes at the cut): 3 slots; 8 of 4 samples (32,768 bytes): 9 slots
+    assert calls["pipeline-m2"] == pytest.approx(
+        (0.0061 - 0.0001 - 2 * (0.0011 + 2 * (1e-4 + 131_072e-9)) - 0.0006) / 3)
+    assert calls["pipeline-m8"] == pytest.approx((0.0201 - 0.0001 - 8 * (0.0011 + 2 * (1e-4 + 32_768e-9)) - 0.0006) / 9)
 
 
 def test_gpipe_on_one_cpu_terms_by_hand():

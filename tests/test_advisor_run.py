@@ -79,7 +79,8 @@ def test_parallelize_refuses_what_it_cannot_run():
 
 
 CALLS = {"zero-1": 1e-3, "zero-2": 1.1e-3, "zero-3": 1.2e-3, "zero-broadcast": 3e-4, "fsdp": 2e-3,
-         "fsdp-no-reshard": 2.5e-3, "ddp": 1.8e-3, "ddp-kit": 4e-3, "tensor-parallel": 1.5e-3, "pipeline": 6e-4}
+         "fsdp-no-reshard": 2.5e-3, "ddp": 1.8e-3, "ddp-kit": 4e-3, "tensor-parallel": 1.5e-3,
+         "pipeline-m2": 4e-4, "pipeline-m4": 8e-4, "pipeline-m8": 1e-3}
 
 
 def _cached(tmp_path):

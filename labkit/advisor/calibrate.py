@@ -32,21 +32,25 @@ ranks reach the first all-reduce after real computation, drift apart on the way 
 sleeps, as in a CNN whose classifier is sliced. Behind a convolution a tenth that size the price came out
 0.97–1.25 ms per all-reduce while LeNet's own all-reduces cost 1.44–1.60 ms in the same minutes; behind this
 one 1.17–1.23 ms against LeNet's 1.16–1.50 ms.
-The multi-process pipeline (``torch.distributed.pipelining``) pays a price per micro-batch and stage (key
-``pipeline``, ``h``): the schedule's Python for one forward and one backward chunk, its send and receive
-operations and the wake-ups they cost beyond α-β (measured on 2 gloo ranks: a 2-stage pipeline of two tiny
-Linears, nothing to compute, took 1.0, 1.8, 4.0, 6.6 ms a step at m = 1, 2, 4, 8, its messages α-β 0.3 ms a
-micro-batch). The 8-channel chain is cut into ``p`` stages (:func:`labkit.strategies.pipelining.even_balance`),
-run with ``m = 4`` micro-batches, and ``h`` is what its step takes beyond the same step priced without it. The
-pipeline's price grows by ``m + p − 1`` slots of ``h`` (every stage pays it per micro-batch; along the critical
-path of :func:`labkit.advisor.cost.pipeline_terms` the slowest stage ``m`` times, every other stage once), so
+The multi-process pipeline (``torch.distributed.pipelining``) pays a price per micro-batch and stage (keys
+``pipeline-m2``, ``-m4``, ``-m8``: ``h`` at that many micro-batches): the schedule's Python for one forward and one
+backward chunk, its send and receive operations and the wake-ups they cost beyond α-β (measured on 2 gloo ranks:
+a 2-stage pipeline of two tiny Linears, nothing to compute, took 1.0, 1.8, 4.0, 6.6 ms a step at m = 1, 2, 4, 8,
+its messages α-β 0.3 ms a micro-batch). The 8-channel chain is cut into ``p`` stages
+(:func:`labkit.strategies.pipelining.even_balance`), run with ``m`` micro-batches, and ``h`` is what its step takes
+beyond the same step priced without it. The pipeline's price grows by ``m + p − 1`` slots of ``h`` (every stage
+pays it per micro-batch; along the critical path of :func:`labkit.advisor.cost.pipeline_terms` the slowest stage
+``m`` times, every other stage once), so
 
     h = (T_pipe − update − T_0) / (m + p − 1),   T_0 = m·τ_{j*} + Σ_{j≠j*} τ_j,   τ_j = t_j + c_j
 
 ``t_j`` stage ``j``'s plain forward + backward of one micro-batch (its own rank's; the chain's first stages hold
 more of its convolutions, so stage 0 is the slowest), ``c_j = 2·(α + β·n_cut)`` its messages (0 for the last),
 ``n_cut`` the bytes of one micro-batch's activation at a cut (every cut of the chain carries the same shape),
-``update`` the optimizer step of the slowest rank's stage.
+``update`` the optimizer step of the slowest rank's stage. ``h`` grows with ``m``, on the chain and on LeNet
+alike (2 gloo ranks, 2 rounds, the same formula: the chain 0.10–0.42, 0.70–0.88, 1.07–1.28 ms at m = 2, 4, 8;
+LeNet cut ``[3, 9]`` 0.39–0.48, 0.95–1.15, 0.65–0.92 ms), so one price taken at ``m = 4`` put LeNet's ``m = 2``
+pipeline 20 % high: it is measured at each ``m`` and :func:`labkit.advisor.cost.pipeline_overhead` interpolates.
 Run once per topology, inside the ranks that fit the link (:func:`labkit.advisor.topology.measure_link`).
 """
 from __future__ import annotations
@@ -155,7 +159,8 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
         out[call_key(name, stage)] = max(0.0, extra) / collective_count(stage, len(units))
     out.update(_data_parallel(env, topo, per_call, criterion))
     out["tensor-parallel"] = _tensor_parallel(env, link, per_call, criterion)
-    out["pipeline"] = _pipeline(env, link, per_call, criterion)
+    for m in PIPE_MICROBATCHES:
+        out[f"pipeline-m{m}"] = _pipeline(env, link, per_call, criterion, m)
     return out
 
 
@@ -204,15 +209,15 @@ def _tensor_parallel(env, link, per_call, criterion) -> float:
     return max(0.0, step - base - sent) / 4
 
 
-PIPE_MICROBATCHES = 4
+PIPE_MICROBATCHES = (2, 4, 8)  # the micro-batch counts h is measured at (the search tries 2, 4, 8, 16, 32)
 
 
-def _pipeline(env, link, per_call, criterion, channels: int = 8) -> float:
+def _pipeline(env, link, per_call, criterion, m: int, channels: int = 8) -> float:
     """``h``: the pipeline schedule's price per micro-batch and stage, on the 8-channel chain cut into one stage
-    per rank with :data:`PIPE_MICROBATCHES` micro-batches (the formula is in the module's docstring)."""
+    per rank, with ``m`` micro-batches (the formula is in the module's docstring)."""
     from labkit.strategies.pipelining import even_balance, stage_layers
 
-    p, m = env.world_size, PIPE_MICROBATCHES
+    p = env.world_size
     x, y = torch.randn(BATCH, channels, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
     balance = even_balance(len(chain(channels)), p)
     start = sum(balance[:env.rank])

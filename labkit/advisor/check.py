@@ -4,8 +4,9 @@
 adds. Stage ``j`` needs ``stage_times[j]`` seconds per micro-batch plus ``stage_messages[j]`` seconds to send
 its output forward and receive the gradient back. The slowest stage sets the pace ``τ = max_j (t_j + c_j)``;
 the step takes ``(m + p − 1)·τ``, of which ``m·τ`` is work, so the bubble is ``(p − 1)·τ`` — the fraction
-``(p − 1)/(m + p − 1)`` of the step. The checker compares with the advisor's own term
-(:func:`labkit.advisor.cost.pipeline_terms`).
+``(p − 1)/(m + p − 1)`` of the step. The checker compares with the advisor's own textbook count
+(:func:`labkit.advisor.cost.pipeline_terms`; the advisor prices plans along the critical path, which equals
+this count when the stages are equal).
 """
 from __future__ import annotations
 

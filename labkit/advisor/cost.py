@@ -241,16 +241,35 @@ def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatch
     return terms
 
 
+def pipeline_overhead(topo: Topology, microbatches: int) -> float | None:
+    """``h(m)``: the pipeline schedule's measured price per micro-batch and stage at ``m`` micro-batches.
+
+    The calibrated prices ``call_s["pipeline-m<k>"]`` (:mod:`labkit.advisor.calibrate`, ``k`` = 2, 4, 8),
+    linear in ``m`` between two of them and the nearest one outside their range; a topology with one price for
+    every ``m`` (``call_s["pipeline"]``) gives that; None when the topology has neither (messages then pay κ).
+    """
+    measured = sorted((int(key.rsplit("-m", 1)[1]), s) for key, s in topo.call_s.items()
+                      if key.startswith("pipeline-m"))
+    if not measured:
+        return topo.call_s.get("pipeline")
+    if microbatches <= measured[0][0]:
+        return measured[0][1]
+    for (m0, h0), (m1, h1) in zip(measured, measured[1:]):
+        if microbatches <= m1:
+            return h0 + (h1 - h0) * (microbatches - m0) / (m1 - m0)
+    return measured[-1][1]
+
+
 def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """One stage per rank (``torch.distributed.pipelining``), ``m`` micro-batches of ``B/m``:
 
     ``t_j = s·T_{stage j}(B/m)``, ``c_j = 2·msg((B/m)·A_{last of j})`` (activation forward, gradient
     backward; 0 for the last stage), terms from :func:`pipeline_terms` along the critical path (the stages a
-    search cuts are seldom equal). Where the topology has a measured
-    price per micro-batch and stage ``h`` (``call_s["pipeline"]``: the schedule's own work for one forward
-    and one backward chunk, its sends, receives and wake-ups; :mod:`labkit.advisor.calibrate`), every stage
-    pays it, ``t_j = s·T_{stage j}(B/m) + h``, and the messages their α-β alone, ``c_j = 2·(α + β·(B/m)·A)``;
-    the slowest stage's ``m·h`` is shown as its own term, ``schedule overhead``.
+    search cuts are seldom equal). Where the topology has a measured price per micro-batch and stage ``h``
+    (:func:`pipeline_overhead` at ``m``: the schedule's own work for one forward and one backward chunk, its
+    sends, receives and wake-ups; :mod:`labkit.advisor.calibrate`), every stage pays it,
+    ``t_j = s·T_{stage j}(B/m) + h``, and the messages their α-β alone, ``c_j = 2·(α + β·(B/m)·A)``; the
+    slowest stage's ``m·h`` is shown as its own term, ``schedule overhead``.
     Every rank loads the whole batch.
     Memory of stage ``j``: ``3·P_j + k_j·M_j(B/m)`` with ``k_j = m`` (gpipe schedule) or
     ``min(p − j, m)`` (1f1b); the fullest stage counts.
@@ -259,7 +278,7 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     p, m, B = plan.processes, o["num_microbatches"], plan.batch_size
     stages = stages_of(o["balance"])
     bm = B / m
-    h = topo.call_s.get("pipeline")
+    h = pipeline_overhead(topo, m)
     msg = topo.collective_link(p).transfer_time if h is not None else lambda n: message_time(n, topo, p)
     times = [compute_scale(topo, p) * prof.time(bm, s) for s in stages]
     comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0 for j, s in enumerate(stages)]

@@ -140,7 +140,7 @@ def read_fit(path: str | Path, ranks: int,
 
 #: the per-collective prices :mod:`labkit.advisor.calibrate` measures (a cache missing one is measured again)
 CALL_KEYS = {"zero-1", "zero-2", "zero-3", "zero-broadcast", "fsdp", "fsdp-no-reshard", "ddp", "ddp-kit",
-             "tensor-parallel", "pipeline"}
+             "tensor-parallel", "pipeline-m2", "pipeline-m4", "pipeline-m8"}
 
 #: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
