@@ -224,9 +224,11 @@ def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatch
     after ``Σ_j f_j + (m − 1)·max_j f_j``; the backwards, which start when the last forward is done, alike. With
     ``j*`` the slowest stage both ways, the step is ``m·τ + Σ_{j≠j*} τ_j``: ``bubble = Σ_{j≠j*} τ_j``, each
     other stage crossed once on the way in and once on the way out at its own pace. Equal stages give the
-    textbook's ``(p − 1)·τ``; a light stage beside a heavy one costs its own time, not the heavy one's
-    (LeNet cut ``[3, 9]`` at ``m = 2`` on 2 gloo ranks, 2 passes of 3 runs: the textbook count priced it
-    1.15–1.24× its measured step).
+    textbook's ``(p − 1)·τ``; a light stage beside a heavy one costs its own time, not the heavy one's.
+    Measured on 2 gloo ranks, 3 rounds, LeNet at ``m = 2``: cut ``[5, 7]`` (stages 2.0–2.3 and 0.5–0.6 ms per
+    micro-batch) the textbook count alone came to more than the measured step (what was left for the
+    schedule's own price ``h`` per slot: −0.31 to −0.46 ms), the critical path left 0.23–0.36 ms, as the
+    balanced cut ``[3, 9]`` did (0.34–0.45 ms).
 
     ``h`` (``overhead``) is what the pipeline's runtime spends per micro-batch on every stage; when given,
     ``schedule overhead = m·h`` is a term of its own.
