@@ -11,7 +11,7 @@ Notation (per optimizer step, global batch ``B``):
   ``msg(n) = α + β·n + κ`` one point-to-point message; ``κ`` what every collective or message launched
   between computations costs on top (:class:`labkit.advisor.topology.Topology`'s ``launch_s``);
 * ``u`` optimizer seconds per parameter byte, ``d`` loading seconds per sample (measured by the profile;
-  the loss and the loop's own work are inside ``T``, which the profile scales to whole measured steps).
+  the loss is inside ``T``, which the profile scales to whole measured bare steps).
 
 Every plan pays ``update = u·P_dev``, ``data = d·(samples its rank loads)`` and the loop's ``bookkeeping`` per step
 (measured by the profile; added by :func:`labkit.advisor.pricing.price`); a plan of ``p > 1`` processes also

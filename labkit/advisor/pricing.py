@@ -30,9 +30,10 @@ def price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     where measured), and a plan of several processes the loop's per-step stop check
     (:func:`labkit.advisor.cost.stop_check_time`)."""
     est = PRICERS[plan.strategy](plan, prof, topo)
-    if est.applicable and prof.loop_s:
-        est.time["bookkeeping"] = prof.loop_s  # host Python and tiny ops: not scaled with the device
-    if plan.processes > 1 and est.applicable:
-        est.time["stop check"] = stop_check_time(plan.processes, topo)
+    if est.applicable:
+        if prof.loop_s:
+            est.time["bookkeeping"] = prof.loop_s  # host Python and tiny ops: not scaled with the device
+        if plan.processes > 1:
+            est.time["stop check"] = stop_check_time(plan.processes, topo)
     est.limit_bytes = topo.memory_bytes
     return est

@@ -212,8 +212,12 @@ def _windowed(fn, windows: int, window_s: float = WINDOW_S, quantile: float = 0.
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - start) / calls)
-    times.sort()
-    return times[round(quantile * (len(times) - 1))]
+    return _quantile(times, quantile)
+
+
+def _quantile(times: list[float], quantile: float) -> float:
+    """The ``quantile`` of ``times`` (the nearest one; 0.25: the lower quartile)."""
+    return sorted(times)[round(quantile * (len(times) - 1))]
 
 
 def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
@@ -261,7 +265,7 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
             extra.append(_windowed(loop_step, 1) - bare[-1])
         # the lower quartile of 9 or more windows: other programs only ever slow a window down, and this
         # level sets every layer's time (a median of 5 once caught a slow spell of the machine: lenet 2x)
-        steps.append(sorted(bare)[round(0.25 * (len(bare) - 1))])
+        steps.append(_quantile(bare, 0.25))
         books.append(statistics.median(extra))
     update = _windowed(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
     return data, update, steps, max(0.0, statistics.fmean(books))
