@@ -1,6 +1,6 @@
 """The advisor's cost terms against hand-computed numbers, and its search on cost tables with known answers."""
 import math
-from dataclasses import replace
+from dataclasses import astuple, replace
 
 import pytest
 
@@ -529,14 +529,57 @@ def test_profile_times_the_first_layer_as_training_runs_it_and_its_input_gradien
 def test_a_link_fit_of_several_rounds_takes_each_numbers_median():
     from labkit.advisor.topology import median_fit
 
-    def fit(alpha, beta, launch, ddp, zero):
+    def fit(alpha, beta, launch, ddp, zero, factor):
         return {"alpha": alpha, "beta": beta, "gamma": 0.0, "launch": launch, "call": {"ddp": ddp, "zero-1": zero},
-                "p2p": [[4, alpha]]}
+                "p2p": [[4, alpha]], "step_bytes": factor}
 
-    rounds = [fit(2e-4, 2e-9, 1e-4, 2.3e-3, 1.4e-3), fit(3.5e-4, 2.4e-9, 0.0, 1.2e-3, 1.5e-3),
-              fit(2.4e-4, 0.6e-9, 3e-4, 2.1e-3, 1.4e-3)]
-    assert median_fit(rounds) == {"alpha": 2.4e-4, "beta": 2e-9, "gamma": 0.0, "launch": 1e-4,
+    rounds = [fit(2e-4, 2e-9, 1e-4, 2.3e-3, 1.4e-3, 1.6), fit(3.5e-4, 2.4e-9, 0.0, 1.2e-3, 1.5e-3, 1.2),
+              fit(2.4e-4, 0.6e-9, 3e-4, 2.1e-3, 1.4e-3, 1.5)]
+    assert median_fit(rounds) == {"alpha": 2.4e-4, "beta": 2e-9, "gamma": 0.0, "launch": 1e-4, "step_bytes": 1.5,
                                   "call": {"ddp": 2.1e-3, "zero-1": 1.4e-3}, "p2p": [[4, 2e-4]], "rounds": 3}
+
+
+def _bytes_in_step(env, times, run=True):
+    from labkit.advisor.calibrate import bytes_in_step
+
+    asked = []
+
+    def per_call(fn, calls, windows, quantile=0.5, each=False):
+        if run:
+            fn()  # the all-reduces and the chain's step run for real; their times are given
+        asked.append((windows, quantile))
+        return times.pop(0)
+
+    return bytes_in_step(per_call), asked
+
+
+def test_a_byte_in_a_step_is_priced_by_the_slope_of_an_all_reduce_after_the_chains_step():
+    from labkit.advisor.calibrate import PAIRS
+    from labkit.testing import run_ranks
+
+    def pairs(cold_large):  # per pair: 8 MB and 1 MB in a loop, then each after the chain's 30 ms step
+        return [t for k in range(PAIRS) for t in (0.009 if k == 3 else 0.007, 0.002, cold_large(k), 0.035)]
+
+    # in a loop the 7 MB between the sizes cost 5 ms (one pair 7 ms: a slow spell), after the step 7.5 ms (one pair
+    # 1 ms): the medians of the pairs' differences, 7.5 / 5. The fixed parts (the step, κ, α) cancel in them.
+    factor, asked = run_ranks(_bytes_in_step, 2, pairs(lambda k: 0.036 if k == 5 else 0.0425), timeout=120)[0]
+    assert factor == pytest.approx(1.5)
+    assert asked == [(1, 0.5)] * 4 * PAIRS  # one window each, alternating
+    # noise that makes a byte cheaper in a step than in a loop is not believed: at least 1
+    assert run_ranks(_bytes_in_step, 2, pairs(lambda k: 0.038), False, timeout=120)[0][0] == 1.0
+
+
+def test_a_steps_collectives_pay_the_in_step_price_per_byte_by_hand():
+    """``step_bytes`` multiplies β and γ of every collective and message a plan prices; α and κ stay."""
+    t = replace(topo(), step_bytes=2.0)
+    assert t.collective_link(2) == CostModel(1e-3, 2e-6, 0.0) and t.link == CostModel(1e-3, 1e-6, 0.0)
+    kit = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), tiny_profile(), replace(t, call_s={"ddp-kit": 7e-4}))
+    # the ring over 2 ranks sends half of the 4440 gradient bytes each way: 2 (α + 2 · 1e-6 · 2220), and κ
+    assert kit.time["communication"] == pytest.approx(2 * (1e-3 + 2 * 2220e-6) + 7e-4)
+    two = Topology("two", 4, CostModel(1e-4, 1e-9, 1e-10), 1.0, nodes=2, inter=CostModel(1e-3, 1e-8, 0.0),
+                   step_bytes=1.5)
+    inside, across = (astuple(two.collective_link(n)) for n in (2, 4))
+    assert inside == pytest.approx((1e-4, 1.5e-9, 1.5e-10)) and across == pytest.approx((1e-3, 1.5e-8, 0.0))
 
 
 def _sleepy_per_call(env, quantile):

@@ -4,7 +4,10 @@ A message of ``n`` bytes over a link costs ``alpha + beta · n``; reducing ``n``
 (:class:`labkit.collectives.cost.CostModel`). A collective launched *between computations*, as a training step
 launches them, also costs ``launch`` (κ) seconds: the rank that arrives first sleeps in its wait and must be
 woken and scheduled again when its peer's data comes, which on a busy CPU means queueing behind other
-processes. The α-β fit, whose ranks exchange messages in a tight loop, does not see it. Three shapes:
+processes. The α-β fit, whose ranks exchange messages in a tight loop, does not see it; nor that a byte sent
+from a step, after a forward and backward filled the caches, costs ``step_bytes`` times what it costs in that loop
+(:func:`labkit.advisor.calibrate.bytes_in_step`): the collectives of a plan are priced with β and γ times that.
+Three shapes:
 
 * :meth:`Topology.local` — N gloo ranks on this machine: the link is fitted by the collectives benchmark
   (``labkit allreduce bench --out DIR`` writes ``"cost-model"`` records) or measured on the spot with the
@@ -40,6 +43,8 @@ class Topology:
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
         launch_s: κ, seconds every collective or message launched between computations costs on top of its
             α-β price (0 on GPUs, where the host does not wait for it).
+        step_bytes: ``f``, what a byte of a collective in a training step costs over a byte in the fit's tight
+            loop (1 on GPUs and hand-made topologies); :meth:`collective_link` applies it.
         call_s: measured seconds per collective in a training step (keys :data:`CALL_KEYS`:
             ZeRO stages and ZeRO's buffer broadcasts, FSDP, DDP, tensor parallelism, and the pipeline
             schedule's price per micro-batch and stage;
@@ -58,6 +63,7 @@ class Topology:
     compute_scale: float = 1.0
     launch_s: float = 0.0
     call_s: dict = field(default_factory=dict)
+    step_bytes: float = 1.0
 
     def __post_init__(self):
         if self.ranks < 1:
@@ -72,9 +78,11 @@ class Topology:
         return max(1.0, processes / self.cores) if self.device == "cpu" else 1.0
 
     def collective_link(self, ranks: int) -> CostModel:
-        """The link a collective over the first ``ranks`` ranks is limited by (the slowest level it crosses)."""
+        """The link a collective of a training step over the first ``ranks`` ranks is limited by (the slowest
+        level it crosses), its β and γ times :attr:`step_bytes`."""
         per_node = -(-self.ranks // self.nodes)
-        return self.inter if self.inter is not None and ranks > per_node else self.link
+        link = self.inter if self.inter is not None and ranks > per_node else self.link
+        return in_step(link, self.step_bytes)
 
     def with_memory(self, gigabytes: float | None) -> Topology:
         return self if gigabytes is None else replace(self, memory_bytes=gigabytes * GB)
@@ -86,20 +94,21 @@ class Topology:
         (``refresh``: measured now even if cached; ``rounds``: the median of that many fits)."""
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        launch, call = 0.0, {}
+        launch, call, factor = 0.0, {}, 1.0
         if link is None and links_from:
-            link, launch, call = read_fit(links_from, ranks)
-            launch = launch or 0.0  # `labkit allreduce bench` measures neither κ nor the per-collective prices
+            link, launch, call, factor = read_fit(links_from, ranks)
+            # `labkit allreduce bench` measures neither κ, nor the per-collective prices, nor f
+            launch, factor = launch or 0.0, factor or 1.0
         elif link is None and not refresh:
-            link, launch, call = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
-            # a cache from before κ, or before one of the prices was calibrated, is measured again
-            if launch is None or call is None or not CALL_KEYS <= set(call):
+            link, launch, call, factor = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
+            # a cache from before κ, f, or one of the prices was calibrated, is measured again
+            if launch is None or factor is None or call is None or not CALL_KEYS <= set(call):
                 link = None
         if link is None:
-            link, launch, call = measure_link(ranks, Path(cache) / f"links-{ranks}", rounds)
+            link, launch, call, factor = measure_link(ranks, Path(cache) / f"links-{ranks}", rounds)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1,
-                   launch_s=launch, call_s=call or {})
+                   launch_s=launch, call_s=call or {}, step_bytes=factor)
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
@@ -114,10 +123,15 @@ class Topology:
                    True, compute_scale)
 
 
-def read_fit(path: str | Path, ranks: int,
-             required: bool = True) -> tuple[CostModel | None, float | None, dict[str, float] | None]:
-    """``(α-β-γ fit, κ, per-collective prices)`` for ``ranks`` ranks from a run with ``"cost-model"`` records;
-    κ and the prices are None where the run did not measure them."""
+def in_step(link: CostModel, factor: float) -> CostModel:
+    """``link`` with β and γ times ``factor``: what its bytes cost when a training step sends them."""
+    return link if factor == 1.0 else CostModel(link.alpha, link.beta * factor, link.gamma * factor)
+
+
+def read_fit(path: str | Path, ranks: int, required: bool = True
+             ) -> tuple[CostModel | None, float | None, dict[str, float] | None, float | None]:
+    """``(α-β-γ fit, κ, per-collective prices, f)`` for ``ranks`` ranks from a run with ``"cost-model"`` records;
+    κ, the prices and f (``step_bytes``) are None where the run did not measure them."""
     from labkit.results import load_run
 
     try:
@@ -125,17 +139,18 @@ def read_fit(path: str | Path, ranks: int,
     except (FileNotFoundError, ValueError) as exc:
         if required:
             raise ConfigError(f"--links {path}: {exc}; write one with `labkit allreduce bench --out {path}`") from None
-        return None, None, None
+        return None, None, None, None
     fits = {r["world_size"]: r for r in run.records_of("cost-model")}
     if ranks not in fits:
         if ranks == 1:
-            return CostModel(0.0, 0.0, 0.0), 0.0, {}
+            return CostModel(0.0, 0.0, 0.0), 0.0, {}, 1.0
         if required:
             raise ConfigError(f"--links {path} has fits for {sorted(fits)} rank(s), not {ranks}; "
                               f"run `labkit allreduce bench --ranks {ranks} --out {path}`")
-        return None, None, None
+        return None, None, None, None
     fit = fits[ranks]
-    return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)), fit.get("launch"), fit.get("call")
+    return (CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)), fit.get("launch"), fit.get("call"),
+            fit.get("step_bytes"))
 
 
 #: the per-collective prices :mod:`labkit.advisor.calibrate` measures (a cache missing one is measured again)
@@ -179,13 +194,15 @@ def _fit_rank(env):
       what a step pays beyond the quiet α is κ's and the calibration's part);
     * κ = (a small computation + a 4-byte all-reduce) − the computation alone − the all-reduce alone, back to
       back (the tight loop the α-β fit sees);
+    * f (``step_bytes``): a byte's price in a step over its price in that loop
+      (:func:`labkit.advisor.calibrate.bytes_in_step`);
     * the price per collective in a step of ZeRO, FSDP, DDP and tensor parallelism, and per micro-batch and stage
       of the pipeline schedule (:mod:`labkit.advisor.calibrate`).
     """
     import torch
     import torch.distributed as dist
 
-    from labkit.advisor.calibrate import calibrate_rank
+    from labkit.advisor.calibrate import bytes_in_step, calibrate_rank
     from labkit.collectives.cost import fit_cost_model
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
@@ -202,25 +219,26 @@ def _fit_rank(env):
 
     work_s, alone_s = _per_call(work), _per_call(lambda: dist.all_reduce(tiny))
     launch = max(0.0, _per_call(both) - work_s - alone_s)
-    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "p2p": points,
-            "call": calibrate_rank(env, model, _per_call)}
+    factor = bytes_in_step(_per_call)
+    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "step_bytes": factor,
+            "p2p": points, "call": calibrate_rank(env, in_step(model, factor), _per_call)}  # bytes at a step's price
 
 
 def median_fit(fits: list[dict]) -> dict:
-    """One fit from several rounds: the median of each number (α, β, γ, κ and every calibrated price); the
+    """One fit from several rounds: the median of each number (α, β, γ, κ, f and every calibrated price); the
     first round's measured points. A round caught in one of the machine's slow spells moves no median."""
     import statistics
 
-    out = {key: statistics.median(f[key] for f in fits) for key in ("alpha", "beta", "gamma", "launch")}
+    out = {key: statistics.median(f[key] for f in fits) for key in ("alpha", "beta", "gamma", "launch", "step_bytes")}
     out["call"] = {key: statistics.median(f["call"][key] for f in fits) for key in fits[0]["call"]}
     return {**out, "p2p": fits[0]["p2p"], "rounds": len(fits)}
 
 
-def measure_link(ranks: int, out: Path, rounds: int = 1) -> tuple[CostModel, float, dict[str, float]]:
-    """Fit α-β-γ and κ and calibrate the sharded strategies on ``ranks`` spawned gloo ranks now (``rounds``
+def measure_link(ranks: int, out: Path, rounds: int = 1) -> tuple[CostModel, float, dict[str, float], float]:
+    """Fit α-β-γ, κ and f and calibrate the sharded strategies on ``ranks`` spawned gloo ranks now (``rounds``
     times, each number the median: :func:`median_fit`); cache them at ``out`` (the bench's record format)."""
     if ranks == 1:
-        return CostModel(0.0, 0.0, 0.0), 0.0, {}
+        return CostModel(0.0, 0.0, 0.0), 0.0, {}, 1.0
     from labkit.results import RunWriter
     from labkit.testing import run_ranks
 
@@ -228,5 +246,6 @@ def measure_link(ranks: int, out: Path, rounds: int = 1) -> tuple[CostModel, flo
     writer = RunWriter(out)
     writer.log({"kind": "cost-model", "world_size": ranks, **fit})
     writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {"alpha": fit["alpha"], "beta": fit["beta"],
-                                                                     "launch": fit["launch"], "call": fit["call"]})
-    return CostModel(fit["alpha"], fit["beta"], fit["gamma"]), fit["launch"], fit["call"]
+                                                                     "launch": fit["launch"], "call": fit["call"],
+                                                                     "step_bytes": fit["step_bytes"]})
+    return CostModel(fit["alpha"], fit["beta"], fit["gamma"]), fit["launch"], fit["call"], fit["step_bytes"]
