@@ -51,17 +51,19 @@ more of its convolutions, so stage 0 is the slowest), ``c_j = 2·(α + β·n_cut
 alike (2 gloo ranks, 2 rounds, the same formula: the chain 0.10–0.42, 0.70–0.88, 1.07–1.28 ms at m = 2, 4, 8;
 LeNet cut ``[3, 9]`` 0.39–0.48, 0.95–1.15, 0.65–0.92 ms), so one price taken at ``m = 4`` put LeNet's ``m = 2``
 pipeline 20 % high: it is measured at each ``m`` and :func:`labkit.advisor.cost.pipeline_overhead` interpolates.
-A byte costs more in a step, too. The α-β fit sends messages back to back, its buffers warm in the caches; a
-training step launches its collectives after a forward and backward that filled the caches with activations, and
-the bytes of a large all-reduce then cost more each (2 gloo ranks, one thread each, ``dist.all_reduce`` right after
-AlexNet-small's step on 32 samples against the same all-reduce in a loop, 2 rounds: 4 MB 5.7–6.1 ms vs 3.7–4.2,
-8 MB 10.4–12.1 ms vs 7.4–8.3, 16 MB 18.4–19.4 ms vs 14.5–14.7). So the topology keeps a factor ``f`` on β and γ for
-whatever a step sends (:func:`bytes_in_step`, ``Topology.step_bytes``): the slope in bytes of an all-reduce after
-the chain's step, over its slope in a loop, between two sizes (so that κ and α, the fixed part, cancel):
+A byte costs more in a step, too. The α-β fit sends point-to-point messages of at most 1 MB back to back, its
+buffers warm in the caches; a training step launches its collectives after a forward and backward that filled the
+caches with activations, and the bytes of a large all-reduce then cost more each (2 gloo ranks, one thread each,
+``dist.all_reduce`` right after AlexNet-small's step on 32 samples against the same all-reduce in a loop, 2
+rounds: 4 MB 5.7–6.1 ms vs 3.7–4.2, 8 MB 10.4–12.1 ms vs 7.4–8.3, 16 MB 18.4–19.4 ms vs 14.5–14.7); even in a
+loop an 8 MB all-reduce (6.6–7.0 ms) costs more than the fit prices it (5.5 ms). So the topology keeps a factor
+``f`` on β and γ for whatever a step sends (:func:`bytes_in_step`, ``Topology.step_bytes``): the slope in bytes of
+an all-reduce after the chain's step over the fit's slope, between two sizes (κ and α, the fixed part, cancel):
 
-    f = (T(step + AR(n₂)) − T(step + AR(n₁))) / (T(AR(n₂)) − T(AR(n₁))),   n₁ = 1 MB, n₂ = 8 MB
+    f = (T(step + AR(n₂)) − T(step + AR(n₁))) / (AR_fit(n₂) − AR_fit(n₁)),   n₁ = 1 MB, n₂ = 8 MB
 
-(4 rounds on 2 ranks: 1.20, 1.59, 1.76, 1.51). The prices above subtract the bytes they counted at that price.
+(15 alternating pairs of windows, the median of their differences). The prices above subtract the bytes they
+counted at that price.
 Run once per topology, inside the ranks that fit the link (:func:`labkit.advisor.topology.measure_link`).
 """
 from __future__ import annotations
@@ -177,14 +179,14 @@ def calibrate_rank(env, link, per_call) -> dict[str, float]:
 
 
 STEP_BYTES = (1 << 20, 8 << 20)  # n₁, n₂: the all-reduces whose slope in bytes gives f
-PAIRS = 15                       # windows of n₂ and n₁ alternating, in a loop and after the step
+PAIRS = 15                       # windows of the step with n₂ and with n₁, alternating
 
 
-def bytes_in_step(per_call) -> float:
-    """``f`` (see the module's docstring): how many times a byte of a collective launched right after a training
-    step costs what it costs in a tight loop, at least 1. Timed in this order: the all-reduce of ``n₁`` and of
-    ``n₂`` bytes back to back (the median of 9 windows), then the chain's plain step followed by each (the lower
-    quartile of 9 windows, as every step here)."""
+def bytes_in_step(per_call, link, ranks: int) -> float:
+    """``f`` (see the module's docstring): how many times the α-β-γ fit's price a byte of a collective launched
+    right after a training step costs, at least 1. The chain's plain step followed by an all-reduce of ``n₂``
+    and of ``n₁`` bytes, one window each, alternating (the median of the pairs' differences), over the fit's price
+    of the same bytes on a ring (``link``: the fit; ``ranks``: this group's size)."""
     import torch.distributed as dist
 
     x, y = torch.randn(BATCH, CHANNELS, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
@@ -198,12 +200,10 @@ def bytes_in_step(per_call) -> float:
         opt.step()
 
     step()  # warm-up: allocations, momentum buffers
-    hot, cold = [], []
-    for _ in range(PAIRS):  # each pair's two windows a moment apart: a slow spell moves both
-        hot.append(per_call(lambda: dist.all_reduce(large), 10, 1) - per_call(lambda: dist.all_reduce(small), 10, 1))
-        cold.append(per_call(lambda: (step(), dist.all_reduce(large)), 3, 1)
-                    - per_call(lambda: (step(), dist.all_reduce(small)), 3, 1))
-    return max(1.0, statistics.median(cold) / max(1e-12, statistics.median(hot)))
+    measured = [per_call(lambda: (step(), dist.all_reduce(large)), 3, 1)
+                - per_call(lambda: (step(), dist.all_reduce(small)), 3, 1) for _ in range(PAIRS)]
+    priced = ring_bytes_time(STEP_BYTES[1], ranks, link) - ring_bytes_time(STEP_BYTES[0], ranks, link)
+    return max(1.0, statistics.median(measured) / max(1e-12, priced))
 
 
 def _broadcast_price(model: nn.Module, per_call) -> float:

@@ -9,7 +9,8 @@ Notation (per optimizer step, global batch ``B``):
 * ``AR(n, algo, p)`` the all-reduce of ``n`` bytes over ``p`` ranks priced from the kit's schedule counts:
   ``Σ_steps α·m_s + β·b_s + γ·r_s + κ`` (:meth:`labkit.collectives.cost.CostModel.predict`);
   ``msg(n) = α + β·n + κ`` one point-to-point message; ``κ`` what every collective or message launched
-  between computations costs on top (:class:`labkit.advisor.topology.Topology`'s ``launch_s``);
+  between computations costs on top (:class:`labkit.advisor.topology.Topology`'s ``launch_s``); β and γ are a
+  step's: ``f`` × the tight-loop fit's (``Topology.step_bytes``; ``Topology.collective_link`` applies it);
 * ``u`` optimizer seconds per parameter byte, ``d`` loading seconds per sample (measured by the profile;
   the loss is inside ``T``, which the profile scales to whole measured bare steps).
 

@@ -4,10 +4,10 @@ A message of ``n`` bytes over a link costs ``alpha + beta · n``; reducing ``n``
 (:class:`labkit.collectives.cost.CostModel`). A collective launched *between computations*, as a training step
 launches them, also costs ``launch`` (κ) seconds: the rank that arrives first sleeps in its wait and must be
 woken and scheduled again when its peer's data comes, which on a busy CPU means queueing behind other
-processes. The α-β fit, whose ranks exchange messages in a tight loop, does not see it; nor that a byte sent
-from a step, after a forward and backward filled the caches, costs ``step_bytes`` times what it costs in that loop
-(:func:`labkit.advisor.calibrate.bytes_in_step`): the collectives of a plan are priced with β and γ times that.
-Three shapes:
+processes. The α-β fit, whose ranks exchange messages of at most 1 MB in a tight loop, does not see it; nor that
+a byte of a large collective sent from a step, after a forward and backward filled the caches, costs
+``step_bytes`` times what the fit prices it (:func:`labkit.advisor.calibrate.bytes_in_step`): a plan's
+collectives are priced with β and γ times that. Three shapes:
 
 * :meth:`Topology.local` — N gloo ranks on this machine: the link is fitted by the collectives benchmark
   (``labkit allreduce bench --out DIR`` writes ``"cost-model"`` records) or measured on the spot with the
@@ -43,8 +43,8 @@ class Topology:
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
         launch_s: κ, seconds every collective or message launched between computations costs on top of its
             α-β price (0 on GPUs, where the host does not wait for it).
-        step_bytes: ``f``, what a byte of a collective in a training step costs over a byte in the fit's tight
-            loop (1 on GPUs and hand-made topologies); :meth:`collective_link` applies it.
+        step_bytes: ``f``, what a byte of a collective in a training step costs over the fit's price of it (1 on
+            GPUs and hand-made topologies); :meth:`collective_link` applies it.
         call_s: measured seconds per collective in a training step (keys :data:`CALL_KEYS`:
             ZeRO stages and ZeRO's buffer broadcasts, FSDP, DDP, tensor parallelism, and the pipeline
             schedule's price per micro-batch and stage;
@@ -194,7 +194,7 @@ def _fit_rank(env):
       what a step pays beyond the quiet α is κ's and the calibration's part);
     * κ = (a small computation + a 4-byte all-reduce) − the computation alone − the all-reduce alone, back to
       back (the tight loop the α-β fit sees);
-    * f (``step_bytes``): a byte's price in a step over its price in that loop
+    * f (``step_bytes``): a byte's price in a step over the fit's price of it
       (:func:`labkit.advisor.calibrate.bytes_in_step`);
     * the price per collective in a step of ZeRO, FSDP, DDP and tensor parallelism, and per micro-batch and stage
       of the pipeline schedule (:mod:`labkit.advisor.calibrate`).
@@ -219,7 +219,7 @@ def _fit_rank(env):
 
     work_s, alone_s = _per_call(work), _per_call(lambda: dist.all_reduce(tiny))
     launch = max(0.0, _per_call(both) - work_s - alone_s)
-    factor = bytes_in_step(_per_call)
+    factor = bytes_in_step(_per_call, model, env.world_size)
     return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "step_bytes": factor,
             "p2p": points, "call": calibrate_rank(env, in_step(model, factor), _per_call)}  # bytes at a step's price
 
