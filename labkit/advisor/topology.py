@@ -225,11 +225,15 @@ def _fit_rank(env):
 
 
 def median_fit(fits: list[dict]) -> dict:
-    """One fit from several rounds: the median of each number (α, β, γ, κ, f and every calibrated price); the
-    first round's measured points. A round caught in one of the machine's slow spells moves no median."""
+    """One fit from several rounds: the median of each number (α, β, γ, κ and every calibrated price); the
+    first round's measured points. A round caught in one of the machine's slow spells moves no median. What a
+    round measures in a step is a byte's price, ``f·β`` (f is that over its own β): its median over the median β
+    gives f (at least 1)."""
     import statistics
 
-    out = {key: statistics.median(f[key] for f in fits) for key in ("alpha", "beta", "gamma", "launch", "step_bytes")}
+    out = {key: statistics.median(f[key] for f in fits) for key in ("alpha", "beta", "gamma", "launch")}
+    in_step = statistics.median(f["step_bytes"] * f["beta"] for f in fits)
+    out["step_bytes"] = max(1.0, in_step / out["beta"]) if out["beta"] > 0 else 1.0
     out["call"] = {key: statistics.median(f["call"][key] for f in fits) for key in fits[0]["call"]}
     return {**out, "p2p": fits[0]["p2p"], "rounds": len(fits)}
 
