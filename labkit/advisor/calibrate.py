@@ -123,6 +123,14 @@ def _time_step(env, model: nn.Module, x, y, criterion, per_call, calls: int, str
     The lower quartile, not the median: other programs only ever slow a window down, and a price is a difference
     of two steps (the strategy's less the plain one), so one slow spell in either moved it by 2× between fits
     (FSDP's price per collective 3.3 ms in one fit, 6.6 ms in another, minutes apart)."""
+    step = _step_fn(env, model, x, y, criterion, strategy, options)
+    step()  # warm-up: allocations
+    return per_call(step, calls, 9, 0.25)
+
+
+def _step_fn(env, model: nn.Module, x, y, criterion, strategy: str | None = None, options: dict | None = None):
+    """One training step of ``model`` on ``(x, y)`` (SGD with momentum), plain or under ``strategy``, as a
+    function to call: driven as :func:`labkit.train.fit` drives a strategy."""
     from labkit.optim import OptimizerSpec
     from labkit.strategies import get_strategy
 
@@ -143,8 +151,7 @@ def _time_step(env, model: nn.Module, x, y, criterion, per_call, calls: int, str
             strat.sync_gradients(model)
         opt.step()
 
-    step()  # warm-up: allocations
-    return per_call(step, calls, 9, 0.25)
+    return step
 
 
 def calibrate_rank(env, link, per_call) -> dict[str, float]:
@@ -190,15 +197,8 @@ def bytes_in_step(per_call, link, ranks: int) -> float:
     import torch.distributed as dist
 
     x, y = torch.randn(BATCH, CHANNELS, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
-    model, criterion = chain(), nn.CrossEntropyLoss()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    step = _step_fn(None, chain(), x, y, nn.CrossEntropyLoss())
     small, large = (torch.ones(n // 4) for n in STEP_BYTES)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        criterion(model(x), y).backward()
-        opt.step()
-
     step()  # warm-up: allocations, momentum buffers
     measured = [per_call(lambda: (step(), dist.all_reduce(large)), 3, 1)
                 - per_call(lambda: (step(), dist.all_reduce(small)), 3, 1) for _ in range(PAIRS)]

@@ -232,8 +232,8 @@ def median_fit(fits: list[dict]) -> dict:
     import statistics
 
     out = {key: statistics.median(f[key] for f in fits) for key in ("alpha", "beta", "gamma", "launch")}
-    in_step = statistics.median(f["step_bytes"] * f["beta"] for f in fits)
-    out["step_bytes"] = max(1.0, in_step / out["beta"]) if out["beta"] > 0 else 1.0
+    byte_price = statistics.median(f["step_bytes"] * f["beta"] for f in fits)
+    out["step_bytes"] = max(1.0, byte_price / out["beta"]) if out["beta"] > 0 else 1.0
     out["call"] = {key: statistics.median(f["call"][key] for f in fits) for key in fits[0]["call"]}
     return {**out, "p2p": fits[0]["p2p"], "rounds": len(fits)}
 
