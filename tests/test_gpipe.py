@@ -1,11 +1,15 @@
 """GPipe in one process (labkit.strategies.gpipe): the pipelined model computes what the unpartitioned one
 does, for every micro-batch count and checkpoint mode; balancing; bad input -> a clear ConfigError."""
 import copy
+import threading
 
 import pytest
 import torch
+import torchgpipe.pipeline
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchgpipe import GPipe
+from torchgpipe.worker import spawn_workers
 
 from labkit.cli import main as cli
 from labkit.dist import DistEnv
@@ -147,36 +151,68 @@ def test_labkit_train_gpipe_bad_balance_is_one_line_exit_2(tmp_path, capsys):
     assert len(err) == 1 and "--balance 1 1 sums to 2 but the model has 6 layers" in err[0]
 
 
-def test_cpu_tasks_run_on_the_calling_thread_and_equal_torchgpipes_own_worker_threads(monkeypatch):
-    """On CPU the pipeline's tasks run inline (no thread started per mini-batch); the result is bit-identical
-    to torchgpipe's own worker threads, for every checkpoint mode, over a few optimizer steps."""
-    import threading
+def on_threads(model: nn.Sequential) -> set:
+    """The threads ``model``'s second layer runs its forward on, filled in as it runs."""
+    threads = set()
+    model[1].register_forward_hook(lambda *_: threads.add(threading.get_ident()))
+    return threads
 
-    import torchgpipe.pipeline
-    from torchgpipe.worker import spawn_workers
 
-    from labkit.strategies import gpipe_workers
-
+def test_labkits_cpu_tasks_run_on_the_calling_thread_and_equal_a_plain_torchgpipe_after_it():
+    """labkit's pipeline runs its tasks inline (no thread started per mini-batch); a plain torchgpipe.GPipe
+    trained right after it in the same process runs on torchgpipe's worker threads, and the two end
+    bit-identical, for every checkpoint mode, over a few optimizer steps."""
     x, y = torch.randn(8, 1, 6, 6), torch.randint(0, 5, (8,))
     for checkpoint in ["always", "except_last", "never"]:
-        runs = {}
-        for mode in ["inline", "threads"]:
+        runs, threads = {}, {}
+        for kind in ["labkit", "torchgpipe"]:  # labkit's first: the plain one must not inherit its execution
             model = mlp()
-            pipe = make_gpipe(model, CPU2, chunks=4, checkpoint=checkpoint, balance=[3, 3])
-            if mode == "threads":
-                monkeypatch.setattr(torchgpipe.pipeline, "spawn_workers", spawn_workers)
-            threads = set()
-            model[1].register_forward_hook(lambda *_: threads.add(threading.get_ident()))
+            seen, threads[kind] = on_threads(model), set()
+            pipe = (make_gpipe(model, CPU2, chunks=4, checkpoint=checkpoint, balance=[3, 3]) if kind == "labkit"
+                    else GPipe(model, [3, 3], devices=CPU2, chunks=4, checkpoint=checkpoint))
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             for _ in range(3):
                 opt.zero_grad()
-                nn.functional.cross_entropy(pipe(x), y).backward()
+                loss = nn.functional.cross_entropy(pipe(x), y)
+                threads[kind] |= seen  # the forward's threads (backward recomputes on the calling thread)
+                loss.backward()
+                seen.clear()
                 opt.step()
-            assert (threads == {threading.get_ident()}) == (mode == "inline"), (mode, checkpoint)
-            runs[mode] = [p.detach().clone() for p in model.parameters()]
-            gpipe_workers.install()
-        for a, b in zip(runs["inline"], runs["threads"]):
+            runs[kind] = [p.detach().clone() for p in model.parameters()]
+        assert threads["labkit"] == {threading.get_ident()}, checkpoint
+        assert threads["torchgpipe"] and threading.get_ident() not in threads["torchgpipe"], checkpoint
+        for a, b in zip(runs["labkit"], runs["torchgpipe"]):
             assert torch.equal(a, b), checkpoint
+    assert torchgpipe.pipeline.spawn_workers is spawn_workers
+
+
+def test_torchgpipe_is_its_own_outside_labkits_forward_autocast_and_other_threads_included():
+    """Autocast is per thread: labkit's inline pipeline computes in the caller's bfloat16, a plain GPipe's
+    worker threads in float32, before and after labkit's ran. While a labkit forward is open on one thread,
+    a plain GPipe run by another thread still gets torchgpipe's workers."""
+    from labkit.strategies import gpipe_workers
+
+    x = torch.randn(4, 1, 6, 6)
+    labkit = make_gpipe(mlp(), CPU2, chunks=2, checkpoint="never", balance=[3, 3])
+    plain_model = mlp()
+    plain = GPipe(plain_model, [3, 3], devices=CPU2, chunks=2)
+    with torch.autocast("cpu", torch.bfloat16):
+        dtypes = [plain(x).dtype, labkit(x).dtype, plain(x).dtype]
+    assert dtypes == [torch.float32, torch.bfloat16, torch.float32]
+    assert torchgpipe.pipeline.spawn_workers is spawn_workers
+
+    threads, caller = on_threads(plain_model), []
+
+    def run_plain():
+        caller.append(threading.get_ident())
+        plain(x)
+
+    with gpipe_workers.inline_tasks():
+        other = threading.Thread(target=run_plain)
+        other.start()
+        other.join()
+    assert len(threads) == 1 and threads.isdisjoint({threading.get_ident(), *caller})
+    assert torchgpipe.pipeline.spawn_workers is spawn_workers
 
 
 def test_an_error_inside_a_partition_surfaces_and_the_pipeline_still_works_after_it():
@@ -184,12 +220,13 @@ def test_an_error_inside_a_partition_surfaces_and_the_pipeline_still_works_after
     pipe = make_gpipe(model, CPU2, chunks=2, checkpoint="never", balance=[3, 3])
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         pipe(torch.randn(4, 1, 5, 5))  # 25 features where the Linear takes 36
+    assert torchgpipe.pipeline.spawn_workers is spawn_workers  # put back on the way out of the error too
     reference = copy.deepcopy(mlp())
     x = torch.randn(4, 1, 6, 6)
     torch.testing.assert_close(pipe(x), reference(x), atol=1e-6, rtol=1e-5)
 
 
-def test_a_pipeline_with_a_gpu_keeps_torchgpipes_worker_threads(monkeypatch):
+def test_a_pipeline_with_a_gpu_or_outside_labkits_forward_keeps_torchgpipes_worker_threads(monkeypatch):
     from contextlib import contextmanager
 
     from labkit.strategies import gpipe_workers
@@ -203,8 +240,11 @@ def test_a_pipeline_with_a_gpu_keeps_torchgpipes_worker_threads(monkeypatch):
 
     monkeypatch.setattr(gpipe_workers, "spawn_workers", threads)
     gpu = [torch.device("cpu"), torch.device("cuda", 0)]
-    with gpipe_workers._workers(gpu) as queues:
+    with gpipe_workers._workers(CPU2) as queues:
         assert queues == "queues"
-    with gpipe_workers._workers(CPU2) as (ins, outs):
-        assert all(isinstance(q, gpipe_workers.InlineWorker) for q in ins + outs)
-    assert seen == [gpu]
+    with gpipe_workers.inline_tasks():
+        with gpipe_workers._workers(CPU2) as (ins, outs):
+            assert all(isinstance(q, gpipe_workers.InlineWorker) for q in ins + outs)
+        with gpipe_workers._workers(gpu) as queues:
+            assert queues == "queues"
+    assert seen == [CPU2, gpu]

@@ -20,9 +20,10 @@ How the partitions are chosen (``--balance`` by hand, otherwise measured on the 
   bytes autograd saves for backward while the layer runs one micro-batch (counted with saved-tensor hooks).
 
 torchgpipe defaults to every CUDA device; labkit always passes ``devices`` (``P × cpu`` on CPU, where the
-partitions run one after another: a correct pipeline, but no overlap). On CPU the tasks run on the calling
-thread rather than on worker threads torchgpipe starts in every forward (:mod:`labkit.strategies.gpipe_workers`:
-a fresh thread's start-up made GPipe on CPU 1.3–2.2× slower than the same micro-batches run plainly).
+partitions run one after another: a correct pipeline, but no overlap). On CPU the tasks of labkit's pipelines
+(an :class:`~labkit.strategies.gpipe_workers.InlineGPipe`) run on the calling thread rather than on worker
+threads torchgpipe starts in every forward (a fresh thread's start-up made GPipe on CPU 1.3–2.2× slower than
+the same micro-batches run plainly); a plain ``torchgpipe.GPipe`` keeps torchgpipe's worker threads.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ from torchgpipe.balance.profile import profile_sizes, profile_times
 
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
-from labkit.strategies import gpipe_workers
 from labkit.strategies.base import Strategy
+from labkit.strategies.gpipe_workers import InlineGPipe
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 BALANCE_METHODS = ("time", "memory")
@@ -221,7 +222,8 @@ def compute_balance(method: str, partitions: int, model: nn.Sequential, batch: t
 def make_gpipe(model: nn.Module, devices: Sequence[str | torch.device], chunks: int = 4,
                checkpoint: str = "except_last", balance: Sequence[int] | None = None, balance_by: str = "time",
                sample: torch.Tensor | None = None, profile_seconds: float = 1.0) -> GPipe:
-    """Validate the configuration and wrap ``model`` in ``torchgpipe.GPipe``.
+    """Validate the configuration and wrap ``model`` in a ``torchgpipe.GPipe`` (an ``InlineGPipe``: on CPU its
+    tasks run on the calling thread).
 
     Args:
         model: an ``nn.Sequential``; its layers (same parameter objects) move to their partitions' devices.
@@ -244,8 +246,8 @@ def make_gpipe(model: nn.Module, devices: Sequence[str | torch.device], chunks: 
             raise ConfigError("give a balance (layers per partition) or a sample batch to measure one on")
         balance = compute_balance(balance_by, len(devices), model, sample, chunks, devices[0], profile_seconds)
     balance = check_balance(balance, len(model), devices)
-    gpipe_workers.install()  # CPU: tasks run on the calling thread, not a thread started per mini-batch
-    return GPipe(model, balance, devices=devices[:len(balance)], chunks=chunks, checkpoint=checkpoint)
+    # CPU: its tasks run on the calling thread, not on a thread started per mini-batch (only in this pipeline)
+    return InlineGPipe(model, balance, devices=devices[:len(balance)], chunks=chunks, checkpoint=checkpoint)
 
 
 class LazyGPipe(nn.Module):
