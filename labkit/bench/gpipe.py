@@ -5,12 +5,15 @@
     labkit bench gpipe point --chunks 4 --checkpoint never      # one sweep point (what sweep runs)
 
 ``compare``: the same model, balance, chunks and checkpoint mode; the trainer is ``labkit.train.fit`` with
-:class:`~labkit.strategies.gpipe.GPipeStrategy` and ``--loader``'s data path, the raw loop is the torchgpipe
-tutorial's loop over the dataset preloaded as one tensor, on the same ``GPipe`` (built by
-:func:`~labkit.strategies.gpipe.make_gpipe`; on CPU its tasks run on the calling thread, see
-:mod:`labkit.strategies.gpipe_workers`), so the ratio is the trainer's own cost. They alternate round by round
-(:mod:`labkit.bench.harness`); the result is the median of the per-round ratios labkit / raw (target >= 0.97),
-printed with their spread and the ratio of CPU seconds (robust when other jobs share the machine).
+:class:`~labkit.strategies.gpipe.GPipeStrategy` and ``--loader``'s data path, the raw loop (``raw``) is the
+torchgpipe tutorial's loop over the dataset preloaded as one tensor, on the same kind of pipeline (built by
+:func:`~labkit.strategies.gpipe.make_gpipe`: on CPU its tasks run on the calling thread, see
+:mod:`labkit.strategies.gpipe_workers`), so the ratio is the trainer's own cost. On CPU a third contender,
+``raw-threads``, runs the same loop on a plain ``torchgpipe.GPipe`` (torchgpipe's execution: a worker thread
+per device, started in every forward), what a script using torchgpipe directly gets; its ratio to ``raw`` is
+what the inline execution saves. They alternate round by round (:mod:`labkit.bench.harness`); the result is
+the median of the per-round ratios labkit / raw (target >= 0.97), printed with their spread and the ratio of
+CPU seconds (robust when other jobs share the machine).
 
 ``sweep``: every (chunks, checkpoint) point runs in a fresh process, so each peak memory is its own:
 on GPUs the largest ``max_memory_allocated`` over the partitions' devices; on CPU the process peak RSS
@@ -28,6 +31,7 @@ from itertools import product
 
 import torch
 from torch import nn
+from torchgpipe import GPipe
 
 from labkit.bench.harness import config_of, sync
 from labkit.strategies.gpipe import compute_balance, gpipe_devices, make_gpipe
@@ -110,16 +114,24 @@ def compare(args: argparse.Namespace) -> int:
     raw = make_gpipe(model(), devices, chunks, checkpoint, balance)
     contenders = {"labkit": labkit_fit(strategy.prepare(model()), loader, strategy, args.steps),
                   "raw": PlainLoop(raw, x, y.to(devices[-1]), args.batch_size, args.steps)}
+    cpu = all(d.type == "cpu" for d in raw.devices)
+    execution = dict.fromkeys(contenders, "inline (calling thread)" if cpu else "torchgpipe worker threads")
+    if cpu:  # on GPUs labkit's pipeline already is torchgpipe's: a third contender would repeat raw
+        threads = GPipe(model(), balance, devices=raw.devices, chunks=chunks, checkpoint=checkpoint)
+        contenders["raw-threads"] = PlainLoop(threads, x, y.to(devices[-1]), args.batch_size, args.steps)
+        execution["raw-threads"] = "torchgpipe worker threads (plain torchgpipe.GPipe)"
     writer = RunWriter(args.out)
     results = alternate(contenders, args.rounds, devices, log=writer.log)
     print(f"GPipe {args.model}, batch {args.batch_size}, {chunks} micro-batches, checkpoint {checkpoint}, "
           f"balance {balance} on {', '.join(map(str, devices))}")
     print(results.table("raw", TARGET))
+    print("execution: " + "; ".join(f"{name} {how}" for name, how in execution.items()))
     summary = results.summary("raw")
     writer.finish("bench-gpipe-compare", "bench", _config(args, balance),
                   {**summary, "labkit_samples_per_sec": summary["labkit"]["median_samples_per_sec"],
                    "raw_samples_per_sec": summary["raw"]["median_samples_per_sec"], "ratio": summary["labkit"]["ratio"],
-                   "samples_per_sec": summary["labkit"]["median_samples_per_sec"]}, DistEnv(device=device))
+                   "samples_per_sec": summary["labkit"]["median_samples_per_sec"], "execution": execution},
+                  DistEnv(device=device))
     print(f"results written to {args.out}/summary.json")
     return 0
 
