@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from labkit import data as kdata
+from labkit import dist as kdist
 from labkit import models as kmodels
 from labkit.dist import distributed, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
@@ -494,7 +495,7 @@ def run(cfg: TrainConfig) -> dict:
             print0(line)
         peak = torch.tensor([peak_memory_gb(strategy.devices())])
         if env.distributed:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            kdist.all_reduce(peak, op=dist.ReduceOp.MAX)
         last = history[-1] if history else {}
         metrics = {"samples_per_sec": last.get("samples_per_sec"), "peak_memory_gb": peak.item(),
                    "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
+from labkit import dist as kdist
 from labkit.dist import DistEnv
 from labkit.errors import CheckpointError
 
@@ -145,9 +145,7 @@ class Strategy:
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics tensor over every rank of the job (identity for one process)."""
         if self.env.distributed:
-            values = values.to(self.env.device)
-            dist.all_reduce(values)
-            values = values.cpu()
+            values = kdist.all_reduce(values).cpu()
         return values
 
     def close(self) -> None:

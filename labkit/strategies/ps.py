@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from labkit import dist as kdist
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError, OutputError
 from labkit.optim import OptimizerSpec
@@ -190,7 +191,7 @@ class ParameterServerStrategy(Strategy):
         model = model.to(self.env.device)
         with torch.no_grad():  # every rank starts from rank 0's weights
             for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor, src=0)
+                kdist.broadcast(tensor, src=0)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.owner = shard_tensors(self.params, self.num_servers)
         self.shards = [[p for p, o in zip(self.params, self.owner) if o == s] for s in range(self.num_servers)]
@@ -303,7 +304,7 @@ class ParameterServerStrategy(Strategy):
         with torch.no_grad():
             for s, shard in enumerate(self.shards):
                 flat = torch.nn.utils.parameters_to_vector(shard)
-                dist.broadcast(flat, src=s)
+                kdist.broadcast(flat, src=s)
                 torch.nn.utils.vector_to_parameters(flat, shard)
 
     def records(self) -> dict:

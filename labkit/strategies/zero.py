@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit import dist as kdist
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, broadcast_from_rank0
 
@@ -239,7 +240,7 @@ class ZeroStrategy(DataParallelStrategy):
         if self.env.distributed:  # buffers (e.g. batch-norm statistics) follow rank 0, as DDP does
             with torch.no_grad():
                 for b in model.buffers():
-                    dist.broadcast(b, src=0)
+                    kdist.broadcast(b, src=0)
         return super().forward_backward(model, x, y, criterion)
 
     def sync_gradients(self, model: nn.Module) -> None:
