@@ -26,6 +26,8 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from labkit.backends import ANY, auto_device
+from labkit.backends import check as check_backend
 from labkit.errors import ConfigError, DeviceError
 
 
@@ -150,7 +152,8 @@ def _cpu_threads(local_world_size: int) -> None:
 
 @contextmanager
 def distributed(device: str = "auto", backend: str | None = None, seed: int | None = 0,
-                timeout_s: float = 1800.0, environ: Mapping[str, str] | None = None) -> Iterator[DistEnv]:
+                timeout_s: float = 1800.0, environ: Mapping[str, str] | None = None,
+                strategy: str = ANY) -> Iterator[DistEnv]:
     """Set up the process group (if launched as several ranks), yield a :class:`DistEnv`, always tear down.
 
     Args:
@@ -159,17 +162,18 @@ def distributed(device: str = "auto", backend: str | None = None, seed: int | No
         seed: seeds every rank with the same value (identical initial weights); ``None`` skips seeding.
         timeout_s: collective timeout; a dead peer makes the others fail after this long, not hang.
         environ: variables to read instead of ``os.environ`` (tests).
+        strategy: the strategy's key in :mod:`labkit.backends`' table (``labkit.backends.key``); a backend and
+            device it refuses raise :class:`DeviceError` before the group starts.
     """
     environ = os.environ if environ is None else environ
     info = launch_info(environ)
     local_rank = info["local_rank"] if info else 0
-    dev = resolve_device(device, local_rank)
+    if backend not in (None, "nccl", "gloo"):
+        raise ConfigError(f"unknown backend {backend!r}; use nccl (GPUs) or gloo (CPU)")
+    dev = resolve_device(auto_device(strategy, backend, device), local_rank)
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ConfigError(f"unknown backend {backend!r}; use nccl (GPUs) or gloo (CPU)")
-    if backend == "nccl" and dev.type != "cuda":
-        raise DeviceError("backend nccl needs GPUs but the device is cpu; use --backend gloo on CPU nodes")
+    check_backend(strategy, backend, dev.type)
     if info is not None and str(device) in ("auto", "cuda"):  # a GPU picked by local rank
         check_gpu_per_rank(backend, dev, info["local_world_size"], environ)
     if dev.type == "cuda":

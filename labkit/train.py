@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from labkit import backends
 from labkit import data as kdata
 from labkit import dist as kdist
 from labkit import models as kmodels
@@ -422,7 +423,8 @@ def run(cfg: TrainConfig) -> dict:
     make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
     if cfg.base_lr is None:
         cfg.base_lr = kmodels.default_lr(cfg.model)
-    with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s) as env:
+    with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
+                     strategy=backends.key(cfg.strategy, cfg.strategy_options)) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size

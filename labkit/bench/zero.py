@@ -67,7 +67,7 @@ def _worker(args: argparse.Namespace) -> int:
     from labkit.strategies.sharding_measure import CONTENDERS, held_bytes
     from labkit.train import fit
 
-    with distributed(args.device) as env:
+    with distributed(args.device, strategy="zero") as env:
         info = data.dataset_info(args.dataset)
         train_set = data.get_dataset(args.dataset, train=True)
         runs, psi = {}, 0

@@ -51,6 +51,8 @@ from torch import nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from labkit import dist as kdist
+from labkit.backends import check as check_backend
+from labkit.backends import key
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError, OutputError
 from labkit.optim import OptimizerSpec
@@ -140,9 +142,8 @@ class ParameterServerStrategy(Strategy):
         if self.slow is not None and self.slow[0] not in self.workers:
             raise ConfigError(f"--ps-slow-worker rank {self.slow[0]} is not a worker; workers are ranks "
                               f"{self.workers[0]}..{self.workers[-1]}")
-        if self.mode != "sync" and env.backend == "nccl":
-            raise ConfigError(f"--ps-mode {self.mode} receives pushes from any worker, which NCCL cannot do; "
-                              "use --backend gloo (CPU tensors) or --ps-mode sync")
+        if env.backend is not None:  # labkit train checked this already; a strategy built by hand is checked here
+            check_backend(key("ps", self.options), env.backend, env.device.type)
         if self.options.get("ps_record"):  # written after training: an unwritable path fails now instead
             try:
                 check_writable(self.options["ps_record"])
