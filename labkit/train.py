@@ -37,6 +37,7 @@ from labkit.optim import OptimizerSpec
 from labkit.preempt import Preempted, StopSignals, clear_marker, write_marker
 from labkit.precision import autocast, check_amp, to_channels_last
 from labkit.results import RunWriter, atomic_write, make_dirs
+from labkit.rng import cuda_rng_states, restore_cuda_rng
 from labkit.strategies import Strategy, get_strategy
 from labkit.tensor_data import LOADERS, TensorLoader, load_split
 
@@ -281,8 +282,7 @@ def epoch_position(step: int, totals: torch.Tensor, strategy: Strategy) -> dict:
 
     The shuffle needs no state: each epoch reseeds it from (seed, epoch), and resuming skips ``step`` batches.
     """
-    mine = {"rng": torch.get_rng_state(), "totals": totals.cpu(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    mine = {"rng": torch.get_rng_state(), "totals": totals.cpu(), "cuda_rng": cuda_rng_states(strategy.devices())}
     ranks = [mine]
     if strategy.env.distributed:
         ranks = [None] * strategy.env.world_size
@@ -296,8 +296,9 @@ def _resume_position(batches, position: dict, totals: torch.Tensor, rank: int) -
     for _ in range(position["step"]):
         next(batches)
     torch.set_rng_state(position["rng"][rank])
-    if position["cuda_rng"][rank]:
-        torch.cuda.set_rng_state_all(position["cuda_rng"][rank])
+    left_out = restore_cuda_rng(position["cuda_rng"][rank])
+    if left_out:
+        print0(f"the checkpoint's random state of GPU(s) {left_out} is not restored: this node does not see them")
     totals.copy_(position["totals"][rank])
     return position["step"]
 

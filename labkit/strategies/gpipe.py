@@ -38,7 +38,7 @@ from torchgpipe.balance import balance_cost
 from torchgpipe.balance.profile import profile_sizes, profile_times
 
 from labkit.dist import DistEnv, print0
-from labkit.errors import ConfigError
+from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies import gpipe_workers
 from labkit.strategies.base import Strategy
 
@@ -316,6 +316,20 @@ class GPipeStrategy(Strategy):
         if model.pipe is None:
             check_chunks(self.chunks, len(x))  # later batches may be smaller: GPipe then uses fewer chunks
         return super().forward_backward(model, x, y, criterion)
+
+    def placement(self, model: nn.Module) -> dict:
+        return {"balance": list(self.balance)} if self.balance else {}
+
+    def place(self, model: nn.Module, state: dict) -> None:
+        """Partition now, by ``--balance`` or the checkpoint's, rather than on the first batch after the load."""
+        if model.pipe is not None:
+            return
+        balance = self.balance or state.get("balance")
+        if not balance:
+            raise CheckpointError("it does not say how the layers were partitioned (no balance); resume with "
+                                  "--balance as the first run printed it, or start without --resume")
+        self.balance = [int(b) for b in balance]
+        model.pipe = self._build(model.sequential, None)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.sequential
