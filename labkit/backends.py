@@ -13,6 +13,8 @@ or ssp                                          pushes first, which NCCL cannot 
 ps, --ps-mode async    gloo         cuda        refused; ``--device auto`` picks the CPU
 or ssp
 zero                   gloo         cuda        refused; ``--device auto`` picks the CPU
+ddp, --allreduce ring  gloo         cuda        refused (labkit's schedules send point to point);
+or another schedule                             ``--device auto`` picks the CPU
 everything else        gloo         cuda        runs: labkit.dist's helpers move each collective's
                                                 tensors to the CPU and back
 =====================  ===========  ==========  ====================================================
@@ -35,13 +37,20 @@ REFUSED: list[tuple[tuple[str, ...] | str, str, str, str]] = [
                                "tensors only; use --device cpu (or leave --device auto), or --ps-mode sync"),
     (("zero",), "gloo", "cuda", "--strategy zero's all-gathers and reduce-scatters run on CPU tensors only under "
                                 "gloo; use --backend nccl on GPUs, or --device cpu (or leave --device auto)"),
+    (("ddp-schedule",), "gloo", "cuda", "labkit's --allreduce schedules send and receive point to point, which gloo "
+                                        "does on CPU tensors only; use --backend nccl on GPUs, --allreduce native, "
+                                        "or --device cpu (or leave --device auto)"),
 ]
 
 
 def key(strategy: str, options: dict | None = None) -> str:
-    """The table's name for ``strategy`` with these options (``ps`` by its mode: ``ps-sync``, ``ps-async``...)."""
+    """The table's name for ``strategy`` with these options: ``ps`` by its mode (``ps-sync``, ``ps-async``,
+    ``ps-ssp``), ``ddp`` with one of labkit's all-reduce schedules ``ddp-schedule``."""
+    options = options or {}
     if strategy == "ps":
-        return f"ps-{(options or {}).get('ps_mode') or 'sync'}"
+        return f"ps-{options.get('ps_mode') or 'sync'}"
+    if strategy == "ddp" and (options.get("allreduce") or "ddp") not in ("ddp", "native"):
+        return "ddp-schedule"
     return strategy
 
 

@@ -12,7 +12,7 @@ from labkit.errors import DeviceError
 
 @pytest.mark.parametrize("strategy, options, table_key", [
     ("ps", {}, "ps-sync"), ("ps", {"ps_mode": "ssp"}, "ps-ssp"), ("zero", {"zero_stage": 3}, "zero"),
-    ("ddp", {}, "ddp")])
+    ("ddp", {}, "ddp"), ("ddp", {"allreduce": "native"}, "ddp"), ("ddp", {"allreduce": "ring"}, "ddp-schedule")])
 def test_key(strategy, options, table_key):
     assert backends.key(strategy, options) == table_key
 
@@ -20,7 +20,8 @@ def test_key(strategy, options, table_key):
 @pytest.mark.parametrize("table_key, backend, device, refused", [
     ("ddp", "nccl", "cpu", "backend nccl needs GPUs"), ("ps-async", "nccl", "cuda", "--ps-mode async receives"),
     ("ps-ssp", "nccl", "cuda", "--ps-mode ssp receives"), ("ps-async", "gloo", "cuda", "--ps-mode async sends"),
-    ("zero", "gloo", "cuda", "--strategy zero's all-gathers"),
+    ("zero", "gloo", "cuda", "--strategy zero's all-gathers"), ("ddp-schedule", "gloo", "cuda", "labkit's --allreduce"),
+    ("ddp-schedule", "nccl", "cuda", None),
     ("ps-sync", "nccl", "cuda", None), ("ps-async", "gloo", "cpu", None), ("zero", "nccl", "cuda", None),
     ("zero", "gloo", "cpu", None), ("ddp", "gloo", "cuda", None), ("fsdp", "nccl", "cuda", None)])
 def test_table(table_key, backend, device, refused):
