@@ -41,6 +41,7 @@ from labkit.dist import DistEnv, print0
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies import gpipe_workers
 from labkit.strategies.base import Strategy
+from labkit.strategies.model_parallel import without_hooks
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 BALANCE_METHODS = ("time", "memory")
@@ -199,6 +200,7 @@ def layer_costs(method: str, model: nn.Sequential, micro_batch: torch.Tensor, de
     """
     if method not in BALANCE_METHODS:
         raise ConfigError(f"--balance-by {method!r}: choose one of {', '.join(BALANCE_METHODS)}")
+    model = without_hooks(model)  # profiling passes must not reach the real layers' hooks (K-FAC's capture)
     if method == "time":
         profile_times(model, micro_batch.to(device), 0.0, torch.device(device))
         return profile_times(model, micro_batch.to(device), profile_seconds, torch.device(device))

@@ -12,6 +12,7 @@ is the CPU: the code runs and computes the same numbers, but nothing overlaps, s
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from dataclasses import dataclass
@@ -91,14 +92,25 @@ def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
     return partition([sum(p.numel() for p in layer.parameters()) for layer in model], stages)
 
 
+def without_hooks(model: nn.Sequential) -> nn.Sequential:
+    """A copy of ``model`` whose modules run no hooks, to profile: the real model's hooks (K-FAC's factor capture)
+    would otherwise see every profiling pass, as many as fit in the time, on the profiling device."""
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                      module._backward_hooks):
+            hooks.clear()
+    return twin
+
+
 def balance_by_time(model: nn.Sequential, sample: torch.Tensor, stages: int, timeout_s: float = 1.0) -> list[int]:
     """Layers per stage balancing each layer's forward + backward time, measured (torchgpipe's profiler, on
-    copies of the layers) on ``sample``'s device for about ``timeout_s`` seconds."""
+    a hook-free copy of the layers) on ``sample``'s device for about ``timeout_s`` seconds."""
     _check_stages(len(model), stages)
     if any(p.grad is not None for p in model.parameters()):
         raise ConfigError("balance_by_time profiles the layers from scratch: call model.zero_grad(set_to_none=True) "
                           "first")
-    return partition(profile_times(model, sample, timeout_s, sample.device), stages)
+    return partition(profile_times(without_hooks(model), sample, timeout_s, sample.device), stages)
 
 
 class _Clock:
