@@ -24,7 +24,8 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "al
 ALLOWED_FILES = {"dist.py", "collectives", "exercises"}
 ALLOWED_FUNCTIONS = {("strategies/zero.py", "Comm.all_gather"), ("strategies/zero.py", "Comm.reduce_scatter"),
                      ("strategies/ps.py", "ParameterServerStrategy._push_pull"),
-                     ("strategies/ps_server.py", "ServerState.receive"), ("strategies/ps_server.py", "ServerState.reply")}
+                     ("strategies/ps_server.py", "ServerState.receive"),
+                     ("strategies/ps_server.py", "ServerState.reply")}
 
 
 class _Calls(ast.NodeVisitor):
