@@ -10,6 +10,7 @@ from torch import nn
 
 from labkit import train
 from labkit.rng import cuda_rng_states, restore_cuda_rng
+from labkit.testing import run_ranks
 from labkit.train import TrainConfig
 
 TINY = dict(model="mlp", dataset="synthetic-mnist", train_size=64, test_size=32, batch_size=16, max_steps=2,
@@ -100,3 +101,38 @@ def test_resume_restores_the_states_this_node_sees_and_says_which_it_cannot(fake
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU node: nothing to restore, no CUDA call
     monkeypatch.setattr(torch.cuda, "device_count", lambda: pytest.fail("CUDA queried on a CPU node"))
     assert restore_cuda_rng({0: torch.tensor([1])}) == [0]
+
+
+MULTI_RANK = {"ddp": {}, "zero": {"zero_stage": 3}, "fsdp": {}, "tensor-parallel": {}, "pipeline": {},
+              "ps": {"ps_mode": "sync"}}
+
+
+def _resume_every_multi_rank_strategy(env, root):
+    """In the group run_ranks started: each strategy trains an epoch, then resumes with module moves recorded."""
+    import contextlib
+
+    from labkit.dist import seed_everything
+
+    def same_group(*args, seed=0, **kwargs):
+        seed_everything(seed)
+        return contextlib.nullcontext(env)
+
+    train.distributed = same_group
+    moves = {}
+    for strategy, options in MULTI_RANK.items():
+        cfg = dict(TINY, strategy=strategy, out=f"{root}/{strategy}")
+        train.run(TrainConfig(**cfg, epochs=1, strategy_options=dict(options)))
+        load, apply, moved = train.load_training_state, nn.Module._apply, []
+        train.load_training_state = lambda *a, **k: (moved.append("loaded"), load(*a, **k))[1]
+        nn.Module._apply = lambda m, fn, *a, **k: (moved.append(type(m).__name__), apply(m, fn, *a, **k))[1]
+        try:
+            train.run(TrainConfig(**cfg, epochs=2, resume=True, strategy_options=dict(options)))
+        finally:
+            train.load_training_state, nn.Module._apply = load, apply
+        moves[strategy] = moved[moved.index("loaded"):] if "loaded" in moved else moved
+    return moves
+
+
+def test_every_multi_rank_strategy_resumes_without_moving_a_layer(tmp_path):
+    for moves in run_ranks(_resume_every_multi_rank_strategy, 2, str(tmp_path), timeout=300):
+        assert moves == {strategy: ["loaded"] for strategy in MULTI_RANK}
