@@ -61,8 +61,8 @@ def test_two_nccl_ranks_on_one_gpu_are_refused_in_one_line(tmp_path):
     assert "2 ranks on this node but 1 GPU(s) visible" in errors[0] and "NCCL_MULTI_RANK_GPU_ENABLE=1" in errors[0]
 
 
-def test_gloo_ranks_share_one_gpu_through_the_cpu_helpers(tmp_path):
-    """gloo with CUDA tensors: every labkit collective goes through the CPU; DDP's own stays on the GPU."""
+def test_gloo_ranks_on_gpus_run_their_collectives_through_the_cpu(tmp_path):
+    """gloo with CUDA tensors (two ranks may share one GPU under gloo): labkit's collectives go through the CPU."""
     run = torchrun(["train", *STRATEGIES["ddp-native"], *TINY, "--epochs", "1", "--device", "cuda", "--backend",
                     "gloo", "--out", str(tmp_path)], nproc=2, echo=None)
     assert run.summary["environment"]["backend"] == "gloo" and run.summary["metrics"]["peak_memory_gb"] > 0
