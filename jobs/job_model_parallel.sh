@@ -42,9 +42,10 @@ python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
+source jobs/lib/gpus.sh   # visible_gpus: what torch will see
 gpus=0
-if [[ "$quick" == 0 ]] && command -v nvidia-smi >/dev/null 2>&1; then
-    gpus="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+if [[ "$quick" == 0 ]]; then
+    gpus="$(visible_gpus)"
 fi
 if (( gpus > 0 )); then
     device=cuda; stages="${MP_DEVICES:-$gpus}"

@@ -26,6 +26,8 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from labkit.backends import ANY, auto_device
+from labkit.backends import check as check_backend
 from labkit.errors import ConfigError, DeviceError
 
 
@@ -109,6 +111,27 @@ def resolve_device(device: str | torch.device = "auto", local_rank: int = 0) -> 
     return torch.device("cpu")
 
 
+#: set to 1 where the installed NCCL lets several ranks share one GPU (newer releases); else NCCL stops them
+MULTI_RANK_GPU = "NCCL_MULTI_RANK_GPU_ENABLE"
+
+
+def check_gpu_per_rank(backend: str, device: torch.device, local_world_size: int,
+                       environ: Mapping[str, str] = os.environ) -> None:
+    """NCCL gives each rank its own GPU: more ranks on a node than visible GPUs would put two ranks on one GPU
+    (``local_rank % device_count``), and NCCL stops them with "Duplicate GPU detected". Refuse that up front.
+
+    Raises:
+        DeviceError: nccl, GPUs chosen by local rank, and more ranks on this node than GPUs it sees.
+    """
+    if backend != "nccl" or device.type != "cuda" or environ.get(MULTI_RANK_GPU) == "1":
+        return
+    count = torch.cuda.device_count()
+    if local_world_size > count:
+        raise DeviceError(f"{local_world_size} ranks on this node but {count} GPU(s) visible: NCCL needs one GPU "
+                          f"per rank; start at most {count} rank(s) per node, set {MULTI_RANK_GPU}=1 where the "
+                          "installed NCCL supports sharing a GPU, or use --backend gloo (--device cpu)")
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, torch (CPU and all GPUs)."""
     random.seed(seed)
@@ -129,7 +152,8 @@ def _cpu_threads(local_world_size: int) -> None:
 
 @contextmanager
 def distributed(device: str = "auto", backend: str | None = None, seed: int | None = 0,
-                timeout_s: float = 1800.0, environ: Mapping[str, str] | None = None) -> Iterator[DistEnv]:
+                timeout_s: float = 1800.0, environ: Mapping[str, str] | None = None,
+                strategy: str = ANY) -> Iterator[DistEnv]:
     """Set up the process group (if launched as several ranks), yield a :class:`DistEnv`, always tear down.
 
     Args:
@@ -138,17 +162,20 @@ def distributed(device: str = "auto", backend: str | None = None, seed: int | No
         seed: seeds every rank with the same value (identical initial weights); ``None`` skips seeding.
         timeout_s: collective timeout; a dead peer makes the others fail after this long, not hang.
         environ: variables to read instead of ``os.environ`` (tests).
+        strategy: the strategy's key in :mod:`labkit.backends`' table (``labkit.backends.key``); a backend and
+            device it refuses raise :class:`DeviceError` before the group starts.
     """
     environ = os.environ if environ is None else environ
     info = launch_info(environ)
     local_rank = info["local_rank"] if info else 0
-    dev = resolve_device(device, local_rank)
+    if backend not in (None, "nccl", "gloo"):
+        raise ConfigError(f"unknown backend {backend!r}; use nccl (GPUs) or gloo (CPU)")
+    dev = resolve_device(auto_device(strategy, backend, device), local_rank)
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ConfigError(f"unknown backend {backend!r}; use nccl (GPUs) or gloo (CPU)")
-    if backend == "nccl" and dev.type != "cuda":
-        raise DeviceError("backend nccl needs GPUs but the device is cpu; use --backend gloo on CPU nodes")
+    check_backend(strategy, backend, dev.type)
+    if info is not None and str(device) in ("auto", "cuda"):  # a GPU picked by local rank
+        check_gpu_per_rank(backend, dev, info["local_world_size"], environ)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if seed is not None:
@@ -177,3 +204,75 @@ def distributed(device: str = "auto", backend: str | None = None, seed: int | No
             # Gloo aborts a fraction of runs if a rank destroys the group while a peer still talks.
             dist.barrier()
         dist.destroy_process_group()
+
+
+# ----- collectives on the rank's communication device ---------------------------------------------------------
+# Every collective in labkit (the hand-written algorithms of labkit.collectives and the strategies' own
+# point-to-point protocols aside) goes through these: NCCL reduces CUDA tensors only, gloo's CPU path takes every
+# operation, so a tensor is moved to comm_device() for the call and the result copied back into it.
+# tests/test_comm_device.py fails on a bare torch.distributed collective anywhere else in labkit/.
+
+
+def comm_device(group=None) -> torch.device:
+    """Where ``group``'s backend takes tensors: this rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _restore(tensor: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """``dist.all_reduce`` in place, on the communication device; returns ``tensor``."""
+    moved = _moved(tensor, comm_device(group))
+    dist.all_reduce(moved, op=op, group=group)
+    return _restore(tensor, moved)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """``dist.broadcast`` in place from global rank ``src``, on the communication device; returns ``tensor``."""
+    moved = _moved(tensor, comm_device(group))
+    dist.broadcast(moved, src=src, group=group)
+    return _restore(tensor, moved)
+
+
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """``dist.all_gather`` into ``outputs`` (one tensor per rank), on the communication device."""
+    device = comm_device(group)
+    moved = [_moved(t, device) for t in outputs]
+    dist.all_gather(moved, _moved(tensor, device), group=group)
+    return [_restore(t, m) for t, m in zip(outputs, moved)]
+
+
+def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, group=None) -> None:
+    """``dist.gather`` of ``tensor`` into ``gather_list`` on rank ``dst`` (``None`` elsewhere)."""
+    device = comm_device(group)
+    moved = None if gather_list is None else [_moved(t, device) for t in gather_list]
+    dist.gather(_moved(tensor, device), moved, dst=dst, group=group)
+    for t, m in zip(gather_list or [], moved or []):
+        _restore(t, m)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, group=None) -> torch.Tensor:
+    """``dist.scatter`` of rank ``src``'s ``scatter_list`` into every rank's ``tensor``."""
+    device = comm_device(group)
+    moved = _moved(tensor, device)
+    parts = None if scatter_list is None else [_moved(t, device) for t in scatter_list]
+    dist.scatter(moved, parts, src=src, group=group)
+    return _restore(tensor, moved)
+
+
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """``dist.all_gather_single``: every rank's ``tensor`` concatenated into ``output``, in rank order."""
+    device = comm_device(group)
+    moved = _moved(output, device)
+    dist.all_gather_single(moved, _moved(tensor, device), group=group)
+    return _restore(output, moved)

@@ -26,11 +26,16 @@ GB = 1024 ** 3
 
 
 class _Gpus:
-    """NVML handles of the GPUs in ``indices``; empty where there is no NVIDIA driver."""
+    """NVML handles of the GPUs in ``gpus`` (physical indices or UUIDs); empty where there is no NVIDIA driver.
 
-    def __init__(self, indices: list[int]):
+    Utilisation is a side line: an NVML error (no driver, a GPU it cannot open, a query a MIG slice does not
+    answer) leaves that GPU out of the samples and never stops the run.
+    """
+
+    def __init__(self, gpus: list[int | str]):
         self.handles = []
-        if not indices:
+        self.started = False
+        if not gpus:
             return
         try:
             import pynvml
@@ -38,20 +43,32 @@ class _Gpus:
             pynvml.nvmlInit()
         except Exception:  # no driver or no binding: a CPU node, nothing to sample
             return
-        self.nvml = pynvml
-        self.handles = [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in indices]
+        self.nvml, self.started = pynvml, True
+        for gpu in gpus:
+            try:
+                handle = (pynvml.nvmlDeviceGetHandleByUUID(gpu) if isinstance(gpu, str)
+                          else pynvml.nvmlDeviceGetHandleByIndex(gpu))
+            except Exception:  # a GPU NVML cannot open: not sampled
+                continue
+            self.handles.append((gpu, handle))
 
     def sample(self) -> list[dict]:
         out = []
-        for index, handle in self.handles:
-            util = self.nvml.nvmlDeviceGetUtilizationRates(handle)
-            memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
-            out.append({"index": index, "util_percent": float(util.gpu), "memory_gb": memory.used / GB})
+        for gpu, handle in self.handles:
+            try:
+                util = self.nvml.nvmlDeviceGetUtilizationRates(handle)
+                memory = self.nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception:  # e.g. utilisation on a MIG slice: not sampled
+                continue
+            out.append({"index": gpu, "util_percent": float(util.gpu), "memory_gb": memory.used / GB})
         return out
 
     def close(self) -> None:
-        if self.handles:
-            self.nvml.nvmlShutdown()
+        if self.started:
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:
+                pass
 
 
 class UtilisationMonitor:
@@ -59,8 +76,8 @@ class UtilisationMonitor:
 
     Args:
         interval_s: seconds between samples.
-        gpus: physical GPU indices to sample (default: ``CUDA_VISIBLE_DEVICES`` of this process's device,
-            none on a CPU run).
+        gpus: GPUs to sample, as NVML knows them: physical indices or UUIDs (:func:`nvml_indices`); none on a
+            CPU run.
     """
 
     def __init__(self, interval_s: float = 0.5, gpus: list[int] | None = None):
@@ -111,16 +128,26 @@ class UtilisationMonitor:
         return out
 
 
-def nvml_indices(devices) -> list[int]:
-    """NVML (physical) indices of the CUDA devices among ``devices``, through ``CUDA_VISIBLE_DEVICES``."""
+def nvml_indices(devices) -> list[int | str]:
+    """How NVML names the CUDA devices among ``devices``: through ``CUDA_VISIBLE_DEVICES``, a physical index or a
+    UUID (``GPU-…``, or ``MIG-…`` for a MIG slice); a device listed in a form NVML cannot look up (the older
+    ``MIG-GPU-…/gi/ci``) is left out rather than sampled as the wrong GPU."""
     import torch
 
     local = sorted({torch.device(d).index or 0 for d in devices if torch.device(d).type == "cuda"})
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return local
     ids = [v.strip() for v in visible.split(",") if v.strip()]
-    if ids and all(v.isdigit() for v in ids):
-        return [int(ids[i]) for i in local if i < len(ids)]
-    return local
+    out: list[int | str] = []
+    for i in local:
+        if i >= len(ids):
+            continue
+        if ids[i].isdigit():
+            out.append(int(ids[i]))
+        elif ids[i].startswith(("GPU-", "MIG-")) and "/" not in ids[i]:
+            out.append(ids[i])
+    return out
 
 
 def gather(monitor: UtilisationMonitor, env, writer=None) -> dict:

@@ -24,7 +24,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from labkit import backends
 from labkit import data as kdata
+from labkit import dist as kdist
 from labkit import models as kmodels
 from labkit.dist import distributed, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
@@ -35,6 +37,7 @@ from labkit.optim import OptimizerSpec
 from labkit.preempt import Preempted, StopSignals, clear_marker, write_marker
 from labkit.precision import autocast, check_amp, to_channels_last
 from labkit.results import RunWriter, atomic_write, make_dirs
+from labkit.rng import cuda_rng_states, restore_cuda_rng
 from labkit.strategies import Strategy, get_strategy
 from labkit.tensor_data import LOADERS, TensorLoader, load_split
 
@@ -279,8 +282,7 @@ def epoch_position(step: int, totals: torch.Tensor, strategy: Strategy) -> dict:
 
     The shuffle needs no state: each epoch reseeds it from (seed, epoch), and resuming skips ``step`` batches.
     """
-    mine = {"rng": torch.get_rng_state(), "totals": totals.cpu(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    mine = {"rng": torch.get_rng_state(), "totals": totals.cpu(), "cuda_rng": cuda_rng_states(strategy.devices())}
     ranks = [mine]
     if strategy.env.distributed:
         ranks = [None] * strategy.env.world_size
@@ -294,8 +296,9 @@ def _resume_position(batches, position: dict, totals: torch.Tensor, rank: int) -
     for _ in range(position["step"]):
         next(batches)
     torch.set_rng_state(position["rng"][rank])
-    if position["cuda_rng"][rank]:
-        torch.cuda.set_rng_state_all(position["cuda_rng"][rank])
+    left_out = restore_cuda_rng(position["cuda_rng"][rank])
+    if left_out:
+        print0(f"the checkpoint's random state of GPU(s) {left_out} is not restored: this node does not see them")
     totals.copy_(position["totals"][rank])
     return position["step"]
 
@@ -421,7 +424,8 @@ def run(cfg: TrainConfig) -> dict:
     make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
     if cfg.base_lr is None:
         cfg.base_lr = kmodels.default_lr(cfg.model)
-    with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s) as env:
+    with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
+                     strategy=backends.key(cfg.strategy, cfg.strategy_options)) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
@@ -494,7 +498,7 @@ def run(cfg: TrainConfig) -> dict:
             print0(line)
         peak = torch.tensor([peak_memory_gb(strategy.devices())])
         if env.distributed:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            kdist.all_reduce(peak, op=dist.ReduceOp.MAX)
         last = history[-1] if history else {}
         metrics = {"samples_per_sec": last.get("samples_per_sec"), "peak_memory_gb": peak.item(),
                    "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),

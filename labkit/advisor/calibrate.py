@@ -194,14 +194,14 @@ def bytes_in_step(per_call, link, ranks: int) -> float:
     right after a training step costs, at least 1. The chain's plain step followed by an all-reduce of ``n₂``
     and of ``n₁`` bytes, one window each, alternating (the median of the pairs' differences), over the fit's price
     of the same bytes on a ring (``link``: the fit; ``ranks``: this group's size)."""
-    import torch.distributed as dist
+    from labkit import dist as kdist
 
     x, y = torch.randn(BATCH, CHANNELS, SIZE, SIZE), torch.randint(0, 10, (BATCH,))
     step = _step_fn(None, chain(), x, y, nn.CrossEntropyLoss())
     small, large = (torch.ones(n // 4) for n in STEP_BYTES)
     step()  # warm-up: allocations, momentum buffers
-    measured = [per_call(lambda: (step(), dist.all_reduce(large)), 3, 1)
-                - per_call(lambda: (step(), dist.all_reduce(small)), 3, 1) for _ in range(PAIRS)]
+    measured = [per_call(lambda: (step(), kdist.all_reduce(large)), 3, 1)
+                - per_call(lambda: (step(), kdist.all_reduce(small)), 3, 1) for _ in range(PAIRS)]
     priced = ring_bytes_time(STEP_BYTES[1], ranks, link) - ring_bytes_time(STEP_BYTES[0], ranks, link)
     return max(1.0, statistics.median(measured) / max(1e-12, priced))
 
@@ -209,14 +209,14 @@ def bytes_in_step(per_call, link, ranks: int) -> float:
 def _broadcast_price(model: nn.Module, per_call) -> float:
     """``c_b``: one of ZeRO's buffer broadcasts — every buffer of ``model`` from rank 0, back to back, as ZeRO
     does before each forward — per broadcast (their bytes, 1.6 KB in all on the chain, are left in)."""
-    import torch.distributed as dist
+    from labkit import dist as kdist
 
     buffers = list(model.buffers())
 
     def broadcast_all():
         with torch.no_grad():
             for b in buffers:
-                dist.broadcast(b, src=0)
+                kdist.broadcast(b, src=0)
 
     return per_call(broadcast_all, 10, 5) / len(buffers)
 

@@ -169,6 +169,8 @@ def _per_call(fn, calls: int = 20, windows: int = 5, quantile: float = 0.5, each
     import torch
     import torch.distributed as dist
 
+    from labkit import dist as kdist
+
     times = []
     for _ in range(windows):
         dist.barrier()
@@ -180,9 +182,9 @@ def _per_call(fn, calls: int = 20, windows: int = 5, quantile: float = 0.5, each
     mine = torch.tensor(times[round(quantile * (len(times) - 1))], dtype=torch.float64)
     if each:
         gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, mine)
+        kdist.all_gather(gathered, mine)
         return [t.item() for t in gathered]
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    kdist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return mine.item()
 
 
@@ -200,8 +202,8 @@ def _fit_rank(env):
       of the pipeline schedule (:mod:`labkit.advisor.calibrate`).
     """
     import torch
-    import torch.distributed as dist
 
+    from labkit import dist as kdist
     from labkit.advisor.calibrate import bytes_in_step, calibrate_rank
     from labkit.collectives.cost import fit_cost_model
 
@@ -215,9 +217,9 @@ def _fit_rank(env):
 
     def both():
         work()
-        dist.all_reduce(tiny)
+        kdist.all_reduce(tiny)
 
-    work_s, alone_s = _per_call(work), _per_call(lambda: dist.all_reduce(tiny))
+    work_s, alone_s = _per_call(work), _per_call(lambda: kdist.all_reduce(tiny))
     launch = max(0.0, _per_call(both) - work_s - alone_s)
     factor = bytes_in_step(_per_call, model, env.world_size)
     return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "step_bytes": factor,

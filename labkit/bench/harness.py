@@ -25,6 +25,8 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from labkit import dist as kdist
+
 
 def sync(devices: Iterable[torch.device | str]) -> None:
     """Wait for the queued kernels of every CUDA device in ``devices`` (CPU work is already done)."""
@@ -51,7 +53,7 @@ def time_call(fn: Callable[[], int], devices: Iterable[torch.device | str]) -> t
         slowest = torch.tensor([wall], dtype=torch.float64)
         if dist.get_backend() == "nccl":
             slowest = slowest.to(devices[0])
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the job's step rate is set by its slowest rank
+        kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the job's step rate is set by its slowest rank
         wall = slowest.item()
     return samples, wall, cpu
 

@@ -57,9 +57,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
     from labkit import data, models
+    from labkit import dist as kdist
     from labkit.bench.harness import alternate, config_of
     from labkit.dist import distributed, print0
     from labkit.optim import OptimizerSpec
@@ -68,7 +67,7 @@ def _worker(args: argparse.Namespace) -> int:
     from labkit.strategies.sharding_measure import CONTENDERS, held_bytes
     from labkit.train import fit
 
-    with distributed(args.device) as env:
+    with distributed(args.device, strategy="zero") as env:
         info = data.dataset_info(args.dataset)
         train_set = data.get_dataset(args.dataset, train=True)
         runs, psi = {}, 0
@@ -106,7 +105,7 @@ def _worker(args: argparse.Namespace) -> int:
             if env.distributed:  # shards differ by padding: report the largest rank
                 held = held.to(env.device)
                 gathered = [torch.zeros_like(held) for _ in range(env.world_size)]
-                dist.all_gather(gathered, held)
+                kdist.all_gather(gathered, held)
                 held = torch.stack(gathered).max(0).values.cpu()
             formula = formula_bytes(name, psi, env.world_size, k)
             measured, predicted = held.sum().item(), sum(formula.values())

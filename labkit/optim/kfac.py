@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from labkit.dist import DistEnv, print0
 from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.optim import kfac_dist, kfac_kaisa
-from labkit.optim.kfac_clip import KLClip
+from labkit.optim.kfac_clip import KLClip, inner_product
 from labkit.optim.kfac_layers import LayerFactors, supports
 from labkit.optim.kfac_options import (Approx, Broadcast, Method, add_arguments, kwargs_from_options, parse_enum,
                                        validate)
@@ -266,7 +266,7 @@ class KFAC:
             self.timings["communication"] += self._clock() - started
         started = self._clock()
         # Σ⟨P, ∇W⟩ before set_grad: a bias-free layer's grad_matrix is a view of weight.grad
-        vg = sum((p * g).sum() for p, g in zip(precond, grads)) if self.clip is not None and work else None
+        vg = inner_product(precond, grads, self.clip.anchor.device) if self.clip is not None and work else None
         for (layer, _), p in zip(work, precond):
             layer.set_grad(p)
         if vg is not None:
@@ -274,11 +274,11 @@ class KFAC:
         self.timings["precondition"] += self._clock() - started
 
     def _scale_grads(self, nu: Tensor) -> None:
+        """ν (on the first layer's device) scales every layer's gradients on that layer's device."""
         for layer in self.layers:
             if layer.has_grad():
-                layer.module.weight.grad.mul_(nu.to(layer.module.weight.grad.dtype))
-                if layer.bias:
-                    layer.module.bias.grad.mul_(nu.to(layer.module.bias.grad.dtype))
+                for grad in [layer.module.weight.grad] + ([layer.module.bias.grad] if layer.bias else []):
+                    grad.mul_(nu.to(grad.device, grad.dtype))
 
     # ----- communication model --------------------------------------------------------------------------------
 

@@ -79,6 +79,12 @@ class KLClip:
                 self._pending = None
 
 
+def inner_product(precond: list[Tensor], grads: list[Tensor], device: torch.device) -> Tensor:
+    """``Σ_ℓ ⟨P_ℓ, ∇W_ℓ⟩`` as a 0-d tensor on ``device``: each layer's term on its own device (a pipeline's layers
+    sit on different GPUs), then moved there; no host synchronisation."""
+    return sum((p * g).sum().to(device) for p, g in zip(precond, grads))
+
+
 def _finder(clip: KLClip):
     """The global optimizer-step pre-hook, holding ``clip`` weakly (a forgotten K-FAC can still be freed)."""
     ref = weakref.ref(clip)

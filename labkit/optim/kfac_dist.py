@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from labkit import dist as kdist
+
 
 def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:
     """Owner rank of each layer: largest first, each to the least-loaded rank (lowest rank on ties).
@@ -86,7 +88,7 @@ def all_reduce_mean_symmetric(matrices: list[Tensor], group=None) -> tuple[list[
         (the averaged matrices, payload bytes).
     """
     flat = pack_symmetric(matrices)
-    dist.all_reduce(flat, group=group)
+    kdist.all_reduce(flat, group=group)
     flat /= dist.get_world_size(group)
     return unpack_symmetric(flat, [m.shape[0] for m in matrices]), flat.numel() * flat.element_size()
 
@@ -108,7 +110,7 @@ def broadcast_from_owners(tensors: list[list[Tensor]], owners: Sequence[int], gr
         if not mine:
             continue
         flat = torch.cat([t.reshape(-1) for t in mine])
-        dist.broadcast(flat, src=src, group=group)
+        kdist.broadcast(flat, src=src, group=group)
         offset = 0
         for t in mine:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))

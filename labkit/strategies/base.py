@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
+from labkit import dist as kdist
 from labkit.dist import DistEnv
 from labkit.errors import CheckpointError
 
@@ -118,10 +118,21 @@ class Strategy:
         """Does this rank write a checkpoint file? (rank 0 alone when replicated, else every rank)"""
         return self.env.is_main or not self.replicated
 
+    def placement(self, model: nn.Module) -> dict:
+        """What a resumed run needs to put every layer where this one did (e.g. the balance a partitioned model
+        measured on its first batch), saved with the checkpoint; empty where ``prepare`` places everything."""
+        return {}
+
+    def place(self, model: nn.Module, state: dict) -> None:
+        """Put every layer on the device it trains on, as ``state``'s :meth:`placement` says, before the state is
+        loaded: optimizer moments and K-FAC factors land on their parameters' devices only if those are final.
+        Nothing to do where ``prepare`` placed the model."""
+
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """This rank's model and optimizer state: ``{"model", "optimizer"}`` plus, when not replicated,
-        ``"world_size"`` (the parts only fit a job of the same size)."""
-        state = {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+        """This rank's model and optimizer state: ``{"model", "optimizer"}`` and the :meth:`placement`, plus, when
+        not replicated, ``"world_size"`` (the parts only fit a job of the same size)."""
+        state = {"model": self.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                 **self.placement(model)}
         if not self.replicated:
             state["world_size"] = self.env.world_size
         return state
@@ -136,6 +147,7 @@ class Strategy:
         if not self.replicated and saved != self.env.world_size:
             raise CheckpointError(f"the checkpoint was written by {saved} ranks but this job has {self.env.world_size};"
                                   f" resume with {saved} ranks or start without --resume")
+        self.place(model, state)
         try:
             self.unwrap(model).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -145,9 +157,7 @@ class Strategy:
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics tensor over every rank of the job (identity for one process)."""
         if self.env.distributed:
-            values = values.to(self.env.device)
-            dist.all_reduce(values)
-            values = values.cpu()
+            values = kdist.all_reduce(values).cpu()
         return values
 
     def close(self) -> None:

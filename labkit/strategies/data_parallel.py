@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from labkit import dist as kdist
 from labkit.collectives import all_reduce
 from labkit.errors import ConfigError
 from labkit.strategies.base import Strategy
@@ -75,7 +76,7 @@ def broadcast_from_rank0(module: nn.Module) -> None:
     """Overwrite ``module``'s parameters and buffers with rank 0's (what DDP does at construction)."""
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor, src=0)
+            kdist.broadcast(tensor, src=0)
 
 
 def buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:

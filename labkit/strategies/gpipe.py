@@ -39,9 +39,10 @@ from torchgpipe.balance import balance_cost
 from torchgpipe.balance.profile import profile_sizes, profile_times
 
 from labkit.dist import DistEnv, print0
-from labkit.errors import ConfigError
+from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.base import Strategy
 from labkit.strategies.gpipe_workers import InlineGPipe
+from labkit.strategies.model_parallel import without_hooks
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 BALANCE_METHODS = ("time", "memory")
@@ -200,6 +201,7 @@ def layer_costs(method: str, model: nn.Sequential, micro_batch: torch.Tensor, de
     """
     if method not in BALANCE_METHODS:
         raise ConfigError(f"--balance-by {method!r}: choose one of {', '.join(BALANCE_METHODS)}")
+    model = without_hooks(model)  # profiling passes must not reach the real layers' hooks (K-FAC's capture)
     if method == "time":
         profile_times(model, micro_batch.to(device), 0.0, torch.device(device))
         return profile_times(model, micro_batch.to(device), profile_seconds, torch.device(device))
@@ -318,6 +320,20 @@ class GPipeStrategy(Strategy):
         if model.pipe is None:
             check_chunks(self.chunks, len(x))  # later batches may be smaller: GPipe then uses fewer chunks
         return super().forward_backward(model, x, y, criterion)
+
+    def placement(self, model: nn.Module) -> dict:
+        return {"balance": list(self.balance)} if self.balance else {}
+
+    def place(self, model: nn.Module, state: dict) -> None:
+        """Partition now, by ``--balance`` or the checkpoint's, rather than on the first batch after the load."""
+        if model.pipe is not None:
+            return
+        balance = self.balance or state.get("balance")
+        if not balance:
+            raise CheckpointError("it does not say how the layers were partitioned (no balance); resume with "
+                                  "--balance as the first run printed it, or start without --resume")
+        self.balance = [int(b) for b in balance]
+        model.pipe = self._build(model.sequential, None)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.sequential

@@ -19,10 +19,10 @@ instead because each of its ranks starts from its own mean ``1/B Σ ℓ_n``; the
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
+from labkit import dist as kdist
 from labkit.errors import ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, average_gradients, broadcast_from_rank0
 
@@ -101,7 +101,7 @@ class HybridStrategy(DataParallelStrategy):
     def _sizes(self, n: int) -> list[int]:
         sizes = torch.zeros(self.env.world_size, dtype=torch.int64, device=self.env.device)
         local = torch.tensor([n], dtype=torch.int64, device=self.env.device)
-        dist.all_gather_single(sizes, local)
+        kdist.all_gather_single(sizes, local)
         return sizes.tolist()
 
     def _gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
@@ -109,7 +109,7 @@ class HybridStrategy(DataParallelStrategy):
         m = max(sizes)
         padded = t if len(t) == m else torch.cat([t, t.new_zeros((m - len(t), *t.shape[1:]))])
         parts = [torch.empty_like(padded) for _ in sizes] if self._root else None
-        dist.gather(padded.contiguous(), parts, dst=0)
+        kdist.gather(padded.contiguous(), parts, dst=0)
         return torch.cat([p[:n] for p, n in zip(parts, sizes)]) if self._root else None
 
     def _scatter(self, t: torch.Tensor | None, sizes: list[int], tail: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -121,5 +121,5 @@ class HybridStrategy(DataParallelStrategy):
             parts = [c if len(c) == m else torch.cat([c, c.new_zeros((m - len(c), *tail))])
                      for c in t.split(sizes)]
             parts = [c.contiguous() for c in parts]
-        dist.scatter(out, parts, src=0)
+        kdist.scatter(out, parts, src=0)
         return out[:sizes[self.env.rank]]

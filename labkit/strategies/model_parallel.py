@@ -12,6 +12,7 @@ is the CPU: the code runs and computes the same numbers, but nothing overlaps, s
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from torchgpipe.balance.profile import profile_times
 
-from labkit.errors import ConfigError
+from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.base import Strategy
 
 
@@ -91,14 +92,25 @@ def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
     return partition([sum(p.numel() for p in layer.parameters()) for layer in model], stages)
 
 
+def without_hooks(model: nn.Sequential) -> nn.Sequential:
+    """A copy of ``model`` whose modules run no hooks, to profile: the real model's hooks (K-FAC's factor capture)
+    would otherwise see every profiling pass, as many as fit in the time, on the profiling device."""
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
+                      module._backward_hooks):
+            hooks.clear()
+    return twin
+
+
 def balance_by_time(model: nn.Sequential, sample: torch.Tensor, stages: int, timeout_s: float = 1.0) -> list[int]:
     """Layers per stage balancing each layer's forward + backward time, measured (torchgpipe's profiler, on
-    copies of the layers) on ``sample``'s device for about ``timeout_s`` seconds."""
+    a hook-free copy of the layers) on ``sample``'s device for about ``timeout_s`` seconds."""
     _check_stages(len(model), stages)
     if any(p.grad is not None for p in model.parameters()):
         raise ConfigError("balance_by_time profiles the layers from scratch: call model.zero_grad(set_to_none=True) "
                           "first")
-    return partition(profile_times(model, sample, timeout_s, sample.device), stages)
+    return partition(profile_times(without_hooks(model), sample, timeout_s, sample.device), stages)
 
 
 class _Clock:
@@ -190,9 +202,10 @@ class ModelParallel(nn.Module):
         elif isinstance(balance, str) and balance != "time":
             raise ConfigError(f"unknown balance {balance!r}; use params, time or a list of layer counts")
         if balance != "time":
-            self._place(list(balance))
+            self.place(list(balance))
 
-    def _place(self, balance: list[int]) -> None:
+    def place(self, balance: list[int]) -> None:
+        """Move ``balance[j]`` layers to stage j's device (``balance="time"``: on the first batch, or on resume)."""
         n, k = len(self.module), len(self.devices)
         if len(balance) != k or any(b < 1 for b in balance) or sum(balance) != n:
             raise ConfigError(f"balance {balance} must give each of the {k} devices >= 1 layer and sum to "
@@ -217,7 +230,7 @@ class ModelParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.balance is None:
-            self._place(balance_by_time(self.module, x, len(self.devices)))
+            self.place(balance_by_time(self.module, x, len(self.devices)))
         self._clock = _Clock(self.devices) if self.record else None
         acts = list(x.split(self.split_size)) if self.split_size else [x]
         m, k = len(acts), len(self._stages)
@@ -313,6 +326,17 @@ class ModelParallelStrategy(Strategy):
         balance = (balance_from_split_points(len(model), points) if points and isinstance(model, nn.Sequential)
                    else self.options.get("mp_balance_by") or "params")
         return ModelParallel(model, self._devices, balance, self.options.get("mp_split_size"))
+
+    def placement(self, model: nn.Module) -> dict:
+        return {"balance": list(model.balance)} if model.balance else {}
+
+    def place(self, model: nn.Module, state: dict) -> None:
+        """Balanced by time, the stages are cut on the first batch: cut them now, as the checkpointed run did."""
+        if model.balance is None:
+            if not state.get("balance"):
+                raise CheckpointError("it does not say how the layers were split (no balance); resume with "
+                                      "--mp-split-points, or start without --resume")
+            model.place([int(b) for b in state["balance"]])
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module

@@ -50,6 +50,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from labkit import dist as kdist
+from labkit.backends import check as check_backend
+from labkit.backends import key
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError, OutputError
 from labkit.optim import OptimizerSpec
@@ -139,9 +142,8 @@ class ParameterServerStrategy(Strategy):
         if self.slow is not None and self.slow[0] not in self.workers:
             raise ConfigError(f"--ps-slow-worker rank {self.slow[0]} is not a worker; workers are ranks "
                               f"{self.workers[0]}..{self.workers[-1]}")
-        if self.mode != "sync" and env.backend == "nccl":
-            raise ConfigError(f"--ps-mode {self.mode} receives pushes from any worker, which NCCL cannot do; "
-                              "use --backend gloo (CPU tensors) or --ps-mode sync")
+        if env.backend is not None:  # labkit train checked this already; a strategy built by hand is checked here
+            check_backend(key("ps", self.options), env.backend, env.device.type)
         if self.options.get("ps_record"):  # written after training: an unwritable path fails now instead
             try:
                 check_writable(self.options["ps_record"])
@@ -190,7 +192,7 @@ class ParameterServerStrategy(Strategy):
         model = model.to(self.env.device)
         with torch.no_grad():  # every rank starts from rank 0's weights
             for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor, src=0)
+                kdist.broadcast(tensor, src=0)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.owner = shard_tensors(self.params, self.num_servers)
         self.shards = [[p for p, o in zip(self.params, self.owner) if o == s] for s in range(self.num_servers)]
@@ -303,7 +305,7 @@ class ParameterServerStrategy(Strategy):
         with torch.no_grad():
             for s, shard in enumerate(self.shards):
                 flat = torch.nn.utils.parameters_to_vector(shard)
-                dist.broadcast(flat, src=s)
+                kdist.broadcast(flat, src=s)
                 torch.nn.utils.vector_to_parameters(flat, shard)
 
     def records(self) -> dict:

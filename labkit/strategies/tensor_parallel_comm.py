@@ -13,6 +13,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from labkit import dist as kdist
+
 
 @dataclass
 class CommLog:
@@ -58,7 +60,7 @@ def all_reduce(t: torch.Tensor, where: str = "", group=None) -> torch.Tensor:
     out = t.contiguous().clone()
     for log in _ACTIVE:
         log.entries.append(("all_reduce", where, out.numel() * out.element_size()))
-    dist.all_reduce(out, group=group)
+    kdist.all_reduce(out, group=group)
     return out
 
 
@@ -71,7 +73,7 @@ def all_gather_last(t: torch.Tensor, where: str, group=None) -> torch.Tensor:
     for log in _ACTIVE:
         log.entries.append(("all_gather", where, t.numel() * t.element_size()))
     parts = [torch.empty_like(t) for _ in range(p)]
-    dist.all_gather(parts, t, group=group)
+    kdist.all_gather(parts, t, group=group)
     return torch.cat(parts, dim=-1)
 
 

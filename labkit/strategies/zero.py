@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit import dist as kdist
+from labkit.backends import check as check_backend
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, broadcast_from_rank0
 
@@ -180,6 +182,8 @@ class ZeroStrategy(DataParallelStrategy):
         if self.prefetch and self.stage != 3:
             raise ConfigError(f"--zero-prefetch gathers parameters ahead of use, which only stage 3 shards; "
                               f"got --zero-stage {self.stage}")
+        if env.backend is not None:  # labkit train checked this already; a strategy built by hand is checked here
+            check_backend("zero", env.backend, env.device.type)
         self.comm = Comm(env.world_size, env.distributed)
         self.units: list[Unit] = []
 
@@ -239,7 +243,7 @@ class ZeroStrategy(DataParallelStrategy):
         if self.env.distributed:  # buffers (e.g. batch-norm statistics) follow rank 0, as DDP does
             with torch.no_grad():
                 for b in model.buffers():
-                    dist.broadcast(b, src=0)
+                    kdist.broadcast(b, src=0)
         return super().forward_backward(model, x, y, criterion)
 
     def sync_gradients(self, model: nn.Module) -> None:

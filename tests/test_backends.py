@@ -1,0 +1,70 @@
+"""The backend/device table (labkit.backends): each refused combination is one line and exit 2 before any work,
+and ``--device auto`` under gloo picks the CPU for a strategy gloo cannot run on CUDA tensors. GPUs are mocked."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit import backends
+from labkit.cli import main as cli_main
+from labkit.dist import distributed
+from labkit.errors import DeviceError
+
+
+@pytest.mark.parametrize("strategy, options, table_key", [
+    ("ps", {}, "ps-sync"), ("ps", {"ps_mode": "ssp"}, "ps-ssp"), ("zero", {"zero_stage": 3}, "zero"),
+    ("ddp", {}, "ddp"), ("ddp", {"allreduce": "native"}, "ddp"), ("ddp", {"allreduce": "ring"}, "ddp-schedule")])
+def test_key(strategy, options, table_key):
+    assert backends.key(strategy, options) == table_key
+
+
+@pytest.mark.parametrize("table_key, backend, device, refused", [
+    ("ddp", "nccl", "cpu", "backend nccl needs GPUs"), ("ps-async", "nccl", "cuda", "--ps-mode async receives"),
+    ("ps-ssp", "nccl", "cuda", "--ps-mode ssp receives"), ("ps-async", "gloo", "cuda", "--ps-mode async sends"),
+    ("zero", "gloo", "cuda", "--strategy zero's all-gathers"), ("ddp-schedule", "gloo", "cuda", "labkit's --allreduce"),
+    ("ddp-schedule", "nccl", "cuda", None),
+    ("ps-sync", "nccl", "cuda", None), ("ps-async", "gloo", "cpu", None), ("zero", "nccl", "cuda", None),
+    ("zero", "gloo", "cpu", None), ("ddp", "gloo", "cuda", None), ("fsdp", "nccl", "cuda", None)])
+def test_table(table_key, backend, device, refused):
+    why = backends.refusal(table_key, backend, device)
+    assert (why is None) if refused is None else (why.startswith(refused) and "\n" not in why and "use " in why)
+
+
+def test_auto_under_gloo_is_the_cpu_where_gloo_cannot_carry_cuda_tensors():
+    assert backends.auto_device("ps-async", "gloo", "auto") == "cpu"
+    assert backends.auto_device("zero", "gloo", "auto") == "cpu"
+    assert backends.auto_device("ddp", "gloo", "auto") == "auto"
+    assert backends.auto_device("zero", "nccl", "auto") == "auto"
+    assert backends.auto_device("zero", "gloo", "cuda") == "cuda"  # asked for: the table refuses it instead
+
+
+def _gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device before the table's check"))
+
+
+def test_distributed_applies_the_table_before_touching_a_gpu(monkeypatch):
+    _gpus(monkeypatch)
+    two = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    for strategy in ("zero", "ps-ssp"):
+        with pytest.raises(DeviceError, match="gloo"):
+            with distributed(device="cuda", backend="gloo", environ=two, strategy=strategy):
+                pass
+    started = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: started.append(kw) or pytest.skip("stop here"))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    with pytest.raises(pytest.skip.Exception):
+        with distributed(device="auto", backend="gloo", environ=two, strategy="ps-async"):
+            pass
+    assert started[0]["backend"] == "gloo" and started[0]["device_id"] is None  # auto became the CPU
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--strategy", "ps", "--ps-mode", "async", "--backend", "nccl", "--device", "cpu"], "backend nccl needs GPUs"),
+    (["--strategy", "ps", "--ps-mode", "ssp", "--backend", "nccl"], "--ps-mode ssp receives pushes"),
+    (["--strategy", "zero", "--backend", "gloo", "--device", "cuda"], "--strategy zero's all-gathers")])
+def test_refused_combinations_are_one_line_and_exit_2(flags, line, capsys, monkeypatch):
+    _gpus(monkeypatch)
+    assert cli_main(["train", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"labkit: error: {line}")
