@@ -10,6 +10,7 @@ import importlib
 from pathlib import Path
 
 from labkit.errors import ConfigError
+from labkit.faults import FAULTS
 
 #: exercise name -> "module:function" taking argv (list of str) and returning an exit code
 CHECKS: dict[str, str] = {
@@ -37,6 +38,10 @@ STARTERS: dict[str, str] = {
     "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
     "advisor-cost": "labkit.advisor.check:STARTER",
 }
+
+# notebook 11: each broken program of labkit.faults is an exercise; its starting file is the program itself
+CHECKS.update({f"faults-{n}": f"labkit.faults.check:check_{n.replace('-', '_')}" for n in FAULTS})
+STARTERS.update({f"faults-{n}": f"labkit.faults.check:starter_{n.replace('-', '_')}" for n in FAULTS})
 
 
 def _target(spec: str):

@@ -73,7 +73,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           (("    dist.send(mine, peer)\n    dist.recv(theirs, peer)\n", _PAIRED),), even_ranks=True),
     Fault("lr-not-scaled", False, "the learning rate is not scaled with the world size",
           "no hang: slower convergence than the scaled recipe",
-          (("lr=LR)", "lr=LR * dist.get_world_size())  # linear scaling: the global batch grew"),)),
+          (("lr=LR, momentum=0.9)", "lr=LR * dist.get_world_size(), momentum=0.9)  # the global batch grew"),)),
 )}
 
 

@@ -6,7 +6,7 @@
   (replicas must be equal there) and the clock at the first and last step;
 * a wrapper around ``dist.all_reduce`` that notes the first call whose input is not finite (this costs a
   host sync per call, which is why training runs never get it);
-* a wrapper around ``DistributedSampler.__iter__`` that keeps each epoch's sample order.
+* a wrapper around ``DistributedSampler.__iter__`` that keeps each epoch's sample order (when it shuffles).
 """
 from __future__ import annotations
 
@@ -38,16 +38,17 @@ def _watch_all_reduce(fn):
             RECORD["nonfinite"] = {"step": RECORD["steps"] + 1, "call": RECORD["all_reduces"],
                                    "shape": list(tensor.shape)}
         return fn(tensor, *args, **kwargs)
-    all_reduce.__wrapped__ = fn
+    all_reduce.labkit_recorded = fn
     return all_reduce
 
 
 def _watch_order(fn):
     def __iter__(self):
         order = list(fn(self))
-        RECORD["orders"].append(order)
+        if self.shuffle:
+            RECORD["orders"].append(order)
         return iter(order)
-    __iter__.__wrapped__ = fn
+    __iter__.labkit_recorded = fn
     return __iter__
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from labkit.faults import findings
+from labkit.faults import findings, fixed_source, get
 from labkit.testing import free_port
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labkit.faults.common", "labkit.faults.recorder",
@@ -155,3 +155,14 @@ def _gather(procs, results, ranks: int, deadline: float) -> tuple[dict[int, dict
                 p.kill()
                 p.join()
     return done, failed
+
+
+def run_fault(name: str, fixed: bool = False, **kwargs) -> Outcome:
+    """Run fault ``name``'s broken program (or, with ``fixed``, its fixed version) through :func:`run_program`."""
+    fault = get(name)
+    if not fixed:
+        return run_program(fault.path, launcher=fault.launcher, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="labkit-fixed-") as tmp:
+        path = Path(tmp) / fault.path.name
+        path.write_text(fixed_source(name))
+        return run_program(path, launcher=fault.launcher, **kwargs)

@@ -51,14 +51,14 @@ def _record_p2p(name: str, fn):
         finally:
             _p2p["done"] = [*_p2p["done"][-2:], _p2p["current"]]
             _p2p["current"] = None
-    wrapper.__wrapped__ = fn
+    wrapper.labkit_recorded = fn
     return wrapper
 
 
 def _patch_p2p() -> None:
     for name in ("send", "recv"):
         fn = getattr(dist, name)
-        if not hasattr(fn, "__wrapped__"):
+        if not hasattr(fn, "labkit_recorded"):
             setattr(dist, name, _record_p2p(name, fn))
 
 
@@ -89,7 +89,7 @@ def where(thread_id: int | None = None) -> str:
     if frame is None:
         return "?"
     user = [f for f in traceback.extract_stack(frame) if not _internal(f.filename)]
-    lines = [f"{Path(f.filename).name}:{f.lineno} {(f.line or '').strip()}" for f in user[-2:]]
+    lines = [f"{Path(f.filename).name}:{f.lineno} {(f.line or '').split('  #')[0].strip()}" for f in user[-2:]]
     return " < ".join(reversed(lines)) or "?"
 
 

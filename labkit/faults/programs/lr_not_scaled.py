@@ -1,4 +1,4 @@
-"""Data-parallel training with the recipe of a one-GPU run: batch 32, learning rate 0.02.
+"""Data-parallel training with the recipe of a one-GPU run: batch 32, learning rate 0.05.
 
     labkit faults run lr-not-scaled                (or: torchrun --nproc-per-node 4 THIS_FILE)
 """
@@ -9,14 +9,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from labkit.faults.common import average_gradients, toy_data, toy_model
 
-EPOCHS, BATCH, LR = 2, 32, 0.02  # tuned on one GPU
+EPOCHS, BATCH, LR = 3, 32, 0.05  # tuned on one GPU
 
 
 def main():
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = toy_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     data = toy_data()
     loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, seed=0))
     losses = []
