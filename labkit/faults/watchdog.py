@@ -142,24 +142,34 @@ class Watchdog:
                 continue
 
     def _report(self, store, state: dict) -> None:
+        """Post this rank's state; rank 0 gathers every rank's, prints the table; then every rank exits."""
         rank, world = state["rank"], dist.get_world_size()
         store.set(f"{_KEY}/report/{rank}", json.dumps(state))
-        if rank == 0:
-            reports = _collect(store, world, wait_s=5.0)
-            text = hang_table(reports, world, self.seconds)
-            if self.echo:
-                print(text, file=sys.stderr, flush=True)
-            if self.report_file is not None:
-                self.report_file.write_text(json.dumps({"seconds": self.seconds, "world_size": world,
-                                                        "reports": reports, "table": text}))
-            store.set(f"{_KEY}/done", "1")
-        else:
+        if rank != 0:
+            _quiet()
             deadline = time.monotonic() + 15.0
             while time.monotonic() < deadline and not store.check([f"{_KEY}/done"]):
                 time.sleep(0.1)
-        sys.stderr.flush()
-        sys.stdout.flush()
+            os._exit(EXIT_HUNG)
+        reports = _collect(store, world, wait_s=5.0)
+        text = hang_table(reports, world, self.seconds)
+        if self.echo:
+            print(text, file=sys.stderr, flush=True)
+        if self.report_file is not None:
+            self.report_file.write_text(json.dumps({"seconds": self.seconds, "world_size": world,
+                                                    "reports": reports, "table": text}))
+        _quiet()
+        store.set(f"{_KEY}/done", "1")
         os._exit(EXIT_HUNG)
+
+
+def _quiet() -> None:
+    """Silence this process: what its main thread says once its peers vanish is noise after the report."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
 
 
 def _collect(store, world: int, wait_s: float) -> list[dict]:
