@@ -35,7 +35,9 @@ def mismatch(reports: list[dict], world_size: int) -> str:
     ops = {r["current"]["op"] for r in reports if r["current"]}
     if ops == {"send"} and len(reports) == world_size:
         text += ": every rank sends and none receives (a send waits for the matching recv)"
-    elif len(groups) == 1 and not missing:
+    elif missing:
+        text += f": the others wait for {'it' if len(missing) == 1 else 'them'}; read {'its' if len(missing) == 1 else 'their'} own output"
+    elif len(groups) == 1:
         text += ": they agree; a rank outside this group, or a slow peer, holds them up"
     elif any(r["current"] is None for r in reports):
         text += ": a rank that is in no collective is busy elsewhere or took a branch the others did not"

@@ -178,3 +178,21 @@ def _collect(store, world: int, wait_s: float) -> list[dict]:
     while time.monotonic() < deadline and not store.check(keys):
         time.sleep(0.1)
     return [json.loads(store.get(k)) for k in keys if store.check([k])]
+
+
+def start_for_training(seconds: float | None, timeout_s: float) -> Watchdog | None:
+    """``labkit train --watchdog SECONDS`` (None: ``$LABKIT_WATCHDOG``, which job scripts may export; 0: off)."""
+    from labkit.errors import ConfigError
+
+    if seconds is None:
+        text = os.environ.get("LABKIT_WATCHDOG", "0")
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise ConfigError(f"LABKIT_WATCHDOG={text!r} is not a number of seconds; unset it or use e.g. 600") from None
+    if seconds == 0:
+        return None
+    if not 0 < seconds < timeout_s:
+        raise ConfigError(f"--watchdog must be 0 (off) or between 0 and --timeout-s ({timeout_s:g} s, when the "
+                          f"collectives themselves give up); got {seconds:g}")
+    return Watchdog(seconds).start()
