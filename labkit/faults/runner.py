@@ -70,6 +70,7 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if launcher == "srun" else ():
         os.environ.pop(name, None)
     torch.set_num_threads(1)
+    dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it
     Watchdog(seconds, Path(tmp) / "hang.json", echo=False).start()
     recorder.install()
     try:
