@@ -21,7 +21,8 @@ from labkit.faults.watchdog import start_for_training
 HANGS = ["mismatched-collective", "rank0-evaluates", "uneven-inputs", "send-recv-deadlock"]
 
 
-def _now(name, rank, outcome):
+def _now(outcome, rank):
+    """The collective ``rank`` was waiting in when the watchdog fired."""
     return next(r for r in outcome.hang["reports"] if r["rank"] == rank)["current"]
 
 
@@ -36,13 +37,15 @@ def test_every_hang_ends_with_a_table_naming_the_mismatch():
     table = runs["mismatched-collective"].table
     assert "rank 0 is in all_reduce #33 of shape (10,) float32, rank 1 is in barrier #33" in table
     assert "mismatched_collective.py:37 dist.all_reduce(correct)" in table
-    assert "rank 0 is in all_reduce #33 of shape (2,) float32, rank 1 is in barrier #33" in runs["rank0-evaluates"].table
-    assert "rank0_evaluates.py:21 dist.all_reduce(counts)" in runs["rank0-evaluates"].table
+    evaluates = runs["rank0-evaluates"].table
+    assert "rank 0 is in all_reduce #33 of shape (2,) float32, rank 1 is in barrier #33" in evaluates
+    assert "rank0_evaluates.py:21 dist.all_reduce(counts)" in evaluates
     # 257 samples: rank 0 has 5 batches, rank 1 has 4 (16 all-reduces); rank 0's fifth step waits
-    assert "rank 0 is in all_reduce #17 of shape (32, 20) float32, rank 1 is in barrier #17" in runs["uneven-inputs"].table
-    assert _now("uneven-inputs", 0, runs["uneven-inputs"])["op"] == "all_reduce"
+    uneven = runs["uneven-inputs"].table
+    assert "rank 0 is in all_reduce #17 of shape (32, 20) float32, rank 1 is in barrier #17" in uneven
+    assert _now(runs["uneven-inputs"], 0)["op"] == "all_reduce"
     deadlock = runs["send-recv-deadlock"]
-    assert [(_now("", r, deadlock)["op"], _now("", r, deadlock)["peer"], _now("", r, deadlock)["shape"])
+    assert [(_now(deadlock, r)["op"], _now(deadlock, r)["peer"], _now(deadlock, r)["shape"])
             for r in (0, 1)] == [("send", 1, [1002]), ("send", 0, [1002])]  # 20*32+32 + 32*10+10 weights
     assert "every rank sends and none receives" in deadlock.table
 
@@ -120,7 +123,8 @@ def test_table_reads_plain_reports():
                 "completed": [{"op": "all_reduce", "seq": 16}], "where": "a.py:3 dist.all_reduce(t)"},
                {"rank": 1, "current": None, "completed": [], "where": "a.py:9 time.sleep(60)"}]
     text = hang_table(reports, 3, 5)
-    assert "rank 0 is in all_reduce #17 of shape (10,) float32, rank 1 is in no collective, rank 2 did not report" in text
+    assert ("rank 0 is in all_reduce #17 of shape (10,) float32, rank 1 is in no collective, "
+            "rank 2 did not report") in text
     assert text.splitlines()[2].split()[:3] == ["0", "all_reduce", "#17"]
 
 

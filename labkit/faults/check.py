@@ -33,7 +33,7 @@ def reference(name: str, ranks: int):
     return outcome
 
 
-def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 10.0) -> list[str]:
+def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 5.0) -> list[str]:
     """The problems of the fix in ``path`` for fault ``name``; [] when it is right."""
     fault = get(name)
     mine = run_program(path, ranks, watchdog, fault.launcher)
@@ -58,7 +58,8 @@ def main(name: str, argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="your fixed copy of the program (FILE.py, or FILE.py:main)")
     parser.add_argument("--ranks", type=int, default=2, help="local gloo ranks (default 2)")
-    parser.add_argument("--watchdog", type=float, default=10.0, help="seconds in one collective that count as a hang")
+    parser.add_argument("--watchdog", type=float, default=5.0,
+                        help="seconds in one collective that count as a hang (default 5)")
     args = parser.parse_args(argv)
     from labkit.faults.cli import validate
 

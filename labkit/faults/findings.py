@@ -62,7 +62,8 @@ def devices(ranks: list[dict]) -> list[str]:
             continue
         key = (r["host"], r["gpu"])
         if key in owner:
-            return [f"ranks {owner[key]} and {r['rank']} both use GPU {r['gpu']}{' on ' + r['host'] if r['host'] else ''}: "
+            where = f" on {r['host']}" if r["host"] else ""
+            return [f"ranks {owner[key]} and {r['rank']} both use GPU {r['gpu']}{where}: "
                     "choose the GPU from the rank on this node (LOCAL_RANK under torchrun, SLURM_LOCALID under srun)"]
         owner[key] = r["rank"]
     return []

@@ -36,7 +36,8 @@ def mismatch(reports: list[dict], world_size: int) -> str:
     if ops == {"send"} and len(reports) == world_size:
         text += ": every rank sends and none receives (a send waits for the matching recv)"
     elif missing:
-        text += f": the others wait for {'it' if len(missing) == 1 else 'them'}; read {'its' if len(missing) == 1 else 'their'} own output"
+        one = len(missing) == 1
+        text += f": the others wait for {'it' if one else 'them'}; read {'its' if one else 'their'} own output"
     elif len(groups) == 1:
         text += ": they agree; a rank outside this group, or a slow peer, holds them up"
     elif any(r["current"] is None for r in reports):

@@ -32,8 +32,9 @@ from labkit.faults.table import hang_table
 EXIT_HUNG = 124
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
 _KEY = "labkit-watchdog"
-_INTERNAL = (str(Path(torch.__file__).parent), sysconfig.get_paths()["stdlib"], str(Path(__file__).parent / "runner.py"),
-             str(Path(__file__)), str(Path(__file__).parent / "recorder.py"))
+_HERE = Path(__file__).parent
+_INTERNAL = (str(Path(torch.__file__).parent), sysconfig.get_paths()["stdlib"], str(_HERE / "runner.py"),
+             str(_HERE / "watchdog.py"), str(_HERE / "recorder.py"))
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Byte": "uint8", "Bool": "bool"}
 _p2p: dict = {"seq": 0, "current": None, "done": []}
@@ -189,7 +190,8 @@ def start_for_training(seconds: float | None, timeout_s: float) -> Watchdog | No
         try:
             seconds = float(text)
         except ValueError:
-            raise ConfigError(f"LABKIT_WATCHDOG={text!r} is not a number of seconds; unset it or use e.g. 600") from None
+            raise ConfigError(f"LABKIT_WATCHDOG={text!r} is not a number of seconds; unset it or use e.g. "
+                              "600") from None
     if seconds == 0:
         return None
     if not 0 < seconds < timeout_s:
