@@ -74,7 +74,10 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
     Watchdog(seconds, Path(tmp) / "hang.json", echo=False).start()
     recorder.install()
     try:
-        out = runpy.run_path(str(path), run_name="__labkit_fault__")["main"]()
+        main = runpy.run_path(str(path), run_name="__labkit_fault__").get("main")
+        if not callable(main):
+            raise TypeError(f"{Path(path).name} defines no main(): keep the program's main() and what it returns")
+        out = main()
         record = recorder.finish()
         if not isinstance(out, dict) or "model" not in out:
             raise TypeError("main() must return a dict with the trained 'model' (and its 'losses')")
