@@ -49,13 +49,13 @@ def mismatch(reports: list[dict], world_size: int) -> str:
 
 def hang_table(reports: list[dict], world_size: int, seconds: float) -> str:
     """The watchdog's report as printed."""
-    rows = [("rank", "waiting in", "last completed", "at (innermost first)")]
+    rows = [("rank", "waiting in", "group", "last completed", "at (innermost first)")]
     for r in sorted(reports, key=lambda r: r["rank"]):
-        last = r["completed"][-1] if r["completed"] else None
-        rows.append((str(r["rank"]), describe(r["current"]), describe(last, shape=False) if last else "-",
-                     r["where"]))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in rows]
+        current = r["current"] or {}
+        done = ", ".join(describe(op, shape=False) for op in r["completed"][-2:]) or "-"
+        rows.append((str(r["rank"]), describe(r["current"]), current.get("group") or "-", done, r["where"]))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
     return (f"labkit: hang: a rank waited over {seconds:g} s in one collective; where each rank is:\n"
             + "\n".join("  " + line.rstrip() for line in lines)
             + f"\nlabkit: mismatch: {mismatch(reports, world_size)}")
