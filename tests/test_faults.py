@@ -98,10 +98,12 @@ def test_fixed_data_parallel_equals_one_process_on_the_global_batch(fixed):
     assert len(run.ranks[0]["losses"]) == 16
 
 
-def test_unscaled_learning_rate_converges_slower(fixed):
+def test_unscaled_learning_rate_converges_slower_and_the_command_says_what_it_found(fixed, capsys):
     broken = run_fault("lr-not-scaled")
     assert (broken.ranks[0]["record"]["lr"], fixed["lr-not-scaled"].ranks[0]["record"]["lr"]) == (0.05, 0.1)
     assert last_epoch_loss(broken, 8) > last_epoch_loss(fixed["lr-not-scaled"], 8) + 0.1
+    assert main(["faults", "run", "no-set-epoch"]) == 1  # the command prints the findings and exits 1
+    assert "labkit: found: rank 0 saw its 256 samples in the same order" in capsys.readouterr().out
 
 
 def test_checker_rejects_the_untouched_program_and_accepts_the_fix(tmp_path, capsys):

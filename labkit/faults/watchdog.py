@@ -31,7 +31,8 @@ from labkit.faults.table import hang_table
 
 EXIT_HUNG = 124
 FR_ENV = "TORCH_FR_BUFFER_SIZE"
-_KEY = "labkit-watchdog"
+#: store keys per torchrun attempt: a restarted group may share the store with the one that hung
+_KEY = f"labkit-watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 _HERE = Path(__file__).parent
 _INTERNAL = (str(Path(torch.__file__).parent), sysconfig.get_paths()["stdlib"], str(_HERE / "runner.py"),
              str(_HERE / "watchdog.py"), str(_HERE / "recorder.py"))
