@@ -21,6 +21,7 @@ class Fault:
     summary: str
     symptom: str
     fix: tuple[tuple[str, str], ...]  # (old text, new text) pairs, each old text once in the broken file
+    remedy: str = ""  # what the fixed version does (the checker compares a fix with it)
     launcher: str = "torchrun"  # "srun": the ranks get SLURM's variables only
     even_ranks: bool = False
 
@@ -42,40 +43,50 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("mismatched-collective", True, "rank 0 all-reduces a tensor the other ranks do not",
           "hang: rank 0 waits in all_reduce while the others wait in barrier",
           (("        if rank == 0:  # only rank 0 prints, so only rank 0 sums the counts\n"
-            "            dist.all_reduce(correct)\n", _LOG_ALL),)),
+            "            dist.all_reduce(correct)\n", _LOG_ALL),),
+          remedy="every rank all-reduces the counts; only the printing stays under if rank == 0"),
     Fault("rank0-evaluates", True, "a rank-dependent branch: rank 0 alone evaluates, and evaluate() all-reduces",
           "hang: rank 0 waits in evaluate()'s all_reduce, the others in barrier",
           (("        if rank == 0:\n            print(f\"epoch {epoch}: test accuracy {evaluate(model, test):.3f}\")\n",
-            _EVAL_ALL),)),
+            _EVAL_ALL),),
+          remedy="every rank calls evaluate(); only the printing stays under if rank == 0"),
     Fault("uneven-inputs", True, "uneven inputs: rank 0 has one batch more than the others",
           "hang at the last step: rank 0 all-reduces gradients that no other rank sends",
           (("DataLoader(Subset(data, mine), batch_size=BATCH)",
-            "DataLoader(Subset(data, mine), batch_size=BATCH, drop_last=True)"),)),
+            "DataLoader(Subset(data, mine), batch_size=BATCH, drop_last=True)"),),
+          remedy="drop_last=True on the DataLoader (DistributedSampler or join() end the hang too, on other samples)"),
     Fault("no-set-epoch", False, "a forgotten sampler.set_epoch: every epoch sees the same order",
           "no hang: each rank sees its samples in the same order every epoch",
           (("    for epoch in range(EPOCHS):\n",
-            "    for epoch in range(EPOCHS):\n        loader.sampler.set_epoch(epoch)\n"),)),
+            "    for epoch in range(EPOCHS):\n        loader.sampler.set_epoch(epoch)\n"),),
+          remedy="loader.sampler.set_epoch(epoch) at the start of each epoch"),
     Fault("unsynced-init", False, "each rank initialises its own random weights and nothing broadcasts them",
           "no hang: the replicas hold different weights from the first step on",
           (("    model = toy_model()\n", "    model = toy_model()\n    for p in model.parameters():  # start every "
-            "replica from rank 0's weights\n        dist.broadcast(p.data, src=0)\n"),)),
+            "replica from rank 0's weights\n        dist.broadcast(p.data, src=0)\n"),),
+          remedy="after building the model, broadcast every parameter from rank 0"),
     Fault("local-rank", False, "the GPU is chosen from LOCAL_RANK, which srun does not set",
           "two ranks on one GPU (or an invalid device index on a bigger node)",
           (("int(os.environ.get(\"LOCAL_RANK\", 0))",
-            "int(os.environ.get(\"LOCAL_RANK\", os.environ.get(\"SLURM_LOCALID\", 0)))"),), launcher="srun"),
+            "int(os.environ.get(\"LOCAL_RANK\", os.environ.get(\"SLURM_LOCALID\", 0)))"),), launcher="srun",
+          remedy="the GPU index falls back to SLURM_LOCALID when LOCAL_RANK is not set"),
     Fault("unsynced-timing", False, "GPU steps timed without synchronising",
           "a too-good throughput on a GPU (on a CPU each operation finishes before it returns)",
           (("            seconds += time.perf_counter() - start\n",
             _SYNC + "            seconds += time.perf_counter() - start\n"),
-           ("            start = time.perf_counter()\n", _SYNC + "            start = time.perf_counter()\n"))),
+           ("            start = time.perf_counter()\n", _SYNC + "            start = time.perf_counter()\n")),
+          remedy="torch.cuda.synchronize() before each clock read when on a GPU"),
     Fault("nan-spreads", False, "a NaN on one rank spreads through the all-reduce to every replica",
           "no hang: every rank's loss and weights become NaN",
-          (("torch.log(x_all[:, 0])", "torch.log1p(x_all[:, 0])"),)),
+          (("torch.log(x_all[:, 0])", "torch.log1p(x_all[:, 0])"),),
+          remedy="torch.log1p instead of torch.log for the count feature"),
     Fault("send-recv-deadlock", True, "both ranks of a pair send first", "hang: both ranks wait in send",
-          (("    dist.send(mine, peer)\n    dist.recv(theirs, peer)\n", _PAIRED),), even_ranks=True),
+          (("    dist.send(mine, peer)\n    dist.recv(theirs, peer)\n", _PAIRED),), even_ranks=True,
+          remedy="even ranks send first, odd ranks receive first"),
     Fault("lr-not-scaled", False, "the learning rate is not scaled with the world size",
           "no hang: slower convergence than the scaled recipe",
-          (("lr=LR, momentum=0.9)", "lr=LR * dist.get_world_size(), momentum=0.9)  # the global batch grew"),)),
+          (("lr=LR, momentum=0.9)", "lr=LR * dist.get_world_size(), momentum=0.9)  # the global batch grew"),),
+          remedy="lr = LR * world size (linear scaling)"),
 )}
 
 

@@ -48,8 +48,8 @@ def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 5.
     right = reference(name, ranks)
     diff = (_weights(mine) - _weights(right)).abs().max().item()
     if not diff <= 1e-5:
-        problems.append(f"it trains to other weights than the fixed version (up to {diff:.3g} apart): "
-                        "fix the mistake and change nothing else")
+        problems.append(f"it trains to other weights than the fixed version (up to {diff:.3g} apart), which "
+                        f"changes only this: {fault.remedy}")
     return problems
 
 
