@@ -54,7 +54,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "hang at the last step: rank 0 all-reduces gradients that no other rank sends",
           (("DataLoader(Subset(data, mine), batch_size=BATCH)",
             "DataLoader(Subset(data, mine), batch_size=BATCH, drop_last=True)"),),
-          remedy="drop_last=True on the DataLoader (DistributedSampler or join() end the hang too, on other samples)"),
+          remedy="drop_last=True on the DataLoader (DistributedSampler or join() end the hang too, on other "
+                 "samples)"),
     Fault("no-set-epoch", False, "a forgotten sampler.set_epoch: every epoch sees the same order",
           "no hang: each rank sees its samples in the same order every epoch",
           (("    for epoch in range(EPOCHS):\n",
