@@ -1,7 +1,9 @@
 """labkit faults: each broken program ends with its diagnosis within a bounded time (the watchdog's table for a
 hang, a finding for a silent failure), each fixed version trains right, and ``labkit check faults-NAME``
 rejects the untouched program and accepts the fix."""
+import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from labkit.checks import run_check
 from labkit.cli import main
 from labkit.faults.check import reference
 from labkit.faults.common import toy_data, toy_model
-from labkit.faults.runner import run_fault
+from labkit.faults.runner import run_fault, run_program
 from labkit.faults.table import hang_table
 from labkit.faults.versus import last_epoch_loss
 from labkit.faults.watchdog import start_for_training
@@ -147,3 +149,14 @@ def test_list_and_watchdog_settings(capsys, monkeypatch):
     assert capsys.readouterr().out.count("\n") == 2 * 10
     monkeypatch.setenv("LABKIT_WATCHDOG", "0")
     assert start_for_training(None, 1800) is None and start_for_training(0, 1800) is None
+
+
+def test_labkit_train_watchdog_ends_a_hung_ddp_job_with_the_table(tmp_path):
+    """`labkit train --watchdog 3` (the flag every job can set): rank 1 stops in its third optimizer step, rank 0
+    waits in DDP's gradient all-reduce, which DDP issues from C++ and the flight recorder still sees."""
+    run = run_program(Path(__file__).with_name("train_hang_program.py"), 2, watchdog=None,
+                      env={"LABKIT_TEST_OUT": str(tmp_path)}, timeout=120)
+    table = run.logs[0]
+    # one bucket of all 669706 gradients of the mlp (2.7 MB, under DDP's 25 MB bucket cap)
+    assert re.search(r"rank 0 is in all_reduce #\d+ of shape \(669706,\) float32, rank 1 is in no collective", table)
+    assert "train_hang_program.py:18 time.sleep(600)" in table and "ddp.py" in table

@@ -71,7 +71,8 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
         os.environ.pop(name, None)
     torch.set_num_threads(1)
     dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it
-    Watchdog(seconds, Path(tmp) / "hang.json", echo=False).start()
+    if seconds is not None:  # None: the program starts its own (labkit train --watchdog)
+        Watchdog(seconds, Path(tmp) / "hang.json", echo=False).start()
     recorder.install()
     try:
         main = runpy.run_path(str(path), run_name="__labkit_fault__").get("main")
@@ -93,13 +94,14 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
             dist.destroy_process_group()
 
 
-def run_program(path: str | Path, ranks: int = 2, watchdog: float = 10.0, launcher: str = "torchrun",
+def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0, launcher: str = "torchrun",
                 env: dict[str, str] | None = None, timeout: float = 300.0,
                 echo: Callable[[str], None] | None = None) -> Outcome:
     """Run the program at ``path`` on ``ranks`` local ranks; see the module's docstring.
 
     Args:
-        watchdog: seconds a rank may wait in one collective before the run counts as hung.
+        watchdog: seconds a rank may wait in one collective before the run counts as hung (None: no
+            watchdog of the runner's; the program may start its own).
         launcher: ``"torchrun"`` or ``"srun"`` (which variables the ranks get).
         env: extra environment variables for the ranks (e.g. ``{"DEVICE": "cuda"}``).
         timeout: a last resort for what the watchdog cannot see (a rank stuck outside any collective).

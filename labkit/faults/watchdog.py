@@ -150,10 +150,15 @@ class Watchdog:
         if rank != 0:
             _quiet()
             deadline = time.monotonic() + 15.0
-            while time.monotonic() < deadline and not store.check([f"{_KEY}/done"]):
-                time.sleep(0.1)
-            os._exit(EXIT_HUNG)
-        reports = _collect(store, world, wait_s=5.0)
+            try:  # until rank 0 has printed; its exit takes the store down, which ends the wait too
+                while time.monotonic() < deadline and not store.check([f"{_KEY}/done"]):
+                    time.sleep(0.1)
+            finally:
+                os._exit(EXIT_HUNG)
+        try:
+            reports = _collect(store, world, wait_s=5.0)
+        except Exception:  # the store went away with a peer: report what this rank knows
+            reports = [state]
         text = hang_table(reports, world, self.seconds)
         if self.echo:
             print(text, file=sys.stderr, flush=True)
@@ -161,8 +166,11 @@ class Watchdog:
             self.report_file.write_text(json.dumps({"seconds": self.seconds, "world_size": world,
                                                     "reports": reports, "table": text}))
         _quiet()
-        store.set(f"{_KEY}/done", "1")
-        os._exit(EXIT_HUNG)
+        try:
+            store.set(f"{_KEY}/done", "1")
+            time.sleep(0.5)  # the store lives in rank 0 under torchrun's c10d rendezvous: let the others read it
+        finally:
+            os._exit(EXIT_HUNG)
 
 
 def _quiet() -> None:
