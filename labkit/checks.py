@@ -71,7 +71,8 @@ def run_check(name: str, argv: list[str] | None = None) -> int:
         if len(argv) != 2:
             raise ConfigError(f"--init takes one FILE: labkit check {name} --init my_{name.replace('-', '_')}.py")
         path = write_starter(name, argv[1])
-        print(f"wrote {path}: fill in the TODOs, then run  labkit check {name} {path}")
+        todo = "find the mistake and fix it" if name.startswith("faults-") else "fill in the TODOs"
+        print(f"wrote {path}: {todo}, then run  labkit check {name} {path}")
         return 0
     return int(_target(CHECKS[name])(argv) or 0)
 
