@@ -26,7 +26,7 @@ def _weights(outcome) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def reference(name: str, ranks: int):
-    """The fixed version's run (kept: a session checks the same exercise again and again)."""
+    """The fixed version's run (kept: a learner checks the same exercise again and again)."""
     outcome = run_fault(name, fixed=True, ranks=ranks)
     if outcome.status != "finished":
         raise RuntimeError(f"the fixed version of {name} did not finish: {outcome.table or outcome.error}")
