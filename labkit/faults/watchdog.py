@@ -74,10 +74,17 @@ def _entry(e: dict) -> dict:
 
 
 def recorded() -> list[dict]:
-    """This rank's flight-recorder entries (collectives only; oldest first); [] when it records nothing."""
-    from torch._C._distributed_c10d import _dump_fr_trace_json
+    """This rank's flight-recorder entries (collectives only; oldest first); [] when it records nothing.
 
-    entries = json.loads(_dump_fr_trace_json(True, True)).get("entries", [])
+    Gloo's and NCCL's recorders are separate buffers with a dump each; both are read.
+    """
+    from torch._C import _distributed_c10d as c10d
+
+    entries = []
+    for dump in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+        if hasattr(c10d, dump):
+            entries += json.loads(getattr(c10d, dump)(True, False)).get("entries", [])
+    entries.sort(key=lambda e: e["time_created_ns"])
     return [_entry(e) for e in entries if not e.get("is_p2p")]
 
 
