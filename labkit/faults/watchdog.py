@@ -5,12 +5,12 @@ is, rank 0 prints one table (:mod:`labkit.faults.table`) and the job ends with e
     labkit train --watchdog 300 ...     # the same for every labkit training run (or LABKIT_WATCHDOG=300)
 
 What a rank is doing comes from PyTorch's flight recorder (``TORCH_FR_BUFFER_SIZE``: the process group keeps
-its last collectives with operation, sequence number, shapes, dtypes, group and whether each finished; it
-works with gloo and NCCL, and sees the collectives DDP issues from C++). Point-to-point ``send``/``recv``,
+its last collectives with operation, sequence number, shapes, dtypes, group and whether each finished; gloo
+and NCCL keep one buffer each and both are read; it sees the collectives DDP issues from C++ too). Point-to-point ``send``/``recv``,
 which gloo's recorder leaves out, are noted by a thin wrapper. The Python line each rank is on comes from
 ``sys._current_frames()`` (a thread may read the main thread's stack while it waits in C++), so no debugger
 or ``ptrace`` permission is needed. A background thread checks its own rank's flight recorder every half
-second and the job's store every few seconds; a training step itself does nothing more.
+second and the job's store every few seconds; a training step gains no collective and no host sync.
 """
 from __future__ import annotations
 
