@@ -6,11 +6,12 @@ is, rank 0 prints one table (:mod:`labkit.faults.table`) and the job ends with e
 
 What a rank is doing comes from PyTorch's flight recorder (``TORCH_FR_BUFFER_SIZE``: the process group keeps
 its last collectives with operation, sequence number, shapes, dtypes, group and whether each finished; gloo
-and NCCL keep one buffer each and both are read; it sees the collectives DDP issues from C++ too). Point-to-point ``send``/``recv``,
-which gloo's recorder leaves out, are noted by a thin wrapper. The Python line each rank is on comes from
-``sys._current_frames()`` (a thread may read the main thread's stack while it waits in C++), so no debugger
-or ``ptrace`` permission is needed. A background thread checks its own rank's flight recorder every half
-second and the job's store every few seconds; a training step gains no collective and no host sync.
+and NCCL keep one buffer each and both are read; it sees the collectives DDP issues from C++ too).
+Point-to-point ``send``/``recv``, which gloo's recorder leaves out, are noted by a thin wrapper. The Python
+line each rank is on comes from ``sys._current_frames()`` (a thread may read the main thread's stack while it
+waits in C++), so no debugger or ``ptrace`` permission is needed. A background thread checks its own rank's
+flight recorder every half second and the job's store every few seconds; a training step gains no collective
+and no host sync. Should the store be gone (the rank that held it died), a stuck rank reports alone.
 """
 from __future__ import annotations
 
@@ -141,14 +142,25 @@ class Watchdog:
                 store = dist.distributed_c10d._get_default_store()
                 state = snapshot()
                 hung = self.stuck_s(state) > self.seconds
+            except Exception:  # a group torn down under us: keep watching the next one
+                continue
+            try:
                 if hung:
                     store.set(f"{_KEY}/hang", str(state["rank"]))
                 if hung or time.monotonic() - last_store > self.store_every:
                     last_store = time.monotonic()
                     if store.check([f"{_KEY}/hang"]):
                         self._report(store, snapshot())
-            except Exception:  # a group torn down under us, a store gone: keep watching the next one
-                continue
+            except Exception:
+                if hung:  # the store went with the rank that held it: say what this rank knows, alone
+                    self._alone(state)
+
+    def _alone(self, state: dict) -> None:
+        text = hang_table([state], dist.get_world_size(), self.seconds)
+        if self.echo:
+            print(f"{text}\nlabkit: the job's store is unreachable (its host rank died?): rank {state['rank']} "
+                  "reports alone", file=sys.stderr, flush=True)
+        os._exit(EXIT_HUNG)
 
     def _report(self, store, state: dict) -> None:
         """Post this rank's state; rank 0 gathers every rank's, prints the table; then every rank exits."""
