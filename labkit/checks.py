@@ -10,6 +10,7 @@ import importlib
 from pathlib import Path
 
 from labkit.errors import ConfigError
+from labkit.faults import FAULTS
 
 #: exercise name -> "module:function" taking argv (list of str) and returning an exit code
 CHECKS: dict[str, str] = {
@@ -37,6 +38,10 @@ STARTERS: dict[str, str] = {
     "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
     "advisor-cost": "labkit.advisor.check:STARTER",
 }
+
+# notebook 11: each broken program of labkit.faults is an exercise; its starting file is the program itself
+CHECKS.update({f"faults-{n}": f"labkit.faults.check:check_{n.replace('-', '_')}" for n in FAULTS})
+STARTERS.update({f"faults-{n}": f"labkit.faults.check:starter_{n.replace('-', '_')}" for n in FAULTS})
 
 
 def _target(spec: str):
@@ -66,7 +71,8 @@ def run_check(name: str, argv: list[str] | None = None) -> int:
         if len(argv) != 2:
             raise ConfigError(f"--init takes one FILE: labkit check {name} --init my_{name.replace('-', '_')}.py")
         path = write_starter(name, argv[1])
-        print(f"wrote {path}: fill in the TODOs, then run  labkit check {name} {path}")
+        todo = "find the mistake and fix it" if name.startswith("faults-") else "fill in the TODOs"
+        print(f"wrote {path}: {todo}, then run  labkit check {name} {path}")
         return 0
     return int(_target(CHECKS[name])(argv) or 0)
 

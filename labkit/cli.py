@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("labkit.bench", "benchmarks (labkit vs plain PyTorch, scaling, sweeps)"),
     "check": ("labkit.checks", "check a workshop exercise"),
     "advise": ("labkit.advisor.cli", "recommend a parallelisation for a model and machine, and validate it"),
+    "faults": ("labkit.faults.cli", "broken distributed programs to run, diagnose and fix"),
 }
 
 _words: list[str] = []

@@ -18,8 +18,9 @@ import signal
 import sys
 import tempfile
 
-#: exit codes a rank uses after printing its own labkit line (errors.report)
-LABKIT_EXITS = (2, 75)
+#: exit codes a rank uses after printing its own labkit line (errors.report; 124: the hang watchdog's table,
+#: labkit.faults.watchdog)
+LABKIT_EXITS = (2, 75, 124)
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 

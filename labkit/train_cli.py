@@ -149,6 +149,9 @@ def add_parser(sub) -> None:
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--backend", default=None, help="nccl or gloo (None: nccl on GPUs, gloo on CPU)")
     g.add_argument("--timeout-s", type=float, default=1800.0, help="collective timeout: a dead rank fails the job")
+    g.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
+                   help="a rank waiting this long in one collective ends the job with a table of where every rank "
+                        "is (labkit faults); 0: off (default: $LABKIT_WATCHDOG, else 0)")
     g.add_argument("--out", default=None, help="results folder (None: runs/<model>-<dataset>-<strategy>-<optim>)")
     g.add_argument("--name", default=None, help="run name in the results (None: from the folder)")
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out if present")
@@ -170,7 +173,9 @@ def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
 
 
 def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
+    from labkit.faults.watchdog import start_for_training
     from labkit.train import run
 
+    start_for_training(args.watchdog, args.timeout_s)
     run(config_from_args(args, owned))
     return 0

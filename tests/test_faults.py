@@ -1,0 +1,162 @@
+"""labkit faults: each broken program ends with its diagnosis within a bounded time (the watchdog's table for a
+hang, a finding for a silent failure), each fixed version trains right, and ``labkit check faults-NAME``
+rejects the untouched program and accepts the fix."""
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
+
+from labkit import faults
+from labkit.checks import run_check
+from labkit.cli import main
+from labkit.faults.check import reference
+from labkit.faults.common import toy_data, toy_model
+from labkit.faults.runner import run_fault, run_program
+from labkit.faults.table import hang_table
+from labkit.faults.versus import last_epoch_loss
+from labkit.faults.watchdog import start_for_training
+
+HANGS = ["mismatched-collective", "rank0-evaluates", "uneven-inputs", "send-recv-deadlock"]
+
+
+def _now(outcome, rank):
+    """The collective ``rank`` was waiting in when the watchdog fired."""
+    return next(r for r in outcome.hang["reports"] if r["rank"] == rank)["current"]
+
+
+def test_every_hang_ends_with_a_table_naming_the_mismatch():
+    # the four hang at once (each waits 4 s in a collective; none busies the cores meanwhile)
+    with ThreadPoolExecutor(len(HANGS)) as pool:
+        runs = dict(zip(HANGS, pool.map(lambda n: run_fault(n, watchdog=4.0, timeout=120), HANGS)))
+    for name, run in runs.items():
+        assert run.status == "hung", (name, run.status, run.error, run.logs)
+        assert len(run.hang["reports"]) == 2, name
+    # 2 epochs of 8 steps x 4 gradients = all-reduces #1..#32; then rank 0 alone all-reduces, rank 1 is at barrier
+    table = runs["mismatched-collective"].table
+    assert "rank 0 is in all_reduce #33 of shape (10,) float32, rank 1 is in barrier #33" in table
+    assert "mismatched_collective.py:37 dist.all_reduce(correct)" in table
+    evaluates = runs["rank0-evaluates"].table
+    assert "rank 0 is in all_reduce #33 of shape (2,) float32, rank 1 is in barrier #33" in evaluates
+    assert "rank0_evaluates.py:21 dist.all_reduce(counts)" in evaluates
+    # 257 samples: rank 0 has 5 batches, rank 1 has 4 (16 all-reduces); rank 0's fifth step waits
+    uneven = runs["uneven-inputs"].table
+    assert "rank 0 is in all_reduce #17 of shape (32, 20) float32, rank 1 is in barrier #17" in uneven
+    assert _now(runs["uneven-inputs"], 0)["op"] == "all_reduce"
+    deadlock = runs["send-recv-deadlock"]
+    assert [(_now(deadlock, r)["op"], _now(deadlock, r)["peer"], _now(deadlock, r)["shape"])
+            for r in (0, 1)] == [("send", 1, [1002]), ("send", 0, [1002])]  # 20*32+32 + 32*10+10 weights
+    assert "every rank sends and none receives" in deadlock.table
+
+
+def test_silent_failures_are_found():
+    found = {name: run_fault(name).findings for name in ("no-set-epoch", "unsynced-init", "local-rank", "nan-spreads")}
+    assert found["no-set-epoch"] == ["rank 0 saw its 256 samples in the same order in all 3 epochs: DistributedSampler "
+                                     "shuffles by (seed, epoch); call sampler.set_epoch(epoch) before each epoch"]
+    assert len(found["unsynced-init"]) == 1 and found["unsynced-init"][0].startswith("replicas differ after step 1")
+    assert found["local-rank"][0].startswith("ranks 0 and 1 both use GPU 0 on node0")
+    # sample 75 is rank 1's 38th (no shuffling): its second batch, so step 2's first all-reduce (call 5)
+    assert found["nan-spreads"][0].startswith("rank 1 was first to put a non-finite value into a collective: "
+                                              "all_reduce call 5 (shape (32, 20)) in step 2")
+    assert "ranks 0, 1 hold non-finite weights" in found["nan-spreads"][0]
+
+
+@pytest.fixture(scope="module")
+def fixed():
+    return {name: reference(name, 2) for name in faults.FAULTS}  # the runs the checker compares with
+
+
+def test_every_fixed_version_finishes_with_equal_replicas_and_nothing_found(fixed):
+    for name, run in fixed.items():
+        assert (run.status, run.findings) == ("finished", []), (name, run.error, run.table)
+        assert all(torch.equal(run.state(0)[k], run.state(1)[k]) for k in run.state(0)), name
+
+
+def test_fixed_data_parallel_equals_one_process_on_the_global_batch(fixed):
+    """2 ranks x batch 32 with averaged gradients = one process on both ranks' batches (64), step by step."""
+    data = toy_data()
+    torch.manual_seed(0)
+    model = toy_model()
+    for epoch in range(2):
+        orders = []
+        for rank in (0, 1):
+            sampler = DistributedSampler(data, num_replicas=2, rank=rank, seed=0)
+            sampler.set_epoch(epoch)
+            orders.append(list(sampler))
+        for step in range(8):
+            batches = [order[step * 32:(step + 1) * 32] for order in orders]
+            x, y = data[sum(batches, [])]
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            with torch.no_grad():  # plain SGD, lr 0.1
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-0.1)
+    run = fixed["mismatched-collective"]
+    for k, v in model.state_dict().items():
+        assert torch.allclose(run.state(0)[k], v, atol=1e-6), k
+    assert len(run.ranks[0]["losses"]) == 16
+
+
+def test_unscaled_learning_rate_converges_slower_and_the_command_says_what_it_found(fixed, capsys):
+    broken = run_fault("lr-not-scaled")
+    assert (broken.ranks[0]["record"]["lr"], fixed["lr-not-scaled"].ranks[0]["record"]["lr"]) == (0.05, 0.1)
+    assert last_epoch_loss(broken, 8) > last_epoch_loss(fixed["lr-not-scaled"], 8) + 0.1
+    assert main(["faults", "run", "no-set-epoch"]) == 1  # the command prints the findings and exits 1
+    assert "labkit: found: rank 0 saw its 256 samples in the same order" in capsys.readouterr().out
+
+
+def test_checker_rejects_the_untouched_program_and_accepts_the_fix(tmp_path, capsys):
+    for name, wrong in (("unsynced-init", "replicas differ"), ("send-recv-deadlock", "it still hangs"),
+                        ("lr-not-scaled", "other weights than the fixed version"),
+                        ("unsynced-timing", "without torch.cuda.synchronize()")):
+        untouched, fix = tmp_path / f"{name}.py", tmp_path / f"{name}_fixed.py"
+        assert run_check(f"faults-{name}", ["--init", str(untouched)]) == 0
+        fix.write_text(faults.fixed_source(name))
+        assert run_check(f"faults-{name}", [str(untouched), "--watchdog", "3"]) == 1
+        assert wrong in capsys.readouterr().out, name
+        assert run_check(f"faults-{name}", [str(fix), "--watchdog", "3"]) == 0
+        assert capsys.readouterr().out.startswith("correct:"), name
+
+
+def test_table_reads_plain_reports():
+    reports = [{"rank": 0, "current": {"op": "all_reduce", "seq": 17, "shape": [10], "dtype": "float32"},
+                "completed": [{"op": "all_reduce", "seq": 16}], "where": "a.py:3 dist.all_reduce(t)"},
+               {"rank": 1, "current": None, "completed": [], "where": "a.py:9 time.sleep(60)"}]
+    text = hang_table(reports, 3, 5)
+    assert ("rank 0 is in all_reduce #17 of shape (10,) float32, rank 1 is in no collective, "
+            "rank 2 did not report") in text
+    assert text.splitlines()[2].split()[:3] == ["0", "all_reduce", "#17"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["faults", "run", "uneven-inputs", "--ranks", "1"], "--ranks must be between 2 and 8"),
+    (["faults", "run", "send-recv-deadlock", "--ranks", "3"], "--ranks must be even"),
+    (["faults", "run", "nan-spreads", "--device", "cuda"], "--device cuda is for unsynced-timing"),
+    (["check", "faults-nan-spreads", "missing.py"], "no such file 'missing.py'"),
+    (["train", "--watchdog", "2000", "--device", "cpu"], "--watchdog must be 0 (off) or between 0 and --timeout-s"),
+])
+def test_bad_input_is_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("labkit: error: ") and message in err[0], err
+
+
+def test_list_and_watchdog_settings(capsys, monkeypatch):
+    assert main(["faults", "list"]) == 0
+    assert capsys.readouterr().out.count("\n") == 2 * 10
+    monkeypatch.setenv("LABKIT_WATCHDOG", "0")
+    assert start_for_training(None, 1800) is None and start_for_training(0, 1800) is None
+
+
+def test_labkit_train_watchdog_ends_a_hung_ddp_job_with_the_table(tmp_path):
+    """`labkit train --watchdog 3` (the flag every job can set): rank 1 stops in its third optimizer step, rank 0
+    waits in DDP's gradient all-reduce, which DDP issues from C++ and the flight recorder still sees."""
+    run = run_program(Path(__file__).with_name("train_hang_program.py"), 2, watchdog=None,
+                      env={"LABKIT_TEST_OUT": str(tmp_path)}, timeout=120)
+    table = run.logs[0]
+    # one bucket of all 669706 gradients of the mlp (2.7 MB, under DDP's 25 MB bucket cap)
+    assert re.search(r"rank 0 is in all_reduce #\d+ of shape \(669706,\) float32, rank 1 is in no collective", table)
+    assert "train_hang_program.py:18 time.sleep(600)" in table and "ddp.py" in table
