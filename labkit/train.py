@@ -460,10 +460,11 @@ def run(cfg: TrainConfig) -> dict:
         lr = cfg.base_lr * (dp if cfg.scale_lr else 1)
         optimizer, preconditioner = strategy.build_optimizer(model, OptimizerSpec(
             cfg.optimizer, lr, cfg.momentum, cfg.weight_decay, cfg.optim_options, env))
+        pin = strategy.input_device.type == "cuda"  # --loader torch: pinned batches make non_blocking copies async
         train_loader = kdata.make_loader(train_set, cfg.batch_size, shuffle=True,
                                          sampler=strategy.sampler(train_set, True, cfg.seed), seed=cfg.seed,
-                                         drop_last=dp > 1, num_workers=cfg.num_workers)
-        test_loader = kdata.make_loader(test_set, cfg.test_batch_size, shuffle=False,
+                                         drop_last=dp > 1, num_workers=cfg.num_workers, pin_memory=pin)
+        test_loader = kdata.make_loader(test_set, cfg.test_batch_size, shuffle=False, pin_memory=pin,
                                         sampler=strategy.sampler(test_set, False, cfg.seed), num_workers=cfg.num_workers)
         steps = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
         warmup_start = 1 / dp if cfg.scale_lr and dp > 1 else 1 / max(1.0, cfg.warmup_epochs * steps)
