@@ -149,8 +149,9 @@ class StopCheck:
             stop, k = self._read()
             self.next = self.pending[0] + k
             self.pending = None
-        if stop:
-            return step + 1 < self.steps  # after the last step the epoch's end stops the run
+        if stop and step + 1 < self.steps:  # after the last step the epoch's end stops the run
+            self.strategy.step_boundary()  # the checkpoint's collectives follow
+            return True
         if (self.next is None or step >= self.next) and step + 2 < self.steps:
             self._launch(step)
         return False

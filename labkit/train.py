@@ -519,9 +519,9 @@ def run(cfg: TrainConfig) -> dict:
                    "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
                    "best_test_acc": max((r["test_acc"] for r in history), default=None),
                    "epochs_run": len(history), "time_s": time.perf_counter() - started,
-                   "throughput_window": last and {
+                   "throughput_window": {  # the window of samples_per_sec
                        "epoch": last["epoch"], "timed_steps": last["timed_steps"], "seconds": last["window_s"],
-                       "barriers": env.distributed and strategy.step_boundary()},  # the window of samples_per_sec
+                       "barriers": env.distributed and strategy.step_boundary()} if last else None,
                    "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
                    "utilisation": gather_utilisation(monitor, env, writer)}
         summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
