@@ -180,3 +180,37 @@ def test_single_process_strategies_call_no_collective(one_thread):
             assert steps == [[]] * 6, (name, steps)
     finally:
         _restore(originals)
+
+
+def test_rank0_turns_its_step_time_into_the_steps_between_two_checks(monkeypatch):
+    """every_s = 0.2: 10 ms steps are checked every 20 steps, 0.5 s steps after every step, 1 µs steps every 1000
+    (the cap); the first check comes after one step, before any step was timed."""
+    import types
+
+    from labkit.preempt import StopCheck
+
+    now = [0.0]
+    monkeypatch.setattr("labkit.preempt.time.perf_counter", lambda: now[0])
+    strategy = types.SimpleNamespace(env=DistEnv())
+    check = StopCheck(StopSignals(every_s=0.2), strategy, steps=10 ** 6)
+    assert check._interval(0) == 1.0
+    got = []
+    for step, seconds in ((20, 0.01), (40, 0.5), (60, 1e-6)):
+        check.next = step  # a check was launched and read: the next interval is timed since the last launch
+        now[0] += 20 * seconds
+        got.append(check._interval(step))
+    assert got == [20.0, 1.0, 1000.0]
+
+
+def test_the_throughput_window_opens_after_the_warm_up_and_closes_at_the_end_on_a_barrier():
+    from labkit.meters import ThroughputMeter
+
+    meets = []
+    meter = ThroughputMeter(1, 1, steps=10, printer=lambda line: None, barrier=lambda: meets.append(meter.step))
+    for _ in range(10):
+        meter.update(4)
+    assert meets == [1]  # after the 2 warm-up steps (0 and 1)
+    assert meter.finish() > 0 and meets == [1, 9] and meter.timed_steps == 8 and meter.window_s > 0
+    meets.clear()
+    meter = ThroughputMeter(1, 1, steps=5, printer=lambda line: None, barrier=lambda: meets.append("meet"))
+    assert meets == ["meet"]  # too short to spare a warm-up: the window opens before the first step
