@@ -85,7 +85,7 @@ def labkit_fit(model: nn.Module, loader, strategy, steps: int | None, lr: float 
         with (UtilisationMonitor(interval_s=1.0) if as_train else contextlib.nullcontext()), \
                 (StopSignals() if as_train else contextlib.nullcontext()) as stop:
             fit(model, loader, None, optimizer, epochs=epochs, strategy=strategy, max_steps=steps, log_every=10 ** 9,
-                printer=lambda line: None, scheduler=scheduler, stop=stop, **fit_options)
+                printer=lambda line: None, **{"scheduler": scheduler, "stop": stop, **fit_options})
         return epochs * per_epoch * loader.batch_size * strategy.data_parallel_size
 
     return call
