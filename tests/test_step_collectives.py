@@ -1,8 +1,9 @@
 """What one training step of each strategy sends, counted: nothing the plain version of the step lacks.
 
 One 2-rank gloo job runs 6 steps of :func:`labkit.train.fit` per strategy with every ``torch.distributed`` call
-the step can make wrapped (its name and element count logged), DDP's gradient buckets counted by a comm hook
-(its reducer calls the process group from C++, out of Python's sight), and the log cut at each
+the step can make wrapped (its name and element count logged; pipelining's batched sends arrive as their isend/
+irecv), DDP's gradient buckets made visible by registering PyTorch's own ``allreduce_hook`` (without a hook its
+reducer calls the process group from C++, out of Python's sight), and the log cut at each
 ``train_step``. Stop check every 2 steps (``StopSignals(every_steps=2)``): launched after steps 0 and 2, each
 read a step later; the throughput window's barrier after the warm-up (step 1). The single-process strategies
 (single device, model-parallel, GPipe) run in this process and must call nothing.
@@ -25,7 +26,8 @@ from labkit.testing import run_ranks
 STEPS, BATCH = 6, 4
 CALLS = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
          "reduce_scatter_tensor", "broadcast", "barrier", "gather", "scatter", "send", "recv", "isend", "irecv",
-         "all_gather_object", "gather_object", "broadcast_object_list", "reduce", "all_to_all")
+         "all_gather_object", "gather_object", "broadcast_object_list", "reduce", "reduce_scatter", "all_to_all",
+         "all_to_all_single", "monitored_barrier")
 STOP = "all_reduce 2"  # the stop check: [this rank's flag, rank 0's next interval]
 
 
