@@ -85,6 +85,11 @@ class ThroughputMeter:
     counted. An epoch resumed from a mid-epoch checkpoint starts at step ``first``: the percentage counts the
     epoch's steps done, ``(first + steps run) / steps``, and the rate only the steps this process ran.
 
+    The rate's window is bounded the way benchmarks bound it: at its start (after the warm-up) and at its end
+    (:meth:`finish`) the device's queue is drained and, with ``barrier``, every rank meets, so the window holds
+    the slowest rank's steps, not rank 0's alone. :attr:`window_s` is its length. The ``(estimated)`` lines
+    read this rank's clock without a barrier.
+
     Args:
         epoch, epochs: shown as ``epoch/epochs`` (1-based epoch).
         steps: batches in this epoch.
@@ -96,21 +101,24 @@ class ThroughputMeter:
         device: a CUDA device is synchronised before reading the clock, so queued kernels are counted.
         estimate_printer: where the ``(estimated)`` lines go instead, e.g. a progress bar's postfix, so
             a terminal shows one progress display.
+        barrier: called by every rank at both ends of the window (e.g. ``torch.distributed.barrier``).
     """
 
     def __init__(self, epoch: int, epochs: int, steps: int, every: int = 20, warmup: int = 2,
                  printer: Callable[[str], None] = print, world_factor: int = 1, device: torch.device | None = None,
-                 estimate_printer: Callable[[str], None] | None = None, first: int = 0):
+                 estimate_printer: Callable[[str], None] | None = None, first: int = 0,
+                 barrier: Callable[[], None] | None = None):
         self.epoch, self.epochs, self.steps, self.first = epoch, epochs, steps, first
         self.every, self.printer = max(1, every), printer
         self.estimate_printer = estimate_printer or printer
         self.warmup = warmup if steps - first > 2 * warmup + 1 else 0
         self.world_factor = world_factor
         self.cuda = device is not None and torch.device(device).type == "cuda"
-        self.device = device
+        self.device, self.barrier = device, barrier
         self.samples = 0
         self.step = -1
-        self.start = time.perf_counter()
+        self.window_s = 0.0
+        self.start = self._mark() if self.warmup == 0 else time.perf_counter()
 
     @property
     def timed_steps(self) -> int:
@@ -122,13 +130,21 @@ class ThroughputMeter:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def _mark(self) -> float:
+        """The clock once the device's queue is empty and every rank got here."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if self.barrier is not None:
+            self.barrier()
+        return time.perf_counter()
+
     def update(self, batch_size: int) -> None:
         """Call after each optimizer step with this rank's batch size."""
         self.step += 1
         self.samples += batch_size
         if self.step < self.warmup:  # no estimate from warm-up steps
             if self.step + 1 == self.warmup:
-                self.start, self.samples = self._now(), 0
+                self.start, self.samples = self._mark(), 0
             return
         done = self.first + self.step + 1
         if self.step % self.every == 0 and done < self.steps:
@@ -142,7 +158,8 @@ class ThroughputMeter:
         return self.world_factor * self.samples / max(self._now() - self.start, 1e-9)
 
     def finish(self) -> float:
-        """Print the end-of-epoch line and return samples/sec."""
-        rate = self.rate
+        """Close the window (every rank calls this), print the end-of-epoch line and return samples/sec."""
+        self.window_s = max(self._mark() - self.start, 1e-9)
+        rate = self.world_factor * self.samples / self.window_s if self.samples else 0.0
         self.printer(throughput_line(self.epoch, self.epochs, self.first + self.step + 1, self.steps, rate, False))
         return rate

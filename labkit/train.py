@@ -34,7 +34,7 @@ from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memor
 from labkit.monitor import UtilisationMonitor, nvml_indices
 from labkit.monitor import gather as gather_utilisation
 from labkit.optim import OptimizerSpec
-from labkit.preempt import Preempted, StopSignals, clear_marker, write_marker
+from labkit.preempt import Preempted, StopCheck, StopSignals, clear_marker, write_marker
 from labkit.precision import autocast, check_amp, to_channels_last
 from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.rng import cuda_rng_states, restore_cuda_rng
@@ -167,13 +167,15 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         on_epoch_end: called with the finished epoch index (checkpointing).
         profiler: a ``torch.profiler.profile`` to ``step()`` every iteration.
         position: where in epoch ``start_epoch`` a mid-epoch checkpoint stopped (:func:`epoch_position`).
-        stop: checked after every step and epoch; when any rank got a stop signal, every rank stops after
-            the same step, calls ``on_stop(epoch, position)`` (checkpointing) and raises :class:`Preempted`.
+        stop: checked within an epoch every few tenths of a second without blocking (:class:`StopCheck`) and
+            after every epoch; when any rank got a stop signal, every rank stops after the same step, calls
+            ``on_stop(epoch, position)`` (checkpointing) and raises :class:`Preempted`.
         step_delay_s: sleep after every step: a pre-emption drill needs a run slow enough to interrupt.
 
     Returns:
         ``[{"kind": "epoch", "epoch", "train_loss", "train_acc", "test_loss", "test_acc",
-        "samples_per_sec", "lr", "time_s"}, ...]``.
+        "samples_per_sec", "timed_steps", "window_s", "lr", "time_s"}, ...]``: ``samples_per_sec`` is timed
+        over ``window_s`` seconds of ``timed_steps`` steps after the warm-up, between barriers of all ranks.
     """
     if strategy is None:
         strategy = single_strategy(model)
@@ -200,9 +202,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             if bar is not None:
                 bar.update(first)
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
-                                printer=printer, device=strategy.input_device, first=first,
+                                printer=printer, device=strategy.input_device, first=first, barrier=_barrier(strategy),
                                 estimate_printer=None if bar is None else (
                                     lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
+        check = StopCheck(stop, strategy, steps) if stop is not None else None
         for step, (x, y) in enumerate(batches, start=first):
             if step >= steps:
                 break
@@ -215,8 +218,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 bar.update()
             if step_delay_s:
                 time.sleep(step_delay_s)
-            if stop is not None and step + 1 < steps and stop.requested(strategy):
+            if check is not None and check.after_step(step):
                 _stop(stop, epoch, epoch_position(step + 1, totals, strategy), on_stop)
+        if check is not None:
+            check.close()
         if bar is not None:
             bar.close()  # before the epoch's line, so the bar does not share a line with it
         rate = meter.finish()
@@ -225,7 +230,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                                else (math.nan,) * 2)
         record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": loss_sum / max(count, 1),
                   "train_acc": correct / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
-                  "samples_per_sec": rate, "timed_steps": meter.timed_steps, "lr": optimizer.param_groups[0]["lr"],
+                  "samples_per_sec": rate, "timed_steps": meter.timed_steps, "window_s": meter.window_s,
+                  "lr": optimizer.param_groups[0]["lr"],
                   "time_s": time.perf_counter() - started}
         printer(f"epoch {epoch + 1}/{epochs} | train loss {record['train_loss']:.4f} acc {record['train_acc']:.4f}"
                 f" | test loss {test_loss:.4f} acc {test_acc:.4f} | lr {record['lr']:.4g}")
@@ -246,7 +252,8 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: to
 
     ``strategy.forward_backward`` -> ``strategy.sync_gradients`` -> ``preconditioner.step`` ->
     ``optimizer.step`` -> ``scheduler.step`` (-> ``profiler.step``); on a rank that owns the outputs, the
-    batch's loss sum, correct predictions and sample count are added to ``totals`` (on the device: no host sync).
+    batch's loss sum, correct predictions and sample count are added to ``totals`` (on the device: no host sync,
+    no host-to-device copy).
     The strategy advisor times this very function (:mod:`labkit.advisor.profile`).
 
     Returns:
@@ -268,8 +275,8 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: to
     if loss is None or not strategy.metric_owner():
         return False
     y = y.to(out.device)
-    totals += torch.stack([loss.double() * len(y), (out.argmax(1) == y).sum().double(),
-                           torch.tensor(float(len(y)), dtype=torch.float64, device=out.device)]).to(totals.device)
+    count = torch.full((), float(len(y)), dtype=torch.float64, device=out.device)  # a fill kernel, no copy
+    totals += torch.stack([loss.double() * len(y), (out.argmax(1) == y).sum().double(), count]).to(totals.device)
     return True
 
 
@@ -307,6 +314,17 @@ def _stop(stop: StopSignals, epoch: int, position: dict, on_stop: Callable[[int,
     if on_stop is not None:
         on_stop(epoch, position)
     raise Preempted(stop.received, epoch, position["step"])
+
+
+def _barrier(strategy: Strategy) -> Callable[[], None] | None:
+    """The barrier that bounds the throughput window on every rank (None: one process)."""
+    if not strategy.env.distributed:
+        return None
+
+    def barrier() -> None:
+        if strategy.step_boundary():  # ranks that run different numbers of steps time their own window
+            dist.barrier()
+    return barrier
 
 
 def _check_finite(loss_sum: torch.Tensor, epoch: int, step: int) -> None:
@@ -446,10 +464,11 @@ def run(cfg: TrainConfig) -> dict:
         lr = cfg.base_lr * (dp if cfg.scale_lr else 1)
         optimizer, preconditioner = strategy.build_optimizer(model, OptimizerSpec(
             cfg.optimizer, lr, cfg.momentum, cfg.weight_decay, cfg.optim_options, env))
+        pin = strategy.input_device.type == "cuda"  # --loader torch: pinned batches make non_blocking copies async
         train_loader = kdata.make_loader(train_set, cfg.batch_size, shuffle=True,
                                          sampler=strategy.sampler(train_set, True, cfg.seed), seed=cfg.seed,
-                                         drop_last=dp > 1, num_workers=cfg.num_workers)
-        test_loader = kdata.make_loader(test_set, cfg.test_batch_size, shuffle=False,
+                                         drop_last=dp > 1, num_workers=cfg.num_workers, pin_memory=pin)
+        test_loader = kdata.make_loader(test_set, cfg.test_batch_size, shuffle=False, pin_memory=pin,
                                         sampler=strategy.sampler(test_set, False, cfg.seed), num_workers=cfg.num_workers)
         steps = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
         warmup_start = 1 / dp if cfg.scale_lr and dp > 1 else 1 / max(1.0, cfg.warmup_epochs * steps)
@@ -504,6 +523,9 @@ def run(cfg: TrainConfig) -> dict:
                    "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
                    "best_test_acc": max((r["test_acc"] for r in history), default=None),
                    "epochs_run": len(history), "time_s": time.perf_counter() - started,
+                   "throughput_window": {  # the window of samples_per_sec
+                       "epoch": last["epoch"], "timed_steps": last["timed_steps"], "seconds": last["window_s"],
+                       "barriers": env.distributed and strategy.step_boundary()} if last else None,
                    "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
                    "utilisation": gather_utilisation(monitor, env, writer)}
         summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)

@@ -612,14 +612,12 @@ def test_profile_levels_are_timed_with_as_many_processes_as_fill_the_cores(monke
     assert [profile._copies(t) for t in (1, 2)] == [2, 1]
 
 
-def test_plans_of_several_processes_pay_the_loops_stop_check_by_hand():
-    """`labkit train` with its checkpoint all-reduces a stop flag (8 bytes) after every step on every rank."""
+def test_no_plan_pays_a_per_step_stop_check():
+    """`labkit train` asks about a stop signal every few tenths of a second without blocking (tests/
+    test_step_collectives.py counts it): no plan, of one process or several, pays a per-step term for it."""
     t = replace(topo(), launch_s=5e-4)
-    ddp = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), tiny_profile(), t)
-    # a ring over 2 ranks: one message of 4 bytes each way (α + 4β each), and κ once
-    assert ddp.time["stop check"] == pytest.approx(2 * (1e-3 + 4e-6) + 5e-4)
-    for plan in (Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), Plan("tensor-parallel", 2, 2, 8),
-                 Plan("zero", 2, 2, 8, (("zero_stage", 3),)), Plan("ps", 2, 2, 8, (("ps_servers", 1),))):
-        assert price(plan, tiny_profile(), t).time["stop check"] == pytest.approx(0.002508), plan.label
-    for plan in (Plan("single", 1, 1, 8), Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2))))):
-        assert "stop check" not in price(plan, tiny_profile(), t).time  # one process asks nobody
+    for plan in (Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), Plan("tensor-parallel", 2, 2, 8),
+                 Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))),
+                 Plan("zero", 2, 2, 8, (("zero_stage", 3),)), Plan("ps", 2, 2, 8, (("ps_servers", 1),)),
+                 Plan("single", 1, 1, 8), Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2))))):
+        assert "stop check" not in price(plan, tiny_profile(), t).time, plan.label

@@ -53,17 +53,22 @@ def net() -> nn.Module:
 
 
 class StopAt(StopSignals):
-    """A stop signal that arrives on this rank at its ``call``-th check (``labkit train``'s StopSignals)."""
+    """A stop signal that is there from the ``call``-th time the loop looks at ``received`` (``labkit train``'s
+    StopSignals, asking after every step: ``every_steps=1``). With 3 steps an epoch the loop looks when it
+    launches the check after step 0 and when it asks after the epoch."""
 
     def __init__(self, call: int | None):
-        super().__init__()
         self.call, self.calls = call, 0
+        super().__init__(every_steps=1)
 
-    def requested(self, strategy=None) -> bool:
+    @property
+    def received(self) -> str | None:
         self.calls += 1
-        if self.calls == self.call:
-            self.received = "SIGTERM"
-        return super().requested(strategy)
+        return "SIGTERM" if self.call is not None and self.calls >= self.call else None
+
+    @received.setter
+    def received(self, value) -> None:
+        pass  # the signal comes from `call` alone
 
 
 def train_ps(env, mode, steps=STEPS, epochs=1, out=None, stop_call=None, resume=False, **options):
@@ -116,8 +121,9 @@ def ddp_on(env, workers, epochs):
 def four_ranks(env, out):
     two_servers = {"ps_servers": 2}
     res = {"sync": train_ps(env, "sync", epochs=2, **two_servers), "ddp": ddp_on(env, [2, 3], epochs=2)}
-    # checks 1-3 of epoch 1, 4 (after step 1) of epoch 2: rank 3's signal stops every rank there
-    res["stopped"] = train_ps(env, "sync", epochs=2, out=out, stop_call=4 if env.rank == 3 else None, **two_servers)
+    # looks 1-2 in epoch 1, 3 when epoch 2's check after step 0 is launched: read after step 1, it stops every rank
+    # after step 2
+    res["stopped"] = train_ps(env, "sync", epochs=2, out=out, stop_call=3 if env.rank == 3 else None, **two_servers)
     res["resumed"] = train_ps(env, "sync", epochs=2, out=out, resume=True, **two_servers)
     one_worker = {"ps_servers": 3}
     res["1w-sync"] = train_ps(env, "sync", steps=4, epochs=2, **one_worker)[0]
@@ -151,8 +157,8 @@ def test_ps_sync_is_ddp_resumes_bit_identically_and_async_ssp_record_staleness(o
     assert sum(s["bytes"]["sent"] for s in servers) == 2 * STEPS * formula.elements_sent[0] * 4
     assert [s["numel"] for s in servers] == [6 * 8, 8 + 8 * 3 + 3]  # whole tensors, largest first
 
-    # stopped mid-epoch 2 after step 1 on every rank; each rank wrote its own file (two servers: two shards)
-    assert [per_rank[r]["stopped"] for r in range(4)] == [("stopped", 1, 1)] * 4
+    # stopped mid-epoch 2 after step 2 on every rank; each rank wrote its own file (two servers: two shards)
+    assert [per_rank[r]["stopped"] for r in range(4)] == [("stopped", 1, 2)] * 4
     assert sorted(p.name for p in tmp_path.glob("ckpt/checkpoint*.pt")) == [f"checkpoint.rank{r}.pt" for r in range(4)]
     for r in range(4):
         weights, _, momentum = per_rank[r]["resumed"]

@@ -15,8 +15,8 @@ Notation (per optimizer step, global batch ``B``):
   the loss is inside ``T``, which the profile scales to whole measured bare steps).
 
 Every plan pays ``update = u·P_dev``, ``data = d·(samples its rank loads)`` and the loop's ``bookkeeping`` per step
-(measured by the profile; added by :func:`labkit.advisor.pricing.price`); a plan of ``p > 1`` processes also
-pays ``stop check = AR(8 B, native, p)`` (:func:`stop_check_time`). Memory on
+(measured by the profile; added by :func:`labkit.advisor.pricing.price`); the loop's stop check costs nothing
+per step (one tiny non-blocking all-reduce every few tenths of a second) and is not priced. Memory on
 the fullest device: ``parameters + gradients + optimizer (momentum) = 3·P_dev``, ``activations``,
 ``buffers`` (communication copies), ``runtime`` (a process before any model; CPU only).
 """
@@ -87,14 +87,6 @@ def broadcast_time(count: int, nbytes: float, ranks: int, topo: Topology) -> flo
         return 0.0
     link = topo.collective_link(ranks)
     return (ranks - 1) * (count * link.alpha + link.beta * nbytes) + count * topo.launch_s
-
-
-def stop_check_time(ranks: int, topo: Topology) -> float:
-    """``stop check = AR(8 B, native, p)``: with its checkpoint (the default of the command a plan prints),
-    ``labkit train`` asks after every step whether any rank got a stop signal, one 8-byte all-reduce
-    (:meth:`labkit.preempt.StopSignals.requested`), so that every rank stops after the same step. Measured on
-    2 gloo ranks, LeNet under DDP, 3 runs each: 4.5–4.8 ms a step without it, 4.9–6.3 ms with it."""
-    return allreduce_time(8, ranks, "native", topo)
 
 
 def common_terms(prof: Profile, topo: Topology, params: float, loaded: float) -> dict[str, float]:

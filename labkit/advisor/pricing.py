@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from labkit.advisor.cost import (price_ddp, price_hybrid, price_one_process_pipeline, price_pipeline, price_single,
-                                 price_tensor_parallel, stop_check_time)
+                                 price_tensor_parallel)
 from labkit.advisor.cost_ps import price_ps
 from labkit.advisor.cost_sharded import price_sharded
 from labkit.advisor.plan import Estimate, Plan
@@ -27,13 +27,11 @@ PRICERS = {
 def price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process. Every plan also pays
     the training loop's own work per step, ``bookkeeping = loop_s`` (:class:`labkit.advisor.profile.Profile`,
-    where measured), and a plan of several processes the loop's per-step stop check
-    (:func:`labkit.advisor.cost.stop_check_time`)."""
+    where measured). The loop's stop check is not priced: it is one tiny non-blocking all-reduce every few tenths
+    of a second (:class:`labkit.preempt.StopCheck`), nothing measurable per step."""
     est = PRICERS[plan.strategy](plan, prof, topo)
     if est.applicable:
         if prof.loop_s:
             est.time["bookkeeping"] = prof.loop_s  # host Python and tiny ops: not scaled with the device
-        if plan.processes > 1:
-            est.time["stop check"] = stop_check_time(plan.processes, topo)
     est.limit_bytes = topo.memory_bytes
     return est

@@ -17,7 +17,7 @@ GB = 2**30
 
 def run_args(advice: Advice, label: str, out: Path, steps: int) -> list[str]:
     """The ``labkit train`` arguments a validation run of plan ``label`` uses: the plan's command, with its
-    checkpoint as the command has it (the training loop's per-step stop check comes with it), for ``steps``
+    checkpoint as the command has it (the training loop's stop check comes with it), for ``steps``
     steps, a small test set, its own ``--out``."""
     plan = advice.find(label).plan
     return [*plan.train_args(advice.model, advice.dataset), *advice.train_args, "--epochs", "1",

@@ -7,6 +7,7 @@ DistributedSampler does), and the step is zero_grad / forward / loss / backward 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -60,17 +61,31 @@ class PlainLoop:
         return self.steps * b * self.world
 
 
-def labkit_fit(model: nn.Module, loader, strategy, steps: int, lr: float = 0.01, **fit_options) -> Callable[[], int]:
-    """A contender that trains ``steps`` steps per call through :func:`labkit.train.fit` (one epoch each)."""
+def labkit_fit(model: nn.Module, loader, strategy, steps: int | None, lr: float = 0.01, epochs: int = 1,
+               as_train: bool = False, **fit_options) -> Callable[[], int]:
+    """A contender that trains ``epochs`` epochs of ``steps`` steps (None: whole epochs) per call through
+    :func:`labkit.train.fit`, with the strategy's own optimizer (SGD, momentum 0.9).
+
+    ``as_train``: everything ``labkit train`` adds around a step as well: the learning-rate scheduler, the stop
+    signals (with a checkpoint, the default) and the utilisation monitor's sampling thread; not the
+    checkpoints, the evaluation or the result files, which the plain loop has no counterpart of.
+    """
+    from labkit.monitor import UtilisationMonitor
+    from labkit.optim import OptimizerSpec
+    from labkit.preempt import StopSignals
     from labkit.train import fit
 
-    optimizer = torch.optim.SGD(strategy.unwrap(model).parameters(), lr=lr, momentum=0.9)
-    if steps > len(loader):
+    optimizer, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", lr, 0.9, env=strategy.env))
+    if steps is not None and steps > len(loader):
         raise ConfigError(f"--steps {steps} is more than the {len(loader)} batches of an epoch; use fewer --steps")
+    per_epoch = len(loader) if steps is None else steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0) if as_train else None
 
     def call() -> int:
-        fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=steps, log_every=10 ** 9,
-            printer=lambda line: None, **fit_options)
-        return steps * loader.batch_size * strategy.data_parallel_size
+        with (UtilisationMonitor(interval_s=1.0) if as_train else contextlib.nullcontext()), \
+                (StopSignals() if as_train else contextlib.nullcontext()) as stop:
+            fit(model, loader, None, optimizer, epochs=epochs, strategy=strategy, max_steps=steps, log_every=10 ** 9,
+                printer=lambda line: None, **{"scheduler": scheduler, "stop": stop, **fit_options})
+        return epochs * per_epoch * loader.batch_size * strategy.data_parallel_size
 
     return call

@@ -8,12 +8,13 @@ Scaling is weak scaling: every rank keeps --batch-size, so the global batch grow
 speedup(n) = throughput(n) / throughput(1); efficiency(n) = speedup(n) / n (1.0 = perfect). Each rank
 count is one `labkit train --strategy ddp` run under torchrun.
 
-The comparison starts --compare-ranks ranks once (gloo on CPU); inside that one run every rank alternates the two
-contenders round by round (:mod:`labkit.bench.harness`) on the same model, data and batch: labkit =
-labkit.train.fit with the DDP strategy and ``--loader``'s data path; plain = DistributedDataParallel over the
-dataset preloaded as one tensor, each rank slicing its shard of a shared permutation. The ratio labkit/plain
-is the median over rounds of each back-to-back pair, so noise from other programs on the machine mostly
-cancels. Target: ratio >= 0.97.
+The comparison starts --compare-ranks ranks once (gloo on CPU); inside that one run every rank alternates the
+contenders round by round (:mod:`labkit.bench.harness`) on the same model, data and batch, each call
+--compare-epochs whole epochs: labkit = labkit.train.fit with the DDP strategy and ``--loader``'s data path, with
+what ``labkit train`` adds around a step (scheduler, stop signals, utilisation monitor); zero-2 = the same with
+``--strategy zero --zero-stage 2``; plain = DistributedDataParallel over the dataset preloaded as one tensor,
+each rank slicing its shard of a shared permutation. A ratio to plain is the median over rounds of each
+back-to-back pair, so noise from other programs on the machine mostly cancels. Target: labkit/plain >= 0.97.
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ FLAGS = [
     {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
     {"flag": "--batch-size", "type": "int", "default": 64, "help": "samples per rank per step"},
     {"flag": "--steps", "type": "int", "default": 30, "help": "optimizer steps per run / per contender and round"},
-    {"flag": "--rounds", "type": "int", "default": 8, "help": "comparison rounds (each runs both contenders)"},
+    {"flag": "--rounds", "type": "int", "default": 8, "help": "comparison rounds (each runs every contender)"},
+    {"flag": "--compare-epochs", "type": "int", "default": 3,
+     "help": "whole epochs per contender call in the comparison"},
     {"flag": "--loader", "default": "tensor", "choices": ["tensor", "torch"], "help": "labkit's data path"},
     {"flag": "--repeat", "type": "int", "default": 1, "help": "runs per rank count, alternating; the median counts"},
     {"flag": "--device", "default": "cpu", "help": "cpu (gloo) or cuda (NCCL, one rank per GPU)"},
@@ -108,9 +111,9 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     common = ["--model", args.model, "--dataset", args.dataset, "--batch-size", str(args.batch_size),
               "--device", args.device]
-    if args.repeat < 1 or args.steps < 3 or args.rounds < 1 or args.threads < 1:
-        raise ConfigError(f"need --repeat >= 1, --steps >= 3, --rounds >= 1, --threads >= 1; got {args.repeat}, "
-                          f"{args.steps}, {args.rounds}, {args.threads}")
+    if args.repeat < 1 or args.steps < 3 or args.rounds < 1 or args.threads < 1 or args.compare_epochs < 1:
+        raise ConfigError(f"need --repeat >= 1, --steps >= 3, --rounds >= 1, --threads >= 1, --compare-epochs >= 1; "
+                          f"got {args.repeat}, {args.steps}, {args.rounds}, {args.threads}, {args.compare_epochs}")
     env = {"OMP_NUM_THREADS": str(args.threads)}
     measured: dict[int, list[float]] = {n: [] for n in ranks}
     for r in range(args.repeat):
@@ -126,8 +129,8 @@ def main(args: argparse.Namespace) -> int:
                "efficiency": {r["ranks"]: r["efficiency"] for r in rows}}
     if args.compare_ranks:
         print(f"--- labkit vs plain PyTorch DDP on {args.compare_ranks} ranks, {args.rounds} rounds", flush=True)
-        compare = torchrun(["bench", "ddp", "--compare-worker", *common, "--steps", str(args.steps), "--loader", args.loader,
-                            "--rounds", str(args.rounds), "--out", str(out / "compare")],
+        compare = torchrun(["bench", "ddp", "--compare-worker", *common, "--compare-epochs", str(args.compare_epochs),
+                            "--loader", args.loader, "--rounds", str(args.rounds), "--out", str(out / "compare")],
                            nproc=args.compare_ranks, env=env, echo=_quiet)
         metrics.update(compare.summary["metrics"])
     writer = RunWriter(out)
@@ -140,7 +143,8 @@ def main(args: argparse.Namespace) -> int:
     if args.compare_ranks:
         print(f"labkit {metrics['labkit_samples_per_sec']:.1f} vs plain {metrics['plain_samples_per_sec']:.1f} "
               f"samples/s on {args.compare_ranks} ranks; ratio labkit/plain (median of "
-              f"{args.rounds} paired rounds) = {metrics['ratio']:.3f} (target >= 0.97)")
+              f"{args.rounds} paired rounds) = {metrics['ratio']:.3f} (target >= 0.97); zero-2/plain "
+              f"{metrics['zero-2']['ratio']:.3f}")
     config = {k: v for k, v in vars(args).items() if k not in ("func", "compare_worker")}
     writer.finish("bench-ddp", "bench", config, metrics)
     print(f"results written to {out}/summary.json, plot {out}/scaling.png")
@@ -154,29 +158,32 @@ def _quiet(line: str) -> None:
 
 
 def _compare_worker(args: argparse.Namespace) -> int:
-    """One rank of the comparison: labkit's DDP strategy through fit vs DDP over preloaded tensors."""
+    """One rank of the comparison: labkit's DDP and ZeRO-2 strategies through fit vs DDP over preloaded tensors."""
     from labkit import data, models
     from labkit.bench.contenders import PlainLoop, labkit_fit, preload
     from labkit.bench.harness import alternate, config_of
     from labkit.dist import distributed, print0
     from labkit.results import RunWriter
     from labkit.strategies.ddp import DDPStrategy
+    from labkit.strategies.zero import ZeroStrategy
     from labkit.tensor_data import load_split
 
     with distributed(args.device) as env:
         info = data.dataset_info(args.dataset)
         torch.manual_seed(0)
         template = models.get_model(args.model, info.num_classes, info.in_channels, info.image_size)
-        strategy = DDPStrategy(env, {})
-        model = strategy.prepare(copy.deepcopy(template))
         train_set = load_split(args.loader, args.dataset, True, device=env.device)
-        loader = data.make_loader(train_set, args.batch_size, shuffle=True, sampler=strategy.sampler(train_set, True, 0),
-                                  drop_last=True)
+        contenders = {}
+        for name, strategy in (("labkit", DDPStrategy(env, {})), ("zero-2", ZeroStrategy(env, {"zero_stage": 2}))):
+            model = strategy.prepare(copy.deepcopy(template))
+            loader = data.make_loader(train_set, args.batch_size, shuffle=True, drop_last=True,
+                                      sampler=strategy.sampler(train_set, True, 0))
+            contenders[name] = labkit_fit(model, loader, strategy, None, epochs=args.compare_epochs, as_train=True)
         x, y = preload(args.dataset, env.device)
         plain = DistributedDataParallel(copy.deepcopy(template).to(env.device),
                                         device_ids=[env.device.index] if env.device.type == "cuda" else None)
-        contenders = {"labkit": labkit_fit(model, loader, strategy, args.steps),
-                      "plain": PlainLoop(plain, x, y, args.batch_size, args.steps, env.rank, env.world_size)}
+        epoch = PlainLoop(plain, x, y, args.batch_size, len(loader), env.rank, env.world_size)  # the same steps
+        contenders["plain"] = lambda: sum(epoch() for _ in range(args.compare_epochs))
         writer = RunWriter(args.out, enabled=env.is_main)
         results = alternate(contenders, args.rounds, [env.device], log=lambda r: writer.log({**r, "ranks": env.world_size}))
         print0(results.table("plain", TARGET))
@@ -184,5 +191,6 @@ def _compare_worker(args: argparse.Namespace) -> int:
         writer.finish("bench-ddp-compare", "bench", config_of(args),
                       {**summary, "labkit_samples_per_sec": summary["labkit"]["median_samples_per_sec"],
                        "plain_samples_per_sec": summary["plain"]["median_samples_per_sec"],
-                       "ratio": summary["labkit"]["ratio"], "compare_ranks": env.world_size}, env)
+                       "ratio": summary["labkit"]["ratio"], "zero2_ratio": summary["zero-2"]["ratio"],
+                       "compare_ranks": env.world_size, "compare_epochs": args.compare_epochs}, env)
     return 0

@@ -154,6 +154,12 @@ class Strategy:
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"the checkpoint does not fit this model/optimizer: {str(exc)[:200]}") from None
 
+    def step_boundary(self) -> bool:
+        """Called between two steps before the loop's own collective there (the stop check, the barriers of the
+        throughput window). True: every rank can join one now; False: the ranks run different numbers of steps
+        and the loop waits for the epoch's end."""
+        return True
+
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """Sum a small metrics tensor over every rank of the job (identity for one process)."""
         if self.env.distributed:

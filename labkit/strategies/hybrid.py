@@ -19,6 +19,7 @@ instead because each of its ranks starts from its own mean ``1/B Σ ℓ_n``; the
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
@@ -42,6 +43,7 @@ class HybridStrategy(DataParallelStrategy):
     def __init__(self, env, options=None):
         super().__init__(env, options)
         self.num_classes = 0
+        self._sizes_group = None  # where the shard sizes meet: a CPU (gloo) group, so reading them waits for no GPU
 
     @property
     def _root(self) -> bool:
@@ -58,6 +60,8 @@ class HybridStrategy(DataParallelStrategy):
         self.num_classes = linears[-1].out_features
         model = model.to(self.env.device)
         if self.env.distributed:
+            if dist.get_backend() != "gloo":
+                self._sizes_group = dist.new_group(backend="gloo")  # every rank prepares: a collective call
             broadcast_from_rank0(model.features)  # every rank starts from rank 0's convolutions, whatever its seed
             if not self._root:
                 model.classifier = None  # the FC weights live on rank 0 only
@@ -99,9 +103,10 @@ class HybridStrategy(DataParallelStrategy):
     # ----- moving rows of the batch between the ranks and rank 0 --------------------------------------
 
     def _sizes(self, n: int) -> list[int]:
-        sizes = torch.zeros(self.env.world_size, dtype=torch.int64, device=self.env.device)
-        local = torch.tensor([n], dtype=torch.int64, device=self.env.device)
-        kdist.all_gather_single(sizes, local)
+        """Every rank's rows this step (shards may differ). Gathered in host memory over a gloo group: on GPUs,
+        reading sizes gathered on the device would wait for every kernel queued before them, every step."""
+        sizes = torch.zeros(self.env.world_size, dtype=torch.int64)
+        kdist.all_gather_single(sizes, torch.tensor([n], dtype=torch.int64), group=self._sizes_group)
         return sizes.tolist()
 
     def _gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:

@@ -158,7 +158,6 @@ class ParameterServerStrategy(Strategy):
         self.stopped_by: set[int] = set()
         self._samplers: list[DistributedSampler] = []
         self._epoch_open = False
-        self._stop_noted = False
         self._step_s = 0.0  # this worker's last step, without the injected delay
 
     def build_optimizer(self, model: nn.Module, spec: OptimizerSpec):
@@ -276,19 +275,16 @@ class ParameterServerStrategy(Strategy):
 
     # ----- end of an epoch ------------------------------------------------------------------------------------
 
+    def step_boundary(self) -> bool:
+        if self.mode != "sync":
+            # servers and async workers run different numbers of steps: a collective here would deadlock;
+            # a stop signal stays recorded and the check after the epoch (a real collective) stops the run
+            return False
+        if self.server is not None and self._epoch_open:
+            self.server.after_step(budget_reached=False)  # answer this step's pushes: workers wait for it
+        return True
+
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        if self._epoch_open and values.numel() == 1:
-            # the loop's per-step "did any rank get a stop signal?" check, after the optimizer step
-            if self.mode != "sync":
-                # servers and async workers run different numbers of steps: a collective here would deadlock;
-                # the signal stays recorded and the check after the epoch (a real collective) stops the run
-                if values.item() and not self._stop_noted:
-                    self._stop_noted = True
-                    print(f"rank {self.env.rank}: stop signal: --ps-mode {self.mode} stops at the end of this epoch, "
-                          "after its checkpoint", flush=True)
-                return torch.zeros_like(values)
-            if self.server is not None:
-                self.server.after_step(budget_reached=False)  # answer this step's pushes: workers wait for it
         # the loop's metrics sum after an epoch's steps is its first collective: finish the epoch before it
         if self._epoch_open and values.numel() > 1:
             self._finish_epoch()

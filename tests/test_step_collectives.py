@@ -1,0 +1,218 @@
+"""What one training step of each strategy sends, counted: nothing the plain version of the step lacks.
+
+One 2-rank gloo job runs 6 steps of :func:`labkit.train.fit` per strategy with every ``torch.distributed`` call
+the step can make wrapped (its name and element count logged; pipelining's batched sends arrive as their isend/
+irecv), DDP's gradient buckets made visible by registering PyTorch's own ``allreduce_hook`` (without a hook its
+reducer calls the process group from C++, out of Python's sight), and the log cut at each
+``train_step``. Stop check every 2 steps (``StopSignals(every_steps=2)``): launched after steps 0 and 2, each
+read a step later; the throughput window's barrier after the warm-up (step 1). The single-process strategies
+(single device, model-parallel, GPipe) run in this process and must call nothing.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from labkit import train as ktrain
+from labkit.dist import DistEnv
+from labkit.optim import OptimizerSpec
+from labkit.preempt import StopSignals
+from labkit.strategies import get_strategy
+from labkit.testing import run_ranks
+
+STEPS, BATCH = 6, 4
+CALLS = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+         "reduce_scatter_tensor", "broadcast", "barrier", "gather", "scatter", "send", "recv", "isend", "irecv",
+         "all_gather_object", "gather_object", "broadcast_object_list", "reduce", "reduce_scatter", "all_to_all",
+         "all_to_all_single", "monitored_barrier")
+STOP = "all_reduce 2"  # the stop check: [this rank's flag, rank 0's next interval]
+
+
+def _numel(args, kwargs) -> int:
+    """Elements of the call's first tensor (an all-gather's or reduce-scatter's output comes first)."""
+    first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)), None)
+    return 0 if first is None else first.numel()
+
+
+def _counting(log: list):
+    """Wrap every collective and point-to-point call of torch.distributed; return the originals. isend/irecv
+    are wrapped in distributed_c10d too: a P2POp (pipelining's batched sends) accepts only those two."""
+    originals = {name: getattr(dist, name) for name in CALLS if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            log.append(f"{name} {_numel(args, kwargs)}")
+            return fn(*args, **kwargs)
+        return counted
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    for name in ("isend", "irecv"):
+        setattr(c10d, name, getattr(dist, name))
+    return originals
+
+
+def _restore(originals: dict) -> None:
+    for name, fn in originals.items():
+        setattr(dist, name, fn)
+        if name in ("isend", "irecv"):
+            setattr(c10d, name, fn)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data(channels=3, size=2) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(96, channels, size, size, generator=g), torch.randint(0, 3, (96,), generator=g))
+
+
+def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset, log: list) -> list[list[str]]:
+    """The calls of each of the STEPS steps, from one train_step to the next (the last one to the epoch's end)."""
+    strategy = get_strategy(name)(env, options)
+    model = strategy.prepare(model)
+    if name == "ddp" and env.distributed:  # PyTorch's own hook: the same all-reduce, called from Python
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        model.register_comm_hook(None, allreduce_hook)
+    optimizer, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", 0.01, 0.9, env=env))
+    loader = DataLoader(data, BATCH, sampler=strategy.sampler(data, True, 0), drop_last=True)
+    cuts = []
+    step = ktrain.train_step
+
+    def marked(*args, **kwargs):
+        cuts.append(len(log))
+        return step(*args, **kwargs)
+    ktrain.train_step = marked
+    start = len(log)
+    try:
+        ktrain.fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=STEPS,
+                   printer=lambda line: None, stop=StopSignals(every_steps=2))
+    finally:
+        ktrain.train_step = step
+    cuts.append(len(log))
+    strategy.close()
+    assert cuts[0] == start, log[start:cuts[0]]
+    return [log[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _ranks(env) -> dict:
+    log: list[str] = []
+    originals = _counting(log)
+    try:
+        from labkit import models
+
+        lenet = models.get_model("lenet", num_classes=3, in_channels=1, image_size=28)
+        alexnet = models.get_model("alexnet_small", num_classes=3, in_channels=3, image_size=16)
+        runs = {"ddp": ("ddp", {}, _net(), _data()),
+                "lenet-ddp": ("ddp", {}, lenet, _data(1, 28)),
+                "zero-1": ("zero", {"zero_stage": 1}, _net(), _data()),
+                "zero-2": ("zero", {"zero_stage": 2}, _net(), _data()),
+                "zero-3": ("zero", {"zero_stage": 3}, _net(), _data()),
+                "fsdp": ("fsdp", {}, _net(), _data()),
+                "hybrid": ("hybrid", {}, alexnet, _data(3, 16)),
+                "tensor-parallel": ("tensor-parallel", {}, _net(), _data()),
+                "pipeline": ("pipeline", {"num_microbatches": 2}, _net(), _data()),
+                "ps": ("ps", {"ps_mode": "sync", "ps_timeout_s": 60}, _net(), _data())}
+        return {key: _steps(name, options, env, model, data, log) for key, (name, options, model, data) in runs.items()}
+    finally:
+        _restore(originals)
+
+
+#: what the loop adds after steps 0..5: the stop check launched after steps 0 and 2 (read after 1 and 3; none
+#: after 4, whose answer would come after the last step), the window's barriers after the warm-up and at the end,
+#: and the epoch's metric sums (loss, correct, count)
+LOOP = [[STOP], ["barrier 0"], [STOP], [], [], ["barrier 0", "all_reduce 3"]]
+AG, RS = "all_gather_single", "reduce_scatter_single"
+#: the net: Linear(12, 8) (104 parameters) and Linear(8, 3) (27, padded to 28 for 2 ranks, FSDP2: 36 by rows)
+STEP = {
+    "ddp": ["all_reduce 131"],  # one gradient bucket: all 131 parameters
+    "lenet-ddp": ["all_reduce 43831"],  # LeNet's 43,831 parameters fit DDP's first 1 MB bucket
+    # ZeRO-1/2: reduce-scatter each unit's gradient (shards of 52 and 14), all-gather its parameters (104, 28);
+    # stage 1 after backward, stage 2 inside it (last layer first)
+    "zero-1": [f"{RS} 52", f"{RS} 14", f"{AG} 104", f"{AG} 28"],
+    "zero-2": [f"{RS} 14", f"{RS} 52", f"{AG} 104", f"{AG} 28"],
+    # ZeRO-3: gather for the forward, again for the backward (the last unit first), reduce-scatter
+    "zero-3": [f"{AG} 104", f"{AG} 28", f"{AG} 28", f"{RS} 14", f"{AG} 104", f"{RS} 52"],
+    "fsdp": [f"{AG} 104", f"{AG} 36", f"{AG} 36", f"{AG} 104", f"{RS} 18", f"{RS} 52"],
+    # shard sizes (host memory), features and targets to rank 0, their gradients and logits back, the
+    # convolutions' gradients summed (565,152 parameters, one bucket)
+    "hybrid": [f"{AG} 2", "gather 2048", "gather 4", "scatter 2048", "scatter 12", "all_reduce 565152"],
+    # Megatron's row-parallel output: one all-reduce of the logits (4 × 3); the input needs no gradient
+    "tensor-parallel": ["all_reduce 12"],
+}
+#: pipeline, 2 micro-batches of 2 rows: rank 0 sends each one's activations (2 × 8) and receives their gradients
+PIPE = {0: ["isend 16", "isend 16", "irecv 16", "irecv 16"], 1: ["irecv 16", "irecv 16", "isend 16", "isend 16"]}
+#: the first step also agrees on the shapes between the stages
+PIPE_FIRST = {0: ["send 1", "isend 1", "recv 1", "irecv 1", "isend 1", "isend 161", "irecv 1", "irecv 162"],
+              1: ["recv 1", "irecv 1", "send 1", "isend 1", "irecv 1", "irecv 161", "isend 1", "isend 162"]}
+PUSH, REPLY = ["irecv 131"], ["isend 2", "isend 131"]  # ps server: a worker's gradient in; header and parameters out
+
+
+def test_a_step_sends_what_its_strategy_needs_and_the_stop_check_one_collective_every_2_steps(one_thread):
+    per_rank = run_ranks(_ranks, 2, timeout=300)
+    for rank, got in enumerate(per_rank):
+        for key, body in STEP.items():
+            assert got[key] == [body + extra for extra in LOOP], (rank, key, got[key])
+        pipe = [PIPE[rank] + extra for extra in LOOP]
+        pipe[0] = PIPE_FIRST[rank] + pipe[0]
+        assert got["pipeline"] == pipe, (rank, got["pipeline"])
+    # ps, rank 1 the worker: push its gradient, wait for the header and the parameters; the epoch's end
+    # broadcasts the server's shard
+    ps = [["isend 131", "irecv 2", "irecv 131"] + extra for extra in LOOP]
+    ps[5][-1:-1] = ["broadcast 131"]
+    assert per_rank[1]["ps"] == ps, per_rank[1]["ps"]
+    # rank 0 the server answers a push before the loop's next collective, else at the next step's start
+    server = [PUSH + REPLY + LOOP[0], PUSH + REPLY + LOOP[1], PUSH + REPLY + LOOP[2], PUSH, REPLY + PUSH,
+              REPLY + PUSH + REPLY + ["barrier 0", "broadcast 131", "all_reduce 3"]]
+    assert per_rank[0]["ps"] == server, per_rank[0]["ps"]
+
+
+def test_single_process_strategies_call_no_collective(one_thread):
+    log: list[str] = []
+    originals = _counting(log)
+    try:
+        env = DistEnv()
+        for name, options in (("single", {}), ("model-parallel", {"mp_devices": 2}), ("gpipe", {"partitions": 2})):
+            steps = _steps(name, options, env, _net(), _data(), log)
+            assert steps == [[]] * 6, (name, steps)
+    finally:
+        _restore(originals)
+
+
+def test_rank0_turns_its_step_time_into_the_steps_between_two_checks(monkeypatch):
+    """every_s = 0.2: 10 ms steps are checked every 20 steps, 0.5 s steps after every step, 1 µs steps every 1000
+    (the cap); the first check comes after one step, before any step was timed."""
+    import types
+
+    from labkit.preempt import StopCheck
+
+    now = [0.0]
+    monkeypatch.setattr("labkit.preempt.time.perf_counter", lambda: now[0])
+    strategy = types.SimpleNamespace(env=DistEnv())
+    check = StopCheck(StopSignals(every_s=0.2), strategy, steps=10 ** 6)
+    assert check._interval(0) == 1.0
+    got = []
+    for step, seconds in ((20, 0.01), (40, 0.5), (60, 1e-6)):
+        check.next = step  # a check was launched and read: the next interval is timed since the last launch
+        now[0] += 20 * seconds
+        got.append(check._interval(step))
+    assert got == [20.0, 1.0, 1000.0]
+
+
+def test_the_throughput_window_opens_after_the_warm_up_and_closes_at_the_end_on_a_barrier():
+    from labkit.meters import ThroughputMeter
+
+    meets = []
+    meter = ThroughputMeter(1, 1, steps=10, printer=lambda line: None, barrier=lambda: meets.append(meter.step))
+    for _ in range(10):
+        meter.update(4)
+    assert meets == [1]  # after the 2 warm-up steps (0 and 1)
+    assert meter.finish() > 0 and meets == [1, 9] and meter.timed_steps == 8 and meter.window_s > 0
+    meets.clear()
+    meter = ThroughputMeter(1, 1, steps=5, printer=lambda line: None, barrier=lambda: meets.append("meet"))
+    assert meets == ["meet"]  # too short to spare a warm-up: the window opens before the first step
