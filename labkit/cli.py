@@ -19,7 +19,7 @@ import importlib
 import importlib.util
 import sys
 
-from labkit.errors import LabkitError, OutputError, report
+from labkit.errors import LabkitError, OutputError, first_to_say, report
 
 #: command name -> (module that defines ``add_parser(subparsers)``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if exc.filename is None:
             raise
         return report(OutputError(f"cannot use {exc.filename}: {exc.strerror}; choose another path"))
-    except KeyboardInterrupt:
-        print("labkit: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of a torchrun job: one line for them all
+        if first_to_say("labkit: interrupted"):
+            print("labkit: interrupted", file=sys.stderr)
         return 130

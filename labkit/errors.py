@@ -47,12 +47,12 @@ def report(exc: LabkitError) -> int:
     if code == 2 and os.environ.get("LABKIT_ERROR_FILE"):
         with contextlib.suppress(OSError), open(os.environ["LABKIT_ERROR_FILE"], "a") as f:
             f.write(line + "\n")
-    if _first_to_say(line):
+    if first_to_say(line):
         print(line, file=sys.stderr, flush=True)
     return code
 
 
-def _first_to_say(line: str) -> bool:
+def first_to_say(line: str) -> bool:
     """False when another rank of this torchrun job already printed ``line`` (an O_EXCL file per message)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:

@@ -32,7 +32,7 @@ from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memor
 from labkit.monitor import UtilisationMonitor, nvml_indices
 from labkit.monitor import gather as gather_utilisation
 from labkit.optim import OptimizerSpec
-from labkit.preempt import Preempted, StopSignals, clear_marker, write_marker
+from labkit.preempt import Preempted, StopSignals, clear_marker, signal_of_any_rank, write_marker
 from labkit.precision import autocast, check_amp, to_channels_last
 from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.strategies import Strategy, get_strategy
@@ -480,9 +480,10 @@ def run(cfg: TrainConfig) -> dict:
                               amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
                               on_stop=save, step_delay_s=cfg.step_delay_s)
             except Preempted as stopped:
+                name = signal_of_any_rank(stopped.signal_name, env)
                 if env.is_main:
-                    write_marker(out_dir, stopped.epoch, stopped.step, stopped.signal_name)
-                raise
+                    write_marker(out_dir, stopped.epoch, stopped.step, name)
+                raise Preempted(name, stopped.epoch, stopped.step) from None
         if env.is_main:
             clear_marker(out_dir)
         lines = memory_lines(strategy.devices())
