@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib
 import importlib.util
 import sys
 
-from labkit.errors import LabkitError, OutputError, first_to_say, report
+from labkit.errors import LabkitError, OutputError, first_to_say, flag_error, report
 
 #: command name -> (module that defines ``add_parser(subparsers)``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -43,6 +44,7 @@ def words() -> list[str]:
     return list(_words)
 
 
+@functools.lru_cache(maxsize=None)
 def module_doc(module: str) -> str:
     """``module``'s docstring, read from its source without importing it ("" when it has none)."""
     spec = importlib.util.find_spec(module)
@@ -58,10 +60,18 @@ def summary_line(module: str) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
+class Parser(argparse.ArgumentParser):
+    """labkit's parsers (sub-commands' too, argparse makes them of their parent's class): a bad flag is one
+    ``labkit: error: ...`` line, once per torchrun job, and exit code 2 (:func:`labkit.errors.flag_error`)."""
+
+    def error(self, message: str):
+        flag_error(message, f" (see {self.prog} --help)")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``labkit`` parser, with the full parser of the sub-command that ``argv`` names."""
     _words[:] = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
-    parser = argparse.ArgumentParser(prog="labkit", description="A hands-on kit for distributed deep learning.")
+    parser = Parser(prog="labkit", description="A hands-on kit for distributed deep learning.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_line) in COMMANDS.items():
         if _words[:1] != [name]:

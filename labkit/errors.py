@@ -2,8 +2,10 @@
 import contextlib
 import hashlib
 import os
+import re
 import sys
 import tempfile
+from typing import NoReturn
 
 
 class LabkitError(Exception):
@@ -50,6 +52,14 @@ def report(exc: LabkitError) -> int:
     if first_to_say(line):
         print(line, file=sys.stderr, flush=True)
     return code
+
+
+def flag_error(message: str, hint: str = "") -> NoReturn:
+    """What labkit's argparse parsers do with a bad flag: argparse's ``message`` (``argument --epochs: must be
+    >= 1, got 0`` reads ``--epochs must be >= 1, got 0``) as one :func:`report` line, then exit code 2."""
+    message = re.sub(r"^argument (\S+): must be ", r"\1 must be ", message)
+    report(ConfigError(message + hint))
+    raise SystemExit(2)
 
 
 def first_to_say(line: str) -> bool:

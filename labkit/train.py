@@ -34,9 +34,11 @@ from labkit.monitor import gather as gather_utilisation
 from labkit.optim import OptimizerSpec
 from labkit.preempt import Preempted, StopSignals, clear_marker, signal_of_any_rank, write_marker
 from labkit.precision import autocast, check_amp, to_channels_last
+from labkit.ranges import check
 from labkit.results import RunWriter, atomic_write, make_dirs
 from labkit.strategies import Strategy, get_strategy
 from labkit.tensor_data import LOADERS, TensorLoader, load_split
+from labkit.train_cli import NUMBERS
 
 
 class TrainingDiverged(LabkitError):
@@ -88,15 +90,12 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad value."""
-        for key in ("epochs", "batch_size", "test_batch_size"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {getattr(self, key)}")
-        if self.base_lr is not None and self.base_lr <= 0:
-            raise ConfigError(f"--base-lr must be > 0, got {self.base_lr}")
-        if self.warmup_epochs < 0:
-            raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
-        if self.max_steps is not None and self.max_steps <= 0:
-            raise ConfigError(f"--max-steps must be > 0, got {self.max_steps}")
+        for key, (kind, interval) in NUMBERS.items():  # what the flags check as they are read
+            check(f"--{key.replace('_', '-')}", getattr(self, key), kind, interval)
+        if list(self.lr_decay) != sorted(set(self.lr_decay)):
+            ordered = " ".join(map(str, sorted(set(self.lr_decay))))
+            raise ConfigError(f"--lr-decay epochs must be increasing, e.g. --lr-decay {ordered}; "
+                              f"got {' '.join(map(str, self.lr_decay))}")
         if self.loader not in LOADERS:
             raise ConfigError(f"--loader {self.loader!r} is not one of: {', '.join(LOADERS)}")
         if self.loader == "tensor" and self.num_workers:

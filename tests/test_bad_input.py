@@ -122,7 +122,7 @@ def test_config_error_under_torchrun_is_printed_once_and_the_job_script_exits_2(
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
-    assert errors == ["labkit: error: --epochs must be > 0, got 0"], proc.stderr[-2000:]
+    assert errors == ["labkit: error: --epochs must be >= 1, got 0"], proc.stderr[-2000:]
     block = [ln for ln in proc.stderr.splitlines() if "Traceback" in ln or "Root Cause" in ln or "exitcode" in ln]
     assert not block, proc.stderr[-2000:]  # torchrun's own error block is left out
 
