@@ -18,6 +18,7 @@ import ast
 import functools
 import importlib
 import importlib.util
+import os
 import sys
 
 from labkit.errors import LabkitError, OutputError, first_to_say, flag_error, report
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # `labkit data list | head -3`: the reader has what it wanted
+        _silence_stdout()
+        return 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
     except LabkitError as exc:
         return report(exc)
     except OSError as exc:  # a file or folder the user named (--out, a plot path) cannot be made or read
@@ -105,3 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         if first_to_say("labkit: interrupted"):
             print("labkit: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null, so that the interpreter's last flush does not complain."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a notebook, a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

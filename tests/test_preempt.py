@@ -15,9 +15,10 @@ import psutil
 import torch
 
 from labkit import train as ktrain
+from labkit.checkpoint import load_checkpoint
 from labkit.cli import main
 from labkit.preempt import EXIT_PREEMPTED, MARKER, StopSignals
-from labkit.train import TrainConfig, load_checkpoint
+from labkit.train import TrainConfig
 
 # 96 samples in batches of 16: 6 steps per epoch
 SMALL = dict(model="mlp", dataset="synthetic-mnist", train_size=96, test_size=32, batch_size=16, epochs=3,

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from labkit.checkpoint import load_training_state, save_training_state
 from labkit.collectives import get_schedule
 from labkit.collectives.simulate import count
 from labkit.dist import DistEnv
@@ -37,7 +38,7 @@ from labkit.strategies.ps import ParameterServerStrategy
 from labkit.strategies.ps_lab import compare_modes
 from labkit.strategies.ps_server import PeerFailure, ServerState
 from labkit.testing import run_ranks
-from labkit.train import fit, load_training_state, save_training_state
+from labkit.train import fit
 
 STEPS, BATCH, LR = 3, 4, 0.1
 

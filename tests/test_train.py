@@ -6,8 +6,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from labkit.checkpoint import load_checkpoint
 from labkit.errors import CheckpointError, ConfigError
-from labkit.train import TrainConfig, TrainingDiverged, fit, load_checkpoint, lr_factor, run
+from labkit.train import TrainConfig, TrainingDiverged, fit, lr_factor, run
 
 
 def small_cfg(tmp_path, **kw):
