@@ -89,6 +89,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a sub-command; a :class:`LabkitError` becomes one ``labkit: error: ...`` line and exit code 2."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `labkit data list | head -3`: the reader has what it wanted
+        _silence_stdout()
+        return 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -96,9 +104,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
-    except BrokenPipeError:  # `labkit data list | head -3`: the reader has what it wanted
-        _silence_stdout()
-        return 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
     except LabkitError as exc:
         return report(exc)
     except OSError as exc:  # a file or folder the user named (--out, a plot path) cannot be made or read
