@@ -60,7 +60,8 @@ def checkpoint_on_every_rank(path: Path, strategy) -> bool:
     world = strategy.env.world_size
     if 0 < len(have) < world:
         missing = [r for r in range(world) if r not in have]
-        raise CheckpointError(f"{_ranks(missing)} of this {world}-rank job find no checkpoint file in {path.parent} "
+        raise CheckpointError(f"{_ranks(missing)} of this {world}-rank job find{'s' if len(missing) == 1 else ''} no "
+                              f"checkpoint file in {path.parent} "
                               f"({len(have)} do): it was written by a run of another rank count, or the set is "
                               "incomplete; resume with the rank count that wrote it, or delete "
                               f"{path.parent}/checkpoint.rank*.pt or run without --resume")

@@ -50,7 +50,7 @@ def test_checkpoint_errors_read_the_same_on_every_rank(tmp_path):
     words (errors.report prints a message once per job), naming the ranks concerned, not its own file."""
     missing, corrupt = zip(*run_ranks(_checkpoint_errors, 3, tmp_path))
     assert len(set(missing)) == 1 and len(set(corrupt)) == 1, (missing, corrupt)
-    assert missing[0].startswith(f"rank 2 of this 3-rank job find no checkpoint file in {tmp_path} (2 do)")
+    assert missing[0].startswith(f"rank 2 of this 3-rank job finds no checkpoint file in {tmp_path} (2 do)")
     assert "resume with the rank count that wrote it" in missing[0]
     assert corrupt[0].startswith(f"the checkpoint file of rank 1 in {tmp_path} is corrupt")
 
