@@ -44,8 +44,9 @@ def test_unwritable_run_writer_and_atomic_write(tmp_path):
 
 
 def test_zero_microbatches_is_rejected(capsys, tmp_path):
-    assert main(["train", *QUICK, "--strategy", "gpipe", "--num-microbatches", "0", "--out", str(tmp_path)]) == 2
-    assert "--num-microbatches must be >= 1, got 0" in _one_error_line(capsys)
+    with pytest.raises(SystemExit) as stop:  # refused as the flag is read
+        main(["train", *QUICK, "--strategy", "gpipe", "--num-microbatches", "0", "--out", str(tmp_path)])
+    assert stop.value.code == 2 and "--num-microbatches must be >= 1, got 0" in _one_error_line(capsys)
     two_stages = DistEnv(world_size=2, local_world_size=2)  # the check comes before any communication
     with pytest.raises(ConfigError, match="--num-microbatches must be >= 1, got 0"):
         PipelineStrategy(two_stages, {"num_microbatches": 0})
