@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 
 #: exit codes a rank uses after printing its own labkit line (errors.report)
 LABKIT_EXITS = (2, 75)
@@ -78,19 +79,54 @@ class _Forwarder:
     def __init__(self):
         self.codes: list[int] = []
         self.waiting = False
+        self._previous: dict = {}
 
-    def install(self) -> dict:
-        """Handle :data:`FORWARDED`; return the handlers they had."""
-        # torchrun installs its own handler (stop the ranks, 30 s, then SIGKILL) for the signals listed here
-        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
-        return {sig: signal.signal(sig, self) for sig in FORWARDED}
+    def install(self) -> None:
+        """Handle :data:`FORWARDED`. torchrun registers its own ``_terminate_process_handler`` for the signals
+        of its ``--signals-to-handle`` (stop the ranks, 30 s, then SIGKILL) as it starts the ranks; that name
+        is looked up then, so it finds this handler for :data:`FORWARDED` and torch's for the others."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # Python allows signal handlers in the main thread only; torchrun's own stay
+        from torch.distributed.elastic.multiprocessing import api
+
+        torch_handler = api._terminate_process_handler
+
+        def handler(signum: int, frame) -> None:
+            (self if signum in FORWARDED else torch_handler)(signum, frame)
+        api._terminate_process_handler = handler
+        self._previous = {sig: signal.signal(sig, self) for sig in FORWARDED}
+        self._torch = (api, torch_handler)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._previous:
+            api, torch_handler = self._torch
+            api._terminate_process_handler = torch_handler
+        self._previous = {}
+
+    @staticmethod
+    def ranks() -> list:
+        """The agent's rank processes: its children started with a ``LOCAL_RANK``."""
+        import psutil
+
+        found = []
+        for child in psutil.Process().children():
+            try:
+                if "LOCAL_RANK" in child.environ():
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                pass
+            except psutil.AccessDenied:  # cannot tell: a child of torchrun is most likely a rank
+                found.append(child)
+        return found
 
     def __call__(self, signum: int, frame) -> None:
         import psutil
         from torch.distributed.elastic.multiprocessing.api import SignalException
 
         sig = signal.Signals(signum)
-        ranks = [] if self.waiting else psutil.Process().children()
+        ranks = [] if self.waiting else self.ranks()
         for rank in ranks:
             try:
                 rank.send_signal(sig)
@@ -116,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["LABKIT_ERROR_FILE"] = own_file
     logging.getLogger(_AGENT_LOGGER).addFilter(_QuietAboutLabkitExits(os.environ["LABKIT_ERROR_FILE"]))
     forwarder = _Forwarder()
-    previous = forwarder.install()
+    forwarder.install()
     logging.getLogger(_SERVER_LOGGER).addFilter(_QuietAboutForwardedSignals(forwarder))
     try:
         torchrun_main(sys.argv[1:] if argv is None else argv)
@@ -135,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        forwarder.uninstall()
         if own_file is not None:
             os.unlink(own_file)
     return 0

@@ -178,3 +178,23 @@ def test_pipeline_sigusr1_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path
     _stopped_and_resumed("pipeline", tmp_path / "int", log, steps=12, sig="SIGUSR1")  # one pipeline: whole batch
     for name in ["checkpoint.rank0.pt", "checkpoint.rank1.pt"]:
         _equal_runs(tmp_path / "clean", tmp_path / "int", name)
+
+
+RANK = """import signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+print("ready", flush=True)
+while not got:
+    time.sleep(0.01)
+sys.exit(75)
+"""
+
+
+def test_sigterm_to_torchrun_reaches_the_ranks_and_their_75_is_torchruns(tmp_path):
+    """torchrun's own SIGTERM handling (stop the ranks under a deadline, exit 143) gives way to labkit's: the
+    signal is passed on, torchrun waits for its ranks (which stand for labkit's: they exit 75) and exits 75."""
+    (tmp_path / "rank.py").write_text(RANK)
+    code, log, ranks = _signal_when([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2",
+                                     str(tmp_path / "rank.py")], "ready", signal.SIGTERM)
+    assert code == EXIT_PREEMPTED and len(ranks) == 2 and _none_alive(ranks), log
+    assert "Traceback" not in log and "torchrun stopped" not in log and "death signal" not in log, log

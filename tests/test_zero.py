@@ -118,8 +118,8 @@ def test_sharded_strategies_equal_ddp_and_one_process_with_the_formulas_bytes_an
         for key in ("resume", "resume_fsdp"):
             (identical0, message0), (identical1, message1) = (r[key] for r in ranks)
             assert identical0 and identical1, key
-            assert "could not load their checkpoint" in message0, key
-            assert "is corrupt or not a labkit checkpoint" in message1, key
+            assert message0 == message1, key  # the same words on every rank: the job prints them once
+            assert "the checkpoint file of rank 1 in" in message0 and "is corrupt or not a labkit checkpoint" in message0
 
 
 def _resume(env, tmp, name, options):
