@@ -59,8 +59,8 @@ def parse_ranks(spec: str) -> list[int]:
         ranks = sorted({int(s) for s in spec.split(",") if s.strip()})
     except ValueError:
         raise ConfigError(f"--ranks {spec!r} is not a comma list of rank counts; e.g. --ranks 1,2,4") from None
-    if not ranks or ranks[0] < 1:
-        raise ConfigError(f"--ranks {spec!r} needs rank counts >= 1; e.g. --ranks 1,2,4")
+    if not ranks or ranks[0] < 1 or ranks[-1] > 64:  # ranks started on this machine
+        raise ConfigError(f"--ranks {spec!r} needs rank counts >= 1 and <= 64; e.g. --ranks 1,2,4")
     return ranks
 
 

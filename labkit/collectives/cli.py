@@ -18,14 +18,17 @@ from labkit.collectives.registry import ALGORITHMS, SCHEDULES, parse_algorithms
 from labkit.errors import ConfigError
 from labkit.ranges import within
 
+#: most processes ``--ranks`` may start on this machine
+MAX_RANKS = 64
+
 
 def _ranks(text: str) -> list[int]:
     try:
         ranks = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         ranks = []
-    if not ranks or any(r < 2 for r in ranks):
-        raise ConfigError(f"--ranks {text!r}: give world sizes >= 2, e.g. --ranks 4 or --ranks 2,4")
+    if not ranks or any(not 2 <= r <= MAX_RANKS for r in ranks):  # processes on this machine
+        raise ConfigError(f"--ranks {text!r}: give world sizes >= 2 and <= {MAX_RANKS}, e.g. --ranks 4 or --ranks 2,4")
     return ranks
 
 
