@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib
 import importlib.util
+import os
 import sys
 
-from labkit.errors import LabkitError, OutputError, report
+from labkit.errors import LabkitError, OutputError, first_to_say, flag_error, report
 
 #: command name -> (module that defines ``add_parser(subparsers)``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -44,6 +46,7 @@ def words() -> list[str]:
     return list(_words)
 
 
+@functools.lru_cache(maxsize=None)
 def module_doc(module: str) -> str:
     """``module``'s docstring, read from its source without importing it ("" when it has none)."""
     spec = importlib.util.find_spec(module)
@@ -59,10 +62,18 @@ def summary_line(module: str) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
+class Parser(argparse.ArgumentParser):
+    """labkit's parsers (sub-commands' too, argparse makes them of their parent's class): a bad flag is one
+    ``labkit: error: ...`` line, once per torchrun job, and exit code 2 (:func:`labkit.errors.flag_error`)."""
+
+    def error(self, message: str):
+        flag_error(message, f" (see {self.prog} --help)")
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``labkit`` parser, with the full parser of the sub-command that ``argv`` names."""
     _words[:] = [w for w in (sys.argv[1:] if argv is None else argv) if not w.startswith("-")]
-    parser = argparse.ArgumentParser(prog="labkit", description="A hands-on kit for distributed deep learning.")
+    parser = Parser(prog="labkit", description="A hands-on kit for distributed deep learning.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_line) in COMMANDS.items():
         if _words[:1] != [name]:
@@ -79,6 +90,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a sub-command; a :class:`LabkitError` becomes one ``labkit: error: ...`` line and exit code 2."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `labkit data list | head -3`: the reader has what it wanted
+        _silence_stdout()
+        return 128 + 13  # what a shell reports for a writer stopped by SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -92,6 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         if exc.filename is None:
             raise
         return report(OutputError(f"cannot use {exc.filename}: {exc.strerror}; choose another path"))
-    except KeyboardInterrupt:
-        print("labkit: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of a torchrun job: one line for them all
+        if first_to_say("labkit: interrupted"):
+            print("labkit: interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe: point stdout at /dev/null, so that the interpreter's last flush does not complain."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a notebook, a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

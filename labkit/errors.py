@@ -2,8 +2,10 @@
 import contextlib
 import hashlib
 import os
+import re
 import sys
 import tempfile
+from typing import NoReturn
 
 
 class LabkitError(Exception):
@@ -47,12 +49,20 @@ def report(exc: LabkitError) -> int:
     if code == 2 and os.environ.get("LABKIT_ERROR_FILE"):
         with contextlib.suppress(OSError), open(os.environ["LABKIT_ERROR_FILE"], "a") as f:
             f.write(line + "\n")
-    if _first_to_say(line):
+    if first_to_say(line):
         print(line, file=sys.stderr, flush=True)
     return code
 
 
-def _first_to_say(line: str) -> bool:
+def flag_error(message: str, hint: str = "") -> NoReturn:
+    """What labkit's argparse parsers do with a bad flag: argparse's ``message`` (``argument --epochs: must be
+    >= 1, got 0`` reads ``--epochs must be >= 1, got 0``) as one :func:`report` line, then exit code 2."""
+    message = re.sub(r"^argument (\S+): must be ", r"\1 must be ", message)
+    report(ConfigError(message + hint))
+    raise SystemExit(2)
+
+
+def first_to_say(line: str) -> bool:
     """False when another rank of this torchrun job already printed ``line`` (an O_EXCL file per message)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id or int(os.environ.get("LOCAL_WORLD_SIZE", "1")) < 2:

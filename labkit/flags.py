@@ -4,16 +4,18 @@ A strategy module imports torch (about 2.5 s), but ``labkit train --help`` and a
 once. So each strategy declares its ``labkit train`` flags as a literal at the top of its own file::
 
     FLAGS = [
-        {"flag": "--bucket-mb", "type": "float", "default": 25.0, "help": "gradient bucket size in MB"},
+        {"flag": "--bucket-mb", "type": "float", "range": "(0, 1e6]", "default": 25.0, "help": "bucket size in MB"},
         {"flag": "--allreduce", "default": "ddp", "choices": ["ddp", "native", "ring"], "help": "..."},
     ]
 
 and :func:`read_flags` reads that literal from the source with :mod:`ast`, without executing the file.
 Keys: ``flag`` (required; a name without ``--`` is a positional argument), ``help`` (required),
-``default``, ``type`` (``"int"``, ``"float"``, ``"str"``), ``choices``, ``nargs``, ``metavar``, ``action``
-(``"store_true"``, ``"store_false"``), ``dest``, ``hidden`` (``True``: left out of ``--help``, for flags
-the kit passes to its own sub-processes). The parsed value reaches the strategy as ``options[dest]`` with
-``dest`` = the flag without ``--``, dashes as underscores, unless the entry names its ``dest``.
+``default``, ``type`` (``"int"``, ``"float"``, ``"str"``), ``range`` (required with ``"int"`` and ``"float"``:
+the values allowed, in interval notation such as ``"[1, inf)"``, see :mod:`labkit.ranges`), ``choices``,
+``nargs``, ``metavar``, ``action`` (``"store_true"``, ``"store_false"``), ``dest``, ``hidden`` (``True``: left
+out of ``--help``, for flags the kit passes to its own sub-processes). The parsed value reaches the strategy
+as ``options[dest]`` with ``dest`` = the flag without ``--``, dashes as underscores, unless the entry names
+its ``dest``.
 ``labkit bench NAME`` builds its parsers the same way (:mod:`labkit.bench`).
 """
 from __future__ import annotations
@@ -24,9 +26,10 @@ import functools
 import importlib.util
 
 from labkit.errors import ConfigError
+from labkit.ranges import within
 
-_TYPES = {"int": int, "float": float, "str": str}
-_KEYS = {"flag", "help", "default", "type", "choices", "nargs", "metavar", "action", "dest", "hidden"}
+_KEYS = {"flag", "help", "default", "type", "range", "choices", "nargs", "metavar", "action", "dest", "hidden"}
+_NUMBERS = ("int", "float")
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,6 +58,9 @@ def read_flags(module: str) -> tuple[dict, ...]:
                 if not isinstance(f, dict) or not {"flag", "help"} <= f.keys() or f.keys() - _KEYS:
                     raise ConfigError(f"{module}.FLAGS: each entry needs 'flag' and 'help' and only {sorted(_KEYS)}"
                                       f", got {f!r}")
+                if (f.get("type") in _NUMBERS) != ("range" in f) or f.get("type", "str") not in (*_NUMBERS, "str"):
+                    raise ConfigError(f"{module}.FLAGS: {f['flag']}: a 'type' of {' or '.join(_NUMBERS)} needs a "
+                                      "'range' (e.g. '[1, inf)') and only those have one")
             return flags
     return ()
 
@@ -74,8 +80,8 @@ def add_flags(group: argparse._ArgumentGroup, flags: tuple[dict, ...]) -> list[s
     for f in flags:
         kwargs = {k: v for k, v in f.items() if k in ("choices", "nargs", "metavar", "action", "help")}
         kwargs["default"] = _default(f)
-        if "type" in f:
-            kwargs["type"] = _TYPES[f["type"]]
+        if f.get("type") in _NUMBERS:
+            kwargs["type"] = within(f["type"], f["range"])
         if f.get("hidden"):
             kwargs["help"] = argparse.SUPPRESS
         if f["flag"].startswith("-"):

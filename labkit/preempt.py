@@ -199,6 +199,22 @@ class StopCheck:
         return answer[0].item() > 0, max(int(answer[1].item()), 1)
 
 
+def signal_of_any_rank(received: str | None, env) -> str | None:
+    """The signal that stopped the run: this rank's, else the first other rank's that got one.
+
+    Called once by every rank of the job as it stops (``env``: its :class:`~labkit.dist.DistEnv`), so that
+    ``preempted.json`` and every rank's ``labkit: stopped on ...`` line name the signal even when only a
+    non-zero rank received it.
+    """
+    if not env.distributed:
+        return received
+    import torch.distributed as dist
+
+    names: list[str | None] = [None] * env.world_size
+    dist.all_gather_object(names, received)
+    return received or next((name for name in names if name is not None), None)
+
+
 def write_marker(out_dir: Path, epoch: int, step: int, signal_name: str | None) -> None:
     """``<out>/preempted.json``: where the run stopped; a job script requeues when it exists."""
     atomic_write_text(Path(out_dir) / MARKER, json.dumps({"epoch": epoch, "step": step,

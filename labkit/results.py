@@ -81,7 +81,12 @@ def file_mode() -> int:
 
 def atomic_write(path: str | Path, write: Callable, binary: bool = False) -> None:
     """Call ``write(file)`` on a temp file next to ``path``, then rename it over ``path``: readers never see
-    half a file, a crash mid-write keeps the previous one, and the file gets the umask's mode like any other."""
+    half a file, a crash mid-write keeps the previous one, and the file gets the umask's mode like any other.
+
+    The file's bytes reach the disk (``fsync``) before the rename, and the folder's entry after it: without
+    that, a node crash on a cluster filesystem can leave the new name pointing at an empty file, a lost
+    checkpoint.
+    """
     path = Path(path)
     make_dirs(path.parent)
     with output_errors(path):
@@ -90,11 +95,28 @@ def atomic_write(path: str | Path, write: Callable, binary: bool = False) -> Non
             os.fchmod(fd, file_mode())  # mkstemp creates 0600: the group could not read a shared run
             with os.fdopen(fd, "wb" if binary else "w") as f:
                 write(f)
+                f.flush()
+                os.fsync(f.fileno())
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+        fsync_dir(path.parent)
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename or a new file in ``folder`` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a folder; the rename itself is done
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -16,6 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from labkit.ranges import within
+
 NOTEBOOKS = """\
     00_single_device      PyTorch in 4 steps, throughput, memory and utilisation
     01_allreduce          seven all-reduce algorithms, animated and run for real
@@ -66,7 +68,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("tour", help="a short CPU tour of the kit (start here)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/tour", help="results folder (default runs/tour)")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=within("int", "[1, inf)"), default=3)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.set_defaults(func=main)
 

@@ -28,18 +28,25 @@ from labkit import backends
 from labkit import data as kdata
 from labkit import dist as kdist
 from labkit import models as kmodels
+from labkit.checkpoint import checkpoint_on_every_rank, checkpoint_path, load_training_state, save_training_state
 from labkit.dist import distributed, print0
-from labkit.errors import CheckpointError, ConfigError, LabkitError
+from labkit.errors import ConfigError, LabkitError
 from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
 from labkit.monitor import UtilisationMonitor, nvml_indices
 from labkit.monitor import gather as gather_utilisation
 from labkit.optim import OptimizerSpec
-from labkit.preempt import Preempted, StopCheck, StopSignals, clear_marker, write_marker
+from labkit.preempt import Preempted, StopCheck, StopSignals, clear_marker, signal_of_any_rank, write_marker
 from labkit.precision import autocast, check_amp, to_channels_last
-from labkit.results import RunWriter, atomic_write, make_dirs
+from labkit.ranges import check
+from labkit.results import RunWriter, make_dirs
 from labkit.rng import cuda_rng_states, restore_cuda_rng
 from labkit.strategies import Strategy, get_strategy
 from labkit.tensor_data import LOADERS, TensorLoader, load_split
+from labkit.train_cli import NUMBERS
+
+
+#: strategies that spread over the ranks of a process group: run in one process, they get a note
+SPREAD_OVER_RANKS = ("ddp", "zero", "hybrid", "tensor-parallel")
 
 
 class TrainingDiverged(LabkitError):
@@ -91,15 +98,12 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad value."""
-        for key in ("epochs", "batch_size", "test_batch_size"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"--{key.replace('_', '-')} must be > 0, got {getattr(self, key)}")
-        if self.base_lr is not None and self.base_lr <= 0:
-            raise ConfigError(f"--base-lr must be > 0, got {self.base_lr}")
-        if self.warmup_epochs < 0:
-            raise ConfigError(f"--warmup-epochs must be >= 0, got {self.warmup_epochs}")
-        if self.max_steps is not None and self.max_steps <= 0:
-            raise ConfigError(f"--max-steps must be > 0, got {self.max_steps}")
+        for key, (kind, interval) in NUMBERS.items():  # what the flags check as they are read
+            check(f"--{key.replace('_', '-')}", getattr(self, key), kind, interval)
+        if list(self.lr_decay) != sorted(set(self.lr_decay)):
+            ordered = " ".join(map(str, sorted(set(self.lr_decay))))
+            raise ConfigError(f"--lr-decay epochs must be increasing, e.g. --lr-decay {ordered}; "
+                              f"got {' '.join(map(str, self.lr_decay))}")
         if self.loader not in LOADERS:
             raise ConfigError(f"--loader {self.loader!r} is not one of: {', '.join(LOADERS)}")
         if self.loader == "tensor" and self.num_workers:
@@ -350,88 +354,6 @@ def _progress(steps: int, desc: str, rank: int):
     return tqdm(total=steps, desc=desc, leave=False)
 
 
-# ----- checkpoints -------------------------------------------------------------------------------------
-
-
-def checkpoint_path(out_dir: Path, strategy: Strategy) -> Path:
-    """Where this rank's checkpoint lives: the strategy decides (``checkpoint.pt`` or one file per rank)."""
-    return strategy.checkpoint_file(out_dir)
-
-
-def save_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler, preconditioner,
-                        progress: dict, config: dict) -> None:
-    """Checkpoint everything a resumed run needs, if this rank writes one.
-
-    What the model and optimizer parts hold (whole or this rank's shard) is the strategy's
-    :meth:`~labkit.strategies.base.Strategy.state_dict`; ``progress`` says where training stands
-    (``{"epoch": finished epochs}``); the loop decides when to call this.
-    """
-    if not strategy.writes_checkpoint():
-        return
-    state = strategy.state_dict(model, optimizer)
-    state.update(scheduler=scheduler.state_dict(), config=config,
-                 preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
-    save_checkpoint(path, state)
-
-
-def _checkpoint_on_every_rank(path: Path, strategy: Strategy) -> bool:
-    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error."""
-    if strategy.replicated or not strategy.env.distributed:
-        return path.exists()
-    have = int(strategy.all_reduce_sum(torch.tensor([float(path.exists())])).item())
-    if 0 < have < strategy.env.world_size:
-        raise CheckpointError(f"only {have} of {strategy.env.world_size} ranks find their checkpoint file "
-                              f"({path.name} on this rank): the set is incomplete; delete "
-                              f"{path.parent}/checkpoint.rank*.pt or run without --resume")
-    return have > 0
-
-
-def load_training_state(path: Path, strategy: Strategy, model: nn.Module, optimizer, scheduler,
-                        preconditioner) -> dict:
-    """Restore a checkpoint written by :func:`save_training_state`; return it (``state["epoch"]`` etc.).
-
-    With one file per rank, the ranks first agree that every file loads, so a corrupt shard on one rank stops
-    them all with a :class:`CheckpointError` instead of leaving the others waiting in a collective.
-    """
-    try:
-        state, error = load_checkpoint(path), None
-    except CheckpointError as exc:
-        state, error = None, exc
-    if not strategy.replicated and strategy.env.distributed:
-        failed = int(strategy.all_reduce_sum(torch.tensor([float(error is not None)])).item())
-        if failed and error is None:
-            error = CheckpointError(f"{failed} other rank(s) could not load their checkpoint file next to {path}; "
-                                    "delete the checkpoint.rank*.pt files or run without --resume")
-    if error is not None:
-        raise error
-    try:
-        strategy.load_state_dict(model, optimizer, state)
-    except CheckpointError as exc:
-        raise CheckpointError(f"checkpoint {path}: {exc}") from None
-    scheduler.load_state_dict(state["scheduler"])
-    if preconditioner is not None and state.get("preconditioner") is not None:
-        preconditioner.load_state_dict(state["preconditioner"])
-    return state
-
-
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Write ``state`` atomically: a crash mid-write leaves the previous checkpoint intact."""
-    atomic_write(path, lambda f: torch.save(state, f), binary=True)
-
-
-def load_checkpoint(path: Path) -> dict:
-    """Load a checkpoint with ``weights_only=True``; a corrupt file raises :class:`CheckpointError`."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises several types for truncated/garbled files
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a labkit checkpoint ({type(exc).__name__}); "
-                              "delete it or run without --resume") from None
-    if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
-        raise CheckpointError(f"checkpoint {path} is not a labkit checkpoint (no model/epoch); "
-                              "delete it or run without --resume")
-    return state
-
-
 # ----- the `labkit train` path -----------------------------------------------------------------------------
 
 
@@ -478,8 +400,8 @@ def run(cfg: TrainConfig) -> dict:
         writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
         ckpt = checkpoint_path(out_dir, strategy)
         start_epoch, position = 0, None
-        if cfg.resume and _checkpoint_on_every_rank(ckpt, strategy):
-            state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner)
+        if cfg.resume and checkpoint_on_every_rank(ckpt, strategy):
+            state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner, asdict(cfg))
             start_epoch, position = state["epoch"], state.get("position")
             within = f", step {position['step']}" if position else ""
             print0(f"resumed from {ckpt} at epoch {start_epoch}{within}")
@@ -490,6 +412,9 @@ def run(cfg: TrainConfig) -> dict:
                 save_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner,
                                     {"epoch": epochs_done, "position": position}, asdict(cfg))
 
+        if not env.distributed and cfg.strategy in SPREAD_OVER_RANKS:  # legitimate, but rarely what was meant
+            print0(f"note: one process, so --strategy {cfg.strategy} runs on 1 rank; for N ranks start it with "
+                   f"torchrun --nproc_per_node N -m labkit train --strategy {cfg.strategy} ... (or srun)")
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
         started = time.perf_counter()
@@ -503,9 +428,10 @@ def run(cfg: TrainConfig) -> dict:
                               amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
                               on_stop=save, step_delay_s=cfg.step_delay_s)
             except Preempted as stopped:
+                name = signal_of_any_rank(stopped.signal_name, env)
                 if env.is_main:
-                    write_marker(out_dir, stopped.epoch, stopped.step, stopped.signal_name)
-                raise
+                    write_marker(out_dir, stopped.epoch, stopped.step, name)
+                raise Preempted(name, stopped.epoch, stopped.step) from None
         if env.is_main:
             clear_marker(out_dir)
         lines = memory_lines(strategy.devices())

@@ -12,10 +12,27 @@ import sys
 from dataclasses import fields
 
 from labkit.data_cli import ROOT_HELP
+from labkit.errors import flag_error
 from labkit.flags import add_flags
 from labkit.optim import OPTIMIZERS
 from labkit.optim import add_arguments as add_optimizer_arguments
+from labkit.ranges import within
 from labkit.strategies import STRATEGIES, strategy_flags
+
+#: ``labkit train``'s own numbers, by dest: their kind and the values allowed (:mod:`labkit.ranges`), checked as
+#: the flags are read and again by ``TrainConfig.validate`` for a configuration built in Python
+NUMBERS = {
+    "train_size": ("int", "[1, inf)"), "test_size": ("int", "[1, inf)"), "num_workers": ("int", "[0, 256]"),
+    "epochs": ("int", "[1, inf)"), "batch_size": ("int", "[1, inf)"), "test_batch_size": ("int", "[1, inf)"),
+    "base_lr": ("float", "(0, inf)"), "momentum": ("float", "[0, 1)"), "weight_decay": ("float", "[0, inf)"),
+    "lr_decay": ("int", "[1, inf)"), "lr_decay_factor": ("float", "(0, 1]"), "warmup_epochs": ("float", "[0, inf)"),
+    "max_steps": ("int", "[1, inf)"), "seed": ("int", "[0, 4294967295]"), "timeout_s": ("float", "(0, 1e7]"),
+    "log_every": ("int", "[1, inf)"), "step_delay_s": ("float", "[0, 3600]"),
+}
+
+
+def _number(dest: str):
+    return within(*NUMBERS[dest])
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -74,7 +91,7 @@ class TrainParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         """One ``labkit: error: ...`` line and exit code 2, like every other labkit error."""
-        self.exit(2, f"labkit: error: {message}\n")
+        flag_error(message)
 
 
 def flag_owners() -> dict[str, list[str]]:
@@ -117,29 +134,37 @@ def add_parser(sub) -> None:
     g.add_argument("--data-root", default=None, help=ROOT_HELP)
     g.add_argument("--download", action="store_true", help="download the dataset if missing (needs internet)")
     g.add_argument("--augment", action="store_true", help="random crop + flip (CIFAR10)")
-    g.add_argument("--train-size", type=int, default=None, help="use only the first N training samples (None: all)")
-    g.add_argument("--test-size", type=int, default=None, help="use only the first N test samples (None: all)")
-    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes (--loader torch)")
+    g.add_argument("--train-size", type=_number("train_size"), default=None,
+                   help="use only the first N training samples (None: all)")
+    g.add_argument("--test-size", type=_number("test_size"), default=None,
+                   help="use only the first N test samples (None: all)")
+    g.add_argument("--num-workers", type=_number("num_workers"), default=0,
+                   help="DataLoader worker processes (--loader torch)")
     g.add_argument("--loader", default="tensor", choices=("tensor", "torch"),
                    help="tensor: the dataset resident on the training device, batches normalised and augmented "
                         "at once; torch: torchvision's per-sample DataLoader (data too big for memory)")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=1, help="passes over the training set")
-    g.add_argument("--batch-size", type=int, default=64, help="samples per step on each data-parallel rank")
-    g.add_argument("--test-batch-size", type=int, default=512, help="samples per evaluation batch")
+    g.add_argument("--epochs", type=_number("epochs"), default=1, help="passes over the training set")
+    g.add_argument("--batch-size", type=_number("batch_size"), default=64,
+                   help="samples per step on each data-parallel rank")
+    g.add_argument("--test-batch-size", type=_number("test_batch_size"), default=512,
+                   help="samples per evaluation batch")
     g.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS),
                    help="kfac = K-FAC preconditioning the gradients of --kfac-base")
-    g.add_argument("--base-lr", type=float, default=None,
+    g.add_argument("--base-lr", type=_number("base_lr"), default=None,
                    help="learning rate (before --scale-lr and warm-up); None: the model's, 0.05 (alexnet_small 0.005)")
-    g.add_argument("--momentum", type=float, default=0.9, help="SGD/LARS momentum")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="L2 penalty")
-    g.add_argument("--lr-decay", type=int, nargs="*", default=[], metavar="EPOCH",
+    g.add_argument("--momentum", type=_number("momentum"), default=0.9, help="SGD/LARS momentum")
+    g.add_argument("--weight-decay", type=_number("weight_decay"), default=0.0, help="L2 penalty")
+    g.add_argument("--lr-decay", type=_number("lr_decay"), nargs="*", default=[], metavar="EPOCH",
                    help="multiply the LR by --lr-decay-factor at these epochs, e.g. 35 75 90")
-    g.add_argument("--lr-decay-factor", type=float, default=0.1, help="LR multiplier at each --lr-decay epoch")
-    g.add_argument("--warmup-epochs", type=float, default=0.0, help="linear LR warm-up (Goyal et al.)")
+    g.add_argument("--lr-decay-factor", type=_number("lr_decay_factor"), default=0.1,
+                   help="LR multiplier at each --lr-decay epoch")
+    g.add_argument("--warmup-epochs", type=_number("warmup_epochs"), default=0.0,
+                   help="linear LR warm-up (Goyal et al.)")
     g.add_argument("--scale-lr", action="store_true", help="linear scaling: LR × number of data-parallel ranks")
-    g.add_argument("--max-steps", type=int, default=None, help="stop each epoch after N steps (None: whole epoch)")
-    g.add_argument("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation")
+    g.add_argument("--max-steps", type=_number("max_steps"), default=None,
+                   help="stop each epoch after N steps (None: whole epoch)")
+    g.add_argument("--seed", type=_number("seed"), default=0, help="seed of weights, shuffling and augmentation")
     g.add_argument("--amp", default=None, choices=("bf16",),
                    help="mixed precision: forward passes under bfloat16 autocast (CPU and CUDA); None: float32")
     g.add_argument("--channels-last", action="store_true",
@@ -148,7 +173,8 @@ def add_parser(sub) -> None:
     g.add_argument("--strategy", default="single", choices=list(STRATEGIES), help="how the work is split")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--backend", default=None, help="nccl or gloo (None: nccl on GPUs, gloo on CPU)")
-    g.add_argument("--timeout-s", type=float, default=1800.0, help="collective timeout: a dead rank fails the job")
+    g.add_argument("--timeout-s", type=_number("timeout_s"), default=1800.0,
+                   help="collective timeout: a dead rank fails the job")
     g.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
                    help="a rank waiting this long in one collective ends the job with a table of where every rank "
                         "is (labkit faults); 0: off (default: $LABKIT_WATCHDOG, else 0)")
@@ -157,8 +183,9 @@ def add_parser(sub) -> None:
     g.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out if present")
     g.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="do not write checkpoints")
     g.add_argument("--profile", action="store_true", help="write a torch.profiler trace to <out>/profile")
-    g.add_argument("--log-every", type=int, default=20, help="print an estimated throughput line every N steps")
-    g.add_argument("--step-delay-s", type=float, default=0.0, metavar="SECONDS",
+    g.add_argument("--log-every", type=_number("log_every"), default=20,
+                   help="print an estimated throughput line every N steps")
+    g.add_argument("--step-delay-s", type=_number("step_delay_s"), default=0.0, metavar="SECONDS",
                    help="sleep after every step: slow a tiny run down enough to practise pre-emption")
 
 

@@ -586,20 +586,28 @@ def test_a_steps_collectives_pay_the_in_step_price_per_byte_by_hand():
     assert inside == pytest.approx((1e-4, 1.5e-9, 1.5e-10)) and across == pytest.approx((1e-3, 1.5e-8, 0.0))
 
 
-def _sleepy_per_call(env, quantile):
+def _per_call_on_a_fake_clock(env):
+    """Windows of one call each lasting 50, 10, 40, 20, 30 ms on a clock only the calls move (rank 1's one ms
+    longer: the slowest rank's value is returned); the median, then the lower quartile."""
     import time
 
     from labkit.advisor.topology import _per_call
 
-    waits = iter([0.05, 0.01, 0.04, 0.02, 0.03])  # one window each: 50, 10, 40, 20, 30 ms
-    return _per_call(lambda: time.sleep(next(waits)), 1, 5, quantile)
+    clock = [100.0]
+    time.perf_counter = lambda: clock[0]  # this rank's process only
+
+    def call(waits):
+        def advance():
+            clock[0] += next(waits) + 0.001 * env.rank
+        return advance
+    return [_per_call(call(iter([0.05, 0.01, 0.04, 0.02, 0.03])), 1, 5, q) for q in (0.5, 0.25)]
 
 
 def test_per_call_takes_the_asked_quantile_of_its_windows():
     from labkit.testing import run_ranks
 
-    assert run_ranks(_sleepy_per_call, 2, 0.5, timeout=60)[0] == pytest.approx(0.03, abs=0.008)  # the median
-    assert run_ranks(_sleepy_per_call, 2, 0.25, timeout=60)[0] == pytest.approx(0.02, abs=0.008)  # the lower quartile
+    median, lower_quartile = run_ranks(_per_call_on_a_fake_clock, 2, timeout=60)[0]
+    assert median == pytest.approx(0.031, rel=1e-9) and lower_quartile == pytest.approx(0.021, rel=1e-9)
 
 
 def test_profile_levels_are_timed_with_as_many_processes_as_fill_the_cores(monkeypatch):

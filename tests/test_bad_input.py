@@ -44,8 +44,9 @@ def test_unwritable_run_writer_and_atomic_write(tmp_path):
 
 
 def test_zero_microbatches_is_rejected(capsys, tmp_path):
-    assert main(["train", *QUICK, "--strategy", "gpipe", "--num-microbatches", "0", "--out", str(tmp_path)]) == 2
-    assert "--num-microbatches must be >= 1, got 0" in _one_error_line(capsys)
+    with pytest.raises(SystemExit) as stop:  # refused as the flag is read
+        main(["train", *QUICK, "--strategy", "gpipe", "--num-microbatches", "0", "--out", str(tmp_path)])
+    assert stop.value.code == 2 and "--num-microbatches must be >= 1, got 0" in _one_error_line(capsys)
     two_stages = DistEnv(world_size=2, local_world_size=2)  # the check comes before any communication
     with pytest.raises(ConfigError, match="--num-microbatches must be >= 1, got 0"):
         PipelineStrategy(two_stages, {"num_microbatches": 0})
@@ -122,7 +123,7 @@ def test_config_error_under_torchrun_is_printed_once_and_the_job_script_exits_2(
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
-    assert errors == ["labkit: error: --epochs must be > 0, got 0"], proc.stderr[-2000:]
+    assert errors == ["labkit: error: --epochs must be >= 1, got 0"], proc.stderr[-2000:]
     block = [ln for ln in proc.stderr.splitlines() if "Traceback" in ln or "Root Cause" in ln or "exitcode" in ln]
     assert not block, proc.stderr[-2000:]  # torchrun's own error block is left out
 

@@ -8,7 +8,7 @@ import torch
 
 from labkit.bench import harness
 from labkit.bench.contenders import PlainLoop
-from labkit.bench.report import PLOTS, load_suite, render
+from labkit.bench.report import PLOTS, load_suite, load_suites, render
 from labkit.cli import main
 from labkit.errors import ConfigError
 
@@ -83,7 +83,9 @@ def test_suite_records_a_strategy_and_rejects_unknown_parts(tmp_path, capsys):
 def test_report_renders_from_the_committed_references(tmp_path):
     folders = sorted(p for p in REFERENCE.iterdir() if (p / "suite.json").exists())
     assert folders, f"no committed reference results under {REFERENCE}"
-    suites = [load_suite(p) for p in folders]
+    notes = []  # what `labkit bench report results/reference/*` (its README's command) is given
+    suites = load_suites(sorted(REFERENCE.iterdir()), printer=notes.append)
+    assert notes == [f"note: skipped {REFERENCE / 'README.md'}: not a suite result"]
     for folder, suite in zip(folders, suites):
         assert suite["tag"] == folder.name and suite["machine"]["torch"]
         assert all("error" not in run for run in suite["strategies"].values())
@@ -94,6 +96,8 @@ def test_report_renders_from_the_committed_references(tmp_path):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ConfigError, match="not a readable suite result"):
         load_suite(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="none of .*README.md is a suite result"):
+        load_suites([REFERENCE / "README.md"], printer=notes.append)
 
 
 def test_a_run_is_plotted_beside_every_reference():

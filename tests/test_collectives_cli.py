@@ -13,7 +13,10 @@ from labkit.results import load_run
 def run_cli(argv):
     from labkit.cli import main
 
-    return main(argv)
+    try:
+        return main(argv)
+    except SystemExit as exc:  # a flag argparse refuses
+        return exc.code
 
 
 def test_parser_has_the_three_actions():
@@ -80,10 +83,10 @@ def test_animate_writes_html_and_gif(tmp_path, capsys):
     (["allreduce", "verify", "--ranks", "1"], "--ranks '1': give world sizes >= 2"),
     (["allreduce", "verify", "--algo", "ring,bogus"], "unknown all-reduce algorithm 'bogus'"),
     (["allreduce", "bench", "--sizes", "12XB"], "cannot read the size '12XB'"),
-    (["allreduce", "bench", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["allreduce", "bench", "--repeats", "0"], "--repeats must be >= 1, got 0 (see labkit allreduce bench --help)"),
     (["allreduce", "animate", "--algo", "spiral", "--out", "x.html"], "unknown algorithm 'spiral' for --algo"),
     (["allreduce", "animate", "--out", "x.mp4"], "use a .html or .gif file name"),
-    (["allreduce", "animate", "--ranks", "1", "--out", "x.html"], "give world sizes >= 2"),
+    (["allreduce", "animate", "--ranks", "1", "--out", "x.html"], "--ranks must be >= 2 and <= 64, got 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert run_cli(argv) == 2

@@ -335,8 +335,9 @@ def test_labkit_train_with_the_seed_flags(tmp_path, capsys):
     assert state["steps"] == 2 and len(state["layers"]) == 20
     bad = ["train", "--dataset", "synthetic-mnist", "--optimizer", "kfac", "--kfac-damping", "-1", "--max-steps", "1",
            "--out", str(tmp_path / "bad")]
-    assert main(bad) == 2
-    assert "labkit: error: K-FAC damping must be > 0, got -1.0 (--kfac-damping)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:  # refused as the flag is read
+        main(bad)
+    assert stop.value.code == 2 and "labkit: error: --kfac-damping must be > 0, got -1" in capsys.readouterr().err
 
 
 def test_bench_kfac_writes_timings(tmp_path, capsys):

@@ -171,3 +171,49 @@ def test_split_size_sweep_writes_the_results_schema(tmp_path):
     traces = run.records_of("trace")
     assert {t["contender"] for t in traces} >= {"naive"} and all(t["end"] >= t["start"] for t in traces)
     assert len(plot_sweep(result).lines) == 3
+
+
+class _RecordingLoss(nn.CrossEntropyLoss):
+    """Cross-entropy that keeps every step's loss (fit calls it once per training step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def forward(self, out, y):
+        loss = super().forward(out, y)
+        self.losses.append(loss.item())
+        return loss
+
+
+@pytest.mark.parametrize("split_size", [None, 4])
+def test_fit_with_model_parallel_equals_single_process_fit(split_size):
+    """Through labkit.train.fit, the loop `labkit train` runs: LeNet cut before layers 4 and 9 over 3 devices
+    (with and without micro-batches of 4) and the same LeNet on one device see the same loss at each of the
+    2 × 4 steps and end with the same weights and momentum."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from labkit.train import fit
+
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g))
+    torch.manual_seed(0)
+    reference = get_model("lenet", sequential=True)
+    split = copy.deepcopy(reference)
+    strategy = ModelParallelStrategy(DistEnv(), {"mp_split_points": [4, 9], "mp_split_size": split_size})
+    model = strategy.prepare(split)
+    runs = []
+    for net, kwargs in ((model, {"strategy": strategy}), (reference, {})):
+        optimizer = torch.optim.SGD(strategy.unwrap(net).parameters() if net is model else net.parameters(),
+                                    lr=0.05, momentum=0.9)
+        loss = _RecordingLoss()
+        fit(net, DataLoader(data, batch_size=8, shuffle=True), None, optimizer, epochs=2, criterion=loss, seed=3,
+            printer=lambda line: None, **kwargs)
+        runs.append((loss.losses, optimizer))
+    (losses, optimizer), (ref_losses, ref_optimizer) = runs
+    assert len(losses) == len(ref_losses) == 2 * 4 and strategy.unwrap(model) is split
+    assert losses == pytest.approx(ref_losses, abs=ATOL)
+    for p, r in zip(split.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, r, atol=ATOL, rtol=0)
+        torch.testing.assert_close(optimizer.state[p]["momentum_buffer"], ref_optimizer.state[r]["momentum_buffer"],
+                                   atol=ATOL, rtol=0)

@@ -6,23 +6,46 @@ import types
 import pytest
 import torch
 
+from labkit import monitor
 from labkit.monitor import UtilisationMonitor, nvml_indices
 
 
-def test_cpu_percent_equals_the_process_cpu_time_per_wall_second():
-    a = torch.randn(300, 300)
-    wall, cpu = time.perf_counter(), time.process_time()
-    with UtilisationMonitor(interval_s=0.1) as busy:
-        end = time.perf_counter() + 0.6
-        while time.perf_counter() < end:
+class _FakeProcess:
+    """psutil.Process with scripted CPU percentages (the first call only starts psutil's interval)."""
+
+    def __init__(self, pid):
+        self.percents = iter([0.0, 200.0, 50.0, 100.0])
+
+    def cpu_percent(self, interval):
+        return next(self.percents)
+
+
+def test_cpu_percent_mean_weights_each_sample_by_the_wall_time_it_covers(monkeypatch):
+    """A fake clock and scripted psutil readings: 200 % over 1 s, 50 % over 2 s, 100 % over the last 1 s."""
+    clock = [10.0]
+    monkeypatch.setattr(monitor.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(monitor.psutil, "Process", _FakeProcess)
+    with UtilisationMonitor(interval_s=3600) as watched:  # the thread never ticks: samples are taken here
+        for seconds in (1.0, 2.0):
+            clock[0] += seconds
+            watched._take()
+        clock[0] += 1.0
+    assert [(s["t_s"], s["cpu_percent"], s["gpu"]) for s in watched.samples] == [
+        (1.0, 200.0, []), (3.0, 50.0, []), (4.0, 100.0, [])]
+    assert watched.summary()["cpu_percent_mean"] == (200.0 * 1 + 50.0 * 2 + 100.0 * 1) / 4
+
+
+def test_the_thread_samples_this_process_until_the_block_ends():
+    """The real thread and psutil: samples arrive while the block runs (waited for, not timed), and stop with it."""
+    a = torch.randn(200, 200)
+    with UtilisationMonitor(interval_s=0.01) as busy:
+        deadline = time.monotonic() + 60
+        while len(busy.samples) < 3 and time.monotonic() < deadline:
             a @ a
-    expected = 100 * (time.process_time() - cpu) / (time.perf_counter() - wall)
-    summary = busy.summary()
-    assert len(busy.samples) >= 4 and all(s["kind"] == "utilisation" and s["gpu"] == [] for s in busy.samples)
-    assert summary["cpu_percent_mean"] == pytest.approx(expected, abs=15)
-    with UtilisationMonitor(interval_s=0.1) as idle:
-        time.sleep(0.4)
-    assert idle.summary()["cpu_percent_mean"] < summary["cpu_percent_mean"]
+    taken = len(busy.samples)
+    assert taken >= 3 + 1 and all(s["kind"] == "utilisation" and s["cpu_percent"] >= 0 for s in busy.samples)
+    assert busy.samples == sorted(busy.samples, key=lambda s: s["t_s"]) and busy.summary()["cpu_percent_mean"] >= 0
+    assert len(busy.samples) == taken and not busy._thread.is_alive()  # joined: nothing samples any more
 
 
 def test_gpu_indices_follow_cuda_visible_devices(monkeypatch):

@@ -11,12 +11,14 @@ import sys
 import time
 import types
 
+import psutil
 import torch
 
 from labkit import train as ktrain
+from labkit.checkpoint import load_checkpoint
 from labkit.cli import main
 from labkit.preempt import EXIT_PREEMPTED, MARKER, StopSignals
-from labkit.train import TrainConfig, load_checkpoint
+from labkit.train import TrainConfig
 
 # 96 samples in batches of 16: 6 steps per epoch
 SMALL = dict(model="mlp", dataset="synthetic-mnist", train_size=96, test_size=32, batch_size=16, epochs=3,
@@ -96,31 +98,46 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", LABKIT_PLAIN="1", PYTHONUNBUFFERED="
            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # a fresh rendezvous store for a restarted group
 
 
-def _sigterm_when(cmd, line_start):
-    """Run ``cmd``; SIGTERM torchrun (which forwards it to the ranks) at the first line starting with
-    ``line_start``. Returns (exit code, the whole output)."""
+def _signal_when(cmd, line_start, sig, only_rank=None):
+    """Run ``cmd``; at the first line starting with ``line_start`` send ``sig`` to torchrun (which passes it on
+    to its ranks) or, with ``only_rank``, to that rank alone. Returns (exit code, the whole output, the ranks'
+    process ids at the signal)."""
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        log = []
+        log, ranks = [], []
         for line in proc.stdout:
             log.append(line)
             if line.startswith(line_start):
-                proc.send_signal(signal.SIGTERM)
+                ranks = psutil.Process(proc.pid).children()
+                target = proc.pid if only_rank is None else next(
+                    p.pid for p in ranks if p.environ().get("RANK") == str(only_rank))
+                os.kill(target, sig)
                 break
         log += proc.stdout.readlines()
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return proc.returncode, "".join(log)
+    return proc.returncode, "".join(log), [p.pid for p in ranks]
 
 
-def _stopped_and_resumed(strategy, out, log, steps):
-    """The SIGTERM stopped the run mid-epoch 3 with one message; ``--resume`` continues from that step and the
+def _none_alive(pids):
+    """No process of ``pids`` is left (a rank orphaned by its torchrun would still train under init)."""
+    alive = []
+    for pid in pids:
+        try:
+            alive += [pid] if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE else []
+        except psutil.NoSuchProcess:
+            pass
+    return not alive
+
+
+def _stopped_and_resumed(strategy, out, log, steps, sig="SIGTERM"):
+    """The signal stopped the run mid-epoch 3 with one message; ``--resume`` continues from that step and the
     resumed epoch's throughput line counts from there (100 % at its end, a real rate)."""
     marker = json.loads((out / MARKER).read_text())
-    assert marker["epoch"] == 2 and 0 < marker["step"] < steps and marker["signal"] == "SIGTERM", log
-    assert log.count("labkit: stopped on SIGTERM") == 1, log
+    assert marker["epoch"] == 2 and 0 < marker["step"] < steps and marker["signal"] == sig, log
+    assert log.count("labkit: stopped on") == 1 and log.count(f"labkit: stopped on {sig}") == 1, log
     resumed = subprocess.run([*_train(strategy, out), "--resume"], env=ENV, capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:]
@@ -133,25 +150,51 @@ def _stopped_and_resumed(strategy, out, log, steps):
 
 def test_ddp_killed_rank_restarts_then_sigterm_mid_epoch_resumes_bit_identically(tmp_path):
     """One DDP run meets both failures. Rank 1 is SIGKILLed in epoch 2 under ``--max-restarts 1``: torchrun
-    restarts the whole group, which resumes from epoch 1's checkpoint. In epoch 3 torchrun gets SIGTERM and
-    forwards it; both ranks stop after the same step, rank 0 writes the mid-epoch checkpoint, and the run exits 75.
+    restarts the whole group, which resumes from epoch 1's checkpoint. In epoch 3 rank 1 alone gets SIGTERM (srun
+    or a site wrapper signalling processes one by one); both ranks stop after the same step, rank 0 writes the
+    mid-epoch checkpoint and a marker naming rank 1's signal, and the run exits 75 with one line.
     ``--resume`` finishes it, equal to an uninterrupted run (weights, momentum, every epoch's loss)."""
     subprocess.run(_train("ddp", tmp_path / "clean"), env=ENV, check=True, capture_output=True, timeout=300)
     # slowed down (the delay changes no result) so that the signal lands mid-epoch
-    code, log = _sigterm_when(_train("ddp", tmp_path / "int", "--resume", "--kill-rank-at", "1:8",
-                                     "--step-delay-s", "0.15", restarts=1), "train | 3/3 epoch")
+    code, log, _ = _signal_when(_train("ddp", tmp_path / "int", "--resume", "--kill-rank-at", "1:8",
+                                       "--step-delay-s", "0.15", restarts=1), "train | 3/3 epoch", signal.SIGTERM,
+                                only_rank=1)
     assert "rank 1: --kill-rank-at: SIGKILL before step 8" in log and "at epoch 1" in log, log
+    assert code == EXIT_PREEMPTED and "Traceback" not in log, log
     _stopped_and_resumed("ddp", tmp_path / "int", log, steps=6)
     _equal_runs(tmp_path / "clean", tmp_path / "int")
 
 
-def test_pipeline_sigterm_mid_epoch_resumes_bit_identically(tmp_path):
-    """A non-replicated strategy: every rank writes its own mid-epoch checkpoint of the same step."""
+def test_pipeline_sigusr1_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path):
+    """A non-replicated strategy, every rank writing its own mid-epoch checkpoint of the same step, and SIGUSR1
+    to torchrun itself (SLURM's ``--signal=USR1`` without ``B:``): torchrun passes it on, the ranks stop after
+    the same step, and torchrun exits 75 with the ranks' one line; no rank is left running."""
     subprocess.run(_train("pipeline", tmp_path / "clean"), env=ENV, check=True, capture_output=True, timeout=300)
-    code, log = _sigterm_when(_train("pipeline", tmp_path / "int", "--step-delay-s", "0.15"), "train | 3/3 epoch")
-    # torchrun itself got the signal: one line and 128 + 15, not its traceback
-    assert code == 128 + signal.SIGTERM and "Traceback" not in log, log
-    assert "labkit: torchrun stopped on SIGTERM; its ranks were stopped with it" in log, log
-    _stopped_and_resumed("pipeline", tmp_path / "int", log, steps=12)  # one pipeline sees the whole batch
+    code, log, ranks = _signal_when(_train("pipeline", tmp_path / "int", "--step-delay-s", "0.15"),
+                                    "train | 3/3 epoch", signal.SIGUSR1)
+    assert len(ranks) == 2 and _none_alive(ranks), ranks
+    assert code == EXIT_PREEMPTED and "Traceback" not in log and "torchrun stopped" not in log, log
+    assert "death signal" not in log, log  # torchrun's own shutdown line: the ranks had already left
+    _stopped_and_resumed("pipeline", tmp_path / "int", log, steps=12, sig="SIGUSR1")  # one pipeline: whole batch
     for name in ["checkpoint.rank0.pt", "checkpoint.rank1.pt"]:
         _equal_runs(tmp_path / "clean", tmp_path / "int", name)
+
+
+RANK = """import signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+print("ready", flush=True)
+while not got:
+    time.sleep(0.01)
+sys.exit(75)
+"""
+
+
+def test_sigterm_to_torchrun_reaches_the_ranks_and_their_75_is_torchruns(tmp_path):
+    """torchrun's own SIGTERM handling (stop the ranks under a deadline, exit 143) gives way to labkit's: the
+    signal is passed on, torchrun waits for its ranks (which stand for labkit's: they exit 75) and exits 75."""
+    (tmp_path / "rank.py").write_text(RANK)
+    code, log, ranks = _signal_when([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2",
+                                     str(tmp_path / "rank.py")], "ready", signal.SIGTERM)
+    assert code == EXIT_PREEMPTED and len(ranks) == 2 and _none_alive(ranks), log
+    assert "Traceback" not in log and "torchrun stopped" not in log and "death signal" not in log, log

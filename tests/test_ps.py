@@ -7,18 +7,21 @@ One 4-rank spawn checks, on one toy net:
 * a stop signal mid-epoch under sync PS with 2 servers: every rank stops after the same step, checkpoints,
   and the resumed run ends bit-identical (weights and the servers' momentum) to the uninterrupted one;
 * async with one worker (3 servers) is sync, bit for bit;
-* with 1 server and 3 workers, one of them a straggler: the SSP record never has a worker more than K clocks
-  ahead and bounds the staleness; in async the fast workers make more updates and the slow one's are stale;
+* with 1 server and 3 workers, rank 3 a straggler held back by an order of events (not a clock): in SSP the
+  fast workers get K clocks ahead and no further, and the staleness is bounded; in async they make the first
+  12 updates without it and its first gradient is applied 12 versions stale;
 * a stop signal mid-epoch under async is honoured at the end of the epoch, by every rank;
 * SSP on real digits at the rate and momentum that stalled before (lr 0.05, momentum 0.9) learns: the loss
   stays finite and falls epoch after epoch.
 
 A 2-rank spawn checks that a dead worker stops the server with a clear error.
 """
+import contextlib
 import math
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from labkit.checkpoint import load_training_state, save_training_state
 from labkit.collectives import get_schedule
 from labkit.collectives.simulate import count
 from labkit.dist import DistEnv
@@ -35,9 +39,9 @@ from labkit.optim import OptimizerSpec
 from labkit.preempt import Preempted, StopSignals
 from labkit.strategies.ps import ParameterServerStrategy
 from labkit.strategies.ps_lab import compare_modes
-from labkit.strategies.ps_server import PeerFailure, ServerState
+from labkit.strategies.ps_server import PeerFailure, ServerState, wait
 from labkit.testing import run_ranks
-from labkit.train import fit, load_training_state, save_training_state
+from labkit.train import fit
 
 STEPS, BATCH, LR = 3, 4, 0.1
 
@@ -118,6 +122,39 @@ def ddp_on(env, workers, epochs):
     return nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
+@contextlib.contextmanager
+def straggler_gate(env, gate: Path, mode: str):
+    """Rank 3 (a worker) waits before its first step until the server opens ``gate``: a straggler whose delay
+    is an order of events, not a duration. The server (rank 0) opens it in async mode after update 12 and takes
+    rank 3's push next; in ssp mode once both fast workers are held, K = 1 clocks ahead of rank 3."""
+    saved = ParameterServerStrategy.forward_backward, ServerState.receive, ServerState.after_step
+    if env.rank == 3:
+        def gated_forward_backward(self, *args):
+            while not gate.exists():  # waiting for an event; the run's timeout bounds it
+                time.sleep(0.005)
+            return saved[0](self, *args)
+        ParameterServerStrategy.forward_backward = gated_forward_backward
+    elif env.rank == 0 and mode == "async":
+        def receive(self, count):
+            if self.version == 12 and not gate.exists():
+                gate.touch()
+                buf = torch.empty(self.numel, dtype=self.params[0].dtype)
+                wait(dist.irecv(buf, src=3), 60, "the straggler's first push")
+                return [(3, buf)]
+            return saved[1](self, count)
+        ServerState.receive = receive
+    elif env.rank == 0:
+        def after_step(self, budget_reached):
+            saved[2](self, budget_reached)
+            if sorted(self.held) == [1, 2]:
+                gate.touch()
+        ServerState.after_step = after_step
+    try:
+        yield
+    finally:
+        ParameterServerStrategy.forward_backward, ServerState.receive, ServerState.after_step = saved
+
+
 def four_ranks(env, out):
     two_servers = {"ps_servers": 2}
     res = {"sync": train_ps(env, "sync", epochs=2, **two_servers), "ddp": ddp_on(env, [2, 3], epochs=2)}
@@ -128,8 +165,10 @@ def four_ranks(env, out):
     one_worker = {"ps_servers": 3}
     res["1w-sync"] = train_ps(env, "sync", steps=4, epochs=2, **one_worker)[0]
     res["1w-async"] = train_ps(env, "async", steps=4, epochs=2, **one_worker)[0]
-    res["ssp"] = train_ps(env, "ssp", steps=24, max_staleness=1, ps_slow_worker="3:4")
-    res["async"] = train_ps(env, "async", steps=24, ps_slow_worker="3:4")
+    with straggler_gate(env, Path(out + "-ssp-gate"), "ssp"):
+        res["ssp"] = train_ps(env, "ssp", steps=24, max_staleness=1)
+    with straggler_gate(env, Path(out + "-async-gate"), "async"):
+        res["async"] = train_ps(env, "async", steps=24)
     res["async-stopped"] = train_ps(env, "async", steps=12, epochs=2, out=out + "-async",
                                     stop_call=2 if env.rank == 2 else None)
     res["digits"] = compare_modes(env, ("ssp",), epochs=2, train_size=1024, test_size=250, lr=0.05, momentum=0.9,
@@ -139,12 +178,25 @@ def four_ranks(env, out):
 
 def test_ps_sync_is_ddp_resumes_bit_identically_and_async_ssp_record_staleness(one_thread, tmp_path):
     per_rank = run_ranks(four_ranks, 4, str(tmp_path / "ckpt"), timeout=300)
-    sync_weights, sync_record, sync_momentum = per_rank[0]["sync"]
+    _check_sync_is_ddp_and_counts_the_formulas_bytes(per_rank)
+    _check_sync_stop_resumes_bit_identically(per_rank, tmp_path)
+    for r in range(4):  # one worker: async is sync
+        assert torch.equal(per_rank[r]["1w-sync"], per_rank[r]["1w-async"])
+    _check_ssp_bounds_the_clocks(per_rank)
+    _check_async_does_not_wait_for_the_straggler(per_rank)
+    # async: rank 2's signal in epoch 1 stops every rank at the end of that epoch, after its checkpoint
+    assert [per_rank[r]["async-stopped"] for r in range(4)] == [("stopped", 1, 0)] * 4
+    assert (tmp_path / "ckpt-async" / "checkpoint.pt").exists()
+    losses = [e["train_loss"] for e in per_rank[0]["digits"]]
+    assert all(math.isfinite(x) for x in losses) and losses[1] < 0.8 * losses[0] < 0.8 * math.log(10), losses
+
+
+def _check_sync_is_ddp_and_counts_the_formulas_bytes(per_rank):
+    sync_weights, sync_record, _ = per_rank[0]["sync"]
     for r in range(4):  # every rank holds the servers' model after the epoch
         assert torch.equal(per_rank[r]["sync"][0], sync_weights)
     torch.testing.assert_close(sync_weights, per_rank[2]["ddp"], rtol=0, atol=1e-6)
     assert not torch.equal(sync_weights, nn.utils.parameters_to_vector(net().parameters()).detach())
-
     servers = sync_record["per_server"]
     assert [[u["version"] for u in s["updates"]] for s in servers] == [[1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]] * 2
     assert all(u["staleness"] == 0 for s in servers for u in s["updates"])
@@ -157,39 +209,37 @@ def test_ps_sync_is_ddp_resumes_bit_identically_and_async_ssp_record_staleness(o
     assert sum(s["bytes"]["sent"] for s in servers) == 2 * STEPS * formula.elements_sent[0] * 4
     assert [s["numel"] for s in servers] == [6 * 8, 8 + 8 * 3 + 3]  # whole tensors, largest first
 
-    # stopped mid-epoch 2 after step 2 on every rank; each rank wrote its own file (two servers: two shards)
+
+def _check_sync_stop_resumes_bit_identically(per_rank, tmp_path):
+    """Stopped mid-epoch 2 after step 2 on every rank; each rank wrote its own file (two servers: two shards)."""
     assert [per_rank[r]["stopped"] for r in range(4)] == [("stopped", 1, 2)] * 4
     assert sorted(p.name for p in tmp_path.glob("ckpt/checkpoint*.pt")) == [f"checkpoint.rank{r}.pt" for r in range(4)]
     for r in range(4):
         weights, _, momentum = per_rank[r]["resumed"]
-        assert torch.equal(weights, sync_weights)
+        assert torch.equal(weights, per_rank[0]["sync"][0])
         assert len(momentum) == len(per_rank[r]["sync"][2])
         assert all(torch.equal(a, b) for a, b in zip(momentum, per_rank[r]["sync"][2]))
     assert [len(per_rank[r]["sync"][2]) for r in range(4)] == [1, 3, 0, 0]  # momentum lives on the servers
 
-    for r in range(4):
-        assert torch.equal(per_rank[r]["1w-sync"], per_rank[r]["1w-async"])
 
+def _check_ssp_bounds_the_clocks(per_rank):
+    """Rank 3 held back until both fast workers are a clock ahead: K = 1 binds, and it bounds the staleness."""
     ssp = per_rank[0]["ssp"][1]["per_server"][0]["updates"]
     assert len(ssp) == 24
-    ahead = [u["ahead"] for u in ssp if u["ahead"] is not None]
-    assert max(ahead) == 1  # K = 1 bounds it, and the straggler makes it bind
+    assert [next(u["ahead"] for u in ssp if u["worker"] == w) for w in (1, 2)] == [1, 1]  # their first updates
+    assert max(u["ahead"] for u in ssp if u["ahead"] is not None) == 1
     assert max(u["staleness"] for u in ssp) <= (3 - 1) * (2 * 1 + 1)  # (W-1)(2K+1)
-    asyn = per_rank[0]["async"][1]["per_server"][0]["updates"]
-    made = {w: sum(u["worker"] == w for u in asyn) for w in (1, 2, 3)}
-    # nobody waits for rank 3 (4x slower): each fast worker makes more updates than it (sync: 8 each). Not a fixed
-    # multiple: 4 ranks on 2 cores beside other work share the CPU unevenly (9, 10, 5 seen under a busy test run)
-    assert sum(made.values()) == 24 and min(made[1], made[2]) > made[3], made
-    assert max(u["staleness"] for u in asyn) >= 2  # ... but its gradients are stale
     for r in range(4):
         assert torch.equal(per_rank[r]["ssp"][0], per_rank[0]["ssp"][0])
 
-    # async: rank 2's signal in epoch 1 stops every rank at the end of that epoch, after its checkpoint
-    assert [per_rank[r]["async-stopped"] for r in range(4)] == [("stopped", 1, 0)] * 4
-    assert (tmp_path / "ckpt-async" / "checkpoint.pt").exists()
 
-    losses = [e["train_loss"] for e in per_rank[0]["digits"]]
-    assert all(math.isfinite(x) for x in losses) and losses[1] < 0.8 * losses[0] < 0.8 * math.log(10), losses
+def _check_async_does_not_wait_for_the_straggler(per_rank):
+    """The fast workers make the first 12 updates while rank 3 has pushed nothing; its first gradient, from the
+    starting weights, is applied 12 versions stale."""
+    updates = per_rank[0]["async"][1]["per_server"][0]["updates"]
+    assert len(updates) == 24 and [u["version"] for u in updates] == list(range(1, 25))
+    assert {u["worker"] for u in updates[:12]} == {1, 2}
+    assert (updates[12]["worker"], updates[12]["staleness"]) == (3, 12)
 
 
 def dead_worker(env):

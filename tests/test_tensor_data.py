@@ -7,11 +7,12 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
 from labkit import data, models
+from labkit.checkpoint import load_checkpoint
 from labkit.errors import ConfigError
 from labkit.meters import ThroughputMeter
 from labkit.precision import check_amp
 from labkit.tensor_data import TensorImages, TensorLoader, crop_flip, load_split, tensor_dataset
-from labkit.train import TrainConfig, fit, load_checkpoint, run
+from labkit.train import TrainConfig, fit, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

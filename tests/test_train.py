@@ -6,8 +6,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from labkit.checkpoint import load_checkpoint
 from labkit.errors import CheckpointError, ConfigError
-from labkit.train import TrainConfig, TrainingDiverged, fit, load_checkpoint, lr_factor, run
+from labkit.train import TrainConfig, TrainingDiverged, fit, lr_factor, run
 
 
 def small_cfg(tmp_path, **kw):
@@ -95,8 +96,8 @@ def test_profile_writes_a_trace(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("batch_size", 0, "--batch-size must be > 0"), ("epochs", -1, "--epochs must be > 0"),
-    ("base_lr", 0.0, "--base-lr must be > 0"), ("max_steps", 0, "--max-steps must be > 0"),
+    ("batch_size", 0, "--batch-size must be >= 1, got 0"), ("epochs", -1, "--epochs must be >= 1, got -1"),
+    ("base_lr", 0.0, "--base-lr must be > 0, got 0.0"), ("max_steps", 0, "--max-steps must be >= 1, got 0"),
 ])
 def test_bad_config(tmp_path, field, value, message):
     with pytest.raises(ConfigError, match=message):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from labkit.ranges import within
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("advise", help="predict, rank and validate parallel strategies for a model",
@@ -15,14 +17,17 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
     p.add_argument("--dataset", default="mnist-sample",
                    help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10")
-    p.add_argument("--ranks", type=int, required=True, help="devices (gloo ranks on this machine)")
-    p.add_argument("--batch-size", type=int, default=64, help="global batch: samples per optimizer step")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="GB", help="usable memory per device")
-    p.add_argument("--base-lr", type=float, default=None,
+    p.add_argument("--ranks", type=within("int", "[1, inf)"),
+                   required=True, help="devices (gloo ranks on this machine)")
+    p.add_argument("--batch-size", type=within("int", "[1, inf)"),
+                   default=64, help="global batch: samples per optimizer step")
+    p.add_argument("--memory-limit", type=within("float", "(0, inf)"),
+                   default=None, metavar="GB", help="usable memory per device")
+    p.add_argument("--base-lr", type=within("float", "(0, inf)"), default=None,
                    help="learning rate for the printed commands and validation runs (default: labkit train's)")
-    p.add_argument("--top", type=int, default=3, help="plans to run with --validate")
+    p.add_argument("--top", type=within("int", "[1, inf)"), default=3, help="plans to run with --validate")
     p.add_argument("--validate", action="store_true", help="run the top plans through labkit train and compare")
-    p.add_argument("--steps", type=int, default=8, help="training steps per validation run")
+    p.add_argument("--steps", type=within("int", "[4, inf)"), default=8, help="training steps per validation run")
     p.add_argument("--links", default=None, metavar="DIR",
                    help="results of `labkit allreduce bench --out DIR` for the α-β fit (default: measure now)")
     p.add_argument("--cache", default="runs/advisor", help="where profiles and link fits are cached")

@@ -9,7 +9,7 @@ import functools
 import importlib
 
 from labkit.cli import module_doc, summary_line, words
-from labkit.errors import ConfigError
+from labkit.errors import ConfigError, flag_error
 from labkit.flags import add_flags, read_flags
 
 #: benchmark name -> module with a ``FLAGS`` literal (see :mod:`labkit.flags`) and ``main(args) -> int``
@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
     """A benchmark's parser: a bad flag is one ``labkit: error: ...`` line and exit code 2, like labkit's errors."""
 
     def error(self, message: str):
-        self.exit(2, f"labkit: error: {message} (see {self.prog} --help)\n")
+        flag_error(message, f" (see {self.prog} --help)")
 
 
 def add_parser(sub) -> None:

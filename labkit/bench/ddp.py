@@ -34,18 +34,22 @@ TARGET = 0.97
 #: ``labkit bench ddp`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
     {"flag": "--ranks", "default": "1,2,4", "help": "rank counts of the scaling sweep, e.g. 1,2,4"},
-    {"flag": "--compare-ranks", "type": "int", "default": 2, "help": "ranks of the labkit/plain comparison (0: skip)"},
+    {"flag": "--compare-ranks", "type": "int", "range": "[0, inf)", "default": 2,
+     "help": "ranks of the labkit/plain comparison (0: skip)"},
     {"flag": "--model", "default": "lenet", "help": "labkit model"},
     {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
-    {"flag": "--batch-size", "type": "int", "default": 64, "help": "samples per rank per step"},
-    {"flag": "--steps", "type": "int", "default": 30, "help": "optimizer steps per run / per contender and round"},
-    {"flag": "--rounds", "type": "int", "default": 8, "help": "comparison rounds (each runs every contender)"},
-    {"flag": "--compare-epochs", "type": "int", "default": 3,
+    {"flag": "--batch-size", "type": "int", "range": "[1, inf)", "default": 64, "help": "samples per rank per step"},
+    {"flag": "--steps", "type": "int", "range": "[1, inf)", "default": 30,
+     "help": "optimizer steps per run / per contender and round"},
+    {"flag": "--rounds", "type": "int", "range": "[1, inf)", "default": 8,
+     "help": "comparison rounds (each runs every contender)"},
+    {"flag": "--compare-epochs", "type": "int", "range": "[1, inf)", "default": 3,
      "help": "whole epochs per contender call in the comparison"},
     {"flag": "--loader", "default": "tensor", "choices": ["tensor", "torch"], "help": "labkit's data path"},
-    {"flag": "--repeat", "type": "int", "default": 1, "help": "runs per rank count, alternating; the median counts"},
+    {"flag": "--repeat", "type": "int", "range": "[1, inf)", "default": 1,
+     "help": "runs per rank count, alternating; the median counts"},
     {"flag": "--device", "default": "cpu", "help": "cpu (gloo) or cuda (NCCL, one rank per GPU)"},
-    {"flag": "--threads", "type": "int", "default": 1,
+    {"flag": "--threads", "type": "int", "range": "[1, inf)", "default": 1,
      "help": "CPU threads per rank (1: on a CPU each rank stands for one device of one core)"},
     {"flag": "--out", "default": "runs/bench-ddp", "help": "results folder"},
     {"flag": "--compare-worker", "action": "store_true", "hidden": True, "help": "one rank of the comparison"},
@@ -58,8 +62,8 @@ def parse_ranks(spec: str) -> list[int]:
         ranks = sorted({int(s) for s in spec.split(",") if s.strip()})
     except ValueError:
         raise ConfigError(f"--ranks {spec!r} is not a comma list of rank counts; e.g. --ranks 1,2,4") from None
-    if not ranks or ranks[0] < 1:
-        raise ConfigError(f"--ranks {spec!r} needs rank counts >= 1; e.g. --ranks 1,2,4")
+    if not ranks or ranks[0] < 1 or ranks[-1] > 64:  # ranks started on this machine
+        raise ConfigError(f"--ranks {spec!r} needs rank counts >= 1 and <= 64; e.g. --ranks 1,2,4")
     return ranks
 
 

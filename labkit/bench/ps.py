@@ -25,18 +25,22 @@ from labkit.errors import ConfigError
 
 #: ``labkit bench ps`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
-    {"flag": "--workers", "type": "int", "default": 2, "help": "worker ranks (DDP ranks)"},
+    {"flag": "--workers", "type": "int", "range": "[1, inf)", "default": 2, "help": "worker ranks (DDP ranks)"},
     {"flag": "--model", "default": "lenet", "help": "labkit model"},
     {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
-    {"flag": "--epochs", "type": "int", "default": 3, "help": "epochs of every run"},
-    {"flag": "--batch-size", "type": "int", "default": 32, "help": "samples per worker per step"},
-    {"flag": "--base-lr", "type": "float", "default": 0.05, "help": "learning rate"},
-    {"flag": "--train-size", "type": "int", "default": 2048, "help": "first N training samples"},
-    {"flag": "--test-size", "type": "int", "default": 500, "help": "test samples evaluated after each epoch"},
-    {"flag": "--max-staleness", "type": "int", "default": 1, "help": "K of the SSP contender"},
-    {"flag": "--slow-factor", "type": "float", "default": 3.0, "help": "straggler factor (1 = no straggler runs)"},
-    {"flag": "--target-acc", "type": "float", "default": 0.8, "help": "test accuracy of the time-to-target column"},
-    {"flag": "--rounds", "type": "int", "default": 1, "help": "rounds (each runs every contender)"},
+    {"flag": "--epochs", "type": "int", "range": "[1, inf)", "default": 3, "help": "epochs of every run"},
+    {"flag": "--batch-size", "type": "int", "range": "[1, inf)", "default": 32, "help": "samples per worker per step"},
+    {"flag": "--base-lr", "type": "float", "range": "(0, inf)", "default": 0.05, "help": "learning rate"},
+    {"flag": "--train-size", "type": "int", "range": "[1, inf)", "default": 2048, "help": "first N training samples"},
+    {"flag": "--test-size", "type": "int", "range": "[1, inf)", "default": 500,
+     "help": "test samples evaluated after each epoch"},
+    {"flag": "--max-staleness", "type": "int", "range": "[0, inf)", "default": 1, "help": "K of the SSP contender"},
+    {"flag": "--slow-factor", "type": "float", "range": "[1, inf)", "default": 3.0,
+     "help": "straggler factor (1 = no straggler runs)"},
+    {"flag": "--target-acc", "type": "float", "range": "(0, 1]", "default": 0.8,
+     "help": "test accuracy of the time-to-target column"},
+    {"flag": "--rounds", "type": "int", "range": "[1, inf)", "default": 1,
+     "help": "rounds (each runs every contender)"},
     {"flag": "--out", "default": "runs/bench-ps", "help": "results folder"},
 ]
 

@@ -45,6 +45,24 @@ def load_suite(path: str | Path) -> dict:
     return suite
 
 
+def load_suites(paths, printer=print) -> list[dict]:
+    """The suites of ``paths`` as a shell glob gives them (``results/reference/*``): a file there that is not a
+    suite (the folder's README) is skipped with a note; a missing path or a folder without ``suite.json`` is a
+    ConfigError, and so is a list with no suite at all."""
+    suites = []
+    for path in map(Path, paths):
+        if path.is_file() and path.name != "suite.json":
+            try:
+                suites.append(load_suite(path))
+            except ConfigError:
+                printer(f"note: skipped {path}: not a suite result")
+            continue
+        suites.append(load_suite(path))
+    if not suites:
+        raise ConfigError(f"none of {' '.join(map(str, paths))} is a suite result; run labkit bench suite first")
+    return suites
+
+
 def _label(suite: dict) -> str:
     return suite["tag"] + (" (quick)" if suite.get("quick") else "")
 
@@ -180,7 +198,7 @@ def render(suites: list[dict], out: str | Path) -> Path:
 
 
 def main(args: argparse.Namespace) -> int:
-    page = render([load_suite(r) for r in args.runs], args.out)
+    page = render(load_suites(args.runs), args.out)
     print(f"report written to {page} ({', '.join(n + '.png' for n in PLOTS)})")
     return 0
 

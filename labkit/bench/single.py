@@ -23,12 +23,14 @@ TARGET = 0.97
 FLAGS = [
     {"flag": "--model", "default": "lenet", "help": "labkit model"},
     {"flag": "--dataset", "default": "mnist-sample", "help": "dataset"},
-    {"flag": "--batch-size", "type": "int", "default": 64, "help": "samples per step"},
-    {"flag": "--steps", "type": "int", "default": 60, "help": "optimizer steps per contender per round"},
-    {"flag": "--rounds", "type": "int", "default": 16,
+    {"flag": "--batch-size", "type": "int", "range": "[1, inf)", "default": 64, "help": "samples per step"},
+    {"flag": "--steps", "type": "int", "range": "[1, inf)", "default": 60,
+     "help": "optimizer steps per contender per round"},
+    {"flag": "--rounds", "type": "int", "range": "[1, inf)", "default": 16,
      "help": "timed rounds, each running both contenders (the median of many is steadier than a few)"},
     {"flag": "--loader", "default": "tensor", "choices": ["tensor", "torch"], "help": "labkit's data path"},
-    {"flag": "--threads", "type": "int", "default": 1, "help": "CPU threads (1: one core stands for one device)"},
+    {"flag": "--threads", "type": "int", "range": "[1, inf)", "default": 1,
+     "help": "CPU threads (1: one core stands for one device)"},
     {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
     {"flag": "--out", "default": "runs/bench-single", "help": "results folder"},
 ]

@@ -124,7 +124,9 @@ def load_function(spec: str) -> Callable:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``labkit check allreduce``; exit code 0 when the schedule is right, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog="labkit check allreduce", description=__doc__,
+    from labkit.cli import Parser
+
+    parser = Parser(prog="labkit check allreduce", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", nargs="?", help="FILE.py[:FUNCTION] defining ring_schedule(p); "
                         "without it the reference solution is checked")
@@ -134,8 +136,8 @@ def main(argv: list[str]) -> int:
         sizes = [int(s) for s in args.ranks.split(",") if s.strip()]
     except ValueError:
         sizes = []
-    if not sizes or min(sizes) < 2:
-        raise ConfigError(f"--ranks {args.ranks!r}: give world sizes >= 2, e.g. 2,3,4,5")
+    if not sizes or min(sizes) < 2 or max(sizes) > 64:
+        raise ConfigError(f"--ranks {args.ranks!r}: give world sizes >= 2 and <= 64, e.g. 2,3,4,5")
     if args.file is None:
         print("no file given: checking the reference solution (labkit.collectives.check.reference_ring)")
     fn = load_function(args.file) if args.file else reference_ring

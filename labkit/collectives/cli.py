@@ -16,6 +16,10 @@ import time
 
 from labkit.collectives.registry import ALGORITHMS, SCHEDULES, parse_algorithms
 from labkit.errors import ConfigError
+from labkit.ranges import within
+
+#: most processes ``--ranks`` may start on this machine
+MAX_RANKS = 64
 
 
 def _ranks(text: str) -> list[int]:
@@ -23,8 +27,8 @@ def _ranks(text: str) -> list[int]:
         ranks = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         ranks = []
-    if not ranks or any(r < 2 for r in ranks):
-        raise ConfigError(f"--ranks {text!r}: give world sizes >= 2, e.g. --ranks 4 or --ranks 2,4")
+    if not ranks or any(not 2 <= r <= MAX_RANKS for r in ranks):  # processes on this machine
+        raise ConfigError(f"--ranks {text!r}: give world sizes >= 2 and <= {MAX_RANKS}, e.g. --ranks 4 or --ranks 2,4")
     return ranks
 
 
@@ -129,7 +133,8 @@ def add_parser(subparsers) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", default="auto", help="under torchrun: auto, cpu or cuda (default auto)")
-    common.add_argument("--timeout", type=float, default=600.0, help="seconds before spawned ranks are stopped")
+    common.add_argument("--timeout", type=within("float", "(0, 1e7]"),
+                        default=600.0, help="seconds before spawned ranks are stopped")
 
     v = actions.add_parser("verify", parents=[common], help="compare every algorithm with dist.all_reduce")
     v.add_argument("--ranks", default="4", help="world size(s) to spawn, e.g. 4 or 2,3,4,5 (default 4)")
@@ -138,16 +143,18 @@ def add_parser(subparsers) -> None:
 
     a = actions.add_parser("animate", help="write an animation of one schedule (.html or .gif)")
     a.add_argument("--algo", default="ring", help=f"one of: {', '.join(SCHEDULES)}")
-    a.add_argument("--ranks", type=int, default=4, help="world size (default 4)")
+    a.add_argument("--ranks", type=within("int", "[2, 64]"), default=4, help="world size (default 4)")
     a.add_argument("--out", required=True, help="FILE.html (interactive player) or FILE.gif")
-    a.add_argument("--interval", type=int, default=1200, help="milliseconds per step (default 1200)")
+    a.add_argument("--interval", type=within("int", "[1, 600000]"),
+                   default=1200, help="milliseconds per step (default 1200)")
     a.set_defaults(func=animate)
 
     b = actions.add_parser("bench", parents=[common], help="time every algorithm and native all-reduce")
     b.add_argument("--algo", default="all", help=f"all or a comma list of: {', '.join(ALGORITHMS)}")
     b.add_argument("--ranks", default="2,4", help="world sizes to spawn (default 2,4)")
     b.add_argument("--sizes", default="1KiB,64KiB,1MiB,16MiB", help="vector sizes (default 1KiB,64KiB,1MiB,16MiB)")
-    b.add_argument("--repeats", type=int, default=5, help="timed runs per contender and size (default 5)")
+    b.add_argument("--repeats", type=within("int", "[1, inf)"),
+                   default=5, help="timed runs per contender and size (default 5)")
     b.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     b.add_argument("--out", default="runs/allreduce-bench", help="results directory (labkit run schema)")
     b.set_defaults(func=bench)

@@ -38,7 +38,9 @@ def report(problems: list[str], success: str) -> str:
 def command(name: str, doc: str, default: str, check: Callable[[Callable], list[str]], success: str,
             argv: list[str]) -> int:
     """``labkit check NAME FILE[:FUNCTION]``: print the verdict; exit code 0 when right, 1 otherwise."""
-    parser = argparse.ArgumentParser(prog=f"labkit check {name}", description=doc,
+    from labkit.cli import Parser
+
+    parser = Parser(prog=f"labkit check {name}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help=f"FILE.py[:FUNCTION] defining {default}()")
     args = parser.parse_args(argv)

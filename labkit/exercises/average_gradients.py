@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from labkit.errors import ConfigError
 from labkit.exercises import load_function, report
 
 STARTER = '''\
@@ -61,13 +60,15 @@ def check_file(path: str | Path | None, name: str = "average_gradients", world_s
 def main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="labkit check average-gradients", description=__doc__,
+    from labkit.cli import Parser
+    from labkit.ranges import within
+
+    parser = Parser(prog="labkit check average-gradients", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="FILE.py[:FUNCTION] defining average_gradients(model)")
-    parser.add_argument("--ranks", type=int, default=2, help="world size (default 2)")
+    parser.add_argument("--ranks", type=within("int", "[2, 64]"), default=2,
+                        help="world size, 2 or more: gradients meet between ranks (default 2)")
     args = parser.parse_args(argv)
-    if args.ranks < 2:
-        raise ConfigError(f"--ranks must be >= 2 (gradients meet between ranks), got {args.ranks}")
     path, _, name = args.file.partition(":")
     load_function(args.file, "average_gradients")  # a missing file or function is a one-line error here
     problems = check_file(path, name or "average_gradients", args.ranks)

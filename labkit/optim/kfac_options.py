@@ -25,6 +25,7 @@ import argparse
 from enum import Enum
 
 from labkit.errors import ConfigError
+from labkit.ranges import within
 
 
 class Method(str, Enum):
@@ -56,17 +57,21 @@ DEFAULTS = {"kfac_update_freq": 10, "kfac_inv_update_freq": None, "kfac_damping"
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     """Add the ``--kfac-*`` flags to a ``labkit train`` argument group."""
-    group.add_argument("--kfac-update-freq", type=int, default=DEFAULTS["kfac_update_freq"], metavar="STEPS",
+    group.add_argument("--kfac-update-freq", type=within("int", "[0, inf)"),
+                       default=DEFAULTS["kfac_update_freq"], metavar="STEPS",
                        help="steps between K-FAC updates of the Kronecker factors (and, unless "
                             "--kfac-inv-update-freq says otherwise, of their decompositions); "
                             "0 = plain SGD (default 10)")
-    group.add_argument("--kfac-inv-update-freq", type=int, default=DEFAULTS["kfac_inv_update_freq"], metavar="STEPS",
+    group.add_argument("--kfac-inv-update-freq", type=within("int", "[1, inf)"),
+                       default=DEFAULTS["kfac_inv_update_freq"], metavar="STEPS",
                        help="steps between decompositions (eigen/inverse), if not every --kfac-update-freq steps")
-    group.add_argument("--kfac-damping", type=float, default=DEFAULTS["kfac_damping"], help="damping γ on the textbook scale of the factors (default 0.3; kfac_pytorch's γ ≈ this / N² for a "
-                            "Linear layer, N the per-rank batch)")
-    group.add_argument("--kfac-factor-decay", type=float, default=DEFAULTS["kfac_factor_decay"],
+    group.add_argument("--kfac-damping", type=within("float", "(0, inf)"),
+                       default=DEFAULTS["kfac_damping"],
+                       help="damping γ on the textbook scale of the factors (default 0.3; kfac_pytorch's γ ≈ this / N² "
+                            "for a Linear layer, N the per-rank batch)")
+    group.add_argument("--kfac-factor-decay", type=within("float", "[0, 1)"), default=DEFAULTS["kfac_factor_decay"],
                        help="running-average weight of the old factors (default 0.95)")
-    group.add_argument("--kfac-kl-clip", type=float, default=DEFAULTS["kfac_kl_clip"],
+    group.add_argument("--kfac-kl-clip", type=within("float", "[0, inf)"), default=DEFAULTS["kfac_kl_clip"],
                        help="KL clipping κ; 0 disables it (default 0.001)")
     group.add_argument("--kfac-method", default=DEFAULTS["kfac_method"], choices=[m.value for m in Method],
                        help="eigendecompositions (exact damping) or damped inverses (cheaper)")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from labkit.ranges import within
+
 BASES = ("sgd", "adam", "lars", "lamb")
 #: LARS/LAMB/K-FAC-base flags (by dest) -> default
 DEFAULTS = {"kfac_base": "sgd", "lars_trust_coefficient": 0.001, "lamb_betas": (0.9, 0.999), "lamb_eps": 1e-6,
@@ -20,16 +22,19 @@ def _add_trust_all(group: argparse._ArgumentGroup) -> None:
 
 def add_lars_arguments(group: argparse._ArgumentGroup) -> None:
     """``--optimizer lars``: the trust coefficient η and ``--trust-all-params``."""
-    group.add_argument("--lars-trust-coefficient", type=float, default=DEFAULTS["lars_trust_coefficient"],
+    group.add_argument("--lars-trust-coefficient", type=within("float", "(0, inf)"),
+                       default=DEFAULTS["lars_trust_coefficient"],
                        metavar="ETA", help="LARS trust coefficient η (default 0.001)")
     _add_trust_all(group)
 
 
 def add_lamb_arguments(group: argparse._ArgumentGroup) -> None:
     """``--optimizer lamb``: Adam's moment decays and ε, and ``--trust-all-params``."""
-    group.add_argument("--lamb-betas", type=float, nargs=2, default=DEFAULTS["lamb_betas"], metavar=("B1", "B2"),
+    group.add_argument("--lamb-betas", type=within("float", "[0, 1)"),
+                       nargs=2, default=DEFAULTS["lamb_betas"], metavar=("B1", "B2"),
                        help="LAMB moment decays (default 0.9 0.999)")
-    group.add_argument("--lamb-eps", type=float, default=DEFAULTS["lamb_eps"], help="LAMB ε (default 1e-6)")
+    group.add_argument("--lamb-eps", type=within("float", "(0, inf)"),
+                       default=DEFAULTS["lamb_eps"], help="LAMB ε (default 1e-6)")
 
 
 def add_kfac_arguments(group: argparse._ArgumentGroup) -> None:
@@ -37,12 +42,13 @@ def add_kfac_arguments(group: argparse._ArgumentGroup) -> None:
     from labkit.optim import kfac_options
 
     kfac_options.add_arguments(group)
-    group.add_argument("--kfac-grad-worker-fraction", type=float, default=None, metavar="F",
+    group.add_argument("--kfac-grad-worker-fraction", type=within("float", "(0, 1]"), default=None, metavar="F",
                        help="KAISA: fraction of ranks holding each layer's decomposition, 1/W (least memory) .. 1 "
                             "(least traffic); f·W must divide W; replaces --kfac-broadcast (default: not used)")
     group.add_argument("--kfac-base", default=DEFAULTS["kfac_base"], choices=BASES,
                        help="the optimizer K-FAC's preconditioned gradients feed (default sgd)")
-    group.add_argument("--lars-trust-coefficient", type=float, default=DEFAULTS["lars_trust_coefficient"],
+    group.add_argument("--lars-trust-coefficient", type=within("float", "(0, inf)"),
+                       default=DEFAULTS["lars_trust_coefficient"],
                        metavar="ETA", help="with --kfac-base lars: LARS trust coefficient η (default 0.001)")
     add_lamb_arguments(group)
     _add_trust_all(group)

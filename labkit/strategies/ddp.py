@@ -46,9 +46,9 @@ FLAGS = [
                  "round-robin"],
      "help": "ddp: DistributedDataParallel; native: dist.all_reduce by hand; an algorithm name: labkit's own "
              "all-reduce schedule"},
-    {"flag": "--bucket-mb", "type": "float", "default": 25.0,
+    {"flag": "--bucket-mb", "type": "float", "range": "(0, 1e6]", "default": 25.0,
      "help": "gradient bucket size in MB (DDP's bucket_cap_mb, and the hand-made buckets)"},
-    {"flag": "--global-batch-size", "type": "int", "default": None,
+    {"flag": "--global-batch-size", "type": "int", "range": "[1, inf)", "default": None,
      "help": "samples per step over all ranks; sets --batch-size to this / world size (None: use --batch-size)"},
     {"flag": "--kill-rank-at", "default": None, "metavar": "RANK:STEP",
      "help": "fault-tolerance demo: rank RANK SIGKILLs itself before step STEP (counted from 0 over the whole "

@@ -49,10 +49,11 @@ BALANCE_METHODS = ("time", "memory")
 
 #: ``labkit train --strategy gpipe`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
-    {"flag": "--num-microbatches", "type": "int", "default": 4, "metavar": "M", "help": "micro-batches per mini-batch"},
-    {"flag": "--partitions", "type": "int", "default": None, "metavar": "P",
+    {"flag": "--num-microbatches", "type": "int", "range": "[1, inf)", "default": 4, "metavar": "M",
+     "help": "micro-batches per mini-batch"},
+    {"flag": "--partitions", "type": "int", "range": "[1, inf)", "default": None, "metavar": "P",
      "help": "partitions (None: every GPU, or 2 on CPU; or as many as --balance gives)"},
-    {"flag": "--balance", "type": "int", "nargs": "+", "default": None, "metavar": "N",
+    {"flag": "--balance", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "N",
      "help": "layers per partition, e.g. --balance 10 12 (None: measured, see --balance-by)"},
     {"flag": "--balance-by", "choices": ["time", "memory"], "default": "time",
      "help": "measure the split on the first batch by time or memory"},

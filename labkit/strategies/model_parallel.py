@@ -280,12 +280,13 @@ def project_on_separate_devices(intervals: Sequence[BusyInterval]) -> list[BusyI
 
 #: ``labkit train --strategy model-parallel`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
-    {"flag": "--mp-devices", "type": "int", "default": 2, "help": "devices (stages) to split the model over"},
-    {"flag": "--mp-split-points", "type": "int", "nargs": "+", "default": None, "metavar": "LAYER",
+    {"flag": "--mp-devices", "type": "int", "range": "[1, inf)", "default": 2,
+     "help": "devices (stages) to split the model over"},
+    {"flag": "--mp-split-points", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "LAYER",
      "help": "cut before these layer indices (overrides --mp-balance-by)"},
     {"flag": "--mp-balance-by", "default": "params", "choices": ["params", "time"],
      "help": "balance stages by parameter count or by measured time"},
-    {"flag": "--mp-split-size", "type": "int", "default": None, "metavar": "N",
+    {"flag": "--mp-split-size", "type": "int", "range": "[1, inf)", "default": None, "metavar": "N",
      "help": "pipelined inputs: micro-batches of N samples (None: the whole batch)"},
 ]
 

@@ -49,13 +49,14 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 #: ``labkit train --strategy pipeline`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
-    {"flag": "--num-microbatches", "type": "int", "default": 4, "metavar": "M", "help": "micro-batches per mini-batch"},
-    {"flag": "--balance", "type": "int", "nargs": "+", "default": None, "metavar": "N",
+    {"flag": "--num-microbatches", "type": "int", "range": "[1, inf)", "default": 4, "metavar": "M",
+     "help": "micro-batches per mini-batch"},
+    {"flag": "--balance", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "N",
      "help": "layers per stage (one per rank), e.g. --balance 10 12 (None: even split by layer count)"},
     {"flag": "--schedule", "choices": ["gpipe", "1f1b"], "default": "gpipe", "help": "micro-batch schedule"},
     {"flag": "--pipeline-trace", "default": None, "metavar": "FILE",
      "help": "write the measured per-rank timeline (JSON) here (None: no trace)"},
-    {"flag": "--trace-steps", "type": "int", "default": None, "metavar": "N",
+    {"flag": "--trace-steps", "type": "int", "range": "[0, inf)", "default": None, "metavar": "N",
      "help": "steps to record after the first (None: 3 with --pipeline-trace, else 0)"},
 ]
 

@@ -65,16 +65,17 @@ FLAGS = [
     {"flag": "--ps-mode", "default": "sync", "choices": ["sync", "async", "ssp"],
      "help": "sync: a round of every worker per update; async: each push applied as it arrives; ssp: async, but "
              "no worker more than --max-staleness clocks ahead of the slowest"},
-    {"flag": "--ps-servers", "type": "int", "default": 1, "metavar": "S", "help": "server ranks 0..S-1"},
-    {"flag": "--max-staleness", "type": "int", "default": None, "metavar": "K",
+    {"flag": "--ps-servers", "type": "int", "range": "[1, inf)", "default": 1, "metavar": "S",
+     "help": "server ranks 0..S-1"},
+    {"flag": "--max-staleness", "type": "int", "range": "[0, inf)", "default": None, "metavar": "K",
      "help": "ssp only: how many clocks a worker may run ahead of the slowest (None: 2)"},
-    {"flag": "--ps-momentum", "type": "float", "default": None, "metavar": "MU",
+    {"flag": "--ps-momentum", "type": "float", "range": "[0, 1)", "default": None, "metavar": "MU",
      "help": "async/ssp: the servers' momentum (None: --momentum minus the 1 - 1/W that W asynchronous workers "
              "add implicitly, at least 0)"},
     {"flag": "--ps-slow-worker", "default": None, "metavar": "RANK:FACTOR",
      "help": "straggler demo: worker RANK sleeps FACTOR-1 times its last step (compute, push, pull) before each "
              "step (None: no straggler)"},
-    {"flag": "--ps-timeout-s", "type": "float", "default": 300.0,
+    {"flag": "--ps-timeout-s", "type": "float", "range": "(0, 1e7]", "default": 300.0,
      "help": "a server or worker that hears nothing for this long stops with an error"},
     {"flag": "--ps-record", "default": None, "metavar": "FILE",
      "help": "write every update's staleness, clock and time as JSON (None: not written)"},

@@ -112,11 +112,14 @@ def check(path: str | Path, world_sizes: tuple[int, ...] = (2, 3), name: str = "
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="labkit check column-parallel", description=__doc__,
+    from labkit.cli import Parser
+    from labkit.ranges import within
+
+    parser = Parser(prog="labkit check column-parallel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", nargs="?", help="Python file defining column_parallel_forward(x, weight, bias)")
     parser.add_argument("--template", action="store_true", help="print a starting file and exit")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3], metavar="P")
+    parser.add_argument("--world-sizes", type=within("int", "[1, 64]"), nargs="+", default=[2, 3], metavar="P")
     parser.add_argument("--function", default="column_parallel_forward")
     args = parser.parse_args(argv)
     if args.template:

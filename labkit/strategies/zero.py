@@ -44,7 +44,7 @@ from labkit.strategies.data_parallel import DataParallelStrategy, broadcast_from
 
 #: ``labkit train --strategy zero`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
-    {"flag": "--zero-stage", "type": "int", "default": 1, "metavar": "1|2|3",
+    {"flag": "--zero-stage", "type": "int", "range": "[1, 3]", "default": 1, "metavar": "1|2|3",
      "help": "what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters"},
     {"flag": "--zero-prefetch", "action": "store_true",
      "help": "stage 3: all-gather the next layer's parameters while this layer computes"},

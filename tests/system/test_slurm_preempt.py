@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit.train import load_checkpoint
+from labkit.checkpoint import load_checkpoint
 
 from .jobs import JOBS, job_env
 from .provision import REPO
