@@ -175,7 +175,7 @@ def add_parser(sub) -> None:
     g.add_argument("--backend", default=None, help="nccl or gloo (None: nccl on GPUs, gloo on CPU)")
     g.add_argument("--timeout-s", type=_number("timeout_s"), default=1800.0,
                    help="collective timeout: a dead rank fails the job")
-    g.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
+    g.add_argument("--watchdog", type=within("float", "[0, 1e7]"), default=None, metavar="SECONDS",
                    help="a rank waiting this long in one collective ends the job with a table of where every rank "
                         "is (labkit faults); 0: off (default: $LABKIT_WATCHDOG, else 0)")
     g.add_argument("--out", default=None, help="results folder (None: runs/<model>-<dataset>-<strategy>-<optim>)")

@@ -19,13 +19,16 @@ LABKIT = Path(kdist.__file__).resolve().parent
 COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor", "gather",
                "scatter", "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all",
                "all_to_all_single", "send", "recv", "isend", "irecv", "batch_isend_irecv"}
-#: where a bare collective is the point: the helpers themselves, the all-reduce algorithms and the exercises that
-#: teach torch.distributed, and the strategies' own protocols whose buffers the backend/device table keeps right
-ALLOWED_FILES = {"dist.py", "collectives", "exercises"}
+#: where a bare collective is the point: the helpers themselves, the all-reduce algorithms, the exercises and the
+#: broken programs of the faults lab that teach torch.distributed, the strategies' own protocols whose buffers the
+#: backend/device table keeps right, and the stop check, which launches its all-reduce without waiting
+#: (``async_op``) on a tensor it keeps on the rank's device itself
+ALLOWED_FILES = {"dist.py", "collectives", "exercises", "faults"}
 ALLOWED_FUNCTIONS = {("strategies/zero.py", "Comm.all_gather"), ("strategies/zero.py", "Comm.reduce_scatter"),
                      ("strategies/ps.py", "ParameterServerStrategy._push_pull"),
                      ("strategies/ps_server.py", "ServerState.receive"),
-                     ("strategies/ps_server.py", "ServerState.reply")}
+                     ("strategies/ps_server.py", "ServerState.reply"),
+                     ("preempt.py", "StopCheck._launch")}
 
 
 class _Calls(ast.NodeVisitor):

@@ -24,8 +24,9 @@ BAD = {
               "--batch-size": ["0"], "--test-batch-size": ["0"], "--base-lr": ["0", "-0.1"], "--momentum": ["1", "-1"],
               "--weight-decay": ["-1"], "--lr-decay": ["0", "-3"], "--lr-decay-factor": ["0", "1.5"],
               "--warmup-epochs": ["-1"], "--max-steps": ["0"], "--seed": ["-1", "4294967296"], "--timeout-s": ["0"],
-              "--log-every": ["0"], "--step-delay-s": ["-1"]},
+              "--log-every": ["0"], "--step-delay-s": ["-1"], "--watchdog": ["-1"]},
     "allreduce verify": {"--timeout": ["0", "-5"]},
+    "faults run": {"--ranks": ["0", "9"], "--watchdog": ["0", "-1"]},
     "allreduce animate": {"--ranks": ["1"], "--interval": ["0"]},
     "allreduce bench": {"--timeout": ["0"], "--repeats": ["0"]},
     "advise": {"--ranks": ["0"], "--batch-size": ["0"], "--memory-limit": ["0"], "--base-lr": ["0"], "--top": ["0"],
@@ -45,7 +46,7 @@ BAD = {
                                "--lamb-betas": ["-1"], "--lamb-eps": ["0"]},
     "bench single": {"--batch-size": ["0"], "--steps": ["0"], "--rounds": ["0"], "--threads": ["0"]},
     "bench ddp": {"--compare-ranks": ["-1"], "--batch-size": ["0"], "--steps": ["0"], "--rounds": ["0"],
-                  "--repeat": ["0"], "--threads": ["0"]},
+                  "--repeat": ["0"], "--threads": ["0"], "--compare-epochs": ["0"]},
     "bench model-parallel": {"--batch-size": ["0"], "--split-sizes": ["0"], "--mp-devices": ["0"], "--steps": ["0"],
                              "--rounds": ["0"], "--ranks": ["0"], "--rank-batch-size": ["0"]},
     "bench gpipe": {"--batch-size": ["0"], "--chunks": ["0"], "--partitions": ["0"], "--balance": ["0"],
@@ -115,7 +116,7 @@ def _cases(table=BAD):
 def test_the_table_names_every_numeric_flag():
     flags = _all_numeric_flags()
     assert set(flags) == {f"{command} {flag}" for command, flag, _ in _cases()}
-    assert len(flags) == 109  # train 17, its strategies and optimizers 28, benchmarks 52, the others 12
+    assert len(flags) == 113  # train 18, its strategies and optimizers 28, benchmarks 53, the others 14
     for key, action in flags.items():  # each is checked as it is read, and its default is allowed
         assert hasattr(action.type, "range"), f"{key}: type=within(kind, interval) or a FLAGS 'range'"
         defaults = action.default if isinstance(action.default, (list, tuple)) else [action.default]

@@ -98,16 +98,17 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", LABKIT_PLAIN="1", PYTHONUNBUFFERED="
            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # a fresh rendezvous store for a restarted group
 
 
-def _signal_when(cmd, line_start, sig, only_rank=None):
-    """Run ``cmd``; at the first line starting with ``line_start`` send ``sig`` to torchrun (which passes it on
-    to its ranks) or, with ``only_rank``, to that rank alone. Returns (exit code, the whole output, the ranks'
-    process ids at the signal)."""
+def _signal_when(cmd, line_start, sig, only_rank=None, lines=1):
+    """Run ``cmd``; at the ``lines``-th line starting with ``line_start`` send ``sig`` to torchrun (which passes
+    it on to its ranks) or, with ``only_rank``, to that rank alone. Returns (exit code, the whole output, the
+    ranks' process ids at the signal)."""
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        log, ranks = [], []
+        log, ranks, seen = [], [], 0
         for line in proc.stdout:
             log.append(line)
-            if line.startswith(line_start):
+            seen += line.startswith(line_start)
+            if seen == lines:
                 ranks = psutil.Process(proc.pid).children()
                 target = proc.pid if only_rank is None else next(
                     p.pid for p in ranks if p.environ().get("RANK") == str(only_rank))
@@ -194,7 +195,8 @@ def test_sigterm_to_torchrun_reaches_the_ranks_and_their_75_is_torchruns(tmp_pat
     """torchrun's own SIGTERM handling (stop the ranks under a deadline, exit 143) gives way to labkit's: the
     signal is passed on, torchrun waits for its ranks (which stand for labkit's: they exit 75) and exits 75."""
     (tmp_path / "rank.py").write_text(RANK)
+    # signalled once both ranks hold their handler (a rank still starting would die of it: 143)
     code, log, ranks = _signal_when([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2",
-                                     str(tmp_path / "rank.py")], "ready", signal.SIGTERM)
+                                     str(tmp_path / "rank.py")], "ready", signal.SIGTERM, lines=2)
     assert code == EXIT_PREEMPTED and len(ranks) == 2 and _none_alive(ranks), log
     assert "Traceback" not in log and "torchrun stopped" not in log and "death signal" not in log, log

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 
-from labkit.errors import ConfigError, DeviceError
+from labkit.errors import ConfigError, DeviceError, flag_error
 from labkit.faults import FAULTS, get
+from labkit.ranges import within
 
 MAX_RANKS = 8
 
@@ -24,17 +25,7 @@ class _Parser(argparse.ArgumentParser):
     """A bad flag is one ``labkit: error: ...`` line and exit code 2, like labkit's other errors."""
 
     def error(self, message: str):
-        self.exit(2, f"labkit: error: {message} (see {self.prog} --help)\n")
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value
+        flag_error(message, f" (see {self.prog} --help)")
 
 
 def validate(name: str, ranks: int, device: str) -> None:
@@ -97,8 +88,8 @@ def add_parser(sub) -> None:
     inner.add_parser("list", help="the broken programs").set_defaults(func=list_faults)
     r = inner.add_parser("run", help="run one under the watchdog and diagnose it")
     r.add_argument("name", choices=list(FAULTS), metavar="NAME", help="one of: " + ", ".join(FAULTS))
-    r.add_argument("--ranks", type=int, default=2, help="local gloo ranks (default 2)")
-    r.add_argument("--watchdog", type=_positive, default=10.0, metavar="SECONDS",
+    r.add_argument("--ranks", type=within("int", f"[1, {MAX_RANKS}]"), default=2, help="local gloo ranks (default 2)")
+    r.add_argument("--watchdog", type=within("float", "(0, 1e7]"), default=10.0, metavar="SECONDS",
                    help="a rank waiting this long in one collective ends the run with the table (default 10)")
     r.add_argument("--device", default="cpu", help="cpu, or cuda for unsynced-timing on a GPU (default cpu)")
     r.add_argument("--fixed", action="store_true", help="run the fixed version instead")
