@@ -171,3 +171,21 @@ def test_split_size_sweep_writes_the_results_schema(tmp_path):
     traces = run.records_of("trace")
     assert {t["contender"] for t in traces} >= {"naive"} and all(t["end"] >= t["start"] for t in traces)
     assert len(plot_sweep(result).lines) == 3
+
+
+def test_layer_times_are_measured_after_an_uncounted_warm_up(monkeypatch):
+    """Cold passes put 60-90 % of alexnet_small's step on its first layer and the cut after it ([1, 18]):
+    balance_by_time profiles only after a warm-up as long as the measurement, which is not counted."""
+    from labkit.strategies import model_parallel
+
+    calls = []
+
+    def fake_profile(model, sample, timeout, device):
+        calls.append(timeout)
+        return [len(calls)] * len(model)
+
+    monkeypatch.setattr(model_parallel, "profile_times", fake_profile)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert model_parallel.layer_times(net, torch.zeros(2, 4), timeout_s=0.5) == [2, 2, 2]
+    assert calls == [0.5, 0.5]
+    assert model_parallel.balance_by_time(net, torch.zeros(2, 4), 2) in ([1, 2], [2, 1])

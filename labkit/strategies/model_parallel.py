@@ -91,14 +91,22 @@ def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
     return partition([sum(p.numel() for p in layer.parameters()) for layer in model], stages)
 
 
-def balance_by_time(model: nn.Sequential, sample: torch.Tensor, stages: int, timeout_s: float = 1.0) -> list[int]:
-    """Layers per stage balancing each layer's forward + backward time, measured (torchgpipe's profiler, on
-    copies of the layers) on ``sample``'s device for about ``timeout_s`` seconds."""
-    _check_stages(len(model), stages)
+def layer_times(model: nn.Sequential, sample: torch.Tensor, timeout_s: float = 1.0) -> list[int]:
+    """Each layer's forward + backward time (microseconds, summed over the passes), measured by torchgpipe's
+    profiler on copies of the layers on ``sample``'s device for about ``timeout_s`` seconds, after as long again
+    uncounted: the first passes pay set-up (kernel selection, workspaces, fresh memory) that would otherwise
+    land on the first layer (on a CPU, cold, the first convolution of alexnet_small measured 60-90 % of the step
+    instead of ~5 %, and one warm-up pass was not enough)."""
     if any(p.grad is not None for p in model.parameters()):
-        raise ConfigError("balance_by_time profiles the layers from scratch: call model.zero_grad(set_to_none=True) "
-                          "first")
-    return partition(profile_times(model, sample, timeout_s, sample.device), stages)
+        raise ConfigError("the layers are profiled from scratch: call model.zero_grad(set_to_none=True) first")
+    profile_times(model, sample, timeout_s, sample.device)  # warm-up, not counted
+    return profile_times(model, sample, timeout_s, sample.device)
+
+
+def balance_by_time(model: nn.Sequential, sample: torch.Tensor, stages: int, timeout_s: float = 1.0) -> list[int]:
+    """Layers per stage balancing each layer's forward + backward time (:func:`layer_times`)."""
+    _check_stages(len(model), stages)
+    return partition(layer_times(model, sample, timeout_s), stages)
 
 
 class _Clock:
