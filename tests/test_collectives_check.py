@@ -26,7 +26,8 @@ def test_idle_rank_and_step_count_are_named():
     steps = reference_ring(4)[:-1]
     steps[0] = steps[0][1:]                    # rank 0 sends nothing in step 1
     problems = check_schedule(steps, 4)
-    assert "expected 2(p-1) = 6 steps (3 share-reduce + 3 share-only), got 5 (3 share-reduce + 2 share-only)" in problems
+    assert ("expected 2(p-1) = 6 steps (3 share-reduce + 3 share-only), got 5 (3 share-reduce + 2 share-only)"
+            in problems)
     assert ("the share-only phase has 2 step(s), one too few: it takes p-1 = 3 steps, so that each of the p chunks "
             "travels past the other p-1 ranks (`for s in range(p - 1)`)") in problems
     assert "step 1: rank(s) 0 send nothing; in the ring every rank sends one chunk per step" in problems

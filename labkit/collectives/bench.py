@@ -106,7 +106,8 @@ def bench_rank(env, algorithms: list[str], sizes: list[int], repeats: int = 5, d
             reference = "ring" if name == "native" else name  # the model of what native does for large n
             predicted = model.predict(get_schedule(reference, p), n, itemsize)
             records.append({"kind": "bench", "algorithm": name, "world_size": p, "bytes": n * itemsize, "n": n,
-                            "dtype": dtype, "time_s": t, "times_s": times[name], "q1_s": q1, "q3_s": q3, "predicted_s": predicted,
+                            "dtype": dtype, "time_s": t, "times_s": times[name], "q1_s": q1, "q3_s": q3,
+                            "predicted_s": predicted,
                             "seed_formula_s": ring_formula(p, model.transfer_time(n * itemsize / p)),
                             "algbw_GBps": n * itemsize / t / 1e9, "busbw_GBps": busbw(n * itemsize, t, p) / 1e9,
                             "vs_native": statistics.median(a / b for a, b in zip(times[name], times["native"])),
