@@ -57,6 +57,11 @@ def next_steps(cwd: Path | None = None) -> list[tuple[str, str]]:
     return steps
 
 
+def format_next_steps(steps: list[tuple[str, str]]) -> str:
+    """Each command on a line of its own (copy it whole), what it does indented on the next."""
+    return "\n".join(f"  {command}\n      {what}" for command, what in steps)
+
+
 def _relative(path: Path, cwd: Path) -> str:
     try:
         return os.path.relpath(path, cwd)
@@ -106,8 +111,7 @@ def main(args: argparse.Namespace) -> int:
 
     _section("5. next")
     print("Where to go next")
-    for command, what in next_steps():
-        print(f"  {command:<48} {what}")
+    print(format_next_steps(next_steps()))
     print(NOTEBOOKS)
     return 0
 

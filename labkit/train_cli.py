@@ -36,11 +36,13 @@ def _number(dest: str):
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
-    """Every flag's help ends with its default, unless the help text already states it."""
+    """Every flag's help ends with its default, unless the help text already states it or the flag is a switch
+    (``store_true``/``store_false``: the help says what giving it does, "(default: True)" would only confuse)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+        if ("default" in text or action.default is argparse.SUPPRESS or not action.option_strings
+                or action.nargs == 0):
             return text
         return f"{text} (default: %(default)s)"
 

@@ -119,13 +119,25 @@ def test_tour_next_steps_run_as_printed(tmp_path):
     import shlex
     import shutil
 
-    from labkit.tour import next_steps
+    from labkit.tour import format_next_steps, next_steps
 
     commands = [command for command, _ in next_steps(tmp_path)]
     for command in commands:
         exe, *args = shlex.split(command)
         assert (tmp_path / exe).is_file() or shutil.which(exe), command
         assert all((tmp_path / a).exists() for a in args if "/" in a), command
+    printed = format_next_steps(next_steps(tmp_path)).splitlines()
+    assert [line.strip() for line in printed[::2]] == commands  # a command alone on its line, nothing after it
     init = next(c for c in commands if "--init" in c)
     subprocess.run(init, shell=True, cwd=tmp_path, check=True, timeout=120, capture_output=True)
     assert "def ring_schedule(p):" in (tmp_path / "my_ring.py").read_text()
+
+
+def test_switch_help_states_no_misleading_default(capsys):
+    """A switch's help says what giving it does; "--no-checkpoint ... (default: True)" read as the opposite."""
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-checkpoint do not write checkpoints --profile" in text
+    assert "(default: True)" not in text and "(default: False)" not in text
+    assert "--epochs EPOCHS" in text and "(default: " in text  # valued flags keep their default

@@ -56,9 +56,35 @@ def test_kfac_factors_checker_against_the_literal_fisher():
 
     assert kfac_factors.check(kfac_factors.reference) == []
     problems = kfac_factors.check(_from_source(kfac_factors.STARTER, "kfac_factors"))
-    assert "append a column of ones" in problems[0] and "N times too small" in problems[1]
-    mean_g = lambda a, g: (kfac_factors.reference(a, g)[0], g.T @ g / len(g))  # noqa: E731
-    assert "N² times too small" in kfac_factors.check(mean_g)[0]
+    assert "append a column of ones" in problems[0] and problems[1].startswith("G is N = 7 times too small")
+
+
+def _kfac_slip(ones_first=False, a_scale=1.0, g_scale=1.0):
+    def kfac_factors_with_a_slip(a, g):
+        n = len(a)
+        ones = torch.ones(n, 1, dtype=a.dtype)
+        a_bar = torch.cat([ones, a] if ones_first else [a, ones], 1)
+        return a_bar.T @ a_bar / n * a_scale, (n * g).T @ (n * g) / n * g_scale
+    return kfac_factors_with_a_slip
+
+
+@pytest.mark.parametrize("slip, expected", [
+    (dict(ones_first=True), ["the column of ones is the FIRST column of ā: the bias is the LAST column of W = [W b], "
+                             "so append the ones after a (torch.cat([a, ones], 1))"]),
+    (dict(ones_first=True, a_scale=7), ["the column of ones is the FIRST column of ā: the bias is the LAST column "
+                                        "of W = [W b], so append the ones after a (torch.cat([a, ones], 1)); and A "
+                                        "is N = 7 times too large: A is the MEAN over the batch: divide ā.T @ ā by "
+                                        "N, once"]),
+    (dict(a_scale=1 / 7), ["A is N = 7 times too small: A is the MEAN over the batch: divide ā.T @ ā by N, once"]),
+    (dict(g_scale=7), ["G is N = 7 times too large: g is the gradient of the batch MEAN, so per-sample gradients "
+                       "are N g; average (N g)(N g)ᵀ over the batch"]),
+    (dict(g_scale=1 / 49), ["G is N² = 49 times too small: g is the gradient of the batch MEAN, so per-sample "
+                            "gradients are N g; average (N g)(N g)ᵀ over the batch"]),
+    (dict(g_scale=2), ["G differs from K-FAC's by up to"]),
+], ids=["ones-first", "ones-first-and-sum", "A-mean-twice", "G-sum", "G-without-N", "G-other"])
+def test_kfac_factors_checker_names_the_slip(slip, expected):
+    problems = kfac_factors.check(_kfac_slip(**slip))
+    assert len(problems) == len(expected) and problems[0].startswith(expected[0])
 
 
 def test_lr_schedule_checker():
@@ -72,9 +98,62 @@ def test_lr_schedule_checker():
     assert lr_schedule.expected(25, 0.1, 8, 10, 2) == pytest.approx(0.8)
 
 
-def test_average_gradients_checker_passes_the_solution():
-    # the reference, on 2 ranks against DDP; a wrong answer (the notebook's untouched stub) fails below
-    assert average_gradients.check_file(None) == []
+AVERAGE_SLIPS = """
+import torch.distributed as dist
+
+
+def right(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def summed(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def divided_twice(model):
+    for p in model.parameters():
+        p.grad /= dist.get_world_size()
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def untouched(model):
+    pass
+
+
+def divided_only(model):
+    for p in model.parameters():
+        p.grad /= dist.get_world_size()
+
+
+def first_only(model):
+    p = next(model.parameters())
+    dist.all_reduce(p.grad)
+    p.grad /= dist.get_world_size()
+"""
+
+
+def test_average_gradients_checker_names_each_slip(tmp_path):
+    """One start of 2 ranks judges the right answer and five slips against DDP, each named for what it is."""
+    path = tmp_path / "slips.py"
+    path.write_text(AVERAGE_SLIPS)
+    names = ["right", "summed", "divided_twice", "untouched", "divided_only", "first_only"]
+    got = average_gradients.check_functions(path, names, world_size=2)
+    assert got == {
+        "right": [],
+        "summed": ["p.grad holds the SUM over the ranks, 2× DDP's: divide by the world size after the all_reduce "
+                   "(p.grad /= world_size)"],
+        "divided_twice": ["p.grad is 2× too small: it was divided by the world size twice (dist.all_reduce sums; "
+                          "divide once, after it)"],
+        "untouched": ["p.grad is still this rank's own gradient: call dist.all_reduce(p.grad) on every parameter"],
+        "divided_only": ["p.grad is this rank's own gradient divided by the world size: the dist.all_reduce(p.grad) "
+                         "that sums over the ranks is missing"],
+        "first_only": [got["first_only"][0]]}
+    assert got["first_only"][0].startswith("parameter(s) 1, 2, 3 of model.parameters() (counted from 0) differ "
+                                           "from DDP's by up to ")
 
 
 def test_init_writes_every_starter_and_refuses_to_overwrite(tmp_path, capsys):
@@ -137,4 +216,4 @@ def test_untouched_exercise_cell_fails_its_checker(tmp_path, capsys, notebook, c
     out = capsys.readouterr().out
     assert "not yet" in out or "WRONG" in out or "missing" in out.lower(), out
     if check == "average-gradients":
-        assert "the gradients differ from DDP's" in out
+        assert "p.grad is still this rank's own gradient: call dist.all_reduce(p.grad)" in out

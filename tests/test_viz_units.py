@@ -17,3 +17,18 @@ def test_byte_ticks_are_written_in_units():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1 KiB", "4 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB"]
     assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "2"] and ax.get_xlabel() == "vector size"
     plt.close(fig)
+
+
+def test_byte_ticks_never_overlap_on_a_narrow_panel():
+    """Notebook 01's three panels side by side, 4 B to 4 MiB: no tick label runs into the next ("256 B1 KiB")."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax in axes:
+        ax.loglog([4, 4 << 20], [1, 2])
+        size_axis(ax, "x", "message")
+    fig.tight_layout()
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in axes[0].get_xticklabels() if t.get_text()]
+    assert len(boxes) >= 3
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [t.get_text() for t in axes[0].get_xticklabels()]
+    plt.close(fig)

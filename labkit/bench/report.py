@@ -211,8 +211,8 @@ def reference_suites(root: str | Path | None = None) -> list[dict]:
 
 def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", ax=None, references=None):
     """Bars: the learner's ``run`` (a folder, :class:`labkit.results.Run` or summary dict) next to the reference
-    machines' value of ``metric`` for ``strategy``. Each bar names its model: the references train LeNet on
-    mnist-sample with batch 64 per rank, so only a run of that setup compares like with like."""
+    machines' value of ``metric`` for ``strategy`` - only references of the same model and dataset (like with
+    like). Where none exists, the chart says so and names what the references did train."""
     import matplotlib.pyplot as plt
 
     from labkit.results import Run, load_run
@@ -220,17 +220,25 @@ def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", a
     summary = run.summary if isinstance(run, Run) else run if isinstance(run, dict) else load_run(run).summary
     references = reference_suites() if references is None else references
     config = summary.get("config", {})
-    labels = [f"your run ({config.get('model') or summary.get('name', '?')})"]
-    values = [summary["metrics"][metric]]
+    model, dataset = config.get("model") or summary.get("name", "?"), config.get("dataset")
+    labels, values, others = [f"your run ({model})"], [summary["metrics"][metric]], set()
     for suite in references:
         ref = _ok(suite["strategies"]).get(strategy, {})
-        if ref.get(metric) is not None:
-            labels.append(f"{_label(suite)} ({ref.get('model', 'lenet')}, {ref['ranks']} rank(s))")
+        if ref.get(metric) is None:
+            continue
+        ref_model = ref.get("model", "lenet")
+        if ref_model == model and (dataset is None or ref.get("dataset", dataset) == dataset):
+            labels.append(f"{_label(suite)} ({ref_model}, {ref['ranks']} rank(s))")
             values.append(ref[metric])
+        else:
+            others.add(f"{ref_model} on {ref.get('dataset', '?')}")
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 2.8))
     ax.barh(labels, values, color=["tab:orange"] + ["tab:blue"] * (len(values) - 1))
     ax.set_xlabel(metric.replace("_per_sec", "/s").replace("_", " "))
     ax.set_title(f"{strategy}: your run beside the reference machines", fontsize=10)
+    if len(values) == 1:
+        ax.set_title(f"{strategy}: no reference run of {model}{f' on {dataset}' if dataset else ''} yet"
+                     + (f"\n(the references train {', '.join(sorted(others))})" if others else ""), fontsize=9)
     ax.grid(alpha=0.3, axis="x")
     return ax

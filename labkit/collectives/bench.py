@@ -6,6 +6,12 @@
 The contenders alternate inside each repeat (forward, then backward order) so machine noise hits all of
 them alike; the reported time is the median over repeats of the slowest rank, and ``vs_native`` the median
 over repeats of (this contender's time / native's time in the same repeat).
+
+The cost model is fitted to point-to-point times taken the same way as the all-reduce times it is compared
+with: after a barrier, ``inner`` back-to-back operations timed on the slowest rank, the same number of
+repeats, the same quantile. (Timing one call straight after a barrier would add, at small sizes, the wait
+for every peer process to be scheduled again; the fit's points do not pay it, so the two would not compare.)
+Each record also keeps the lower and upper quartile over the repeats (``q1_s``, ``q3_s``): the spread to draw.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import re
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -56,7 +63,8 @@ def _timed(fn, device: torch.device) -> float:
 
 
 def bench_rank(env, algorithms: list[str], sizes: list[int], repeats: int = 5, dtype: str = "float32",
-               trace_algorithm: str | None = "ring", verify: bool = False) -> dict:
+               trace_algorithm: str | None = "ring", verify: bool = False, inner: int = 3,
+               quantile: float = 0.5) -> dict:
     """Measure on every rank; returns (on every rank) the fitted model, its points, the records and a trace.
 
     Args:
@@ -68,11 +76,14 @@ def bench_rank(env, algorithms: list[str], sizes: list[int], repeats: int = 5, d
         trace_algorithm: also record a step trace of this algorithm at the largest size (None: skip).
         verify: first compare every algorithm with ``dist.all_reduce`` (rows under ``"verify"``), in the
             same processes, which saves starting the ranks twice.
+        inner: back-to-back operations per timed sample (its time is their mean), for the fit's messages and
+            the all-reduces alike.
+        quantile: which quantile over the repeats is reported (0.5: the median), for both alike.
     """
     p, device = env.world_size, env.device
     checked = verify_rank(env, list(algorithms)) if verify else None
     itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    model, points = fit_cost_model(device=device)
+    model, points = fit_cost_model(repeats=repeats, device=device, quantile=quantile, inner=inner)
     contenders = list(dict.fromkeys(list(algorithms) + ["native"]))
     records = []
     progress = tqdm(total=len(sizes) * len(contenders) * repeats, desc=f"all-reduce bench p={p}",
@@ -87,14 +98,16 @@ def bench_rank(env, algorithms: list[str], sizes: list[int], repeats: int = 5, d
         for rep in range(repeats):
             for name in (contenders if rep % 2 == 0 else contenders[::-1]):
                 buf.copy_(source)
-                times[name].append(_timed(lambda: all_reduce(buf, name), device))
+                times[name].append(_timed(lambda: [all_reduce(buf, name) for _ in range(inner)], device) / inner)
                 progress.update()
         for name in contenders:
-            t = statistics.median(times[name])
+            t = float(np.quantile(times[name], quantile))
+            q1, q3 = (float(q) for q in np.quantile(times[name], [0.25, 0.75]))
             reference = "ring" if name == "native" else name  # the model of what native does for large n
             predicted = model.predict(get_schedule(reference, p), n, itemsize)
             records.append({"kind": "bench", "algorithm": name, "world_size": p, "bytes": n * itemsize, "n": n,
-                            "dtype": dtype, "time_s": t, "times_s": times[name], "predicted_s": predicted,
+                            "dtype": dtype, "time_s": t, "times_s": times[name], "q1_s": q1, "q3_s": q3,
+                            "predicted_s": predicted,
                             "seed_formula_s": ring_formula(p, model.transfer_time(n * itemsize / p)),
                             "algbw_GBps": n * itemsize / t / 1e9, "busbw_GBps": busbw(n * itemsize, t, p) / 1e9,
                             "vs_native": statistics.median(a / b for a, b in zip(times[name], times["native"])),

@@ -3,8 +3,9 @@
 The learner writes ``ring_schedule(p)`` returning a list of steps; each step is a list of
 ``(src, dst, chunk, op)`` tuples with ``op`` ``"reduce"`` (the receiver adds) or ``"copy"`` (it stores).
 The checker replays it for several world sizes and says precisely what is wrong: a broken ring rule
-(sending to a non-neighbour, a rank idle in a step, the wrong number of steps), data added twice, or a
-rank that ends without the full sum.
+(sending to a non-neighbour, a rank idle in a step, the wrong number of steps in a phase), the first step in
+which a rank sends another chunk than the one it received in the step before (the off-by-one chunk index of
+share-reduce or share-only), data added twice, or a rank that ends without the full sum.
 
     labkit check allreduce my_ring.py                 # file defining ring_schedule(p)
     labkit check allreduce my_ring.py:my_function
@@ -62,11 +63,60 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def _ring_rules(schedule: Schedule) -> list[str]:
-    p, problems = schedule.world_size, []
+def _phase(step) -> str:
+    ops = {t.op.value for t in step.transfers}
+    return "share-reduce" if ops == {"reduce"} else "share-only" if ops == {"copy"} else "mixed"
+
+
+def _step_count(schedule: Schedule) -> list[str]:
+    """The wrong number of steps, said per phase: which phase has too many or too few."""
+    p, phases = schedule.world_size, [_phase(step) for step in schedule.steps]
+    reduce, copy = phases.count("share-reduce"), phases.count("share-only")
+    problems = []
     if schedule.num_steps != 2 * (p - 1):
-        problems.append(f"expected 2(p-1) = {2 * (p - 1)} steps ({p - 1} share-reduce + {p - 1} share-only), "
-                        f"got {schedule.num_steps}")
+        problems.append(f"expected 2(p-1) = {2 * (p - 1)} steps ({p - 1} share-reduce + {p - 1} share-only), got "
+                        f"{schedule.num_steps} ({reduce} share-reduce + {copy} share-only"
+                        + (f" + {phases.count('mixed')} mixing both ops" if "mixed" in phases else "") + ")")
+        for phase, got in (("share-reduce", reduce), ("share-only", copy)):
+            if got != p - 1:
+                miss = abs(got - (p - 1))
+                problems.append(f"the {phase} phase has {got} step(s), {'one' if miss == 1 else miss} "
+                                f"{'too many' if got > p - 1 else 'too few'}: it takes p-1 = {p - 1} steps, so "
+                                f"that each of the p chunks travels past the other p-1 ranks "
+                                "(`for s in range(p - 1)`)")
+    if reduce and copy and phases.index("share-only") < len(phases) - 1 - phases[::-1].index("share-reduce"):
+        problems.append("a share-reduce step comes after a share-only step: first all p-1 share-reduce steps "
+                        "(every chunk summed on one rank), then the p-1 share-only steps")
+    return problems
+
+
+def _forwarding(schedule: Schedule) -> str | None:
+    """The first step in which a rank does not pass on the chunk it received in the step before (the ring's
+    rule in both phases: in the first share-only step that is the chunk it has just finished summing)."""
+    p, received = schedule.world_size, None
+    for i, step in enumerate(schedule.steps, 1):
+        sends = {t.src: t.start for t in step.transfers if t.stop - t.start == 1 and t.dst == (t.src + 1) % p}
+        if received is not None:
+            wrong = {r: (c, received[r]) for r, c in sorted(sends.items()) if r in received and c != received[r]}
+            if wrong:
+                offsets = {(c - want) % p for c, want in wrong.values()}
+                r, (c, want) = next(iter(wrong.items()))
+                phase = _phase(step)
+                k = [j for j, s in enumerate(schedule.steps[:i], 1) if _phase(s) == phase].index(i) + 1
+                off = ""
+                if offsets in ({1}, {p - 1}):
+                    off = f" (off by one: the chunk {'after' if offsets == {1} else 'before'} the one that arrived)"
+                return (f"step {i} ({phase} step {k}): rank {r} sends chunk {c}, but it must pass on chunk {want}, "
+                        f"the chunk it received in step {i - 1}{off}; in every step after the first, each rank "
+                        "forwards the chunk that arrived in the step before"
+                        + (f" (as do {len(wrong) - 1} other rank(s) in this step)" if len(wrong) > 1 else ""))
+        received = {t.dst: t.start for t in step.transfers if t.stop - t.start == 1}
+    return None
+
+
+def _ring_rules(schedule: Schedule) -> list[str]:
+    p = schedule.world_size
+    problems = _step_count(schedule)
     for i, step in enumerate(schedule.steps, 1):
         for t in step.transfers:
             if t.dst != (t.src + 1) % p:
@@ -98,7 +148,9 @@ def check_schedule(steps, p: int) -> list[str]:
     inputs = [torch.arange(3 * p + 1, dtype=torch.float64) * (r + 1) + 1000 * r for r in range(p)]
     try:
         simulate(schedule, inputs)
-    except ScheduleError as exc:
+    except ScheduleError as exc:  # name the step and chunk where the ring went wrong before the end state
+        forwarding = _forwarding(schedule)
+        problems += [forwarding] if forwarding else []
         problems.append(str(exc))
     return problems
 

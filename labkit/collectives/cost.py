@@ -140,13 +140,13 @@ def measure_gamma(nbytes: int = 4 << 20, repeats: int = 5, device: torch.device 
 
 
 def fit_cost_model(sizes: list[int] | None = None, repeats: int = 5, device: torch.device | str = "cpu",
-                   group=None, quantile: float = 0.5) -> tuple[CostModel, list[tuple[int, float]]]:
+                   group=None, quantile: float = 0.5, inner: int = 3) -> tuple[CostModel, list[tuple[int, float]]]:
     """Measure point-to-point times and a local add on this machine and fit a :class:`CostModel`.
 
     Returns the model (identical on every rank) and the ``(bytes, seconds)`` points it was fitted to.
     """
     sizes = sizes or [4, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20]
-    points = measure_p2p(sizes, repeats, device, group, quantile=quantile)
+    points = measure_p2p(sizes, repeats, device, group, inner=inner, quantile=quantile)
     alpha, beta = fit_alpha_beta(*zip(*points))
     gamma = torch.tensor(measure_gamma(repeats=repeats, device=device), dtype=torch.float64, device=device)
     dist.all_reduce(gamma, group=group)

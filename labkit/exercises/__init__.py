@@ -8,10 +8,29 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import traceback
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 from labkit.errors import ConfigError
+
+
+def import_file(file: str | Path, module_name: str | None = None) -> ModuleType:
+    """Import a learner's Python file; a file that does not parse, or raises while it is imported, is one
+    :class:`ConfigError` line naming the file and the line (never a traceback through labkit)."""
+    file = Path(file)
+    module_spec = importlib.util.spec_from_file_location(module_name or file.stem, file)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as exc:  # IndentationError included: the learner's file, not labkit, is at fault
+        raise ConfigError(f"{file}, line {exc.lineno}: {exc.msg}; fix it, then run the check again") from None
+    except Exception as exc:  # code at the file's top level raised: name its line, not labkit's stack
+        line = next((f.lineno for f in reversed(traceback.extract_tb(exc.__traceback__))
+                     if Path(f.filename).resolve() == file.resolve()), "?")
+        raise ConfigError(f"{file}, line {line}: importing it raised {type(exc).__name__}: {exc}") from None
+    return module
 
 
 def load_function(spec: str, default: str) -> Callable:
@@ -22,9 +41,7 @@ def load_function(spec: str, default: str) -> Callable:
     if not file.is_file():
         raise ConfigError(f"no such file {path!r}; pass the Python file that defines {name}() "
                           f"(start one with --init {path})")
-    module_spec = importlib.util.spec_from_file_location(file.stem, file)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    module = import_file(file)
     if not callable(getattr(module, name, None)):
         raise ConfigError(f"{path} defines no function {name!r}; name it {default} or pass {path}:NAME")
     return getattr(module, name)

@@ -12,7 +12,8 @@ and returns ``(A, G)`` with the bias as the last column of W, i.e. ``ā = [a; 1]
 
 so that A ⊗ G approximates the Fisher block of ``[W b]``. The checker compares with the factors
 :class:`labkit.optim.KFAC` captures from the same layer (itself checked against curvlinops), and names the
-usual slips: the missing column of ones, the missing 1/N, the missing N² of the batch-mean gradients.
+usual slips: the missing column of ones or ones in the first column, a factor N or N² too large or too small
+(the missing 1/N of a mean, the N² of the batch-mean gradients).
 """
 from __future__ import annotations
 
@@ -72,24 +73,48 @@ def check(kfac_factors: Callable) -> list[str]:
     if got_a.shape == (a.shape[1], a.shape[1]):
         problems.append(f"A has shape {tuple(got_a.shape)}: append a column of ones to a (the bias), giving "
                         f"{tuple(want_a.shape)}")
-    elif got_a.shape == (n, n) or got_a.shape == (n + 0, n):
+    elif got_a.shape == (n, n):
         problems.append(f"A has shape {tuple(got_a.shape)} (samples x samples): use ā.T @ ā, not ā @ ā.T")
     elif got_a.shape != want_a.shape:
         problems.append(f"A has shape {tuple(got_a.shape)}, expected {tuple(want_a.shape)}")
-    elif torch.allclose(got_a, want_a * n):
-        problems.append("A is N times too large: divide the sum over the batch by N (a mean)")
-    elif not torch.allclose(got_a, want_a):
-        problems.append(f"A differs from K-FAC's by up to {(got_a - want_a).abs().max().item():.3g}")
+    else:
+        ones_first = torch.roll(want_a, (1, 1), (0, 1))  # the same factor with the ones column moved to the front
+        for name, want in (("", want_a), ("ones first", ones_first)):
+            slip = _scale_slip(got_a, want, n, "A", "A is the MEAN over the batch: divide ā.T @ ā by N, once")
+            if slip is not None:
+                if name:
+                    slip = ("the column of ones is the FIRST column of ā: the bias is the LAST column of W = [W b], "
+                            "so append the ones after a (torch.cat([a, ones], 1))" + ("" if slip == "" else
+                                                                                      "; and " + slip))
+                if slip:
+                    problems.append(slip)
+                break
+        else:
+            problems.append(f"A differs from K-FAC's by up to {(got_a - want_a).abs().max().item():.3g}")
     if got_g.shape != want_g.shape:
         problems.append(f"G has shape {tuple(got_g.shape)}, expected {tuple(want_g.shape)} = (d_out, d_out)")
-    elif torch.allclose(got_g * n * n, want_g):
-        problems.append("G is N² times too small: g is the gradient of the batch MEAN, so per-sample "
-                        "gradients are N g; average (N g)(N g)ᵀ")
-    elif torch.allclose(got_g * n, want_g):
-        problems.append("G is N times too small: average the outer products of the per-sample gradients N g")
-    elif not torch.allclose(got_g, want_g):
-        problems.append(f"G differs from K-FAC's by up to {(got_g - want_g).abs().max().item():.3g}")
+    else:
+        slip = _scale_slip(got_g, want_g, n, "G", "g is the gradient of the batch MEAN, so per-sample gradients "
+                           "are N g; average (N g)(N g)ᵀ over the batch")
+        if slip is None:
+            slip = f"G differs from K-FAC's by up to {(got_g - want_g).abs().max().item():.3g}"
+        if slip:
+            problems.append(slip)
     return problems
+
+
+def _scale_slip(got, want, n: int, name: str, rule: str) -> str | None:
+    """``""`` when ``got`` equals ``want``; a sentence when it is ``want`` times N, N², 1/N or 1/N² (the usual
+    slips of a batch mean); ``None`` when it is something else."""
+    import torch
+
+    for power in (0, 1, -1, 2, -2):
+        if torch.allclose(got, want * float(n) ** power):
+            if power == 0:
+                return ""
+            size = "N" if abs(power) == 1 else "N²"
+            return f"{name} is {size} = {n ** abs(power)} times too {'large' if power > 0 else 'small'}: {rule}"
+    return None
 
 
 def reference(a, g):

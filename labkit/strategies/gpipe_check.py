@@ -21,7 +21,6 @@ a micro-batch in GPipe.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +30,7 @@ from torch import nn
 from torchgpipe import GPipe
 
 from labkit.errors import ConfigError
+from labkit.exercises import import_file
 
 DEFAULT_FILE = Path("jobs/gpipe/mnist_gpipe_exercise.py")
 STEPS = {
@@ -67,9 +67,7 @@ def load(path: Path) -> ModuleType:
     if "__name__ == \"__main__\"" not in path.read_text() and "__name__ == '__main__'" not in path.read_text():
         raise ConfigError(f"{path} has no `if __name__ == \"__main__\":` guard, so importing it would train; "
                           "keep the guard around main()")
-    spec = importlib.util.spec_from_file_location(f"_gpipe_exercise_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_file(path, f"_gpipe_exercise_{abs(hash(path))}")
     for name in ("build_model", "place_batch"):
         if not callable(getattr(module, name, None)):
             raise ConfigError(f"{path} defines no function {name}(); start again from the exercise file")

@@ -11,12 +11,13 @@ slice of the output features (rank r holds rows ``r·o/p .. (r+1)·o/p`` of W). 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from labkit.errors import ConfigError
+from labkit.exercises import import_file
 from labkit.testing import run_ranks
 
 TEMPLATE = '''\
@@ -46,11 +47,9 @@ def _problem(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def load_function(path: str | Path, name: str = "column_parallel_forward"):
     """Import ``name`` from the Python file ``path``."""
-    spec = importlib.util.spec_from_file_location("column_parallel_exercise", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = import_file(path, "column_parallel_exercise")
     if not hasattr(module, name):
-        raise AttributeError(f"{path} defines no function {name}()")
+        raise ConfigError(f"{path} defines no function {name}(); name it so or pass --function NAME")
     return getattr(module, name)
 
 
@@ -129,6 +128,7 @@ def main(argv: list[str]) -> int:
         print(f"labkit check column-parallel: give the exercise file (got {args.file!r}); "
               "start one with --template")
         return 2
+    load_function(args.file, args.function)  # a file that does not parse is one line here, before ranks start
     problems = check(args.file, tuple(args.world_sizes), args.function)
     for problem in problems:
         print(f"not yet: {problem}")

@@ -21,11 +21,16 @@ def format_bytes(n: float) -> str:
 
 
 def size_axis(ax, which: str = "x", what: str = "message") -> None:
-    """Make ``which`` a log axis of byte counts with ticks at every power of 32 B..TiB written in units."""
+    """Make ``which`` a log axis of byte counts, ticks at powers of two written in units, spaced so that the
+    labels do not run into each other: at most one per 0.7 inch of the axis ("256 B" and "1 KiB" stay apart)."""
     axis = ax.xaxis if which == "x" else ax.yaxis
     (ax.set_xscale if which == "x" else ax.set_yscale)("log", base=2)
     lo, hi = (ax.get_xlim() if which == "x" else ax.get_ylim())
-    ticks = [2 ** k for k in range(0, 45, 5 if hi / max(lo, 1) > 2 ** 25 else 2) if lo <= 2 ** k <= hi]
+    box = ax.get_window_extent().transformed(ax.figure.dpi_scale_trans.inverted())
+    room = max(2, int((box.width if which == "x" else box.height * 2.5) / 0.7))  # y labels sit one per line
+    powers = [k for k in range(0, 45) if lo <= 2 ** k <= hi]
+    step = next((s for s in (1, 2, 4, 5, 10) if len([k for k in powers if k % s == 0]) <= room), 10)
+    ticks = [2 ** k for k in powers if k % step == 0]
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
     axis.set_minor_locator(NullLocator())
