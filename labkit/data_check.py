@@ -11,7 +11,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-
 #: samples per MNIST idx file, by its prefix
 _MNIST_COUNT = {"train": 60_000, "t10k": 10_000}
 

@@ -35,15 +35,14 @@ from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memor
 from labkit.monitor import UtilisationMonitor, nvml_indices
 from labkit.monitor import gather as gather_utilisation
 from labkit.optim import OptimizerSpec
-from labkit.preempt import Preempted, StopCheck, StopSignals, clear_marker, signal_of_any_rank, write_marker
 from labkit.precision import autocast, check_amp, to_channels_last
+from labkit.preempt import Preempted, StopCheck, StopSignals, clear_marker, signal_of_any_rank, write_marker
 from labkit.ranges import check
 from labkit.results import RunWriter, make_dirs
 from labkit.rng import cuda_rng_states, restore_cuda_rng
 from labkit.strategies import Strategy, get_strategy
 from labkit.tensor_data import LOADERS, TensorLoader, load_split
 from labkit.train_cli import NUMBERS
-
 
 #: strategies that spread over the ranks of a process group: run in one process, they get a note
 SPREAD_OVER_RANKS = ("ddp", "zero", "hybrid", "tensor-parallel")

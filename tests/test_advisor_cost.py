@@ -5,8 +5,8 @@ from dataclasses import astuple, replace
 import pytest
 
 from labkit.advisor.cost import bubble_fraction, pipeline_terms
-from labkit.advisor.pricing import price
 from labkit.advisor.plan import Plan
+from labkit.advisor.pricing import price
 from labkit.advisor.profile import LayerProfile, Profile
 from labkit.advisor.search import candidates, check_fits
 from labkit.advisor.topology import Topology

@@ -12,8 +12,8 @@ import pytest
 from labkit.cli import main
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
-from labkit.strategies.pipelining import PipelineStrategy
 from labkit.results import RunWriter, atomic_write_text
+from labkit.strategies.pipelining import PipelineStrategy
 
 QUICK = ["--dataset", "synthetic-mnist", "--model", "mlp", "--train-size", "64", "--test-size", "32",
          "--batch-size", "16", "--max-steps", "2", "--device", "cpu", "--log-every", "100"]

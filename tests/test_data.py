@@ -3,11 +3,10 @@ import argparse
 import gzip
 import importlib.resources
 import sys
+from pathlib import Path
 from urllib.error import URLError
 
 import numpy as np
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +15,6 @@ from torchvision import datasets
 
 from labkit import data, data_cli
 from labkit.errors import ConfigError, DatasetMissing
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,7 +1,8 @@
 """The install files agree: environment.yml installs what pyproject.toml and the pin file name."""
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -105,6 +105,8 @@ def test_measured_balance_covers_every_layer(method):
 
 
 class NotSequential(nn.Module):
+    """A model that is not an ``nn.Sequential`` (GPipe refuses it)."""
+
     def forward(self, x):
         return x
 

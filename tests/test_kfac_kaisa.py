@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_kfac_dist import full_batch, net
 
 from labkit.errors import ConfigError
 from labkit.optim import kfac_kaisa
 from labkit.optim.kfac import KFAC
 from labkit.testing import run_ranks
-from test_kfac_dist import full_batch, net
 
 WORLD, STEPS = 4, 4
 RUNS = [(0.25, "eigen"), (0.5, "eigen"), (0.5, "inverse"), (1.0, "eigen")]

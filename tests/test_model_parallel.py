@@ -16,8 +16,15 @@ from labkit.cli import main as cli_main
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
 from labkit.models import get_model
-from labkit.strategies.model_parallel import (BusyInterval, ModelParallel, ModelParallelStrategy, balance_by_params,
-                                              balance_from_split_points, partition, project_on_separate_devices)
+from labkit.strategies.model_parallel import (
+    BusyInterval,
+    ModelParallel,
+    ModelParallelStrategy,
+    balance_by_params,
+    balance_from_split_points,
+    partition,
+    project_on_separate_devices,
+)
 from labkit.viz.timeline import busy_fraction, plot_timeline
 
 matplotlib.use("Agg")

@@ -158,6 +158,8 @@ def test_bad_pipeline_options_are_clear_errors(env, options, message):
 
 
 class NotSequential(nn.Module):
+    """A model that is not an ``nn.Sequential`` (the pipeline refuses it)."""
+
     def forward(self, x):
         return x
 

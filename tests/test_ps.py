@@ -245,8 +245,9 @@ def _check_async_does_not_wait_for_the_straggler(per_rank):
 def dead_worker(env):
     if env.rank == 1:  # the worker dies after its second push
         original = ParameterServerStrategy.sync_gradients
+        calls = [0]
 
-        def sync_then_die(self, model, calls=[0]):
+        def sync_then_die(self, model):
             original(self, model)
             calls[0] += 1
             if calls[0] == 2:

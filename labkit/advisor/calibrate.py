@@ -76,8 +76,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from labkit.advisor.cost import (broadcast_time, bucket_count, bucketed_allreduce, ddp_key, pipeline_terms,
-                                 ring_bytes_time)
+from labkit.advisor.cost import (
+    broadcast_time,
+    bucket_count,
+    bucketed_allreduce,
+    ddp_key,
+    pipeline_terms,
+    ring_bytes_time,
+)
 from labkit.advisor.cost_sharded import BROADCAST_KEY, buffer_broadcasts, bytes_time, call_key, collective_count
 
 #: the strategies priced per collective: (strategy, options, stage the cost model uses)

@@ -1,8 +1,14 @@
 """The registry of pricing functions: a strategy is searched when it has one here."""
 from __future__ import annotations
 
-from labkit.advisor.cost import (price_ddp, price_hybrid, price_one_process_pipeline, price_pipeline, price_single,
-                                 price_tensor_parallel)
+from labkit.advisor.cost import (
+    price_ddp,
+    price_hybrid,
+    price_one_process_pipeline,
+    price_pipeline,
+    price_single,
+    price_tensor_parallel,
+)
 from labkit.advisor.cost_ps import price_ps
 from labkit.advisor.cost_sharded import price_sharded
 from labkit.advisor.plan import Estimate, Plan

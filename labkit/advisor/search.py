@@ -24,8 +24,8 @@ import itertools
 import math
 from collections.abc import Callable, Iterator
 
-from labkit.advisor.pricing import PRICERS, price
 from labkit.advisor.plan import Estimate, Plan
+from labkit.advisor.pricing import PRICERS, price
 from labkit.advisor.profile import Profile
 from labkit.advisor.topology import Topology
 from labkit.collectives.registry import ALGORITHMS

@@ -22,7 +22,6 @@ import torch
 
 from labkit.bench.harness import alternate, config_of
 
-
 #: ``labkit bench datapath`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
     {"flag": "--model", "default": "resnet32", "help": "labkit model"},

@@ -24,7 +24,6 @@ from labkit.bench.harness import alternate, config_of
 from labkit.dist import DistEnv, print0, resolve_device, seed_everything
 from labkit.strategies import Strategy
 
-
 #: ``labkit bench model-parallel`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
     {"flag": "--part", "default": "all", "choices": ["all", "sweep", "hybrid-ddp"], "help": "which part to run"},

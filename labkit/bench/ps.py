@@ -22,7 +22,6 @@ from pathlib import Path
 
 from labkit.errors import ConfigError
 
-
 #: ``labkit bench ps`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
     {"flag": "--workers", "type": "int", "range": "[1, inf)", "default": 2, "help": "worker ranks (DDP ranks)"},

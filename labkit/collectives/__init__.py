@@ -14,9 +14,10 @@ import importlib
 import sys
 import types
 
-from labkit.collectives.parameter_server import parameter_server
-from labkit.collectives.registry import ALGORITHMS, SCHEDULES, get_schedule, parse_algorithms
-from labkit.collectives.schedule import Op, Schedule, ScheduleError, Step, Transfer, from_steps
+# re-exported: the package's names (its __all__ below is computed, which the linter cannot read)
+from labkit.collectives.parameter_server import parameter_server  # noqa: F401
+from labkit.collectives.registry import ALGORITHMS, SCHEDULES, get_schedule, parse_algorithms  # noqa: F401
+from labkit.collectives.schedule import Op, Schedule, ScheduleError, Step, Transfer, from_steps  # noqa: F401
 
 _LAZY: dict[str, str] = {
     **dict.fromkeys(("StepRecord", "Trace", "all_reduce", "run_schedule", "traced_run"), "execute"),

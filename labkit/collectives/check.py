@@ -23,7 +23,6 @@ from labkit.collectives.schedule import Schedule, ScheduleError, from_steps
 from labkit.collectives.simulate import simulate
 from labkit.errors import ConfigError
 
-
 STARTER = '''\
 def ring_schedule(p):
     """2(p-1) steps; each a list of (src, dst, chunk, op) with op "reduce" (receiver adds) or "copy"."""

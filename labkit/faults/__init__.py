@@ -16,6 +16,8 @@ PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 @dataclass(frozen=True)
 class Fault:
+    """One broken program of the lab: its name and whether it hangs (the others fail silently)."""
+
     name: str
     hangs: bool
     summary: str

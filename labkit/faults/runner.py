@@ -37,6 +37,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labkit.faults.common
 
 @dataclass
 class Outcome:
+    """How a run of a fault's program ended, and what each rank reported."""
+
     status: str  # "finished", "hung" or "failed"
     ranks: list[dict] = field(default_factory=list)  # per finished rank: losses, state, record, gpu, host
     table: str = ""

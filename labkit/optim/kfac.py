@@ -55,8 +55,15 @@ from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.optim import kfac_dist, kfac_kaisa
 from labkit.optim.kfac_clip import KLClip, inner_product
 from labkit.optim.kfac_layers import LayerFactors, supports
-from labkit.optim.kfac_options import (Approx, Broadcast, Method, add_arguments, kwargs_from_options, parse_enum,
-                                       validate)
+from labkit.optim.kfac_options import (
+    Approx,
+    Broadcast,
+    Method,
+    add_arguments,
+    kwargs_from_options,
+    parse_enum,
+    validate,
+)
 
 __all__ = ["KFAC", "Approx", "Broadcast", "Method", "add_arguments", "from_options"]
 

@@ -26,8 +26,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from labkit.errors import CheckpointError
-from labkit.optim.kfac_math import (damped_inverse, factored_damping, precondition_eigen, precondition_inverse,
-                                    symmetric_eigen)
+from labkit.optim.kfac_math import (
+    damped_inverse,
+    factored_damping,
+    precondition_eigen,
+    precondition_inverse,
+    symmetric_eigen,
+)
+
 
 def supports(module: nn.Module) -> bool:
     """Linear, and Conv2d with one group and zero padding: the layers whose weight gradient is ``g āᵀ``."""

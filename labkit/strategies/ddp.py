@@ -34,8 +34,12 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.collectives import ALGORITHMS
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError, LabkitError
-from labkit.strategies.data_parallel import (DEFAULT_BUCKET_MB, DataParallelStrategy, average_gradients,
-                                             broadcast_from_rank0)
+from labkit.strategies.data_parallel import (
+    DEFAULT_BUCKET_MB,
+    DataParallelStrategy,
+    average_gradients,
+    broadcast_from_rank0,
+)
 
 #: ``--allreduce`` values: real DDP, ``dist.all_reduce`` by hand, or one of labkit's schedules
 ALLREDUCE_MODES: tuple[str, ...] = ("ddp", "native") + ALGORITHMS

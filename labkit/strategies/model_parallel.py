@@ -15,8 +15,8 @@ from __future__ import annotations
 import copy
 import itertools
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn

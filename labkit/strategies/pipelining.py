@@ -30,11 +30,11 @@ import contextlib
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from typing import TYPE_CHECKING
 
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError

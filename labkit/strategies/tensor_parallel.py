@@ -21,8 +21,15 @@ from torch import nn
 
 from labkit.errors import ConfigError
 from labkit.strategies.base import Strategy
-from labkit.strategies.tensor_parallel_comm import (CommLog, all_gather_last, all_reduce, count_bytes, fc_layer_bytes,
-                                                    own_slice, rank_world)
+from labkit.strategies.tensor_parallel_comm import (
+    CommLog,
+    all_gather_last,
+    all_reduce,
+    count_bytes,
+    fc_layer_bytes,
+    own_slice,
+    rank_world,
+)
 
 __all__ = [
     "ColumnParallelLinear",

@@ -6,9 +6,9 @@ cost to split the batch (dim 0, data parallel) versus the features (dim 1, model
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

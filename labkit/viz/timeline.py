@@ -9,8 +9,8 @@ Intervals are :class:`labkit.strategies.model_parallel.BusyInterval` objects or 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, is_dataclass
 from collections.abc import Iterable, Mapping
+from dataclasses import asdict, is_dataclass
 
 Interval = Mapping | object
 
