@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from labkit import backends, strategies
+from labkit import backends, parallel, strategies
 from labkit.advisor.plan import Plan
 from labkit.advisor.search import PLANS, candidates
 from labkit.bench import suite
@@ -123,3 +123,20 @@ def test_every_strategys_literals_name_what_exists(name):
     for row in strategies.strategy_literal(name, "BACKENDS", ()):
         assert set(row.get("when", {})) | set(row.get("unless", {})) <= set(options)
         assert row["backend"] in ("gloo", "nccl") and row["device"] in ("cpu", "cuda", "*") and "use " in row["why"]
+
+
+def test_a_new_mesh_dimension_reaches_train_and_the_advisors_reader(tmp_path, monkeypatch):
+    (tmp_path / "labkit_registry_dim.py").write_text(
+        'FLAGS = [{"flag": "--fake-split", "action": "store_true", "help": "split fakely"}]\n'
+        'ADVISOR = {"price": "labkit_registry_dim:price"}\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(parallel.DIMENSIONS, "fk", "labkit_registry_dim:Fake")
+    code, _, text = _train(["--strategy", "mesh", "--help"])
+    assert code == 0 and "--fake-split" in text and "--dp-shard" in text
+    found = parallel.registered("ADVISOR")
+    assert found["fk"] == {"price": "labkit_registry_dim:price"} and found["dp"] == {"price": "labkit.parallel.dp:price"}
+    assert "labkit_registry_dim" not in sys.modules
+    from labkit.parallel.dp import price  # the placeholder: bytes one rank sends per step, P = 1000 bytes
+
+    assert [price(1000.0, d, shard)["bytes"] for d in (1, 2, 4) for shard in ("none", "fsdp")] == [
+        0.0, 0.0, 1000.0, 1500.0, 1500.0, 2250.0]
