@@ -47,17 +47,26 @@ def _literals(module: str) -> dict[str, ast.expr]:
     return out
 
 
+_MISSING = object()
+
+
 def read_literal(module: str, name: str, default=None):
     """The value of the literal ``name = ...`` at the top level of ``module``, read without importing it
     (``default`` where the module has none). How the registries find a module's ``FLAGS``, ``ADVISOR``,
-    ``BENCH`` and ``BACKENDS`` (:mod:`labkit.strategies`).
+    ``BENCH`` and ``BACKENDS`` (:mod:`labkit.strategies`). The value is read once and shared: do not change it.
 
     Raises:
         ConfigError: the module is missing, or ``name`` is assigned something other than a literal.
     """
+    value = _literal(module, name)
+    return default if value is _MISSING else value
+
+
+@functools.lru_cache(maxsize=None)
+def _literal(module: str, name: str):
     node = _literals(module).get(name)
     if node is None:
-        return default
+        return _MISSING
     try:
         return ast.literal_eval(node)
     except ValueError:

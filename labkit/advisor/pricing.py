@@ -38,7 +38,9 @@ def _load(target: str) -> Callable:
 
 def pricer(strategy: str) -> Callable[[Plan, Profile, Topology], Estimate]:
     """The pricing function strategy ``strategy``'s ``ADVISOR`` literal names."""
-    entry = advised().get(strategy)
+    from labkit.strategies import STRATEGIES, strategy_literal
+
+    entry = strategy_literal(strategy, "ADVISOR") if strategy in STRATEGIES else None
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
                           f"prices: {', '.join(advised())}")
