@@ -1,21 +1,27 @@
-"""The mesh's pp dimension (labkit.parallel.pp): a GPT and a CNN cut into stages, each step equal to the
-single-process step on the same batch.
+"""The mesh's pp dimension (labkit.parallel.pp) through labkit.strategies.mesh: a GPT and a CNN cut into stages,
+every step equal to the single-process step on the same (global) batch.
 
-One spawn of 2 gloo ranks (``--mesh pp=2``) trains, per schedule (GPipe, 1F1B), a 2-block GPT (d=32, T=16,
-vocabulary 64, dropout 0) for 3 SGD-with-momentum steps and a LeNet (its nn.Sequential form) for 2, beside the
-same model in one process: the loss every step, every weight after the last step, and the tied embedding's
-two copies. It also counts the bytes each stage sends per step (literal numbers: the formula's prediction).
+One spawn of 2 gloo ranks (``--mesh pp=2``): per schedule (GPipe, 1F1B) a 2-block GPT (d=32, T=16, vocabulary
+64, dropout 0) for 3 SGD-with-momentum steps, driven by the MeshStrategy's per-step hooks in the order
+``labkit.train.train_step`` calls them (the loop's metrics still assume classification), and a LeNet (its
+nn.Sequential form) through ``labkit.train.fit`` itself, evaluation included. It also counts the bytes each
+stage sends per step (literal numbers: the formula's prediction).
+
+Tolerances (float32): the loss of every step within 1e-6 (only the order of the micro-batch sums changes), the
+weights after the last step within 1e-5; the tied embedding's two copies equal bit for bit.
 """
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+from labkit.dist import DistEnv
 from labkit.gpt import GPT, GPTConfig
 from labkit.models import get_model
 from labkit.parallel.pp import PipelineParallel, p2p_bytes_sent
+from labkit.strategies.base import Strategy
 from labkit.testing import run_ranks
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
@@ -26,110 +32,129 @@ def lm_loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())  # (B, T, V), (B, T): mean over B*T tokens
 
 
-def _batches(n, image=False):
+def _tokens():
     g = torch.Generator().manual_seed(7)
-    if image:
-        return [(torch.randn(BATCH, 1, 28, 28, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
-                for _ in range(n)]
     return [(torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g),
-             torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g)) for _ in range(n)]
+             torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g)) for _ in range(STEPS)]
 
 
-def _train(model, batches, criterion, dim=None):
-    """The loop fit() runs per step: forward/backward, gradient sync, optimizer step; the losses it sees."""
+def _images(n=24):
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(n, 1, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def _lenet():
+    torch.manual_seed(2)
+    return get_model("lenet", image_size=16, sequential=True)
+
+
+def _steps(strategy, model, criterion):
+    """train_step's order: zero_grad, forward_backward, sync_gradients, optimizer.step; the losses and the bytes
+    the schedules sent, per step."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses, sent = [], []
-    for x, y in batches:
+    for x, y in _tokens():
         opt.zero_grad(set_to_none=True)
         with p2p_bytes_sent() as count:
-            if dim is None:
-                loss = criterion(model(x), y)
-                loss.backward()
-            else:
-                loss, _ = dim.forward_backward(model, x, y, criterion)
-                dim.sync_gradients(model)
+            loss, _ = strategy.forward_backward(model, x, y, criterion)
+            strategy.sync_gradients(model)
         opt.step()
-        losses.append(None if loss is None else loss.detach())
+        losses.append(loss)
         sent.append(count["bytes"])
     return losses, sent
 
 
-def _on_rank(env):
-    from labkit.mesh import build_mesh
+def _fit(strategy, model):
+    """labkit.train.fit as `labkit train` runs it: 8-sample batches (8, 8, 8), 1 epoch, evaluation; the losses."""
+    from labkit.train import fit
 
-    mesh = build_mesh({"pp": 2})
+    losses, inner = [], strategy.forward_backward
+
+    def recorded(*args):
+        loss, out = inner(*args)
+        losses.append(loss)
+        return loss, out
+    strategy.forward_backward = recorded
+    loader = DataLoader(_images(), batch_size=BATCH)
+    history = fit(model, loader, DataLoader(_images(10), batch_size=5), torch.optim.SGD(model.parameters(), lr=0.1,
+                  momentum=0.9), epochs=1, strategy=strategy, printer=lambda line: None)
+    return losses, history[0]
+
+
+def _two_ranks(env):
+    from labkit.strategies.mesh import MeshStrategy
+
     out = {}
     for schedule in ("gpipe", "1f1b"):
         torch.manual_seed(0)
         full = GPT(CFG)
         reference = copy.deepcopy(full)
-        dim = PipelineParallel(mesh, {"schedule": schedule, "num_microbatches": 2})
-        stage = dim.parallelize(full)
-        losses, sent = _train(stage, _batches(STEPS), lm_loss, dim)
-        ref_losses, _ = _train(reference, _batches(STEPS), lm_loss)
+        strategy = MeshStrategy(env, {"mesh": "pp=2", "schedule": schedule, "num_microbatches": 2})
+        stage = strategy.prepare(full)
+        losses, sent = _steps(strategy, stage, lm_loss)
+        ref_losses, _ = _steps(Strategy(DistEnv()), reference, lm_loss)
         ref_state = reference.state_dict()
-        out[schedule] = {"losses": losses, "ref_losses": ref_losses, "sent": sent, "balance": dim.balance,
-                         "owns": dim.owns_metrics(), "tied": stage.tied_weight().detach(),
+        out[schedule] = {"losses": losses, "ref_losses": ref_losses, "sent": sent, "owner": strategy.metric_owner(),
+                         "balance": strategy.pipeline.balance, "tied": stage.tied_weight().detach(),
                          "weights": {k: (v, ref_state[k]) for k, v in stage.state_dict().items()}}
-    torch.manual_seed(0)
-    full = get_model("lenet", sequential=True)
-    reference = copy.deepcopy(full)
-    dim = PipelineParallel(mesh, {"schedule": "gpipe", "num_microbatches": 2})
-    stage = dim.parallelize(full)
-    losses, sent = _train(stage, _batches(2, image=True), nn.CrossEntropyLoss(), dim)
-    ref_losses, _ = _train(reference, _batches(2, image=True), nn.CrossEntropyLoss())
-    start = sum(dim.balance[:env.rank])
-    mine = reference[start:start + dim.balance[env.rank]]
-    out["cnn"] = {"losses": losses, "ref_losses": ref_losses, "balance": dim.balance,
-                  "weights": list(zip(stage.parameters(), mine.parameters()))}
+    strategy = MeshStrategy(env, {"mesh": "pp=2", "schedule": "1f1b", "num_microbatches": 2})
+    stage = strategy.prepare(_lenet())
+    losses, record = _fit(strategy, stage)
+    reference = _lenet()
+    ref_losses, ref_record = _fit(Strategy(DistEnv()), reference)
+    start = sum(strategy.pipeline.balance[:env.rank])
+    mine = reference[start:start + strategy.pipeline.balance[env.rank]]
+    out["cnn"] = {"losses": losses, "ref_losses": ref_losses, "record": record, "ref_record": ref_record,
+                  "weights": list(zip(stage.parameters(), mine.parameters(), strict=True))}
     return out
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return run_ranks(_on_rank, 2, timeout=300)
+def two():
+    return run_ranks(_two_ranks, 2, timeout=300)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_gpt_on_two_stages_equals_single_process_training(ranks, schedule):
-    first, last = ranks[0][schedule], ranks[1][schedule]
-    assert first["balance"] == [1, 1] and not first["owns"] and last["owns"]
+def test_gpt_on_pp2_equals_one_process(two, schedule):
+    first, last = two[0][schedule], two[1][schedule]
+    assert first["balance"] == [1, 1] and not first["owner"] and last["owner"]
     assert first["losses"] == [None] * STEPS  # only the last stage has the loss
-    for got, ref in zip(last["losses"], last["ref_losses"]):
-        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)  # float32, micro-batch means reordered
+    for got, ref in zip(last["losses"], last["ref_losses"], strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     names = {0: set(first["weights"]), 1: set(last["weights"])}
     assert {"tok_emb.weight", "pos_emb.weight", "blocks.0.attn.q.weight"} <= names[0]
     assert {"blocks.1.mlp.fc.weight", "ln_f.weight", "head.weight"} <= names[1] and not names[0] & names[1]
     for rank in (first, last):
         for name, (got, ref) in rank["weights"].items():
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4, msg=name)  # 3 momentum steps
-    # the tied matrix's two copies: equal bit for bit (each got the summed gradient), and equal the single model's
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5, msg=name)
+    # the tied matrix's two copies: equal bit for bit (each got the summed gradient), and equal to the one model's
     assert torch.equal(first["tied"], last["tied"])
-    torch.testing.assert_close(last["tied"], last["weights"]["head.weight"][1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(last["tied"], last["weights"]["head.weight"][1], rtol=0, atol=1e-5)
 
 
-def test_cnn_sequential_on_two_stages_equals_single_process_training(ranks):
-    first, last = ranks[0]["cnn"], ranks[1]["cnn"]
-    assert first["balance"] == last["balance"] and len(first["balance"]) == 2
-    assert first["losses"] == [None, None]
-    for got, ref in zip(last["losses"], last["ref_losses"]):
-        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+def test_cnn_on_pp2_through_fit_equals_one_process(two):
+    first, last = two[0]["cnn"], two[1]["cnn"]
+    assert first["losses"] == [None] * 3 and len(last["losses"]) == 3
+    for got, ref in zip(last["losses"], last["ref_losses"], strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
     for rank in (first, last):
         for got, ref in rank["weights"]:
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        for key in ("train_loss", "train_acc", "test_loss", "test_acc"):  # summed over the ranks: the last's
+            assert rank["record"][key] == pytest.approx(rank["ref_record"][key], abs=1e-5)
 
 
 def test_bytes_per_step_are_the_formulas():
-    # B=8, T=16, C=32, float32: stage 0 sends 2 micro-batches of (4, 16, 32) forward, stage 1 their gradients back
+    # B=8, T=16, C=32, float32, V=64: 2 directions x (8 x 16 x 32 x 4 bytes) + the (64, 32) copy from each of 2
     price = PipelineParallel.price(batch=8, seq_len=16, n_embd=32, vocab_size=64, num_stages=2)
     assert price == {"activations": 32768, "embedding": 16384, "total": 49152}
     assert PipelineParallel.price(8, 16, 32, 64, num_stages=4, tp=2, sequence_parallel=True)["activations"] == 49152
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_each_stage_sends_what_the_formula_says(ranks, schedule):
-    # after the first step (its one-time shape exchange is not a p2p batch): 16,384 bytes each way
-    assert ranks[0][schedule]["sent"][1:] == [16384] * (STEPS - 1)
-    assert ranks[1][schedule]["sent"][1:] == [16384] * (STEPS - 1)
-    # the embedding all-reduce moves the (64, 32) float32 copy: 8,192 bytes from each of the 2 ranks
-    assert ranks[0][schedule]["tied"].numel() * 4 == 8192
+def test_each_stage_sends_what_the_formula_says(two, schedule):
+    # after the first step (whose one-time shape exchange is no p2p batch): 16,384 bytes each way per step,
+    # stage 0 the 2 micro-batches' (4, 16, 32) activations forward, stage 1 their gradients back
+    assert two[0][schedule]["sent"][1:] == [16384] * (STEPS - 1)
+    assert two[1][schedule]["sent"][1:] == [16384] * (STEPS - 1)
+    assert two[0][schedule]["tied"].numel() * 4 == 8192  # the embedding all-reduce: 8,192 bytes from each rank
