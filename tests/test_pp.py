@@ -5,7 +5,9 @@ One spawn of 2 gloo ranks (``--mesh pp=2``): per schedule (GPipe, 1F1B) a 2-bloc
 64, dropout 0) for 3 SGD-with-momentum steps, driven by the MeshStrategy's per-step hooks in the order
 ``labkit.train.train_step`` calls them (the loop's metrics still assume classification), and a LeNet (its
 nn.Sequential form) through ``labkit.train.fit`` itself, evaluation included. It also counts the bytes each
-stage sends per step (literal numbers: the formula's prediction).
+stage sends per step (literal numbers: the formula's prediction). One spawn of 4 ranks: the LeNet on
+``--mesh dp=2,pp=2`` through ``fit`` against one process on the global batch (the mean of the two last stages'
+losses every step).
 
 Tolerances (float32): the loss of every step within 1e-6 (only the order of the micro-batch sums changes), the
 weights after the last step within 1e-5; the tied embedding's two copies equal bit for bit.
@@ -15,7 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labkit.dist import DistEnv
 from labkit.gpt import GPT, GPTConfig
@@ -64,8 +66,11 @@ def _steps(strategy, model, criterion):
     return losses, sent
 
 
-def _fit(strategy, model):
-    """labkit.train.fit as `labkit train` runs it: 8-sample batches (8, 8, 8), 1 epoch, evaluation; the losses."""
+def _fit(strategy, model, dp=1):
+    """labkit.train.fit as `labkit train` runs it: 1 epoch of 24 images in global batches of 8 (each of ``dp``
+    data-parallel ranks 8 / dp of them), evaluation; the losses every step and the epoch's record. One process
+    stands for ``dp`` ranks with a one-replica DistributedSampler: the same permutation, so its global batch s
+    is the ranks' batches s."""
     from labkit.train import fit
 
     losses, inner = [], strategy.forward_backward
@@ -75,7 +80,9 @@ def _fit(strategy, model):
         losses.append(loss)
         return loss, out
     strategy.forward_backward = recorded
-    loader = DataLoader(_images(), batch_size=BATCH)
+    train = _images()
+    sampler = strategy.sampler(train, True, 0) or (DistributedSampler(train, 1, 0, seed=0) if dp > 1 else None)
+    loader = DataLoader(train, batch_size=BATCH // strategy.data_parallel_size, sampler=sampler)
     history = fit(model, loader, DataLoader(_images(10), batch_size=5), torch.optim.SGD(model.parameters(), lr=0.1,
                   momentum=0.9), epochs=1, strategy=strategy, printer=lambda line: None)
     return losses, history[0]
@@ -107,6 +114,27 @@ def _two_ranks(env):
     out["cnn"] = {"losses": losses, "ref_losses": ref_losses, "record": record, "ref_record": ref_record,
                   "weights": list(zip(stage.parameters(), mine.parameters(), strict=True))}
     return out
+
+
+def _four_ranks(env):
+    from labkit.strategies.mesh import MeshStrategy
+
+    strategy = MeshStrategy(env, {"mesh": "dp=2,pp=2", "schedule": "gpipe", "num_microbatches": 2})
+    stage = strategy.prepare(_lenet())
+    losses, record = _fit(strategy, stage)
+    reference = _lenet()
+    ref_losses, ref_record = _fit(Strategy(DistEnv()), reference, dp=2)
+    pp = strategy.pipeline
+    start = sum(pp.balance[:pp.rank])
+    mine = reference[start:start + pp.balance[pp.rank]]
+    return {"cnn": {"losses": losses, "ref_losses": ref_losses, "record": record, "ref_record": ref_record,
+                    "data": strategy.data_shard(), "stage": pp.rank,
+                    "weights": list(zip(stage.parameters(), mine.parameters(), strict=True))}}
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(_four_ranks, 4, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +186,17 @@ def test_each_stage_sends_what_the_formula_says(two, schedule):
     assert two[0][schedule]["sent"][1:] == [16384] * (STEPS - 1)
     assert two[1][schedule]["sent"][1:] == [16384] * (STEPS - 1)
     assert two[0][schedule]["tied"].numel() * 4 == 8192  # the embedding all-reduce: 8,192 bytes from each rank
+
+
+def test_cnn_on_dp2_pp2_through_fit_equals_one_process_on_the_global_batch(four):
+    cnn = [r["cnn"] for r in four]
+    # mesh order (pp, dp, ...): ranks 0, 1 hold stage 0 of replicas 0, 1; ranks 2, 3 stage 1
+    assert [(c["stage"], c["data"]) for c in cnn] == [(0, (2, 0)), (0, (2, 1)), (1, (2, 0)), (1, (2, 1))]
+    assert cnn[0]["losses"] == cnn[1]["losses"] == [None] * 3
+    global_losses = torch.stack([torch.stack(c["losses"]) for c in cnn[2:]]).mean(0)  # mean of the shards' means
+    torch.testing.assert_close(global_losses, torch.stack(cnn[0]["ref_losses"]), rtol=0, atol=1e-6)
+    for c in cnn:
+        for got, ref in c["weights"]:
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        for key in ("train_loss", "train_acc", "test_loss", "test_acc"):
+            assert c["record"][key] == pytest.approx(c["ref_record"][key], abs=1e-5)
