@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labkit.dist import DistEnv
+from labkit.errors import ConfigError
 from labkit.gpt import GPT, GPTConfig
 from labkit.models import get_model
 from labkit.parallel.pp import PipelineParallel, p2p_bytes_sent
@@ -113,6 +114,12 @@ def _two_ranks(env):
     mine = reference[start:start + strategy.pipeline.balance[env.rank]]
     out["cnn"] = {"losses": losses, "ref_losses": ref_losses, "record": record, "ref_record": ref_record,
                   "weights": list(zip(stage.parameters(), mine.parameters(), strict=True))}
+    out["errors"] = []
+    for options in ({"schedule": "1f1b", "num_microbatches": 1}, {"balance": [1]}, {"balance": [2, 1]}):
+        try:
+            MeshStrategy(env, {"mesh": "pp=2", **options}).check_model("gpt-tiny")
+        except ConfigError as exc:
+            out["errors"].append(str(exc))
     return out
 
 
@@ -200,3 +207,10 @@ def test_cnn_on_dp2_pp2_through_fit_equals_one_process_on_the_global_batch(four)
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
         for key in ("train_loss", "train_acc", "test_loss", "test_acc"):
             assert c["record"][key] == pytest.approx(c["ref_record"][key], abs=1e-5)
+
+
+def test_bad_pp_options_are_one_clear_line_before_any_work(two):
+    assert two[0]["errors"] == two[1]["errors"] == [
+        "--schedule 1f1b needs --num-microbatches >= the number of stages (pp=2), got 1",
+        "--balance 1 gives 1 stage(s) but pp=2; give one count per stage",
+        "--balance 2 1 sums to 3 but the model has 2 layers; give layer counts that add up to 2"]

@@ -47,10 +47,11 @@ from labkit.strategies.pipeline_stages import SCHEDULES, StageSchedules, even_ba
 #: ``labkit train --mesh ...pp=P`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
     {"flag": "--num-microbatches", "type": "int", "range": "[1, inf)", "default": 4, "metavar": "M",
-     "help": "micro-batches per mini-batch"},
-    {"flag": "--schedule", "choices": ["gpipe", "1f1b"], "default": "gpipe", "help": "micro-batch schedule"},
+     "help": "pp dimension: micro-batches per mini-batch"},
+    {"flag": "--schedule", "choices": ["gpipe", "1f1b"], "default": "gpipe",
+     "help": "pp dimension: micro-batch schedule"},
     {"flag": "--balance", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "N",
-     "help": "per stage: GPT blocks or Sequential layers, e.g. --balance 3 2 (None: as even as possible)"},
+     "help": "pp dimension, per stage: GPT blocks or Sequential layers, e.g. --balance 3 2 (None: as even as possible)"},
 ]
 
 
@@ -76,6 +77,10 @@ class PipelineParallel(Dimension):
         self.device = device
         self.stages = StageSchedules(self.rank, self.size, device, self.schedule_name, self.num_microbatches,
                                      group=self.group)
+        given = self.options.get("balance")
+        if self.size > 1 and given and len(given) != self.size:
+            raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but pp={self.size}; "
+                              "give one count per stage")
         self.balance: list[int] | None = None
         self.embedding_group: dist.ProcessGroup | None = None
         self._tied_name: str | None = None
@@ -89,25 +94,27 @@ class PipelineParallel(Dimension):
         return self.rank == self.size - 1
 
     def check(self, model_name: str) -> None:
-        if self.size > 1 and model_name in GPT_SIZES and GPT_SIZES[model_name].n_layer < self.size:
-            raise ConfigError(f"--mesh pp={self.size}: {model_name} has {GPT_SIZES[model_name].n_layer} blocks, "
-                              f"fewer than the stages; use pp <= {GPT_SIZES[model_name].n_layer}")
+        """A GPT of a named size is checked now (blocks >= stages, ``--balance`` summing to its blocks); a CNN's
+        layers are counted when it is cut."""
+        if self.size > 1 and model_name in GPT_SIZES:
+            self._balance(GPT_SIZES[model_name].n_layer, "blocks", model_name)
 
-    def _balance(self, num_units: int, unit: str) -> list[int]:
+    def _balance(self, num_units: int, unit: str, model_name: str = "the model") -> list[int]:
+        """``--balance``, checked against ``num_units`` blocks or layers, or the even split."""
         given = self.options.get("balance")
-        if not given:
-            return even_balance(num_units, self.size)
-        if len(given) != self.size:
-            raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but pp={self.size}; "
-                              "give one count per stage")
-        return check_balance(given, num_units, [f"{unit} stage {i}" for i in range(self.size)])
+        if given:
+            return check_balance(given, num_units, [f"stage {i}" for i in range(self.size)])
+        if num_units < self.size:
+            raise ConfigError(f"--mesh pp={self.size}: {model_name} has {num_units} {unit}, fewer than the stages; "
+                              f"use pp <= {num_units}")
+        return even_balance(num_units, self.size)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """This rank's stage of ``model`` (a GPT, possibly tp-sharded, or an ``nn.Sequential``), on its device."""
         if self.size == 1:
             return model
         if is_gpt(model):
-            self.balance = self._balance(len(model.blocks), "blocks")
+            self.balance = self._balance(len(model.blocks), "blocks", "the GPT")
             tied = is_tied(model)
             stage = GPTStage(model, self.balance, self.rank).to(self.device)
             if tied:
@@ -115,7 +122,7 @@ class PipelineParallel(Dimension):
             kind = f"GPT blocks {self.balance}" + (", tied embedding on the first and last stage" if tied else "")
         else:
             model = check_sequential(model)
-            self.balance = self._balance(len(model), "layers")
+            self.balance = self._balance(len(model), "layers", "the nn.Sequential")
             stage = stage_layers(model, self.balance, self.rank).to(self.device)
             kind = f"layers {self.balance}"
         print0(f"pp | {self.size} stages, {kind} | schedule {self.schedule_name} | {self.num_microbatches} "
