@@ -127,6 +127,24 @@ def _tp_rank(env):
             their_loss.backward()
         out[key]["torch_loss"] = abs(their_loss.full_tensor().item() - ref_loss)
         out[key]["torch_grad"] = _max_grad_diff(theirs, ref_grads, group)
+    # the tp dimension as labkit train --mesh tp=2 --sequence-parallel runs it: a step and an evaluation
+    from labkit.strategies.mesh import MeshStrategy
+
+    strategy = MeshStrategy(env, {"mesh": "tp=2", "sequence_parallel": True})
+    strategy.check_model("gpt-tiny")
+    try:
+        strategy.check_model("lenet")
+    except ConfigError as err:
+        out["refused"] = str(err)
+    model = strategy.prepare(_model())
+    x, y = _batch()
+    loss, _ = strategy.forward_backward(model, x, y, torch.nn.CrossEntropyLoss())
+    strategy.sync_gradients(model)
+    with torch.no_grad():
+        full = strategy.forward(model, x)
+        ref_out = _model()(x)
+    out["mesh"] = {"loss": abs(loss.item() - ref_loss), "grad": _max_grad_diff(model, ref_grads, group),
+                   "eval": (full - ref_out).abs().max().item(), "owner": strategy.metric_owner()}
     # 3 SGD steps (momentum), SP, against the single-process model: loss every step, weights after
     ref, model = _model(), parallelize_gpt(_model(), group, sequence_parallel=True)
     criterion, steps = VocabParallelCrossEntropy(group), []
@@ -159,6 +177,10 @@ def test_tp_and_sp_on_two_ranks_equal_single_and_parallelize_module():
             assert res["loss"] < TOL and res["grad"] < TOL, (key, res["loss"], res["grad"])
             assert res["torch_loss"] < TOL and res["torch_grad"] < TOL, (key, res["torch_loss"], res["torch_grad"])
         assert max(r["steps"]) < TOL and r["weights"] < TOL, (r["steps"], r["weights"])
+        assert r["mesh"]["loss"] < TOL and r["mesh"]["grad"] < TOL and r["mesh"]["eval"] < TOL, r["mesh"]
+        assert r["refused"] == ("--mesh tp=2 splits a transformer's attention heads and MLP: it needs --model "
+                                "gpt-tiny|gpt-small|gpt-100m, not lenet")
+    assert [r["mesh"]["owner"] for r in results] == [True, False]  # the tp group's loss counted once
     tp, sp = results[0]["tp"], results[0]["sp"]
     assert results[1]["tp"]["calls"] == tp["calls"] and results[1]["sp"]["calls"] == sp["calls"]
     # without SP, all-reduces only: forward embedding + 2 per block (B·T·C = 1024), the loss's max (B·T = 32)
