@@ -5,7 +5,8 @@ on the same global batch.
 One spawn of 2 ranks (``--mesh pp=2``): a 2-block GPT (d=32, T=16, vocabulary 64, dropout 0) under GPipe and
 1F1B, 3 steps of SGD with momentum (the loss every step, every weight after, both copies of the tied
 embedding, the bytes each stage sends per step as literal numbers), a LeNet's nn.Sequential form, and the bad
-options. One spawn of 4 ranks: the GPT on ``tp=2,pp=2`` (and with ``--sequence-parallel``) and the LeNet on
+options. One spawn of 4 ranks: the GPT on ``tp=2,pp=2`` (and with ``--sequence-parallel``), a 4-block GPT on ``pp=4``
+(middle stages without a copy of the embedding, the embedding group made with ``new_group``) and the LeNet on
 ``dp=2,pp=2``.
 
 Tolerances (float32): the loss of every step within 1e-6 (only the order of the micro-batch and shard sums
@@ -29,9 +30,9 @@ CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dr
 BATCH, STEPS = 8, 3  # global batch, steps of the one epoch
 
 
-def _gpt():
+def _gpt(n_layer=2):
     torch.manual_seed(0)
-    return GPT(CFG)
+    return GPT(CFG.replace(n_layer=n_layer))
 
 
 def _lenet():
@@ -81,11 +82,11 @@ def _full(local, like, group):
     return torch.cat(parts, dim)
 
 
-def _run(env, mesh, kind, dp=1, **options):
+def _run(env, mesh, kind, dp=1, build=None, **options):
     """Train on ``mesh`` and in one process; this rank's results beside the single process's."""
     from labkit.strategies.mesh import MeshStrategy
 
-    build = _gpt if kind == "lm" else _lenet
+    build = build or (_gpt if kind == "lm" else _lenet)
     strategy = MeshStrategy(env, {"mesh": mesh, "num_microbatches": 2, **options})
     stage = strategy.prepare(build())
     got = _fit(strategy, stage, kind)
@@ -95,13 +96,15 @@ def _run(env, mesh, kind, dp=1, **options):
     if kind == "lm":  # parameter names are the whole model's; tp shards gathered back
         ref_state = reference.state_dict()
         weights = {n: (_full(p.detach(), ref_state[n], tp), ref_state[n]) for n, p in stage.named_parameters()}
-        tied = _full(stage.tied_weight().detach(), reference.tok_emb.weight, tp)
+        tied = stage.tied_weight()
+        tied = None if tied is None else _full(tied.detach(), reference.tok_emb.weight, tp)
     else:
         start = sum(pp.balance[:pp.rank])
         mine = reference[start:start + pp.balance[pp.rank]]
         weights = dict(enumerate(zip(stage.parameters(), mine.parameters(), strict=True)))
         tied = None
     return {"got": got, "ref": ref, "weights": weights, "tied": tied, "stage": pp.rank, "balance": pp.balance,
+            "ref_names": [n for n, _ in reference.named_parameters()],
             "owner": strategy.metric_owner(), "data": strategy.data_shard()}
 
 
@@ -122,7 +125,8 @@ def _two_ranks(env):
 def _four_ranks(env):
     return {"tp": _run(env, "tp=2,pp=2", "lm", schedule="gpipe"),
             "tp_sp": _run(env, "tp=2,pp=2", "lm", schedule="1f1b", sequence_parallel=True),
-            "cnn": _run(env, "dp=2,pp=2", "classification", dp=2, schedule="gpipe")}
+            "cnn": _run(env, "dp=2,pp=2", "classification", dp=2, schedule="gpipe"),
+            "pp4": _run(env, "pp=4", "lm", build=lambda: _gpt(n_layer=4), schedule="1f1b", num_microbatches=4)}
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +184,15 @@ def test_gpt_on_tp2_pp2_equals_one_process(four):
         _check(runs, owners=[2])
         _check_tied(runs[0], runs[2])
         _check_tied(runs[1], runs[3])
+
+
+def test_gpt_on_pp4_equals_one_process(four):
+    runs = [r["pp4"] for r in four]
+    assert [r["stage"] for r in runs] == [0, 1, 2, 3] and runs[0]["balance"] == [1, 1, 1, 1]
+    _check(runs, owners=[3])
+    assert runs[1]["tied"] is None and runs[2]["tied"] is None  # middle stages: blocks only
+    assert set(runs[1]["weights"]) == {n for n in runs[0]["ref_names"] if n.startswith("blocks.1.")}
+    _check_tied(runs[0], runs[3])
 
 
 def test_cnn_on_dp2_pp2_equals_one_process_on_the_global_batch(four):
