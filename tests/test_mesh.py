@@ -122,7 +122,13 @@ def _single(kind: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]
 TWO = {"cnn dp=2": ("cnn", {"mesh": "dp=2"}),
        "cnn dp=2 fsdp": ("cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}),
        "gpt dp=2": ("gpt", {"mesh": "dp=2"}),
-       "gpt pp=2": ("gpt", {"mesh": "pp=2", "num_microbatches": 2})}
+       "gpt pp=2": ("gpt", {"mesh": "pp=2", "num_microbatches": 2}),
+       "gpt tp=2": ("gpt", {"mesh": "tp=2"}),
+       "gpt tp=2 sp": ("gpt", {"mesh": "tp=2", "sequence_parallel": True})}
+FOUR = {"gpt dp=2,tp=2": ("gpt", {"mesh": "dp=2,tp=2"}),
+        "gpt dp=2,tp=2 fsdp": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp"}),
+        "gpt tp=2,pp=2": ("gpt", {"mesh": "tp=2,pp=2", "num_microbatches": 2})}
+EIGHT = {"gpt dp=2,tp=2,pp=2": ("gpt", {"mesh": "dp=2,tp=2,pp=2", "num_microbatches": 2})}
 
 
 def _two_ranks(env, out):
@@ -130,7 +136,7 @@ def _two_ranks(env, out):
     offered to a run on another mesh; --dp-shard zero3 refused."""
     from labkit.strategies.mesh import MeshStrategy
 
-    result = {key: _run(env, kind, options) for key, (kind, options) in TWO.items()}
+    result = _runs(env, TWO)
     fsdp = {"mesh": "dp=2", "dp_shard": "fsdp"}
     first = MeshStrategy(env, fsdp)
     _fit(first, first.prepare(_model("cnn")), "cnn", epochs=1, out=out)
@@ -153,6 +159,20 @@ def _two_ranks(env, out):
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
     return run_ranks(_two_ranks, 2, str(tmp_path_factory.mktemp("mesh")), timeout=300)
+
+
+def _runs(env, table):
+    return {key: _run(env, kind, options) for key, (kind, options) in table.items()}
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(_runs, 4, FOUR, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return run_ranks(_runs, 8, EIGHT, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -196,3 +216,13 @@ def test_mesh_checkpoint_resumes_bit_identically_and_another_mesh_is_refused(two
 
 def test_zero3_on_a_mesh_is_refused_naming_fsdp(two):
     assert all(r["zero3"].startswith("--dp-shard zero3: ") and "use --dp-shard fsdp" in r["zero3"] for r in two)
+
+
+@pytest.mark.parametrize("key", list(FOUR))
+def test_four_rank_meshes_equal_one_process(four, single, key):
+    _check_equal([r[key] for r in four], FOUR[key][0], single)
+
+
+def test_dp2_tp2_pp2_on_eight_ranks_equals_one_process(eight, single):
+    key = "gpt dp=2,tp=2,pp=2"
+    _check_equal([r[key] for r in eight], EIGHT[key][0], single)
