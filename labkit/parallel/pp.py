@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from labkit.dist import print0
 from labkit.errors import ConfigError
 from labkit.gpt import GPT_SIZES
+from labkit.model_names import LANGUAGE_MODELS
 from labkit.parallel.base import Dimension
 from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
 from labkit.strategies.gpipe import check_balance, check_sequential, num_microbatches
@@ -96,8 +97,9 @@ class PipelineParallel(Dimension):
     def check(self, model_name: str) -> None:
         """A GPT of a named size is checked now (blocks >= stages, ``--balance`` summing to its blocks); a CNN's
         layers are counted when it is cut."""
-        if self.size > 1 and model_name in GPT_SIZES:
-            self._balance(GPT_SIZES[model_name].n_layer, "blocks", model_name)
+        size = LANGUAGE_MODELS.get(model_name)
+        if self.size > 1 and size is not None:
+            self._balance(GPT_SIZES[size].n_layer, "blocks", model_name)
 
     def _balance(self, num_units: int, unit: str, model_name: str = "the model") -> list[int]:
         """``--balance``, checked against ``num_units`` blocks or layers, or the even split."""

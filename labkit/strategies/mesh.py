@@ -21,6 +21,7 @@ from torch import nn
 
 from labkit.errors import CheckpointError
 from labkit.mesh import MESH_ORDER, build_mesh, check_world, format_mesh, full_shape, parse_mesh
+from labkit.model_names import LANGUAGE_MODELS
 from labkit.parallel import DIMENSIONS, get_dimension
 from labkit.strategies.data_parallel import DataParallelStrategy
 from labkit.strategies.fsdp import load_local_state, local_state
@@ -65,6 +66,8 @@ class MeshStrategy(DataParallelStrategy):
         """Every dimension's :meth:`~labkit.parallel.base.Dimension.check` (ConfigError before any work)."""
         for d in self.dims:
             d.check(model_name)
+        if model_name in LANGUAGE_MODELS:  # pp cuts a GPT by its layer names; only a CNN needs its flat form
+            self.sequential_model = False
 
     # ----- data: shards by the data-parallel coordinates ----------------------------------------------
 
