@@ -85,6 +85,7 @@ class PipelineParallel(Dimension):
         self.balance: list[int] | None = None
         self.embedding_group: dist.ProcessGroup | None = None
         self._tied_name: str | None = None
+        self._tied: nn.Parameter | None = None
 
     @property
     def is_first(self) -> bool:
@@ -168,7 +169,9 @@ class PipelineParallel(Dimension):
         """Sum the tied embedding's gradient over the embedding group (first and last stage); nothing else."""
         if self._tied_name is None:
             return
-        grad = next(p.grad for name, p in model.named_parameters() if name.endswith(self._tied_name))
+        if self._tied is None:  # found once, by name: dp may have wrapped or sharded the stage since the cut
+            self._tied = next(p for name, p in model.named_parameters() if name.endswith(self._tied_name))
+        grad = self._tied.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor under a sharded dp
         dist.all_reduce(local, group=self.embedding_group)
 
