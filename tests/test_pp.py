@@ -226,3 +226,12 @@ def test_bad_pp_options_are_one_clear_line_before_any_work(two):
         "--schedule 1f1b needs --num-microbatches >= the number of stages (pp=2), got 1",
         "--balance 1 gives 1 stage(s) but pp=2; give one count per stage",
         "--balance 2 1 sums to 3 but the model has 2 layers; give layer counts that add up to 2"]
+
+
+def test_pp_flags_literal_agrees_with_the_schedules():
+    from labkit.flags import read_flags
+    from labkit.parallel import pp
+    from labkit.strategies.pipeline_stages import SCHEDULES
+
+    assert read_flags("labkit.parallel.pp") == tuple(pp.FLAGS)
+    assert tuple(next(f["choices"] for f in pp.FLAGS if f["flag"] == "--schedule")) == tuple(SCHEDULES)

@@ -60,8 +60,6 @@ class PipelineParallel(Dimension):
     """Stage ``rank`` of this ``pp`` column's ``size``-stage pipeline."""
 
     name = "pp"
-    #: a CNN must be built as a flat nn.Sequential to be cut (labkit.models.get_model(..., sequential=True))
-    sequential_model = True
 
     def __init__(self, mesh: DeviceMesh, options: dict):
         super().__init__(mesh, options)
