@@ -59,15 +59,15 @@ class MeshStrategy(DataParallelStrategy):
         self.mesh = build_mesh(self.shape, env.device.type) if env.distributed else None
         self.dims = [cls(self.mesh, self.options) for cls in classes]
         self.pipeline = next((d for d in self.dims if d.name == "pp"), None)
-        self.sequential_model = self.pipeline is not None  # a CNN is cut into stages as a flat nn.Sequential
+        self.sequential_model = False  # check_model: a CNN on a pipeline is built as a flat nn.Sequential
         self._criteria: dict[int, nn.Module] = {}
 
     def check_model(self, model_name: str) -> None:
         """Every dimension's :meth:`~labkit.parallel.base.Dimension.check` (ConfigError before any work)."""
         for d in self.dims:
             d.check(model_name)
-        if model_name in LANGUAGE_MODELS:  # pp cuts a GPT by its layer names; only a CNN needs its flat form
-            self.sequential_model = False
+        # pp cuts a GPT by its layer names, any other model as the flat nn.Sequential it is then built as
+        self.sequential_model = self.pipeline is not None and model_name not in LANGUAGE_MODELS
 
     # ----- data: shards by the data-parallel coordinates ----------------------------------------------
 
