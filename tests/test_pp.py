@@ -123,7 +123,13 @@ def _two_ranks(env):
 
 
 def _four_ranks(env):
-    return {"tp": _run(env, "tp=2,pp=2", "lm", schedule="gpipe"),
+    from labkit.mesh import build_mesh
+
+    try:
+        PipelineParallel(build_mesh({"cp": 2, "pp": 2}), {}).check("gpt-tiny")
+    except ConfigError as exc:
+        refused = str(exc)
+    return {"refused": refused, "tp": _run(env, "tp=2,pp=2", "lm", schedule="gpipe"),
             "tp_sp": _run(env, "tp=2,pp=2", "lm", schedule="1f1b", sequence_parallel=True),
             "cnn": _run(env, "dp=2,pp=2", "classification", dp=2, schedule="gpipe"),
             "pp4": _run(env, "pp=4", "lm", build=lambda: _gpt(n_layer=4), schedule="1f1b", num_microbatches=4)}
@@ -235,3 +241,8 @@ def test_pp_flags_literal_agrees_with_the_schedules():
 
     assert read_flags("labkit.parallel.pp") == tuple(pp.FLAGS)
     assert tuple(next(f["choices"] for f in pp.FLAGS if f["flag"] == "--schedule")) == tuple(SCHEDULES)
+
+
+def test_pp_with_cp_is_refused(four):
+    assert [r["refused"] for r in four] == ["--mesh pp=2 with cp > 1 is not supported: a pipeline stage computes the "
+                                            "positions itself, not cp's; use pp or cp"] * 4

@@ -95,7 +95,11 @@ class PipelineParallel(Dimension):
 
     def check(self, model_name: str) -> None:
         """A GPT of a named size is checked now (blocks >= stages, ``--balance`` summing to its blocks); a CNN's
-        layers are counted when it is cut."""
+        layers are counted when it is cut. Context parallelism is refused: its ranks hold tokens at other positions
+        than 0..T/cp-1, given to the whole GPT's forward, and a stage computes its own positions."""
+        if self.size > 1 and self.mesh.size(self.mesh.mesh_dim_names.index("cp")) > 1:
+            raise ConfigError(f"--mesh pp={self.size} with cp > 1 is not supported: a pipeline stage computes the "
+                              "positions itself, not cp's; use pp or cp")
         size = LANGUAGE_MODELS.get(model_name)
         if self.size > 1 and size is not None:
             self._balance(GPT_SIZES[size].n_layer, "blocks", model_name)
