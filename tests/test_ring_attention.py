@@ -1,0 +1,137 @@
+"""Ring attention: the KV ring as data, the online-softmax merge, the zig-zag split, and the real ring at
+cp = 2, 3, 4 against single-device ``scaled_dot_product_attention`` (one 4-rank spawn)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.collectives.kv_ring import Block, KVTransfer, kv_ring
+from labkit.errors import ConfigError
+from labkit.parallel.ring_attention import attend, attend_backward, merge, positions, shard, unshard
+from labkit.testing import run_ranks
+
+#: float64 everywhere: the ring's result differs from SDPA only by rounding, well inside this
+TOL = dict(rtol=1e-9, atol=1e-10)
+
+
+def test_the_ring_as_data():
+    ring = kv_ring(3, causal=True, layout="zigzag")
+    assert [ring.chunks_of(r) for r in range(3)] == [(0, 5), (1, 4), (2, 3)]
+    assert ring.forward_steps == [
+        (KVTransfer(0, 1, 0), KVTransfer(1, 2, 1), KVTransfer(2, 0, 2)),
+        (KVTransfer(0, 1, 2), KVTransfer(1, 2, 0), KVTransfer(2, 0, 1))]
+    back = ring.backward_steps
+    assert len(back) == 3 and back[0][0] == KVTransfer(0, 1, 0, ("k", "v", "dk", "dv"))
+    assert back[2] == (KVTransfer(0, 1, 1, ("dk", "dv")), KVTransfer(1, 2, 2, ("dk", "dv")),
+                       KVTransfer(2, 0, 0, ("dk", "dv")))  # the last hop: every dK/dV reaches its owner
+    # rank 1 at steps 0, 1, 2 holds the K/V of ranks 1, 0, 2
+    assert ring.blocks(1, 0) == [Block((1, 4), (1, 4), True)]
+    assert ring.blocks(1, 1) == [Block((1, 4), (0,), False)]     # an earlier rank: all queries, its first chunk
+    assert ring.blocks(1, 2) == [Block((4,), (2, 3), False)]     # a later rank: the late queries, both chunks
+    plain = kv_ring(3, causal=True, layout="contiguous")
+    assert plain.blocks(0, 1) == [] and plain.blocks(2, 1) == [Block((2,), (1,), False)]
+    assert kv_ring(2, causal=False, layout="contiguous").blocks(0, 1) == [Block((0,), (1,), False)]
+    assert ring.describe_step(1) == ("step 1 of 2: rank 0 sends k, v of rank 0 to rank 1, rank 1 sends k, v of "
+                                     "rank 1 to rank 2, rank 2 sends k, v of rank 2 to rank 0")
+
+
+def test_causal_work_per_rank_with_and_without_zigzag():
+    # score entries per batch row and head for T = 16 on 4 ranks: the contiguous split leaves rank 0 with a
+    # quarter of the last rank's work; the zig-zag split gives each rank the same (the totals match)
+    assert kv_ring(4, layout="contiguous").work(16) == [16, 32, 48, 64]
+    assert kv_ring(4, layout="zigzag").work(16) == [40, 40, 40, 40]
+    assert kv_ring(4, causal=False, layout="zigzag").work(16) == [64, 64, 64, 64]
+
+
+def test_bytes_per_layer_equal_the_formula():
+    # B=2, T=16, width C=32, fp32 on cp=2: one tensor on the wire is 2*8*32*4 = 2048 bytes; forward 1 step of
+    # K+V, backward 1 step of K+V+dK+dV and one of dK+dV: (6p - 4) tensors = 8 -> 16384 bytes per layer
+    assert kv_ring(2).bytes_sent(batch=2, seq_len=16, width=32, itemsize=4) == 16384
+    assert kv_ring(4).bytes_sent(batch=2, seq_len=16, width=32, itemsize=4) == 20 * 2 * 4 * 32 * 4 == 20480
+
+
+def test_lengths_that_do_not_split_are_rejected_with_the_valid_ones():
+    with pytest.raises(ConfigError, match="a length of 15 does not split; use a multiple of 4, e.g. 12 or 16"):
+        kv_ring(2).check_length(15)
+    with pytest.raises(ConfigError, match="use a multiple of 6, e.g. 6$"):
+        kv_ring(3).check_length(4)
+    with pytest.raises(ConfigError, match="unknown context-parallel layout 'striped'"):
+        kv_ring(2, layout="striped")
+
+
+def test_zigzag_split_positions_and_inverse():
+    ring = kv_ring(2)
+    assert positions(ring, 0, 2).tolist() == [0, 1, 6, 7]
+    assert positions(ring, 1, 2).tolist() == [2, 3, 4, 5]
+    x = torch.arange(16).view(2, 8)
+    parts = [shard(x, ring, r, 1) for r in range(2)]
+    assert parts[1].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert torch.equal(unshard(parts, ring, 1), x)
+
+
+def test_two_partial_results_merge_into_the_full_softmax_and_their_gradients_add_up():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    scale = 0.5
+    full = F.scaled_dot_product_attention(q, k, v, scale=scale)
+    o1, l1 = attend(q, k[..., :2, :], v[..., :2, :], scale)
+    o2, l2 = attend(q, k[..., 2:, :], v[..., 2:, :], scale)
+    out, lse = merge(o1, l1, o2, l2)
+    torch.testing.assert_close(out, full, **TOL)
+    torch.testing.assert_close(lse, torch.logsumexp(q @ k.transpose(-2, -1) * scale, -1), **TOL)
+    dout = torch.randn(full.shape, generator=g, dtype=torch.float64)
+    want = torch.autograd.grad(full, (q, k, v), dout)
+    delta = (dout * out).sum(-1)
+    with torch.no_grad():
+        a = attend_backward(q, k[..., :2, :], v[..., :2, :], dout, lse, delta, scale)
+        b = attend_backward(q, k[..., 2:, :], v[..., 2:, :], dout, lse, delta, scale)
+    torch.testing.assert_close(a[0] + b[0], want[0], **TOL)
+    torch.testing.assert_close(torch.cat([a[1], b[1]], 2), want[1], **TOL)
+    torch.testing.assert_close(torch.cat([a[2], b[2]], 2), want[2], **TOL)
+
+
+def _ring_vs_sdpa(env, seq_len):
+    """On every subgroup of 2, 3 and 4 ranks: ring attention, causal and not, zig-zag and contiguous; return
+    per case this rank's output and gradient shards, and what it counted."""
+    import torch.distributed as dist
+
+    from labkit.parallel.ring_attention import RingStats, ring_attention
+
+    groups = {n: dist.new_group(list(range(n))) for n in (2, 3, 4)}  # every rank creates every group
+    g = torch.Generator().manual_seed(1)
+    q, k, v, w = (torch.randn(2, 2, seq_len, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    results = {}
+    for n, group in groups.items():
+        if env.rank >= n:
+            continue
+        for causal in (True, False):
+            for layout in ("zigzag", "contiguous"):
+                ring = kv_ring(n, causal, layout)
+                mine = [shard(t, ring, env.rank, 2).requires_grad_() for t in (q, k, v)]
+                stats = RingStats()
+                out = ring_attention(*mine, ring, group, stats=stats)
+                (out * shard(w, ring, env.rank, 2)).sum().backward()
+                results[n, causal, layout] = (out.detach(), *(t.grad for t in mine), stats)
+    return results
+
+
+def test_ring_attention_equals_sdpa_at_cp_2_3_4():
+    seq_len = 24  # splits into 2 * cp chunks for cp = 2, 3, 4
+    per_rank = run_ranks(_ring_vs_sdpa, 4, seq_len)
+    g = torch.Generator().manual_seed(1)
+    q, k, v, w = (torch.randn(2, 2, seq_len, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    for causal in (True, False):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        want = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
+        (want * w).sum().backward()
+        for n in (2, 3, 4):
+            for layout in ("zigzag", "contiguous"):
+                ring = kv_ring(n, causal, layout)
+                got = [unshard([per_rank[r][n, causal, layout][i] for r in range(n)], ring, 2) for i in range(4)]
+                for mine, ref in zip(got, (want, q_.grad, k_.grad, v_.grad)):
+                    torch.testing.assert_close(mine, ref, **TOL)
+    # measured on the ranks: causal work per rank (score entries per batch row and head, T = 24, cp = 4)
+    assert [per_rank[r][4, True, "contiguous"][4].score_entries for r in range(4)] == [36, 72, 108, 144]
+    assert [per_rank[r][4, True, "zigzag"][4].score_entries for r in range(4)] == [90, 90, 90, 90]
+    # bytes each rank sent: (6p - 4) tensors of B*H*(T/p)*D float64 = 20 * 2*2*6*4 * 8 bytes at cp = 4
+    assert {per_rank[r][4, True, "zigzag"][4].bytes_sent for r in range(4)} == {15360}
+    assert {per_rank[r][3, False, "zigzag"][4].bytes_sent for r in range(3)} == {14 * 2 * 2 * 8 * 4 * 8} == {14336}
