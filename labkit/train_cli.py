@@ -1,4 +1,4 @@
-"""``labkit train``: command-line front of :func:`labkit.train.run`.
+"""``labkit train``: command-line front of :func:`labkit.train_run.run`.
 
 The parser reads ``--strategy`` and ``--optimizer`` first, then adds only that strategy's flags (its
 module's ``FLAGS``, see :mod:`labkit.flags`) and that optimizer's (``labkit.optim.OPTIMIZERS``). A flag of
@@ -192,7 +192,7 @@ def add_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
-    from labkit.train import TrainConfig
+    from labkit.train_run import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
@@ -203,7 +203,7 @@ def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
 
 def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
     from labkit.faults.watchdog import start_for_training
-    from labkit.train import run
+    from labkit.train_run import run
 
     start_for_training(args.watchdog, args.timeout_s)
     run(config_from_args(args, owned))

@@ -1,6 +1,6 @@
 """The strategy interface: where the model and data live, how gradients meet, what a checkpoint holds.
 
-A strategy never runs its own training loop; :func:`labkit.train.run` and :func:`labkit.train.fit` call::
+A strategy never runs its own training loop; :func:`labkit.train_run.run` and :func:`labkit.train.fit` call::
 
     model = strategy.prepare(model)
     optimizer, preconditioner = strategy.build_optimizer(model, spec)
