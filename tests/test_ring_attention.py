@@ -135,3 +135,17 @@ def test_ring_attention_equals_sdpa_at_cp_2_3_4():
     # bytes each rank sent: (6p - 4) tensors of B*H*(T/p)*D float64 = 20 * 2*2*6*4 * 8 bytes at cp = 4
     assert {per_rank[r][4, True, "zigzag"][4].bytes_sent for r in range(4)} == {15360}
     assert {per_rank[r][3, False, "zigzag"][4].bytes_sent for r in range(3)} == {14 * 2 * 2 * 8 * 4 * 8} == {14336}
+
+
+def test_the_animation_draws_the_ring_and_who_computes_each_block():
+    from labkit.viz.kv_ring import KVRingView
+
+    view = KVRingView(kv_ring(4, layout="contiguous"))
+    ranks = [r for r, _ in view.computed_by().values()]
+    assert [ranks.count(r) for r in range(4)] == [1, 2, 3, 4]  # the lower triangle of 4 x 4 chunk blocks
+    zigzag = KVRingView(kv_ring(4, layout="zigzag"))
+    ranks = [r for r, _ in zigzag.computed_by().values()]
+    assert [ranks.count(r) for r in range(4)] == [9, 9, 9, 9]  # 36 of the 8 x 8 blocks on or below the diagonal
+    assert zigzag.png(3).startswith(b"\x89PNG") and zigzag.num_frames == 4
+    with pytest.raises(ConfigError, match="step 4 is outside 0..3"):
+        zigzag.draw(4)
