@@ -145,7 +145,16 @@ class MeshStrategy(DataParallelStrategy):
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         saved = state.get("mesh")
         if saved != self.mesh_key():
-            written = format_mesh(saved) if isinstance(saved, dict) else "no mesh"
+            written = _describe(saved) if isinstance(saved, dict) else "no mesh"
             raise CheckpointError(f"it was written on --mesh {written} but this run has --mesh "
-                                  f"{format_mesh(self.shape)}; resume with --mesh {written} or start without --resume")
+                                  f"{_describe(self.mesh_key())}; resume with --mesh {written} or start without "
+                                  "--resume")
         load_local_state(model, optimizer, state)
+
+
+def _describe(key: dict) -> str:
+    """``{"dp": 2, "dp_shard": "fsdp", "tp": 1, ...}`` -> ``"dp=2 --dp-shard fsdp"`` (options at their default
+    ``none``/``False`` left out)."""
+    options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in key.items()
+               if k not in MESH_ORDER and v not in (None, False, "none")]
+    return " ".join([format_mesh(key), *options])
