@@ -1,13 +1,16 @@
-"""The mesh's cp dimension (labkit.parallel.cp) through labkit.strategies.mesh: a GPT whose sequences are split over
-the ranks trains step for step like one process on the whole batch.
+"""Context parallelism over real ranks, in one spawn of 4 gloo ranks: ring attention against single-device
+``scaled_dot_product_attention`` at cp = 2, 3, 4 (subgroups), the work and bytes each rank counted, activation
+memory per rank against the formula, and the mesh's cp dimension (labkit.parallel.cp) through
+labkit.strategies.mesh: a GPT on ``--mesh dp=2,cp=2`` (zig-zag and contiguous) steps like one process on the
+whole batch; the refusals of a model, a length and a dropout cp cannot take.
 
-One spawn of 2 gloo ranks (``--mesh cp=2``, zig-zag and contiguous layouts): a 2-block GPT (d=32, T=16,
-vocabulary 64, dropout 0) for 3 SGD-with-momentum steps, driven by the MeshStrategy's per-step hooks in the order
-``labkit.train.train_step`` calls them (the loop's metrics still assume classification), then evaluation's whole
-logits; the refusals of a model and a length cp cannot take. The oracle: the same steps in one process.
+The GPT: 2 blocks, d=32, T=16, vocabulary 64, dropout 0, 3 SGD-with-momentum steps driven by the MeshStrategy's
+per-step hooks in the order ``labkit.train.train_step`` calls them (the loop's metrics still assume
+classification), then evaluation's whole logits. The oracle: the same steps in one process on the whole batch.
 
-Tolerances (float32): the loss of every step within 1e-6 (the sum over the ranks' tokens is regrouped), the
-weights after the last step within 1e-5.
+Tolerances: ring attention in float64 within 1e-9 relative / 1e-10 absolute of SDPA (rounding only); the GPT in
+float32, the loss of every step within 1e-6 (the sum over the ranks' tokens is regrouped), the weights after the
+last step and the logits within 1e-5.
 """
 import copy
 
@@ -15,9 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from labkit.collectives.kv_ring import kv_ring
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
 from labkit.gpt import GPT, GPTConfig
+from labkit.parallel.cp_memory import activation_bytes
+from labkit.parallel.ring_attention import shard, unshard
 from labkit.strategies.base import Strategy
 from labkit.testing import run_ranks
 
@@ -71,12 +77,63 @@ def _run(env, mesh, options=None):
             "weights": {k: (v, ref_state[k]) for k, v in model.state_dict().items()}}
 
 
-def _two_ranks(env):
+def _ring_vs_sdpa(env, groups, seq_len):
+    """On every subgroup of 2, 3 and 4 ranks: ring attention, causal and not, zig-zag and contiguous; per case
+    this rank's output and gradient shards, and what it counted."""
+    from labkit.parallel.ring_attention import RingStats, ring_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v, w = (torch.randn(2, 2, seq_len, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    results = {}
+    for n, group in groups.items():
+        if env.rank >= n:
+            continue
+        for causal in (True, False):
+            for layout in ("zigzag", "contiguous"):
+                ring = kv_ring(n, causal, layout)
+                mine = [shard(t, ring, env.rank, 2).requires_grad_() for t in (q, k, v)]
+                stats = RingStats()
+                out = ring_attention(*mine, ring, group, stats=stats)
+                (out * shard(w, ring, env.rank, 2)).sum().backward()
+                results[n, causal, layout] = (out.detach(), *(t.grad for t in mine), stats)
+    return results
+
+
+def _memory(env, groups):
+    """Saved-tensor bytes of one forward of the GPT (batch 2) on this rank, at T = 16, 32 and cp = 1, 2, 4."""
+    from labkit.parallel.cp import RingSelfAttention
+    from labkit.parallel.cp_memory import saved_tensor_bytes
+    from labkit.parallel.ring_attention import positions
+
+    out = {}
+    for seq_len in (16, 32):
+        g = torch.Generator().manual_seed(2)
+        x, y = (torch.randint(0, CFG.vocab_size, (2, seq_len), generator=g) for _ in range(2))
+        for cp in (1, 2, 4):
+            model = GPT(CFG.replace(block_size=seq_len))
+            xs, ys, pos = x, y, None
+            if cp > 1:
+                if env.rank >= cp:
+                    continue
+                ring = kv_ring(cp)
+                for block in model.blocks:
+                    block.attn = RingSelfAttention(block.attn, ring, groups[cp])
+                xs, ys = shard(x, ring, env.rank, 1), shard(y, ring, env.rank, 1)
+                pos = positions(ring, env.rank, seq_len // (2 * cp))
+            out[seq_len, cp] = saved_tensor_bytes(lambda: lm_loss(model(xs, pos), ys), model.parameters())
+    return out
+
+
+def _four_ranks(env):
+    import torch.distributed as dist
+
     from labkit.strategies.mesh import MeshStrategy
 
-    out = {layout: _run(env, "cp=2", {"cp_layout": layout}) for layout in ("zigzag", "contiguous")}
+    groups = {n: dist.new_group(list(range(n))) for n in (2, 3, 4)}  # every rank creates every group
+    out = {"sdpa": _ring_vs_sdpa(env, groups, 24), "memory": _memory(env, groups)}
+    out.update({layout: _run(env, "dp=2,cp=2", {"cp_layout": layout}) for layout in ("zigzag", "contiguous")})
     refused = []
-    strategy = MeshStrategy(env, {"mesh": "cp=2"})
+    strategy = MeshStrategy(env, {"mesh": "dp=2,cp=2"})
     for attempt in (lambda: strategy.check_model("lenet"), lambda: strategy.prepare(GPT(CFG.replace(block_size=18))),
                     lambda: strategy.prepare(GPT(CFG.replace(dropout=0.1)))):
         try:
@@ -88,8 +145,43 @@ def _two_ranks(env):
 
 
 @pytest.fixture(scope="module")
-def two():
-    return run_ranks(_two_ranks, 2, timeout=300)
+def four():
+    return run_ranks(_four_ranks, 4, timeout=300)
+
+
+def test_ring_attention_equals_sdpa_at_cp_2_3_4(four):
+    seq_len = 24  # splits into 2 * cp chunks for cp = 2, 3, 4
+    g = torch.Generator().manual_seed(1)
+    q, k, v, w = (torch.randn(2, 2, seq_len, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    for causal in (True, False):
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        want = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
+        (want * w).sum().backward()
+        for n in (2, 3, 4):
+            for layout in ("zigzag", "contiguous"):
+                ring = kv_ring(n, causal, layout)
+                got = [unshard([four[r]["sdpa"][n, causal, layout][i] for r in range(n)], ring, 2) for i in range(4)]
+                for mine, ref in zip(got, (want, q_.grad, k_.grad, v_.grad)):
+                    torch.testing.assert_close(mine, ref, rtol=1e-9, atol=1e-10)
+
+
+def test_work_and_bytes_counted_on_the_ranks(four):
+    def counted(n, causal, layout, field):
+        return [getattr(four[r]["sdpa"][n, causal, layout][4], field) for r in range(n)]
+    # causal work per rank (score entries per batch row and head, T = 24, cp = 4): the zig-zag split evens it
+    assert counted(4, True, "contiguous", "score_entries") == [36, 72, 108, 144]
+    assert counted(4, True, "zigzag", "score_entries") == [90, 90, 90, 90]
+    # bytes each rank sent: (6p - 4) tensors of B*H*(T/p)*D float64 = 20 * 2*2*6*4 * 8 bytes at cp = 4
+    assert counted(4, True, "zigzag", "bytes_sent") == [15360] * 4
+    assert counted(3, False, "zigzag", "bytes_sent") == [14 * 2 * 2 * 8 * 4 * 8] * 3 == [14336] * 3
+
+
+def test_activation_memory_per_rank_falls_as_one_over_cp(four):
+    measured = four[0]["memory"]
+    assert measured == {(16, 1): 149892, (16, 2): 74948, (16, 4): 37476,
+                        (32, 1): 299780, (32, 2): 149892, (32, 4): 74948}
+    assert {key: activation_bytes(CFG, 2, *key) for key in measured} == measured
+    assert four[3]["memory"] == {(16, 1): 149892, (16, 4): 37476, (32, 1): 299780, (32, 4): 74948}  # as rank 0
 
 
 def _check_equal(per_rank, ranks):
@@ -104,13 +196,13 @@ def _check_equal(per_rank, ranks):
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_gpt_on_cp2_equals_one_process(two, layout):
-    _check_equal([rank[layout] for rank in two], range(2))
-    assert len(two[0][layout]["weights"]) == 37  # the GPT's own names (2 + 2 x 16 + 3): none added, none lost
+def test_gpt_on_dp2_cp2_equals_one_process(four, layout):
+    _check_equal([rank[layout] for rank in four], range(4))
+    assert len(four[0][layout]["weights"]) == 37  # the GPT's own names (2 + 2 x 16 + 3): none added, none lost
 
 
-def test_cp_refuses_what_it_cannot_split(two):
-    lenet, length, dropout = two[0]["refused"]
+def test_cp_refuses_what_it_cannot_split(four):
+    lenet, length, dropout = four[0]["refused"]
     assert "--mesh cp=2 splits the sequences of a transformer; it needs --model gpt-tiny" in lenet
     assert "a length of 18 does not split; use a multiple of 4, e.g. 16 or 20" in length
     assert "ring attention has no attention dropout" in dropout

@@ -1,5 +1,6 @@
-"""Ring attention: the KV ring as data, the online-softmax merge, the zig-zag split, and the real ring at
-cp = 2, 3, 4 against single-device ``scaled_dot_product_attention`` (one 4-rank spawn)."""
+"""Ring attention in one process: the KV ring as data (chunks, blocks, sends, work and byte counts), the
+online-softmax merge and its backward, the zig-zag split, the animation. The ring over real ranks against
+single-device ``scaled_dot_product_attention`` at cp = 2, 3, 4 is in tests/test_cp.py (its one 4-rank spawn)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,7 +8,6 @@ import torch.nn.functional as F
 from labkit.collectives.kv_ring import Block, KVTransfer, kv_ring
 from labkit.errors import ConfigError
 from labkit.parallel.ring_attention import attend, attend_backward, merge, positions, shard, unshard
-from labkit.testing import run_ranks
 
 #: float64 everywhere: the ring's result differs from SDPA only by rounding, well inside this
 TOL = dict(rtol=1e-9, atol=1e-10)
@@ -87,54 +87,6 @@ def test_two_partial_results_merge_into_the_full_softmax_and_their_gradients_add
     torch.testing.assert_close(a[0] + b[0], want[0], **TOL)
     torch.testing.assert_close(torch.cat([a[1], b[1]], 2), want[1], **TOL)
     torch.testing.assert_close(torch.cat([a[2], b[2]], 2), want[2], **TOL)
-
-
-def _ring_vs_sdpa(env, seq_len):
-    """On every subgroup of 2, 3 and 4 ranks: ring attention, causal and not, zig-zag and contiguous; return
-    per case this rank's output and gradient shards, and what it counted."""
-    import torch.distributed as dist
-
-    from labkit.parallel.ring_attention import RingStats, ring_attention
-
-    groups = {n: dist.new_group(list(range(n))) for n in (2, 3, 4)}  # every rank creates every group
-    g = torch.Generator().manual_seed(1)
-    q, k, v, w = (torch.randn(2, 2, seq_len, 4, generator=g, dtype=torch.float64) for _ in range(4))
-    results = {}
-    for n, group in groups.items():
-        if env.rank >= n:
-            continue
-        for causal in (True, False):
-            for layout in ("zigzag", "contiguous"):
-                ring = kv_ring(n, causal, layout)
-                mine = [shard(t, ring, env.rank, 2).requires_grad_() for t in (q, k, v)]
-                stats = RingStats()
-                out = ring_attention(*mine, ring, group, stats=stats)
-                (out * shard(w, ring, env.rank, 2)).sum().backward()
-                results[n, causal, layout] = (out.detach(), *(t.grad for t in mine), stats)
-    return results
-
-
-def test_ring_attention_equals_sdpa_at_cp_2_3_4():
-    seq_len = 24  # splits into 2 * cp chunks for cp = 2, 3, 4
-    per_rank = run_ranks(_ring_vs_sdpa, 4, seq_len)
-    g = torch.Generator().manual_seed(1)
-    q, k, v, w = (torch.randn(2, 2, seq_len, 4, generator=g, dtype=torch.float64) for _ in range(4))
-    for causal in (True, False):
-        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
-        want = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal)
-        (want * w).sum().backward()
-        for n in (2, 3, 4):
-            for layout in ("zigzag", "contiguous"):
-                ring = kv_ring(n, causal, layout)
-                got = [unshard([per_rank[r][n, causal, layout][i] for r in range(n)], ring, 2) for i in range(4)]
-                for mine, ref in zip(got, (want, q_.grad, k_.grad, v_.grad)):
-                    torch.testing.assert_close(mine, ref, **TOL)
-    # measured on the ranks: causal work per rank (score entries per batch row and head, T = 24, cp = 4)
-    assert [per_rank[r][4, True, "contiguous"][4].score_entries for r in range(4)] == [36, 72, 108, 144]
-    assert [per_rank[r][4, True, "zigzag"][4].score_entries for r in range(4)] == [90, 90, 90, 90]
-    # bytes each rank sent: (6p - 4) tensors of B*H*(T/p)*D float64 = 20 * 2*2*6*4 * 8 bytes at cp = 4
-    assert {per_rank[r][4, True, "zigzag"][4].bytes_sent for r in range(4)} == {15360}
-    assert {per_rank[r][3, False, "zigzag"][4].bytes_sent for r in range(3)} == {14 * 2 * 2 * 8 * 4 * 8} == {14336}
 
 
 def test_the_animation_draws_the_ring_and_who_computes_each_block():
