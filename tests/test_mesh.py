@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labkit.dist import DistEnv
-from labkit.errors import CheckpointError
+from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.base import Strategy
 from labkit.testing import run_ranks
 
@@ -91,7 +91,7 @@ def _single() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def _two_ranks(env, out):
     """On each of 2 ranks: the CNN on dp=2 and on dp=2 --dp-shard fsdp; an fsdp run cut after one epoch and
-    resumed; that checkpoint offered to a run on another mesh."""
+    resumed; that checkpoint offered to a run on another mesh; --dp-shard zero3 refused."""
     from labkit.strategies.mesh import MeshStrategy
 
     result = {}
@@ -108,6 +108,10 @@ def _two_ranks(env, out):
     model = again.prepare(_cnn())
     _fit(again, model, start_epoch=1, out=out, resume=True)
     result["resumed"] = _weights(model)
+    try:
+        MeshStrategy(env, {"mesh": "dp=2", "dp_shard": "zero3"}).check_model("lenet")
+    except ConfigError as exc:
+        result["zero3"] = str(exc)
     other = MeshStrategy(env, {"mesh": "dp=2"})
     try:
         _fit(other, other.prepare(_cnn()), start_epoch=1, out=out, resume=True)
@@ -144,3 +148,7 @@ def test_mesh_checkpoint_resumes_bit_identically_and_another_mesh_is_refused(two
         for w, s in zip(r["resumed"], r["fsdp"]["weights"], strict=True):
             assert torch.equal(w, s)
         assert "--mesh dp=2 --dp-shard fsdp" in r["mismatch"] and "this run has --mesh dp=2;" in r["mismatch"]
+
+
+def test_zero3_on_a_mesh_is_refused_naming_fsdp(two):
+    assert all(r["zero3"].startswith("--dp-shard zero3: ") and "use --dp-shard fsdp" in r["zero3"] for r in two)
