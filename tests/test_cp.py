@@ -1,22 +1,25 @@
 """Context parallelism over real ranks, in one spawn of 4 gloo ranks: ring attention against single-device
 ``scaled_dot_product_attention`` at cp = 2, 3, 4 (subgroups), the work and bytes each rank counted, activation
 memory per rank against the formula, and the mesh's cp dimension (labkit.parallel.cp) through
-labkit.strategies.mesh: a GPT on ``--mesh dp=2,cp=2`` (zig-zag and contiguous) steps like one process on the
-whole batch; the refusals of a model, a length and a dropout cp cannot take.
+labkit.strategies.mesh: a GPT on ``--mesh dp=2,cp=2`` (zig-zag and contiguous) and on ``cp=2,tp=2`` through
+``labkit.train.fit`` steps like one process through ``fit`` on the whole batch; the refusals of a model, a length
+and a dropout cp cannot take.
 
-The GPT: 2 blocks, d=32, T=16, vocabulary 64, dropout 0, 3 SGD-with-momentum steps driven by the MeshStrategy's
-per-step hooks in the order ``labkit.train.train_step`` calls them (the loop's metrics still assume
-classification), then evaluation's whole logits. The oracle: the same steps in one process on the whole batch.
+The GPT: 2 blocks, d=32, T=16, vocabulary 64, dropout 0; the LM task, momentum SGD, one epoch of 3 steps of a
+global batch of 4 sequences, then evaluation (the logits gathered over cp and tp). The oracle: ``fit`` in one
+process on the same global batches. Compared: the loss of every step (the mean of the ranks' losses), the
+epoch's train/test loss and perplexity as the loop sums them, every weight after the last step.
 
 Tolerances: ring attention in float64 within 1e-9 relative / 1e-10 absolute of SDPA (rounding only); the GPT in
 float32, the loss of every step within 1e-6 (the sum over the ranks' tokens is regrouped), the weights after the
-last step and the logits within 1e-5.
+last step within 1e-5, the epoch's records within 1e-6 relative.
 """
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from labkit.collectives.kv_ring import kv_ring
 from labkit.dist import DistEnv
@@ -28,37 +31,45 @@ from labkit.strategies.base import Strategy
 from labkit.testing import run_ranks
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
-BATCH, STEPS = 4, 3
+GLOBAL_BATCH, STEPS, SEED = 4, 3, 5
 
 
 def lm_loss(logits, y):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())  # (B, T, V), (B, T): mean over B*T tokens
 
 
-def _tokens():
+def _data():
     g = torch.Generator().manual_seed(7)
-    return [(torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g),
-             torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size), generator=g)) for _ in range(STEPS)]
+    tokens = torch.randint(0, CFG.vocab_size, (STEPS * GLOBAL_BATCH + 4, CFG.block_size + 1), generator=g)
+    pairs = TensorDataset(tokens[:, :-1], tokens[:, 1:])  # next-token targets
+    return Subset(pairs, range(STEPS * GLOBAL_BATCH)), Subset(pairs, range(STEPS * GLOBAL_BATCH, len(pairs)))
 
 
-def _steps(strategy, model):
-    """train_step's order: zero_grad, forward_backward, sync_gradients, optimizer.step; this rank's losses, on
-    its data shard of each global batch."""
-    shards, index = strategy.data_shard() if hasattr(strategy, "data_shard") else (1, 0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for x, y in _tokens():
-        x, y = x.chunk(shards)[index], y.chunk(shards)[index]
-        opt.zero_grad(set_to_none=True)
-        loss, _ = strategy.forward_backward(model, x, y, lm_loss)
-        strategy.sync_gradients(model)
-        opt.step()
+def _fit(strategy, model):
+    """labkit.train.fit as ``labkit train`` runs it (the LM task, momentum SGD, 1 epoch of 3 steps, evaluation);
+    this rank's loss of every step and the epoch's record."""
+    from labkit.tasks import get_task
+    from labkit.train import fit
+
+    losses, inner = [], strategy.forward_backward
+
+    def recorded(*args):
+        loss, out = inner(*args)
         losses.append(loss)
-    return losses
+        return loss, out
+    strategy.forward_backward = recorded
+    train, test = _data()
+    sampler = strategy.sampler(train, True, SEED) or DistributedSampler(train, num_replicas=1, rank=0, seed=SEED)
+    batch = GLOBAL_BATCH // strategy.data_parallel_size
+    history = fit(model, DataLoader(train, batch_size=batch, sampler=sampler, drop_last=True),
+                  DataLoader(test, batch_size=2, sampler=strategy.sampler(test, False, SEED)),
+                  torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), epochs=1, strategy=strategy, seed=SEED,
+                  task=get_task("lm"), printer=lambda line: None)
+    return losses, history[0]
 
 
 def _run(env, mesh, options=None):
-    """One mesh against the one-process oracle: losses, weights, evaluation logits (all pairs got, want)."""
+    """One mesh through fit against one process through fit: losses, records, weights (pairs got, want)."""
     from labkit.strategies.mesh import MeshStrategy
 
     torch.manual_seed(0)
@@ -67,14 +78,25 @@ def _run(env, mesh, options=None):
     strategy = MeshStrategy(env, {"mesh": mesh, **(options or {})})
     strategy.check_model("gpt-tiny")
     model = strategy.prepare(model)
-    losses = _steps(strategy, model)
-    ref_losses = _steps(Strategy(DistEnv()), reference)
-    x = _tokens()[0][0]
-    with torch.no_grad():
-        logits = strategy.forward(model.eval(), x), reference.eval()(x)
+    losses, record = _fit(strategy, model)
+    ref_losses, ref_record = _fit(Strategy(DistEnv()), reference)
     ref_state = reference.state_dict()
-    return {"losses": losses, "ref_losses": ref_losses, "logits": logits,
-            "weights": {k: (v, ref_state[k]) for k, v in model.state_dict().items()}}
+    tp = getattr(model, "tp_group", None)
+    weights = {k: (_whole(v, ref_state[k], tp), ref_state[k]) for k, v in model.state_dict().items()}
+    sharded = sum(v.shape != ref_state[k].shape for k, v in model.state_dict().items())
+    return {"losses": losses, "ref_losses": ref_losses, "record": record, "ref_record": ref_record,
+            "weights": weights, "sharded": sharded}
+
+
+def _whole(local, ref, group):
+    """A tensor-parallel shard gathered back to the full tensor's shape (the dimension it was cut along)."""
+    if group is None or local.shape == ref.shape:
+        return local
+    from labkit.dist import all_gather
+
+    dim = next(d for d, (a, b) in enumerate(zip(local.shape, ref.shape)) if a != b)
+    parts = all_gather([torch.empty_like(local) for _ in range(2)], local.contiguous(), group=group)
+    return torch.cat(parts, dim)
 
 
 def _ring_vs_sdpa(env, groups, seq_len):
@@ -132,6 +154,7 @@ def _four_ranks(env):
     groups = {n: dist.new_group(list(range(n))) for n in (2, 3, 4)}  # every rank creates every group
     out = {"sdpa": _ring_vs_sdpa(env, groups, 24), "memory": _memory(env, groups)}
     out.update({layout: _run(env, "dp=2,cp=2", {"cp_layout": layout}) for layout in ("zigzag", "contiguous")})
+    out["tp"] = _run(env, "cp=2,tp=2")
     refused = []
     strategy = MeshStrategy(env, {"mesh": "dp=2,cp=2"})
     for attempt in (lambda: strategy.check_model("lenet"), lambda: strategy.prepare(GPT(CFG.replace(block_size=18))),
@@ -184,21 +207,29 @@ def test_activation_memory_per_rank_falls_as_one_over_cp(four):
     assert four[3]["memory"] == {(16, 1): 149892, (16, 4): 37476, (32, 1): 299780, (32, 4): 74948}  # as rank 0
 
 
-def _check_equal(per_rank, ranks):
+def _check_equal(per_rank):
     # every rank's loss is the mean over its tokens (the same count on each): their mean is the batch's loss
     for step in range(STEPS):
-        got = torch.stack([per_rank[r]["losses"][step] for r in ranks]).mean()
+        got = torch.stack([rank["losses"][step] for rank in per_rank]).mean()
         torch.testing.assert_close(got, per_rank[0]["ref_losses"][step], rtol=0, atol=1e-6)
-    for r in ranks:
-        for name, (got, ref) in per_rank[r]["weights"].items():
+    for rank in per_rank:
+        for name, (got, ref) in rank["weights"].items():
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5, msg=name)
-        torch.testing.assert_close(*per_rank[r]["logits"], rtol=0, atol=1e-5)
+        for key in ("train_loss", "train_ppl", "test_loss", "test_ppl"):  # the loop's own sums over the ranks
+            assert rank["record"][key] == pytest.approx(rank["ref_record"][key], rel=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_gpt_on_dp2_cp2_equals_one_process(four, layout):
-    _check_equal([rank[layout] for rank in four], range(4))
+def test_gpt_on_dp2_cp2_through_fit_equals_one_process(four, layout):
+    _check_equal([rank[layout] for rank in four])
     assert len(four[0][layout]["weights"]) == 37  # the GPT's own names (2 + 2 x 16 + 3): none added, none lost
+
+
+def test_gpt_on_cp2_tp2_through_fit_equals_one_process(four):
+    _check_equal([rank["tp"] for rank in four])
+    # tp's shards, gathered for the comparison: per block q, k, v (weight, bias), attn.proj.weight, mlp.fc
+    # (weight, bias), mlp.proj.weight = 10, twice, and the tied tok_emb/head matrix under both its names
+    assert [rank["tp"]["sharded"] for rank in four] == [22] * 4 and four[0]["zigzag"]["sharded"] == 0
 
 
 def test_cp_refuses_what_it_cannot_split(four):
