@@ -113,3 +113,15 @@ class ContextParallel(Dimension):
         parts = all_gather([torch.empty_like(out) for _ in range(self.size)], out.contiguous(), group=self.group)
         return unshard(parts, self.ring, 1)                                  # (B, T, V)
 
+    @staticmethod
+    def price(cfg, batch: int, seq: int, cp: int, bytes_per_element: int = 4) -> dict:
+        """Bytes this rank hands to each kind of communication per step of a GPT of shape ``cfg``: the K/V ring of
+        every layer, forward and backward (``p2p``: L x (6cp - 4) x batch x seq/cp x C x bytes, see
+        :meth:`KVRing.bytes_sent`), and its gradients to the all-reduce over the cp group."""
+        if cp == 1:
+            return {"p2p": 0, "all_reduce": 0}
+        C, extra = cfg.n_embd, 11 * cfg.n_embd if cfg.bias else 0  # biases of 6 linears and 2 layer norms
+        params = (cfg.vocab_size + cfg.block_size) * C + cfg.n_layer * (12 * C * C + 2 * C + extra) + C + extra // 11
+        ring = kv_ring(cp).bytes_sent(batch, seq, cfg.n_embd, bytes_per_element)
+        return {"p2p": cfg.n_layer * ring, "all_reduce": bytes_per_element * params}
+
