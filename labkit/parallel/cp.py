@@ -75,6 +75,8 @@ class ContextParallel(Dimension):
         if self.size > 1 and not model_name.startswith("gpt"):
             raise ConfigError(f"--mesh cp={self.size} splits the sequences of a transformer; it needs --model gpt-tiny, "
                               f"gpt-small or gpt-100m, not --model {model_name}")
+        if self.size > 1 and self.options.get("seq_len"):  # --seq-len: refused before the data and the model
+            self.ring.check_length(self.options["seq_len"])
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         if self.size == 1:

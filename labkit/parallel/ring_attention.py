@@ -19,7 +19,7 @@ are ``P = exp(s - l)``, and ``dv = Pᵀ dout``, ``ds = P * (dout vᵀ - D)``, ``
 brings every dK/dV to the rank that owns it.
 
 The block kernel is plain PyTorch (``q kᵀ``, mask, ``logsumexp``), so it runs on any device and can be read
-next to the formulas. While a block is computed, the next K/V are already on their way
+next to the formulas. Under bf16 autocast (``--amp bf16``) the blocks, the merges and the messages are float32. While a block is computed, the next K/V are already on their way
 (:func:`labkit.collectives.kv_ring.pass_on` posts the send and the receive before the compute).
 """
 from __future__ import annotations
@@ -103,11 +103,23 @@ def _mask(ring: KVRing, block: Block, rank: int, owner: int, chunk_len: int, dev
     return kpos.unsqueeze(0) > qpos.unsqueeze(1)           # (Tq, Tk): a key in the query's future
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # float32 for bf16/fp16 (and fp32), float64 stays
+
+
 class RingAttention(torch.autograd.Function):
     """The autograd function behind :func:`ring_attention` (forward and backward each run their ring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: KVRing, group, scale: float, stats: RingStats | None):
+        ctx.dtype = q.dtype
+        with torch.autocast(q.device.type, enabled=False):  # bf16 autocast: blocks and merges in float32
+            q, k, v = (t.to(_compute_dtype(q.dtype)) for t in (q, k, v))
+            out = RingAttention._forward(ctx, q, k, v, ring, group, scale, stats)
+        return out.to(ctx.dtype)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, ring: KVRing, group, scale: float, stats: RingStats | None):
         rank, p = dist.get_rank(group), ring.world_size
         c = q.shape[-2] // len(ring.chunks_of(rank))
         out = torch.zeros_like(q)
@@ -137,6 +149,12 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            grads = RingAttention._backward(ctx, dout.to(_compute_dtype(dout.dtype)))
+        return (*(g.to(ctx.dtype) for g in grads), None, None, None, None)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, group, scale, stats = ctx.ring, ctx.group, ctx.scale, ctx.stats
         rank, p = dist.get_rank(group), ring.world_size
@@ -165,7 +183,7 @@ class RingAttention(torch.autograd.Function):
             if stats is not None:
                 stats.bytes_sent += send.numel() * send.element_size()
             held = incoming
-        return dq, held[0], held[1], None, None, None, None
+        return dq, held[0], held[1]
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: KVRing, group=None,
