@@ -26,6 +26,7 @@ work counts below all read this one object.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -103,13 +104,13 @@ class KVRing:
             return [Block(tuple(qc for qc, _ in rows), rows[0][1], False)]
         return [Block((qc,), ks, False) for qc, ks in rows]
 
-    @property
+    @cached_property  # read at every step of every attention call: built once
     def forward_steps(self) -> list[tuple[KVTransfer, ...]]:
         """p - 1 steps; in step s every rank r passes the K/V it computed with at step s - 1 to rank r + 1."""
         p = self.world_size
         return [tuple(KVTransfer(r, (r + 1) % p, self.owner_at(r, s - 1)) for r in range(p)) for s in range(1, p)]
 
-    @property
+    @cached_property
     def backward_steps(self) -> list[tuple[KVTransfer, ...]]:
         """p steps: p - 1 carrying K/V with the dK/dV summed so far, and a last one taking each dK/dV home."""
         p = self.world_size
