@@ -12,8 +12,9 @@ import sys
 from dataclasses import fields
 
 from labkit.data_cli import ROOT_HELP
-from labkit.errors import flag_error
+from labkit.errors import ConfigError, flag_error
 from labkit.flags import add_flags
+from labkit.mesh import parse_mesh
 from labkit.model_names import default_optimizer
 from labkit.optim import OPTIMIZERS
 from labkit.optim import add_arguments as add_optimizer_arguments
@@ -56,11 +57,20 @@ class TrainParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
         peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-        peek.add_argument("--strategy", default="single")
+        peek.add_argument("--strategy", default=None)
         peek.add_argument("--optimizer", default=None)  # None: the model's (sgd or adam: no flags of their own)
         peek.add_argument("--model", default="lenet")
+        peek.add_argument("--mesh", default=None)
         chosen, _ = peek.parse_known_args(args)
         chosen.optimizer = chosen.optimizer or default_optimizer(chosen.model)
+        if chosen.strategy is None:  # --mesh alone means --strategy mesh
+            chosen.strategy = "single" if chosen.mesh is None else "mesh"
+            args = args if chosen.mesh is None else [*args, "--strategy", "mesh"]
+        if chosen.mesh is not None and chosen.strategy == "mesh":
+            try:
+                parse_mesh(chosen.mesh)
+            except ConfigError as exc:
+                self.error(str(exc))
         if chosen.strategy not in STRATEGIES:
             self.error(f"unknown strategy {chosen.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
         if chosen.optimizer not in OPTIMIZERS:

@@ -141,6 +141,7 @@ def run(cfg: TrainConfig) -> dict:
     with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
                      strategy=backends.key(cfg.strategy, cfg.strategy_options)) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
+        strategy.check_model(cfg.model)  # e.g. a mesh dimension the model cannot take: one line, before any work
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
         info = kdata.dataset_info(cfg.dataset, cfg.data_root)

@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from labkit.optim import OptimizerSpec
 
 
+#: ``labkit advise`` (labkit.advisor.search): one plan, one process; priced by the function named
+ADVISOR = {"price": "labkit.advisor.cost:price_single", "plans": "one"}
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
+BENCH = {"ranks": 1, "flags": []}
+
+
 class Strategy:
     """One device, or every rank training its own full copy with no communication.
 
@@ -72,6 +78,10 @@ class Strategy:
     def per_rank_batch_size(self, batch_size: int) -> int:
         """This rank's batch given ``--batch-size``; a strategy may derive it from its own flags instead."""
         return batch_size
+
+    def check_model(self, model_name: str) -> None:
+        """Raise :class:`~labkit.errors.ConfigError` if this strategy cannot train ``--model model_name``; called
+        before the data and the model are built."""
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model.to(self.env.device)
