@@ -1,0 +1,82 @@
+"""The dimension interface: what one axis of the device mesh does to the model, the batch and the gradients.
+
+:class:`labkit.strategies.mesh.MeshStrategy` holds one :class:`Dimension` per mesh name and calls, in
+the APPLY order of :data:`labkit.parallel.DIMENSIONS` (``tp, cp, ep, pp, dp``)::
+
+    for d in dims: d.check(model_name)                 # before any work: ConfigError -> one line, exit 2
+    for d in dims: model = d.parallelize(model)        # tp shards layers, cp/ep swap attention/experts,
+                                                       # pp cuts stages, dp wraps what is left
+    per step:
+        for d in dims: x, y = d.shard_batch(x, y)      # this rank's part of the batch
+        for d in dims: criterion = d.criterion(criterion)
+        loss = criterion(model(x), y); loss.backward() # or pp's forward_backward(model, x, y, criterion)
+        for d in reversed(dims): d.sync_gradients(model)
+
+Losses: every dimension sees the mean loss over its own tokens; averaging gradients over the data-like
+groups (dp, cp) makes the step equal to one step of single-process ``fit`` on the global batch.
+A dimension of size 1 changes nothing. Its ``labkit train`` flags are the ``FLAGS`` literal of its module
+(:mod:`labkit.flags`); the parsed values arrive as ``options``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+class Dimension:
+    """One named axis of the device mesh.
+
+    Args:
+        mesh: the job's whole mesh (all of ``labkit.mesh.MESH_ORDER``, sizes of 1 included).
+        options: every parsed ``labkit train`` option, by ``dest`` name (each dimension reads its own).
+
+    Attributes:
+        mesh, options: as given.
+        group: this dimension's process group, ``mesh.get_group(name)``.
+        size: ranks along this dimension.
+        rank: this rank's coordinate along it, ``mesh.get_local_rank(name)``.
+    """
+
+    name: str = ""
+    #: distinct batch shards this dimension makes (dp: its size; tp, pp: 1)
+    data_parallel_size: int = 1
+
+    def __init__(self, mesh: DeviceMesh, options: dict):
+        self.mesh = mesh
+        self.options = dict(options or {})
+        self.group = mesh.get_group(self.name)
+        self.size = mesh.size(mesh.mesh_dim_names.index(self.name))
+        self.rank = mesh.get_local_rank(self.name)
+
+    def check(self, model_name: str) -> None:
+        """Raise :class:`~labkit.errors.ConfigError` if this dimension cannot apply to ``model_name``
+        (e.g. "tp needs --model gpt*"). Called before any work starts."""
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """This dimension's change to ``model`` (in APPLY order); size 1: ``model`` unchanged."""
+        return model
+
+    def shard_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of the batch (cp: its sequence chunks); default: all of it."""
+        return x, y
+
+    def criterion(self, criterion: nn.Module) -> nn.Module:
+        """The loss this dimension needs (tp: vocabulary-parallel cross-entropy); default unchanged."""
+        return criterion
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """After backward, dimensions in REVERSE apply order: make this dimension's gradients whole/averaged."""
+
+    def owns_metrics(self) -> bool:
+        """Does this rank count loss and metrics for its group? (tp: rank 0 of the group; dp: every rank.)"""
+        return True
+
+    def state_key(self) -> dict:
+        """What a checkpoint must match to be resumed, e.g. ``{"tp": 2}``; saved with it, checked on resume."""
+        return {self.name: self.size}
+
+    @staticmethod
+    def price(*args, **kwargs) -> dict | None:
+        """Placeholder for the advisor: the bytes this dimension moves per step; ``None``: not priced yet."""
+        return None
