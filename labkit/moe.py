@@ -131,12 +131,15 @@ class AddAuxLoss(torch.autograd.Function):
 
 
 def run_experts(experts: nn.ModuleList, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``out[r] = experts[ids[r]](rows[r])`` for rows (N, C) and local expert ids (N,)."""
+    """``out[r] = experts[ids[r]](rows[r])`` for rows (N, C) and local expert ids (N,).
+
+    Every expert runs, on no rows if none came: its gradient is then zeros, not ``None``, and ``out`` always
+    depends on ``rows``, so backward runs each all-to-all of expert parallelism on every rank (a rank that skipped
+    one would leave its peers waiting)."""
     out = rows.new_zeros(rows.shape)
     for e, expert in enumerate(experts):
         idx = (ids == e).nonzero(as_tuple=True)[0]
-        if idx.numel():
-            out = out.index_copy(0, idx, expert(rows[idx]))
+        out = out.index_copy(0, idx, expert(rows[idx]))
     return out
 
 
@@ -163,7 +166,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         E, k = self.moe.n_expert, self.moe.top_k
-        probs = F.softmax(self.router(x).float(), dim=-1)                      # (B, T, E)
+        logits = self.router(x)
+        probs = F.softmax(logits.float() if logits.element_size() < 4 else logits, dim=-1)  # (B, T, E), >= fp32
         r = route(probs, k, self.moe.capacity_factor)
         aux = balance_loss(probs, r.experts, self.moe.aux_alpha)
         with torch.no_grad():

@@ -1,0 +1,208 @@
+"""Mixture of experts (labkit.moe) and expert parallelism (labkit.parallel.ep).
+
+Single process: the router's gates and capacity on hand-made probabilities, the balancing loss against a hand
+computation, the loss injector's gradient, the layer against a per-token loop. Two spawns: ``ep=2`` (2 ranks) and
+``dp=2,ep=2`` (4 ranks) against single-process training on the global batch: loss every step, gradients of step 0,
+weights after STEPS steps, tokens per expert and dropped choices every step, for top-1 and for top-2 with a
+capacity factor that drops. The ranks run the mesh's step as :mod:`labkit.parallel.base` lays it out (parallelize,
+shard the batch, forward/backward, sync_gradients in reverse apply order); the dp average is done inline.
+Float64, so that no near-tie in the router flips between the two runs.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labkit.moe import AddAuxLoss, MoE, MoEConfig, balance_loss, gpt_moe, moe_layers, route
+from labkit.parallel.ep import ExpertParallel, dense_allreduce_bytes
+from labkit.testing import run_ranks
+
+V, T, B, STEPS = 48, 16, 8, 3
+CASES = {"top1": dict(top_k=1, capacity_factor=None), "top2-cap": dict(top_k=2, capacity_factor=1.0)}
+TOL = dict(rtol=0, atol=1e-10)
+
+
+# ----- single process ---------------------------------------------------------------------------------------
+
+def test_route_gates_and_capacity_by_hand():
+    probs = torch.tensor([[[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]]])        # (1 group, T=4, E=2)
+    r = route(probs, 1, None)
+    assert r.experts.flatten().tolist() == [0, 0, 1, 0]
+    assert torch.allclose(r.gates.flatten(), torch.tensor([0.7, 0.6, 0.8, 0.9]))      # top-1: not renormalised
+    assert r.keep.all()
+    r = route(probs, 1, 1.0)                    # capacity ceil(1.0 * 4 * 1 / 2) = 2: expert 0's third token drops
+    assert r.keep.flatten().tolist() == [True, True, True, False]
+
+    probs = torch.tensor([[[0.5, 0.3, 0.2], [0.6, 0.1, 0.3], [0.1, 0.2, 0.7]]])     # T=3, E=3
+    r = route(probs, 2, None)
+    assert r.experts[0].tolist() == [[0, 1], [0, 2], [2, 1]]
+    assert torch.allclose(r.gates[0], torch.tensor([[5 / 8, 3 / 8], [2 / 3, 1 / 3], [7 / 9, 2 / 9]]))  # sum to 1
+    # capacity ceil(0.5 * 3 * 2 / 3) = 1; first choices fill first: t0->0, t2->2 kept, t1->0 over; then the
+    # second choices: t0->1 kept, t1->2 and t2->1 over (2 and 1 are full)
+    r = route(probs, 2, 0.5)
+    assert r.keep[0].tolist() == [[True, True], [False, False], [True, False]]
+
+
+def test_balance_loss_by_hand():
+    probs = torch.tensor([[[0.7, 0.3], [0.6, 0.4], [0.2, 0.8], [0.9, 0.1]]], requires_grad=True)
+    experts = torch.tensor([[[0], [0], [1], [0]]])
+    aux = balance_loss(probs, experts, alpha=0.01)
+    # f = (3/4, 1/4), P = (0.6, 0.4): 0.01 * 2 * (0.75 * 0.6 + 0.25 * 0.4) = 0.011
+    assert aux.item() == pytest.approx(0.011, abs=1e-8)
+    aux.backward()                              # d aux / d p_i(token) = α E f_i / T = (0.00375, 0.00125)
+    assert torch.allclose(probs.grad, torch.tensor([0.00375, 0.00125]).expand(1, 4, 2))
+    # two groups: the mean of the groups' losses (group 2 uniform: α E Σ (1/2)(1/2) = 0.01)
+    both = torch.cat([probs.detach(), torch.full((1, 4, 2), 0.5)])
+    assert balance_loss(both, torch.tensor([[[0], [0], [1], [0]], [[0], [1], [0], [1]]]), 0.01).item() == \
+        pytest.approx((0.011 + 0.01) / 2, abs=1e-8)
+
+
+def test_aux_loss_injector_gives_the_gradient_of_loss_plus_aux():
+    w = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    x = torch.tensor([[0.5, 1.5], [2.0, -1.0]], requires_grad=True)
+    c = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    y = AddAuxLoss.apply(x, (w ** 2).sum())
+    assert torch.equal(y, x)
+    (y * c).sum().backward()
+    assert x.grad.tolist() == [[1.0, 2.0], [3.0, 4.0]] and w.grad.tolist() == [2.0, -4.0, 6.0]
+
+
+def _forced_moe(cfg_k: int = 1, capacity_factor=None, n_embd: int = 8) -> MoE:
+    """A MoE whose router sends a token with x = 3·e_i (+ 2·e_j) to expert i (then j)."""
+    from labkit.gpt import GPTConfig
+    torch.manual_seed(0)
+    moe = MoE(GPTConfig(n_embd=n_embd), MoEConfig(n_expert=4, top_k=cfg_k, capacity_factor=capacity_factor))
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(4, n_embd))
+    return moe.double()
+
+
+def test_moe_layer_equals_a_per_token_loop_and_counts():
+    moe = _forced_moe(2, capacity_factor=0.5)   # capacity ceil(0.5 * 6 * 2 / 4) = 2 per expert
+    first, second = [0, 0, 0, 1, 2, 1], [1, 2, 3, 0, 3, 2]
+    x = torch.zeros(1, 6, 8, dtype=torch.float64)
+    for t, (i, j) in enumerate(zip(first, second)):
+        x[0, t, i], x[0, t, j] = 3.0, 2.0
+    y = moe(x)
+    # first choices: expert 0 takes t0, t1, drops t2; 1 takes t3, t5; 2 takes t4. Second: t0->1 over (full),
+    # t1->2 kept, t2->3 kept, t3->0 over, t4->3 kept, t5->2 over
+    assert moe.tokens_per_expert.tolist() == [4, 3, 3, 2]
+    assert moe.kept_per_expert.tolist() == [2, 2, 2, 2] and moe.dropped.item() == 4
+    kept = {0: [0], 1: [0, 1], 2: [1], 3: [0], 4: [0, 1], 5: [0]}   # which choices each token keeps
+    p = F.softmax(moe.router(x), -1)[0]
+    for t, (i, j) in enumerate(zip(first, second)):
+        g = p[t, [i, j]] / p[t, [i, j]].sum()
+        want = sum(g[c] * moe.experts[(i, j)[c]](x[0, t]) for c in kept[t])
+        assert torch.allclose(y[0, t], want, atol=1e-12)
+
+
+def test_gpt_moe_shape_and_parameters():
+    model = gpt_moe("gpt-moe-tiny", vocab_size=V, block_size=T, n_embd=32, n_head=2)
+    assert len(moe_layers(model)) == 2 and model(torch.zeros(2, T, dtype=torch.long)).shape == (2, T, V)
+    # per layer: router 32*4, 4 experts of 32*128+128 + 128*32+32; plus attention, norms, embeddings
+    assert sum(p.numel() for p in model.parameters()) == 2 * (128 + 4 * 8352 + 4 * 1056 + 128) + V * 32 + T * 32 + 64
+
+
+def test_bytes_formula_literals():
+    # 8 tokens per rank, C = 8, top-1, 4 experts, 2 ranks, float64: 4 exchanges of 4 rows of 8 values of 8 bytes
+    assert ExpertParallel.price(8, 8, 1, 4, 1, 2, bytes_per_element=8) == {"all_to_all": 1024, "counts": 16}
+    assert ExpertParallel.price(512, 128, 2, 8, 2, 4) == {"all_to_all": 2 * 4 * 768 * 128 * 4, "counts": 2 * 48}
+    assert dense_allreduce_bytes(1_000_000, 4) == 6_000_000
+
+
+# ----- ep=2 and dp=2,ep=2 against one process ----------------------------------------------------------------
+
+def _model(case: str):
+    torch.manual_seed(0)
+    return gpt_moe("gpt-moe-tiny", vocab_size=V, block_size=T, n_embd=32, n_head=2, aux_alpha=0.1,
+                   **CASES[case]).double()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g))
+            for _ in range(STEPS)]
+
+
+def _train(model, shard, sync, rename) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    out = {"loss": [], "tokens": [], "dropped": []}
+    for step, (x, y) in enumerate(_batches()):
+        x, y = shard(x, y)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        sync(model)
+        out["loss"].append(loss.item())
+        out["tokens"].append([m.tokens_per_expert.tolist() for m in moe_layers(model)])
+        out["dropped"].append([m.dropped.item() for m in moe_layers(model)])
+        if step == 0:
+            out["grads"] = {rename(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    out["weights"] = {rename(n): p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _mesh_rank(env, dp: int, ep: int) -> dict:
+    from labkit.mesh import build_mesh
+
+    mesh = build_mesh({"dp": dp, "ep": ep})
+    dim = ExpertParallel(mesh, {})
+    shard_index, shards = mesh.get_local_rank("dp") * ep + dim.rank, dp * ep
+    result = {}
+    for case in CASES:
+        model = dim.parallelize(_model(case))
+        offset = moe_layers(model)[0].expert_offset
+
+        def sync(m):
+            dim.sync_gradients(m)
+            if dp > 1:                                      # the dp dimension's average, inline
+                for p in m.parameters():
+                    if p.grad is not None:
+                        torch.distributed.all_reduce(p.grad, group=mesh.get_group("dp"))
+                        p.grad /= dp
+        result[case] = _train(model, lambda x, y: (x.chunk(shards)[shard_index], y.chunk(shards)[shard_index]),
+                              sync, lambda n: re.sub(r"experts\.(\d+)", lambda m: f"experts.{int(m[1]) + offset}", n))
+    if dp == 1:                                             # the exchange's bytes with routing forced even
+        moe = dim.parallelize(_forced_moe(1))
+        x = torch.zeros(8, 8, dtype=torch.float64)
+        x[torch.arange(8), torch.arange(8) % 4] = 3.0       # 2 tokens per expert on each rank
+        x.requires_grad_()                                  # as in a GPT: the dispatch has a backward
+        moe(x[None]).sum().backward()
+        result["sent"] = moe.exchange.sent
+    return result
+
+
+def _compare(per_rank: list[dict], ranks: int):
+    for case in CASES:
+        want = _train(_model(case), lambda x, y: (x, y), lambda m: None, lambda n: n)
+        runs = [r[case] for r in per_rank]
+        losses = [sum(r["loss"][s] for r in runs) / ranks for s in range(STEPS)]
+        assert losses == pytest.approx(want["loss"], abs=1e-10)
+        tokens = torch.tensor([r["tokens"] for r in runs]).sum(0)      # (STEPS, layers, E), routed on every rank
+        assert tokens.tolist() == want["tokens"]
+        assert torch.tensor([r["dropped"] for r in runs]).sum(0).tolist() == want["dropped"]
+        if CASES[case]["capacity_factor"] is not None:
+            assert min(min(d) for d in want["dropped"]) > 0    # the capacity does drop
+        for key in ("grads", "weights"):
+            for r in runs:
+                assert r[key].keys() <= want[key].keys()
+                for name, value in r[key].items():
+                    torch.testing.assert_close(value, want[key][name], **TOL, msg=f"{case} {key} {name}")
+            assert set().union(*(r[key] for r in runs)) == set(want[key])  # every expert lives on some rank
+
+
+def test_ep2_equals_one_process():
+    per_rank = run_ranks(_mesh_rank, 2, 1, 2)
+    _compare(per_rank, 2)
+    # each rank: dispatch 4 rows, combine 4, both again in backward: 16 rows of 8 float64; counts 2 of 4 int64
+    for r in per_rank:
+        assert r["sent"] == {"rows": 16, "bytes": 1024, "count_bytes": 16}
+        assert ExpertParallel.price(8, 8, 1, 4, 1, 2, bytes_per_element=8) == {"all_to_all": 1024, "counts": 16}
+
+
+def test_dp2_ep2_equals_one_process():
+    _compare(run_ranks(_mesh_rank, 4, 2, 2, timeout=240.0), 4)
