@@ -1,7 +1,7 @@
 """labkit: a hands-on kit for distributed deep learning with PyTorch.
 
     import labkit
-    labkit.train.run(labkit.train.TrainConfig(model="lenet", dataset="mnist-sample", epochs=1))
+    labkit.train_run.run(labkit.train_run.TrainConfig(model="lenet", dataset="mnist-sample", epochs=1))
 
 Modules: dist (process groups), data, models, train (the one loop), meters, results, strategies,
 collectives (all-reduce schedules), viz, optim (K-FAC), launch (torchrun/sbatch from notebooks),

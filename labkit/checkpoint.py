@@ -2,7 +2,7 @@
 one message that every rank words alike (so a torchrun job prints it once, :func:`labkit.errors.report`).
 
 A strategy decides what a checkpoint holds and where (``checkpoint.pt`` written by rank 0, or one file per rank:
-:meth:`~labkit.strategies.base.Strategy.checkpoint_file`); :func:`labkit.train.run` decides when to write one.
+:meth:`~labkit.strategies.base.Strategy.checkpoint_file`); :func:`labkit.train_run.run` decides when to write one.
 With one file per rank, the ranks agree (one all-reduce of a flag per rank, at resume only) before any of them
 goes on, so no rank is left waiting in a collective for a rank that stopped.
 """

@@ -86,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from labkit import results
-    from labkit.train import TrainConfig, run
+    from labkit.train_run import TrainConfig, run
 
     out = results.make_dirs(args.out)  # an unwritable --out is one line now, not after the training
     _section("1. where you are")

@@ -6,17 +6,17 @@ schedules) and every optimizer (SGD, Adam, SGD + K-FAC) runs through :func:`fit`
         --dataset cifar10 --optimizer kfac --base-lr 0.1 --batch-size 128 --epochs 100 \\
         --kfac-update-freq 10 --lr-decay 35 75 90                                      # 1 node, 4 GPUs
 
+``labkit train``'s configuration and the run around this loop (data, model, checkpoints, results) are in
+:mod:`labkit.train_run`.
+
 Per step (:func:`train_step`): ``strategy.forward_backward`` -> ``strategy.sync_gradients`` ->
 ``preconditioner.step`` -> ``optimizer.step`` -> ``scheduler.step``, and the running metric sums. Each epoch
 reseeds from (seed, epoch), so a run resumed from its checkpoint continues bit-identically.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -24,98 +24,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from labkit import backends
 from labkit import data as kdata
-from labkit import dist as kdist
-from labkit import models as kmodels
-from labkit.checkpoint import checkpoint_on_every_rank, checkpoint_path, load_training_state, save_training_state
-from labkit.dist import distributed, print0
-from labkit.errors import ConfigError, LabkitError
-from labkit.meters import ThroughputMeter, interactive, memory_lines, peak_memory_gb
-from labkit.monitor import UtilisationMonitor, nvml_indices
-from labkit.monitor import gather as gather_utilisation
-from labkit.optim import OptimizerSpec
-from labkit.precision import autocast, check_amp, to_channels_last
-from labkit.preempt import Preempted, StopCheck, StopSignals, clear_marker, signal_of_any_rank, write_marker
-from labkit.ranges import check
-from labkit.results import RunWriter, make_dirs
+from labkit.dist import print0
+from labkit.errors import LabkitError
+from labkit.meters import ThroughputMeter, interactive
+from labkit.precision import autocast, to_channels_last
+from labkit.preempt import Preempted, StopCheck, StopSignals
+from labkit.results import RunWriter
 from labkit.rng import cuda_rng_states, restore_cuda_rng
-from labkit.strategies import Strategy, get_strategy
-from labkit.tensor_data import LOADERS, TensorLoader, load_split
-from labkit.train_cli import NUMBERS
-
-#: strategies that spread over the ranks of a process group: run in one process, they get a note
-SPREAD_OVER_RANKS = ("ddp", "zero", "hybrid", "tensor-parallel")
+from labkit.strategies import Strategy
+from labkit.tensor_data import TensorLoader
 
 
 class TrainingDiverged(LabkitError):
     """The loss became NaN or infinite."""
-
-
-@dataclass
-class TrainConfig:
-    """Everything ``labkit train`` takes. ``batch_size`` is per data-parallel rank; the global batch is
-    ``batch_size × strategy.data_parallel_size``."""
-
-    model: str = "lenet"
-    dataset: str = "mnist-sample"
-    epochs: int = 1
-    batch_size: int = 64
-    test_batch_size: int = 512
-    optimizer: str = "sgd"
-    base_lr: float | None = None  # None: the model's default (labkit.models.default_lr)
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    lr_decay: list[int] = field(default_factory=list)
-    lr_decay_factor: float = 0.1
-    warmup_epochs: float = 0.0
-    scale_lr: bool = False
-    strategy: str = "single"
-    device: str = "auto"
-    backend: str | None = None
-    seed: int = 0
-    out: str | None = None
-    name: str | None = None
-    resume: bool = False
-    checkpoint: bool = True
-    profile: bool = False
-    max_steps: int | None = None
-    train_size: int | None = None
-    test_size: int | None = None
-    augment: bool = False
-    data_root: str | None = None
-    download: bool = False
-    num_workers: int = 0
-    loader: str = "tensor"
-    amp: str | None = None
-    channels_last: bool = False
-    log_every: int = 20
-    timeout_s: float = 1800.0
-    step_delay_s: float = 0.0
-    strategy_options: dict = field(default_factory=dict)
-    optim_options: dict = field(default_factory=dict)
-
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad value."""
-        for key, (kind, interval) in NUMBERS.items():  # what the flags check as they are read
-            check(f"--{key.replace('_', '-')}", getattr(self, key), kind, interval)
-        if list(self.lr_decay) != sorted(set(self.lr_decay)):
-            ordered = " ".join(map(str, sorted(set(self.lr_decay))))
-            raise ConfigError(f"--lr-decay epochs must be increasing, e.g. --lr-decay {ordered}; "
-                              f"got {' '.join(map(str, self.lr_decay))}")
-        if self.loader not in LOADERS:
-            raise ConfigError(f"--loader {self.loader!r} is not one of: {', '.join(LOADERS)}")
-        if self.loader == "tensor" and self.num_workers:
-            raise ConfigError("--num-workers applies to --loader torch; the tensor loader has no workers")
-        check_amp(self.amp, self.strategy)
-
-    @property
-    def out_dir(self) -> Path:
-        return Path(self.out or Path("runs") / self.run_name)
-
-    @property
-    def run_name(self) -> str:
-        return self.name or f"{self.model}-{self.dataset}-{self.strategy}-{self.optimizer}"
 
 
 def lr_factor(step: int, steps_per_epoch: int, decay_epochs: list[int], decay_factor: float,
@@ -351,131 +273,3 @@ def _progress(steps: int, desc: str, rank: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=steps, desc=desc, leave=False)
-
-
-# ----- the `labkit train` path -----------------------------------------------------------------------------
-
-
-def run(cfg: TrainConfig) -> dict:
-    """Build everything from ``cfg``, train, write results; return the summary (same on every rank)."""
-    cfg.validate()
-    strategy_cls = get_strategy(cfg.strategy)
-    make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
-    if cfg.base_lr is None:
-        cfg.base_lr = kmodels.default_lr(cfg.model)
-    with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
-                     strategy=backends.key(cfg.strategy, cfg.strategy_options)) as env:
-        strategy = strategy_cls(env, cfg.strategy_options)
-        cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
-        cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
-        info = kdata.dataset_info(cfg.dataset)
-        split = dict(loader=cfg.loader, name=cfg.dataset, root=cfg.data_root, download=cfg.download,
-                     device=strategy.input_device)
-        train_set = load_split(**split, train=True, augment=cfg.augment, limit=cfg.train_size)
-        test_set = load_split(**split, train=False, limit=cfg.test_size)
-        dp = strategy.data_parallel_size
-        if len(train_set) < dp * cfg.batch_size:
-            raise ConfigError(f"the training set has {len(train_set)} samples, fewer than one global batch "
-                              f"({dp} ranks × --batch-size {cfg.batch_size}); use fewer ranks or a smaller batch")
-        model = kmodels.get_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                                  image_size=info.image_size, sequential=strategy.sequential_model)
-        if cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)  # before DDP/partitioning take views of the weights
-        model = strategy.prepare(model)
-        lr = cfg.base_lr * (dp if cfg.scale_lr else 1)
-        optimizer, preconditioner = strategy.build_optimizer(model, OptimizerSpec(
-            cfg.optimizer, lr, cfg.momentum, cfg.weight_decay, cfg.optim_options, env))
-        pin = strategy.input_device.type == "cuda"  # --loader torch: pinned batches make non_blocking copies async
-        train_loader = kdata.make_loader(train_set, cfg.batch_size, shuffle=True,
-                                         sampler=strategy.sampler(train_set, True, cfg.seed), seed=cfg.seed,
-                                         drop_last=dp > 1, num_workers=cfg.num_workers, pin_memory=pin)
-        test_loader = kdata.make_loader(test_set, cfg.test_batch_size, shuffle=False, pin_memory=pin,
-                                        sampler=strategy.sampler(test_set, False, cfg.seed), num_workers=cfg.num_workers)
-        steps = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
-        warmup_start = 1 / dp if cfg.scale_lr and dp > 1 else 1 / max(1.0, cfg.warmup_epochs * steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-            s, steps, cfg.lr_decay, cfg.lr_decay_factor, cfg.warmup_epochs, warmup_start))
-        out_dir = cfg.out_dir
-        writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
-        ckpt = checkpoint_path(out_dir, strategy)
-        start_epoch, position = 0, None
-        if cfg.resume and checkpoint_on_every_rank(ckpt, strategy):
-            state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner, asdict(cfg))
-            start_epoch, position = state["epoch"], state.get("position")
-            within = f", step {position['step']}" if position else ""
-            print0(f"resumed from {ckpt} at epoch {start_epoch}{within}")
-
-        def save(epochs_done: int, position: dict | None = None) -> None:
-            """The checkpoint after ``epochs_done`` epochs and, mid-epoch, ``position`` in the next one."""
-            if cfg.checkpoint:
-                save_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner,
-                                    {"epoch": epochs_done, "position": position}, asdict(cfg))
-
-        if not env.distributed and cfg.strategy in SPREAD_OVER_RANKS:  # legitimate, but rarely what was meant
-            print0(f"note: one process, so --strategy {cfg.strategy} runs on 1 rank; for N ranks start it with "
-                   f"torchrun --nproc_per_node N -m labkit train --strategy {cfg.strategy} ... (or srun)")
-        print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
-               f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
-        started = time.perf_counter()
-        monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
-        with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor, _stop_signals(cfg.checkpoint) as stop:
-            try:
-                history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
-                              preconditioner=preconditioner, scheduler=scheduler, writer=writer,
-                              start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps,
-                              log_every=cfg.log_every, on_epoch_end=lambda epoch: save(epoch + 1), profiler=prof,
-                              amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
-                              on_stop=save, step_delay_s=cfg.step_delay_s)
-            except Preempted as stopped:
-                name = signal_of_any_rank(stopped.signal_name, env)
-                if env.is_main:
-                    write_marker(out_dir, stopped.epoch, stopped.step, name)
-                raise Preempted(name, stopped.epoch, stopped.step) from None
-        if env.is_main:
-            clear_marker(out_dir)
-        lines = memory_lines(strategy.devices())
-        if env.distributed:  # every rank measures its own process and devices: say whose line it is
-            gathered = [None] * env.world_size
-            dist.all_gather_object(gathered, lines)
-            lines = [f"rank {r}: {line}" for r, rank_lines in enumerate(gathered) for line in rank_lines]
-        for line in lines:
-            print0(line)
-        peak = torch.tensor([peak_memory_gb(strategy.devices())])
-        if env.distributed:
-            kdist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        last = history[-1] if history else {}
-        metrics = {"samples_per_sec": last.get("samples_per_sec"), "peak_memory_gb": peak.item(),
-                   "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
-                   "best_test_acc": max((r["test_acc"] for r in history), default=None),
-                   "epochs_run": len(history), "time_s": time.perf_counter() - started,
-                   "throughput_window": {  # the window of samples_per_sec
-                       "epoch": last["epoch"], "timed_steps": last["timed_steps"], "seconds": last["window_s"],
-                       "barriers": env.distributed and strategy.step_boundary()} if last else None,
-                   "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
-                   "utilisation": gather_utilisation(monitor, env, writer)}
-        summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
-        strategy.close()
-        print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
-    return summary
-
-
-def _stop_signals(enabled: bool):
-    """Catch the stop signals only when a checkpoint can be written: without one, stopping early saves nothing."""
-    return StopSignals() if enabled else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _profiler(enabled: bool, out_dir: Path, rank: int):
-    """``--profile``: a torch.profiler trace of a few steps, viewable in TensorBoard or Perfetto."""
-    if not enabled:
-        yield None
-        return
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    trace_dir = Path(out_dir) / "profile"
-    with profile(activities=activities, schedule=schedule(wait=1, warmup=1, active=3, repeat=1),
-                 on_trace_ready=tensorboard_trace_handler(str(trace_dir), worker_name=f"rank{rank}"),
-                 record_shapes=True) as prof:
-        yield prof
-    print0(f"profiler trace written to {trace_dir} (open in TensorBoard or https://ui.perfetto.dev)")

@@ -1,4 +1,4 @@
-"""``labkit train``: command-line front of :func:`labkit.train.run`.
+"""``labkit train``: command-line front of :func:`labkit.train_run.run`.
 
 The parser reads ``--strategy`` and ``--optimizer`` first, then adds only that strategy's flags (its
 module's ``FLAGS``, see :mod:`labkit.flags`) and that optimizer's (``labkit.optim.OPTIMIZERS``). A flag of
@@ -12,8 +12,9 @@ import sys
 from dataclasses import fields
 
 from labkit.data_cli import ROOT_HELP
-from labkit.errors import flag_error
+from labkit.errors import ConfigError, flag_error
 from labkit.flags import add_flags
+from labkit.mesh import parse_mesh
 from labkit.optim import OPTIMIZERS
 from labkit.optim import add_arguments as add_optimizer_arguments
 from labkit.ranges import within
@@ -55,9 +56,18 @@ class TrainParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
         peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-        peek.add_argument("--strategy", default="single")
+        peek.add_argument("--strategy", default=None)
         peek.add_argument("--optimizer", default="sgd")
+        peek.add_argument("--mesh", default=None)
         chosen, _ = peek.parse_known_args(args)
+        if chosen.strategy is None:  # --mesh alone means --strategy mesh
+            chosen.strategy = "single" if chosen.mesh is None else "mesh"
+            args = args if chosen.mesh is None else [*args, "--strategy", "mesh"]
+        if chosen.mesh is not None and chosen.strategy == "mesh":
+            try:
+                parse_mesh(chosen.mesh)
+            except ConfigError as exc:
+                self.error(str(exc))
         if chosen.strategy not in STRATEGIES:
             self.error(f"unknown strategy {chosen.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
         if chosen.optimizer not in OPTIMIZERS:
@@ -192,7 +202,7 @@ def add_parser(sub) -> None:
 
 
 def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
-    from labkit.train import TrainConfig
+    from labkit.train_run import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
@@ -203,7 +213,7 @@ def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
 
 def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
     from labkit.faults.watchdog import start_for_training
-    from labkit.train import run
+    from labkit.train_run import run
 
     start_for_training(args.watchdog, args.timeout_s)
     run(config_from_args(args, owned))

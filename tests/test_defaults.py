@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labkit.models import MODELS
-from labkit.train import TrainConfig, run
+from labkit.train_run import TrainConfig, run
 
 #: the offline dataset each model is shown on (the CIFAR networks on CIFAR-shaped data)
 QUICK_DATASET = {"mlp": "mnist-sample", "lenet": "mnist-sample", "resnet8": "synthetic-cifar10",

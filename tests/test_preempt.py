@@ -18,7 +18,7 @@ from labkit import train as ktrain
 from labkit.checkpoint import load_checkpoint
 from labkit.cli import main
 from labkit.preempt import EXIT_PREEMPTED, MARKER, StopSignals
-from labkit.train import TrainConfig
+from labkit.train_run import TrainConfig, run
 
 # 96 samples in batches of 16: 6 steps per epoch
 SMALL = dict(model="mlp", dataset="synthetic-mnist", train_size=96, test_size=32, batch_size=16, epochs=3,
@@ -56,7 +56,7 @@ def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatc
     SIGUSR1 arrives during step 3 of epoch 2 (global step 8, from the per-step sleep hook), the step finishes, the
     checkpoint holds step 3 and K-FAC's state, and the resumed step 9 preconditions with what was restored."""
     kfac = dict(optimizer="kfac", optim_options={"kfac_update_freq": 4}, step_delay_s=1e-6)
-    ktrain.run(TrainConfig(**SMALL, **kfac, out=str(tmp_path / "clean")))
+    run(TrainConfig(**SMALL, **kfac, out=str(tmp_path / "clean")))
     steps = []
 
     def sleep(_):

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import train
+from labkit import train_run
 from labkit.rng import cuda_rng_states, restore_cuda_rng
 from labkit.testing import run_ranks
-from labkit.train import TrainConfig
+from labkit.train_run import TrainConfig, run
 
 TINY = dict(model="mlp", dataset="synthetic-mnist", train_size=64, test_size=32, batch_size=16, max_steps=2,
             device="cpu", log_every=100)
@@ -26,10 +26,10 @@ TINY = dict(model="mlp", dataset="synthetic-mnist", train_size=64, test_size=32,
 ])
 def test_resume_moves_no_layer_after_the_state_is_loaded(strategy, options, optimizer, tmp_path, monkeypatch):
     cfg = dict(TINY, strategy=strategy, optimizer=optimizer, out=str(tmp_path))
-    train.run(TrainConfig(**cfg, epochs=1, strategy_options=dict(options)))
+    run(TrainConfig(**cfg, epochs=1, strategy_options=dict(options)))
 
     loaded, moved = [], []
-    load = train.load_training_state
+    load = train_run.load_training_state
 
     def load_then_mark(*args, **kwargs):
         state = load(*args, **kwargs)
@@ -43,15 +43,15 @@ def test_resume_moves_no_layer_after_the_state_is_loaded(strategy, options, opti
             moved.append(type(module).__name__)
         return apply(module, fn, *args, **kwargs)
 
-    monkeypatch.setattr(train, "load_training_state", load_then_mark)
+    monkeypatch.setattr(train_run, "load_training_state", load_then_mark)
     monkeypatch.setattr(nn.Module, "_apply", record_moves)
-    summary = train.run(TrainConfig(**cfg, epochs=2, resume=True, strategy_options=dict(options)))
+    summary = run(TrainConfig(**cfg, epochs=2, resume=True, strategy_options=dict(options)))
     assert len(loaded) == 1 and loaded[0]["epoch"] == 1
     assert moved == []
     assert summary["metrics"]["epochs_run"] == 1  # the second epoch only
     if optimizer == "kfac" and strategy != "single":  # balanced by time: the profiler must not feed K-FAC either
         monkeypatch.undo()
-        train.run(TrainConfig(**dict(cfg, out=str(tmp_path / "whole")), epochs=2, strategy_options=dict(options)))
+        run(TrainConfig(**dict(cfg, out=str(tmp_path / "whole")), epochs=2, strategy_options=dict(options)))
         resumed, whole = (torch.load(p / "checkpoint.pt", weights_only=True)["model"]
                           for p in (tmp_path, tmp_path / "whole"))
         for k in whole:
@@ -117,18 +117,18 @@ def _resume_every_multi_rank_strategy(env, root):
         seed_everything(seed)
         return contextlib.nullcontext(env)
 
-    train.distributed = same_group
+    train_run.distributed = same_group
     moves = {}
     for strategy, options in MULTI_RANK.items():
         cfg = dict(TINY, strategy=strategy, out=f"{root}/{strategy}")
-        train.run(TrainConfig(**cfg, epochs=1, strategy_options=dict(options)))
-        load, apply, moved = train.load_training_state, nn.Module._apply, []
-        train.load_training_state = lambda *a, **k: (moved.append("loaded"), load(*a, **k))[1]
+        run(TrainConfig(**cfg, epochs=1, strategy_options=dict(options)))
+        load, apply, moved = train_run.load_training_state, nn.Module._apply, []
+        train_run.load_training_state = lambda *a, **k: (moved.append("loaded"), load(*a, **k))[1]
         nn.Module._apply = lambda m, fn, *a, **k: (moved.append(type(m).__name__), apply(m, fn, *a, **k))[1]
         try:
-            train.run(TrainConfig(**cfg, epochs=2, resume=True, strategy_options=dict(options)))
+            run(TrainConfig(**cfg, epochs=2, resume=True, strategy_options=dict(options)))
         finally:
-            train.load_training_state, nn.Module._apply = load, apply
+            train_run.load_training_state, nn.Module._apply = load, apply
         moves[strategy] = moved[moved.index("loaded"):] if "loaded" in moved else moved
     return moves
 

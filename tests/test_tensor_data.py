@@ -12,7 +12,8 @@ from labkit.errors import ConfigError
 from labkit.meters import ThroughputMeter
 from labkit.precision import check_amp
 from labkit.tensor_data import TensorImages, TensorLoader, crop_flip, load_split, tensor_dataset
-from labkit.train import TrainConfig, fit, run
+from labkit.train import fit
+from labkit.train_run import TrainConfig, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

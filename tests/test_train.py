@@ -8,7 +8,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from labkit.checkpoint import load_checkpoint
 from labkit.errors import CheckpointError, ConfigError
-from labkit.train import TrainConfig, TrainingDiverged, fit, lr_factor, run
+from labkit.train import TrainingDiverged, fit, lr_factor
+from labkit.train_run import TrainConfig, run
 
 
 def small_cfg(tmp_path, **kw):

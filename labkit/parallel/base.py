@@ -68,6 +68,11 @@ class Dimension:
     def sync_gradients(self, model: nn.Module) -> None:
         """After backward, dimensions in REVERSE apply order: make this dimension's gradients whole/averaged."""
 
+    def full_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Evaluation only: the whole model output from this rank's part (tp: the vocabulary shards gathered);
+        default unchanged. Never called in a training step."""
+        return out
+
     def owns_metrics(self) -> bool:
         """Does this rank count loss and metrics for its group? (tp: rank 0 of the group; dp: every rank.)"""
         return True

@@ -11,6 +11,8 @@ import importlib.util
 
 from labkit.errors import ConfigError
 from labkit.flags import read_flags
+from labkit.parallel import available as dimensions_available
+from labkit.parallel import dimension_flags
 
 STRATEGIES: dict[str, str] = {
     "single": "labkit.strategies.base:Strategy",
@@ -23,6 +25,7 @@ STRATEGIES: dict[str, str] = {
     "zero": "labkit.strategies.zero:ZeroStrategy",
     "fsdp": "labkit.strategies.fsdp:FSDPStrategy",
     "ps": "labkit.strategies.ps:ParameterServerStrategy",
+    "mesh": "labkit.strategies.mesh:MeshStrategy",
 }
 
 
@@ -43,8 +46,12 @@ def get_strategy(name: str):
 
 
 def strategy_flags(name: str) -> tuple[dict, ...]:
-    """The ``labkit train`` flags of strategy ``name`` (its module's ``FLAGS``), read without importing it."""
-    return read_flags(_check(name).partition(":")[0])
+    """The ``labkit train`` flags of strategy ``name`` (its module's ``FLAGS``), read without importing it;
+    ``mesh`` also brings every mesh dimension's flags (:mod:`labkit.parallel`)."""
+    flags = read_flags(_check(name).partition(":")[0])
+    if name == "mesh":
+        flags += tuple(f for d in dimensions_available() for f in dimension_flags(d))
+    return flags
 
 
 def available() -> list[str]:

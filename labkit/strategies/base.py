@@ -1,6 +1,6 @@
 """The strategy interface: where the model and data live, how gradients meet, what a checkpoint holds.
 
-A strategy never runs its own training loop; :func:`labkit.train.run` and :func:`labkit.train.fit` call::
+A strategy never runs its own training loop; :func:`labkit.train_run.run` and :func:`labkit.train.fit` call::
 
     model = strategy.prepare(model)
     optimizer, preconditioner = strategy.build_optimizer(model, spec)
@@ -67,6 +67,10 @@ class Strategy:
     def per_rank_batch_size(self, batch_size: int) -> int:
         """This rank's batch given ``--batch-size``; a strategy may derive it from its own flags instead."""
         return batch_size
+
+    def check_model(self, model_name: str) -> None:
+        """Raise :class:`~labkit.errors.ConfigError` if this strategy cannot train ``--model model_name``; called
+        before the data and the model are built."""
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model.to(self.env.device)

@@ -52,20 +52,26 @@ class DataParallelStrategy(Strategy):
     def data_parallel_size(self) -> int:
         return self.env.world_size
 
+    def data_shard(self) -> tuple[int, int]:
+        """``(number of data shards, this rank's shard)``: one per rank here; a mesh has one per data-parallel
+        coordinate (the ranks of one tensor-parallel group read the same samples)."""
+        return self.env.world_size, self.env.rank
+
     def sampler(self, dataset: Dataset, train: bool, seed: int) -> Sampler | None:
-        world = self.env.world_size
+        world, index = self.data_shard()
         if world == 1:
             return None
         if train:
             if len(dataset) < world:
-                raise ConfigError(f"the training set has {len(dataset)} samples but the job has {world} ranks; "
+                what = "ranks" if world == self.env.world_size else "data-parallel ranks"
+                raise ConfigError(f"the training set has {len(dataset)} samples but the job has {world} {what}; "
                                   f"use at most {len(dataset)} ranks or more data (--train-size)")
             # drop_last: no sample is repeated to even out the shards
-            sampler = DistributedSampler(dataset, num_replicas=world, rank=self.env.rank, shuffle=True, seed=seed,
+            sampler = DistributedSampler(dataset, num_replicas=world, rank=index, shuffle=True, seed=seed,
                                          drop_last=True)
             self._samplers.append(sampler)
             return sampler
-        return ShardSampler(dataset, world, self.env.rank)
+        return ShardSampler(dataset, world, index)
 
     def set_epoch(self, epoch: int) -> None:
         for sampler in self._samplers:

@@ -87,35 +87,50 @@ class FSDPStrategy(DataParallelStrategy):
         return [p.full_tensor().detach().clone() for p in model.parameters()]
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        opt = optimizer.state_dict()
-        opt["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in opt["state"].items()}
-        return {"model": {k: _local(v) for k, v in model.state_dict().items()}, "optimizer": opt,
-                "world_size": self.env.world_size}
+        return {**local_state(model, optimizer), "world_size": self.env.world_size}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         if state.get("world_size") != self.env.world_size:
             raise CheckpointError(f"the FSDP shards were written by {state.get('world_size')} ranks but this job has "
                                   f"{self.env.world_size}; resume with the same number of ranks")
-        current = model.state_dict()
-        if current.keys() != state["model"].keys():
-            raise CheckpointError("the checkpoint's parameters do not match this model")
-        like = {}
-        for name, saved in state["model"].items():
-            ref = current[name]
-            if isinstance(ref, DTensor):
-                if saved.shape != ref.to_local().shape:
-                    raise CheckpointError(f"shard {name} has shape {tuple(saved.shape)}, this rank holds "
-                                          f"{tuple(ref.to_local().shape)}")
-                saved = DTensor.from_local(saved, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride())
-            like[name] = saved
-        model.load_state_dict(like)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        opt = dict(state["optimizer"])
-        opt["state"] = {i: {k: (DTensor.from_local(v, params[i].device_mesh, params[i].placements,
-                                                   shape=params[i].shape, stride=params[i].stride())
-                                if isinstance(v, torch.Tensor) and v.dim() and isinstance(params[i], DTensor) else v)
-                            for k, v in s.items()} for i, s in opt["state"].items()}
-        try:
-            optimizer.load_state_dict(opt)
-        except (ValueError, KeyError, IndexError) as exc:
-            raise CheckpointError(f"the optimizer state does not fit: {exc}") from None
+        load_local_state(model, optimizer, state)
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``{"model", "optimizer"}`` with every DTensor replaced by this rank's local shard (plain tensors)."""
+    opt = optimizer.state_dict()
+    opt["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in opt["state"].items()}
+    return {"model": {k: _local(v) for k, v in model.state_dict().items()}, "optimizer": opt}
+
+
+def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load what :func:`local_state` saved, rebuilding DTensors around the local shards.
+
+    Raises:
+        CheckpointError: other parameter names, another shard shape, or optimizer state that does not fit.
+    """
+    current = model.state_dict()
+    if current.keys() != state["model"].keys():
+        raise CheckpointError("the checkpoint's parameters do not match this model")
+    like = {}
+    for name, saved in state["model"].items():
+        ref = current[name]
+        if isinstance(ref, DTensor):
+            if saved.shape != ref.to_local().shape:
+                raise CheckpointError(f"shard {name} has shape {tuple(saved.shape)}, this rank holds "
+                                      f"{tuple(ref.to_local().shape)}")
+            saved = DTensor.from_local(saved, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride())
+        elif isinstance(ref, torch.Tensor) and saved.shape != ref.shape:
+            raise CheckpointError(f"{name} has shape {tuple(saved.shape)}, this rank holds {tuple(ref.shape)}")
+        like[name] = saved
+    model.load_state_dict(like)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    opt = dict(state["optimizer"])
+    opt["state"] = {i: {k: (DTensor.from_local(v, params[i].device_mesh, params[i].placements,
+                                               shape=params[i].shape, stride=params[i].stride())
+                            if isinstance(v, torch.Tensor) and v.dim() and isinstance(params[i], DTensor) else v)
+                        for k, v in s.items()} for i, s in opt["state"].items()}
+    try:
+        optimizer.load_state_dict(opt)
+    except (ValueError, KeyError, IndexError) as exc:
+        raise CheckpointError(f"the optimizer state does not fit: {exc}") from None

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from labkit import data, models
 from labkit.results import load_run
 from labkit.tensor_data import TensorLoader, tensor_dataset
-from labkit.train import TrainConfig, run
+from labkit.train_run import TrainConfig, run
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.device("cuda", 0)

@@ -1,0 +1,160 @@
+"""``--mesh dp=2,tp=2``: the ranks laid out on a named device mesh, one :mod:`labkit.parallel` dimension per axis.
+
+    torchrun --nproc_per_node 2 -m labkit train --mesh dp=2 --model lenet --dataset mnist-sample
+    torchrun --nproc_per_node 4 -m labkit train --mesh dp=2,tp=2 --model gpt-tiny --dataset text-sample
+    torchrun --nproc_per_node 8 -m labkit train --mesh dp=2,tp=2,pp=2 --model gpt-tiny --dataset text-sample
+
+The strategy holds the mesh (:func:`labkit.mesh.build_mesh`) and the dimensions of size > 1, in the apply
+order of :data:`labkit.parallel.DIMENSIONS` (tp, cp, ep, pp, dp), and runs each step as
+:mod:`labkit.parallel.base` describes: shard the batch, forward (or pp's schedule), the dimensions' loss,
+backward, the gradient synchronisations in reverse order. It adds no collective of its own to a step.
+
+Checkpoints: every rank writes ``checkpoint.rank{r}.pt`` (its shards, plain tensors) with the mesh shape;
+``--resume`` on another mesh is refused with one line.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from labkit.errors import CheckpointError
+from labkit.mesh import MESH_ORDER, build_mesh, check_world, format_mesh, full_shape, parse_mesh
+from labkit.parallel import DIMENSIONS, get_dimension
+from labkit.strategies.data_parallel import DataParallelStrategy
+from labkit.strategies.fsdp import load_local_state, local_state
+from labkit.strategies.zero import refuse_layerwise
+
+#: ``labkit train`` flags, plain data read without importing this module (labkit.flags); each dimension's
+#: own flags (``labkit.parallel.<name>.FLAGS``) come with them
+FLAGS = [
+    {"flag": "--mesh", "default": None, "metavar": "DIM=N,...",
+     "help": "the device mesh, e.g. dp=2,tp=2 (dimensions pp, dp, ep, cp, tp; their product = the number of "
+             "ranks; None: dp over every rank)"},
+]
+
+
+class MeshStrategy(DataParallelStrategy):
+    """The dimensions of ``--mesh`` stacked on one model.
+
+    Attributes:
+        shape: every mesh dimension's size, in :data:`labkit.mesh.MESH_ORDER` (sizes of 1 included).
+        mesh: the DeviceMesh (``None`` in a single process without a process group).
+        dims: the dimensions of size > 1, in apply order.
+    """
+
+    name = "mesh"
+    replicated = False
+
+    def __init__(self, env, options=None):
+        super().__init__(env, options)
+        spec = self.options.get("mesh") or f"dp={env.world_size}"
+        named = parse_mesh(spec)
+        check_world(named, env.world_size, spec)
+        self.shape = full_shape(named)
+        self.options["mesh"] = format_mesh(self.shape)
+        classes = [get_dimension(n) for n in DIMENSIONS if self.shape[n] > 1]  # unavailable: ConfigError now
+        self.mesh = build_mesh(self.shape, env.device.type) if env.distributed else None
+        self.dims = [cls(self.mesh, self.options) for cls in classes]
+        self.pipeline = next((d for d in self.dims if d.name == "pp"), None)
+        self.sequential_model = self.pipeline is not None  # a CNN is cut into stages as a flat nn.Sequential
+        self._criteria: dict[int, nn.Module] = {}
+
+    def check_model(self, model_name: str) -> None:
+        """Every dimension's :meth:`~labkit.parallel.base.Dimension.check` (ConfigError before any work)."""
+        for d in self.dims:
+            d.check(model_name)
+
+    # ----- data: shards by the data-parallel coordinates ----------------------------------------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        return math.prod(d.data_parallel_size for d in self.dims)
+
+    def data_shard(self) -> tuple[int, int]:
+        """``(shards, this rank's shard)``: mixed radix over the data-parallel dimensions in mesh order, so the
+        ranks of one tp (pp, ...) group read the same samples."""
+        index = 0
+        for name in MESH_ORDER:
+            d = next((d for d in self.dims if d.name == name), None)
+            if d is not None and d.data_parallel_size > 1:
+                index = index * d.data_parallel_size + d.rank
+        return self.data_parallel_size, index
+
+    # ----- the model and the step ---------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.env.device)
+        for d in self.dims:
+            model = d.parallelize(model)
+        return model
+
+    def _criterion(self, criterion: nn.Module) -> nn.Module:
+        key = id(criterion)
+        if key not in self._criteria:  # built once: a step creates no module
+            for d in self.dims:
+                criterion = d.criterion(criterion)
+            self._criteria[key] = criterion
+        return self._criteria[key]
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: nn.Module):
+        for d in self.dims:
+            x, y = d.shard_batch(x, y)
+        criterion = self._criterion(criterion)
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(model, x, y, criterion)
+        out = model(x)  # (B, classes) or (B, T, vocab / tp)
+        loss = criterion(out, y)
+        loss.backward()
+        return loss.detach(), out.detach()
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        for d in reversed(self.dims):
+            d.sync_gradients(model)
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """Evaluation: the whole output on the ranks that own it (pp: its schedule's forward)."""
+        out = self.pipeline.forward(model, x) if self.pipeline is not None else model(x)
+        if out is None:
+            return None
+        for d in self.dims:
+            out = d.full_output(out)
+        return out
+
+    def metric_owner(self) -> bool:
+        return all(d.owns_metrics() for d in self.dims)
+
+    def build_optimizer(self, model: nn.Module, spec):
+        if any(d.name == "dp" and getattr(d, "shard", "none") == "fsdp" for d in self.dims):
+            refuse_layerwise(spec.name, "mesh --dp-shard fsdp", "a shard of each tensor")
+        return spec.build(model)
+
+    # ----- checkpoints: one file per rank, with the mesh ---------------------------------------------
+
+    def mesh_key(self) -> dict:
+        """What a checkpoint must match: every dimension's ``state_key`` (and the full shape)."""
+        key = dict(self.shape)
+        for d in self.dims:
+            key.update(d.state_key())
+        return key
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return {**local_state(model, optimizer), "world_size": self.env.world_size, "mesh": self.mesh_key()}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        saved = state.get("mesh")
+        if saved != self.mesh_key():
+            written = _describe(saved) if isinstance(saved, dict) else "no mesh"
+            raise CheckpointError(f"it was written on --mesh {written} but this run has --mesh "
+                                  f"{_describe(self.mesh_key())}; resume with --mesh {written} or start without "
+                                  "--resume")
+        load_local_state(model, optimizer, state)
+
+
+def _describe(key: dict) -> str:
+    """``{"dp": 2, "dp_shard": "fsdp", "tp": 1, ...}`` -> ``"dp=2 --dp-shard fsdp"`` (options at their default
+    ``none``/``False`` left out)."""
+    options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in key.items()
+               if k not in MESH_ORDER and v not in (None, False, "none")]
+    return " ".join([format_mesh(key), *options])
