@@ -15,12 +15,14 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from labkit.dist import DistEnv
 from labkit.moe import AddAuxLoss, MoE, MoEConfig, balance_loss, gpt_moe, moe_layers, route
 from labkit.parallel.ep import ExpertParallel, dense_allreduce_bytes
 from labkit.testing import run_ranks
 
-V, T, B, STEPS = 48, 16, 8, 3
+V, T, B, STEPS = 48, 16, 8, 3                           # global batch B sequences of T tokens
 CASES = {"top1": dict(top_k=1, capacity_factor=None), "top2-cap": dict(top_k=2, capacity_factor=1.0)}
 TOL = dict(rtol=0, atol=1e-10)
 
@@ -113,61 +115,89 @@ def test_bytes_formula_literals():
     assert dense_allreduce_bytes(1_000_000, 4) == 6_000_000
 
 
-# ----- ep=2 and dp=2,ep=2 against one process ----------------------------------------------------------------
+# ----- ep=2 and dp=2,ep=2 against one process, through fit ------------------------------------------------
+
+class _Logits(torch.nn.Module):
+    """The GPT's logits as (B, V, T): nn.CrossEntropyLoss's K-dimensional form, and ``argmax(1)`` is per token."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, x):
+        return self.gpt(x).transpose(1, 2)
+
 
 def _model(case: str):
     torch.manual_seed(0)
-    return gpt_moe("gpt-moe-tiny", vocab_size=V, block_size=T, n_embd=32, n_head=2, aux_alpha=0.1,
-                   **CASES[case]).double()
+    return _Logits(gpt_moe("gpt-moe-tiny", vocab_size=V, block_size=T, n_embd=32, n_head=2, aux_alpha=0.1,
+                           **CASES[case]).double())
 
 
-def _batches():
+def _data():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g))
-            for _ in range(STEPS)]
+    n = STEPS * B + 4                                       # STEPS global batches of B, then 4 test sequences
+    x, y = torch.randint(0, V, (n, T), generator=g), torch.randint(0, V, (n, T), generator=g)
+    return TensorDataset(x[:-4], y[:-4]), TensorDataset(x[-4:], y[-4:])
 
 
-def _train(model, shard, sync, rename) -> dict:
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+def _fit(strategy, model, rename) -> dict:
+    """labkit.train.fit as ``labkit train`` calls it; every step's loss, tokens per expert and dropped choices,
+    step 0's gradients after the synchronisation, the weights and test loss after STEPS steps."""
+    from labkit.train import fit
+
     out = {"loss": [], "tokens": [], "dropped": []}
-    for step, (x, y) in enumerate(_batches()):
-        x, y = shard(x, y)
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        sync(model)
+    inner_fb, inner_sync = strategy.forward_backward, strategy.sync_gradients
+
+    def forward_backward(*args):
+        loss, logits = inner_fb(*args)
         out["loss"].append(loss.item())
         out["tokens"].append([m.tokens_per_expert.tolist() for m in moe_layers(model)])
         out["dropped"].append([m.dropped.item() for m in moe_layers(model)])
-        if step == 0:
-            out["grads"] = {rename(n): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
+        return loss, logits
+
+    def sync_gradients(m):
+        inner_sync(m)
+        out.setdefault("grads", {rename(n): p.grad.clone() for n, p in m.named_parameters()})
+
+    strategy.forward_backward, strategy.sync_gradients = forward_backward, sync_gradients
+    train, test = _data()
+    shards = strategy.data_parallel_size
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    history = fit(model, DataLoader(train, batch_size=B // shards, sampler=strategy.sampler(train, True, 3),
+                                    drop_last=True),
+                  DataLoader(test, batch_size=2, sampler=strategy.sampler(test, False, 3)), optimizer, epochs=1,
+                  strategy=strategy, seed=3, printer=lambda line: None)
     out["weights"] = {rename(n): p.detach().clone() for n, p in model.named_parameters()}
+    out["test_loss"] = history[0]["test_loss"]
     return out
 
 
-def _mesh_rank(env, dp: int, ep: int) -> dict:
-    from labkit.mesh import build_mesh
+def _single(case: str) -> dict:
+    """The oracle: one process, the global batch (a one-replica DistributedSampler with the same seed draws the
+    global batch s as the ranks' batches s together)."""
+    from labkit.strategies.base import Strategy
 
-    mesh = build_mesh({"dp": dp, "ep": ep})
-    dim = ExpertParallel(mesh, {})
-    shard_index, shards = mesh.get_local_rank("dp") * ep + dim.rank, dp * ep
+    strategy = Strategy(DistEnv())
+    strategy.sampler = lambda data, train, seed: (DistributedSampler(data, num_replicas=1, rank=0, seed=seed)
+                                                  if train else None)
+    model = _model(case)
+    return _fit(strategy, model, lambda n: n)
+
+
+def _mesh_rank(env, mesh: str) -> dict:
+    from labkit.strategies.mesh import MeshStrategy
+
     result = {}
     for case in CASES:
-        model = dim.parallelize(_model(case))
+        strategy = MeshStrategy(env, {"mesh": mesh})
+        strategy.check_model("gpt-moe-tiny")
+        model = strategy.prepare(_model(case))
         offset = moe_layers(model)[0].expert_offset
-
-        def sync(m):
-            dim.sync_gradients(m)
-            if dp > 1:                                      # the dp dimension's average, inline
-                for p in m.parameters():
-                    if p.grad is not None:
-                        torch.distributed.all_reduce(p.grad, group=mesh.get_group("dp"))
-                        p.grad /= dp
-        result[case] = _train(model, lambda x, y: (x.chunk(shards)[shard_index], y.chunk(shards)[shard_index]),
-                              sync, lambda n: re.sub(r"experts\.(\d+)", lambda m: f"experts.{int(m[1]) + offset}", n))
-    if dp == 1:                                             # the exchange's bytes with routing forced even
-        moe = dim.parallelize(_forced_moe(1))
+        result[case] = _fit(strategy, model, lambda n: re.sub(r"experts\.(\d+)",
+                                                              lambda m: f"experts.{int(m[1]) + offset}", n))
+    if mesh == "ep=2":                                       # the exchange's bytes with routing forced even
+        moe = next(d for d in strategy.dims if d.name == "ep").parallelize(_forced_moe(1))
         x = torch.zeros(8, 8, dtype=torch.float64)
         x[torch.arange(8), torch.arange(8) % 4] = 3.0       # 2 tokens per expert on each rank
         x.requires_grad_()                                  # as in a GPT: the dispatch has a backward
@@ -178,8 +208,9 @@ def _mesh_rank(env, dp: int, ep: int) -> dict:
 
 def _compare(per_rank: list[dict], ranks: int):
     for case in CASES:
-        want = _train(_model(case), lambda x, y: (x, y), lambda m: None, lambda n: n)
+        want = _single(case)
         runs = [r[case] for r in per_rank]
+        assert len(want["loss"]) == STEPS and all(len(r["loss"]) == STEPS for r in runs)
         losses = [sum(r["loss"][s] for r in runs) / ranks for s in range(STEPS)]
         assert losses == pytest.approx(want["loss"], abs=1e-10)
         tokens = torch.tensor([r["tokens"] for r in runs]).sum(0)      # (STEPS, layers, E), routed on every rank
@@ -193,10 +224,11 @@ def _compare(per_rank: list[dict], ranks: int):
                 for name, value in r[key].items():
                     torch.testing.assert_close(value, want[key][name], **TOL, msg=f"{case} {key} {name}")
             assert set().union(*(r[key] for r in runs)) == set(want[key])  # every expert lives on some rank
+        assert all(r["test_loss"] == pytest.approx(want["test_loss"], abs=1e-10) for r in runs)
 
 
 def test_ep2_equals_one_process():
-    per_rank = run_ranks(_mesh_rank, 2, 1, 2)
+    per_rank = run_ranks(_mesh_rank, 2, "ep=2")
     _compare(per_rank, 2)
     # each rank: dispatch 4 rows, combine 4, both again in backward: 16 rows of 8 float64; counts 2 of 4 int64
     for r in per_rank:
@@ -205,4 +237,4 @@ def test_ep2_equals_one_process():
 
 
 def test_dp2_ep2_equals_one_process():
-    _compare(run_ranks(_mesh_rank, 4, 2, 2, timeout=240.0), 4)
+    _compare(run_ranks(_mesh_rank, 4, "dp=2,ep=2", timeout=240.0), 4)
