@@ -62,11 +62,13 @@ class MoEConfig:
             raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
 
 
-#: ``--model`` sizes: a GPT size and its experts
+#: ``--model`` sizes: a GPT size and its experts (``gpt-moe`` = ``gpt-moe-tiny``)
 MOE_SIZES: dict[str, tuple[GPTConfig, MoEConfig]] = {
     "gpt-moe-tiny": (GPT_SIZES["gpt-tiny"], MoEConfig(n_expert=4, top_k=1, capacity_factor=None)),
+    "gpt-moe-tiny-top2": (GPT_SIZES["gpt-tiny"], MoEConfig(n_expert=4, top_k=2, capacity_factor=1.25)),
     "gpt-moe-small": (GPT_SIZES["gpt-small"], MoEConfig(n_expert=8, top_k=2, capacity_factor=1.25)),
 }
+MOE_SIZES["gpt-moe"] = MOE_SIZES["gpt-moe-tiny"]
 
 
 def capacity(tokens: int, top_k: int, n_expert: int, capacity_factor: float | None) -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labkit.dist import DistEnv
+from labkit.errors import ConfigError
 from labkit.moe import AddAuxLoss, MoE, MoEConfig, balance_loss, gpt_moe, moe_layers, route
 from labkit.parallel.ep import ExpertParallel, dense_allreduce_bytes
 from labkit.testing import run_ranks
@@ -113,6 +114,17 @@ def test_bytes_formula_literals():
     assert ExpertParallel.price(8, 8, 1, 4, 1, 2, bytes_per_element=8) == {"all_to_all": 1024, "counts": 16}
     assert ExpertParallel.price(512, 128, 2, 8, 2, 4) == {"all_to_all": 2 * 4 * 768 * 128 * 4, "counts": 2 * 48}
     assert dense_allreduce_bytes(1_000_000, 4) == 6_000_000
+
+
+def test_ep_refuses_a_model_it_cannot_spread():
+    dim = ExpertParallel.__new__(ExpertParallel)        # check() reads only the size: no process group needed
+    dim.size = 3
+    with pytest.raises(ConfigError, match=r"^--mesh ep=3: gpt-moe-tiny has 4 experts per layer, not a multiple"):
+        dim.check("gpt-moe-tiny")
+    dim.size = 2
+    dim.check("gpt-moe")
+    with pytest.raises(ConfigError, match=r"^--mesh ep=2 spreads a mixture of experts; use --model gpt-moe-tiny"):
+        dim.check("gpt-tiny")
 
 
 # ----- ep=2 and dp=2,ep=2 against one process, through fit ------------------------------------------------

@@ -115,7 +115,7 @@ class ExpertParallel(Dimension):
             return
         if model_name not in MOE_SIZES:
             raise ConfigError(f"--mesh ep={self.size} spreads a mixture of experts; use --model "
-                              f"{' or '.join(MOE_SIZES)}, not {model_name}")
+                              f"{', '.join(MOE_SIZES)} (not {model_name}) or leave ep out")
         experts = MOE_SIZES[model_name][1].n_expert
         if experts % self.size:
             raise ConfigError(f"--mesh ep={self.size}: {model_name} has {experts} experts per layer, not a multiple "
