@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
+from labkit.gpt import gpt
 from labkit.moe import AddAuxLoss, MoE, MoEConfig, balance_loss, gpt_moe, moe_layers, route
 from labkit.parallel.ep import ExpertParallel, dense_allreduce_bytes
 from labkit.testing import run_ranks
@@ -114,6 +115,15 @@ def test_bytes_formula_literals():
     assert ExpertParallel.price(8, 8, 1, 4, 1, 2, bytes_per_element=8) == {"all_to_all": 1024, "counts": 16}
     assert ExpertParallel.price(512, 128, 2, 8, 2, 4) == {"all_to_all": 2 * 4 * 768 * 128 * 4, "counts": 2 * 48}
     assert dense_allreduce_bytes(1_000_000, 4) == 6_000_000
+    # gpt-moe-tiny (vocab 96) on ep=2, 16 sequences of 128 tokens per rank, fp32: 4.2 MB of all-to-all plus the
+    # all-reduce of its 163,072 non-expert parameters, beside gpt-tiny (the same compute per token: top-1 of
+    # MLP-sized experts) on dp=2 all-reducing its 425,472
+    assert ExpertParallel.price(16 * 128, 128, 1, 4, 2, 2) == {"all_to_all": 4_194_304, "counts": 32}
+    moe, dense = gpt_moe("gpt-moe-tiny", 96), gpt("gpt-tiny", 96)
+    shared = sum(p.numel() for p in moe.parameters()) - sum(p.numel() for m in moe_layers(moe)
+                                                             for p in m.experts.parameters())
+    assert (shared, dense_allreduce_bytes(shared, 2)) == (163_072, 652_288)
+    assert dense_allreduce_bytes(sum(p.numel() for p in dense.parameters()), 2) == 1_701_888
 
 
 def test_ep_refuses_a_model_it_cannot_spread():
