@@ -4,9 +4,9 @@ Single process: the router's gates and capacity on hand-made probabilities, the 
 computation, the loss injector's gradient, the layer against a per-token loop. Two spawns: ``ep=2`` (2 ranks) and
 ``dp=2,ep=2`` (4 ranks) against single-process training on the global batch: loss every step, gradients of step 0,
 weights after STEPS steps, tokens per expert and dropped choices every step, for top-1 and for top-2 with a
-capacity factor that drops. The ranks run the mesh's step as :mod:`labkit.parallel.base` lays it out (parallelize,
-shard the batch, forward/backward, sync_gradients in reverse apply order); the dp average is done inline.
-Float64, so that no near-tie in the router flips between the two runs.
+capacity factor that drops, and the test loss after them; both through ``MeshStrategy`` and ``labkit.train.fit``,
+``dp=2,ep=2`` also with ``--dp-shard fsdp``. Float64 (tolerance 1e-10), so that no near-tie in the router flips
+between the two runs. The ep=2 spawn also counts the exchange's bytes with the routing forced even.
 """
 from __future__ import annotations
 
@@ -207,17 +207,25 @@ def _single(case: str) -> dict:
     return _fit(strategy, model, lambda n: n)
 
 
+def _full(tensors: dict) -> dict:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in tensors.items()}
+
+
 def _mesh_rank(env, mesh: str) -> dict:
     from labkit.strategies.mesh import MeshStrategy
 
     result = {}
-    for case in CASES:
-        strategy = MeshStrategy(env, {"mesh": mesh})
+    runs = [(case, case, {}) for case in CASES]
+    if mesh == "dp=2,ep=2":                                  # and under FSDP2 over dp (DTensor gradients)
+        runs.append(("top2-cap fsdp", "top2-cap", {"dp_shard": "fsdp"}))
+    for key, case, options in runs:
+        strategy = MeshStrategy(env, {"mesh": mesh, **options})
         strategy.check_model("gpt-moe-tiny")
         model = strategy.prepare(_model(case))
         offset = moe_layers(model)[0].expert_offset
-        result[case] = _fit(strategy, model, lambda n: re.sub(r"experts\.(\d+)",
-                                                              lambda m: f"experts.{int(m[1]) + offset}", n))
+        result[key] = _fit(strategy, model, lambda n: re.sub(r"experts\.(\d+)",
+                                                             lambda m: f"experts.{int(m[1]) + offset}", n))
+        result[key]["grads"], result[key]["weights"] = _full(result[key]["grads"]), _full(result[key]["weights"])
     if mesh == "ep=2":                                       # the exchange's bytes with routing forced even
         moe = next(d for d in strategy.dims if d.name == "ep").parallelize(_forced_moe(1))
         x = torch.zeros(8, 8, dtype=torch.float64)
@@ -229,9 +237,12 @@ def _mesh_rank(env, mesh: str) -> dict:
 
 
 def _compare(per_rank: list[dict], ranks: int):
-    for case in CASES:
+    for key in per_rank[0]:
+        if key == "sent":
+            continue
+        case = key.split()[0]
         want = _single(case)
-        runs = [r[case] for r in per_rank]
+        runs = [r[key] for r in per_rank]
         assert len(want["loss"]) == STEPS and all(len(r["loss"]) == STEPS for r in runs)
         losses = [sum(r["loss"][s] for r in runs) / ranks for s in range(STEPS)]
         assert losses == pytest.approx(want["loss"], abs=1e-10)
@@ -240,12 +251,12 @@ def _compare(per_rank: list[dict], ranks: int):
         assert torch.tensor([r["dropped"] for r in runs]).sum(0).tolist() == want["dropped"]
         if CASES[case]["capacity_factor"] is not None:
             assert min(min(d) for d in want["dropped"]) > 0    # the capacity does drop
-        for key in ("grads", "weights"):
+        for what in ("grads", "weights"):
             for r in runs:
-                assert r[key].keys() <= want[key].keys()
-                for name, value in r[key].items():
-                    torch.testing.assert_close(value, want[key][name], **TOL, msg=f"{case} {key} {name}")
-            assert set().union(*(r[key] for r in runs)) == set(want[key])  # every expert lives on some rank
+                assert r[what].keys() <= want[what].keys()
+                for name, value in r[what].items():
+                    torch.testing.assert_close(value, want[what][name], **TOL, msg=f"{key} {what} {name}")
+            assert set().union(*(r[what] for r in runs)) == set(want[what])  # every expert lives on some rank
         assert all(r["test_loss"] == pytest.approx(want["test_loss"], abs=1e-10) for r in runs)
 
 
@@ -259,4 +270,6 @@ def test_ep2_equals_one_process():
 
 
 def test_dp2_ep2_equals_one_process():
-    _compare(run_ranks(_mesh_rank, 4, "dp=2,ep=2", timeout=240.0), 4)
+    per_rank = run_ranks(_mesh_rank, 4, "dp=2,ep=2", timeout=240.0)
+    assert sorted(per_rank[0]) == ["top1", "top2-cap", "top2-cap fsdp"]
+    _compare(per_rank, 4)

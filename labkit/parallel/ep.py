@@ -36,6 +36,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from labkit import dist as kdist
 from labkit.errors import ConfigError
@@ -97,6 +98,12 @@ class AllToAllExchange:
         return AllToAll.apply(out, send, recv, self.group, self.rank, self.sent)           # combine
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (an FSDP2-sharded one is a DTensor; its local shard is averaged over ep,
+    the ep peers holding the same shard of it)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
 def _expert_params(model: nn.Module) -> set[int]:
     return {id(p) for m in moe_layers(model) for p in m.experts.parameters()}
 
@@ -140,16 +147,17 @@ class ExpertParallel(Dimension):
         if self.size == 1:
             return
         experts = _expert_params(model)
-        shared = [p for p in model.parameters() if p.grad is not None and id(p) not in experts]
+        grads = [(id(p) in experts, _local(p.grad)) for p in model.parameters() if p.grad is not None]
+        shared = [g for is_expert, g in grads if not is_expert]
         if shared:
-            flat = torch.cat([p.grad.reshape(-1) for p in shared])
+            flat = torch.cat([g.reshape(-1) for g in shared])
             kdist.all_reduce(flat, group=self.group)
             flat /= self.size
-            for p, g in zip(shared, flat.split([p.numel() for p in shared])):
-                p.grad.copy_(g.view_as(p.grad))
-        for p in model.parameters():
-            if id(p) in experts and p.grad is not None:
-                p.grad /= self.size
+            for g, avg in zip(shared, flat.split([g.numel() for g in shared])):
+                g.copy_(avg.view_as(g))
+        for is_expert, g in grads:
+            if is_expert:
+                g /= self.size
 
     @staticmethod
     def price(tokens: int, n_embd: int, top_k: int, n_expert: int, n_layer: int, ranks: int,
