@@ -156,3 +156,62 @@ def test_any_unwritable_path_is_one_line(capsys, tmp_path):
     assert main(["allreduce", "animate", "--algo", "ring", "--ranks", "2", "--out", str(blocker / "a.html")]) == 2
     line = _one_error_line(capsys)
     assert f"cannot use {blocker}" in line and "File exists" in line, line
+
+
+def _exit_code(argv: list[str]) -> int:
+    """``main``'s exit code, whether it returns it or a flag error exits with it as the flag is read."""
+    try:
+        return main(argv)
+    except SystemExit as stop:
+        return stop.code
+
+
+@pytest.mark.parametrize("mesh, expected", [
+    ("xx=2", "--mesh 'xx=2': unknown dimension 'xx'; choose from pp, dp, ep, cp, tp"),
+    ("dp=0", "--mesh 'dp=0': dp must be >= 1, got 0"),
+    ("dp=2,dp=2", "--mesh 'dp=2,dp=2': dp is given twice"),
+    ("dp:2", "--mesh 'dp:2': 'dp:2' is not name=size"),
+])
+def test_bad_mesh_is_one_line_and_exit_2(capsys, tmp_path, mesh, expected):
+    assert _exit_code(["train", *QUICK, "--out", str(tmp_path), "--mesh", mesh]) == 2
+    assert _one_error_line(capsys).startswith(f"labkit: error: {expected}")
+    assert not list(tmp_path.iterdir())  # refused before any work
+
+
+def test_a_mesh_of_another_rank_count_is_refused_before_any_communication():
+    from labkit.strategies.mesh import MeshStrategy
+
+    with pytest.raises(ConfigError, match=r"^--mesh dp=2,tp=2 has 4 ranks \(2 x 2\) but the job has 2; start 4 ranks"):
+        MeshStrategy(DistEnv(world_size=2, local_world_size=2), {"mesh": "dp=2,tp=2"})
+
+
+def test_a_mesh_flag_with_another_strategy_is_one_line(capsys, tmp_path):
+    assert _exit_code(["train", *QUICK, "--out", str(tmp_path), "--strategy", "ddp", "--mesh", "dp=2"]) == 2
+    assert _one_error_line(capsys) == "labkit: error: --mesh is a flag of --strategy mesh, not of --strategy ddp"
+
+
+class _Mesh:
+    """A stand-in for a DeviceMesh of ``sizes``: what a Dimension reads when it is made, no process group."""
+
+    def __init__(self, **sizes):
+        self.mesh_dim_names, self.sizes = tuple(sizes), sizes
+
+    def size(self, i):
+        return self.sizes[self.mesh_dim_names[i]]
+
+    def get_group(self, name):
+        return None
+
+    def get_local_rank(self, name):
+        return 0
+
+
+@pytest.mark.parametrize("tp, model, expected", [
+    (2, "lenet", "--mesh tp=2 splits a transformer's attention heads and MLP: it needs --model gpt"),
+    (3, "gpt-tiny", "--mesh tp=3 does not divide gpt-tiny's 4 attention heads"),
+])
+def test_a_mesh_dimension_the_model_cannot_take_is_refused_before_any_work(tp, model, expected):
+    from labkit.parallel import get_dimension
+
+    with pytest.raises(ConfigError, match=f"^{expected}"):
+        get_dimension("tp")(_Mesh(pp=1, dp=1, ep=1, cp=1, tp=tp), {}).check(model)

@@ -114,6 +114,8 @@ def _ranks(env) -> dict:
                 "zero-2": ("zero", {"zero_stage": 2}, _net(), _data()),
                 "zero-3": ("zero", {"zero_stage": 3}, _net(), _data()),
                 "fsdp": ("fsdp", {}, _net(), _data()),
+                "mesh-dp": ("mesh", {"mesh": "dp=2"}, _net(), _data()),
+                "mesh-fsdp": ("mesh", {"mesh": "dp=2", "dp_shard": "fsdp"}, _net(), _data()),
                 "hybrid": ("hybrid", {}, alexnet, _data(3, 16)),
                 "tensor-parallel": ("tensor-parallel", {}, _net(), _data()),
                 "pipeline": ("pipeline", {"num_microbatches": 2}, _net(), _data()),
@@ -139,6 +141,10 @@ STEP = {
     # ZeRO-3: gather for the forward, again for the backward (the last unit first), reduce-scatter
     "zero-3": [f"{AG} 104", f"{AG} 28", f"{AG} 28", f"{RS} 14", f"{AG} 104", f"{RS} 52"],
     "fsdp": [f"{AG} 104", f"{AG} 36", f"{AG} 36", f"{AG} 104", f"{RS} 18", f"{RS} 52"],
+    # --mesh dp=2: labkit's bucketed all-reduce over the dp group after backward (131 parameters, one bucket);
+    # --dp-shard fsdp: FSDP2 over the dp group, the same calls as --strategy fsdp
+    "mesh-dp": ["all_reduce 131"],
+    "mesh-fsdp": [f"{AG} 104", f"{AG} 36", f"{AG} 36", f"{AG} 104", f"{RS} 18", f"{RS} 52"],
     # shard sizes (host memory), features and targets to rank 0, their gradients and logits back, the
     # convolutions' gradients summed (565,152 parameters, one bucket)
     "hybrid": [f"{AG} 2", "gather 2048", "gather 4", "scatter 2048", "scatter 12", "all_reduce 565152"],
