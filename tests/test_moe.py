@@ -231,14 +231,24 @@ def _mesh_rank(env, mesh: str) -> dict:
         x = torch.zeros(8, 8, dtype=torch.float64)
         x[torch.arange(8), torch.arange(8) % 4] = 3.0       # 2 tokens per expert on each rank
         x.requires_grad_()                                  # as in a GPT: the dispatch has a backward
-        moe(x[None]).sum().backward()
-        result["sent"] = moe.exchange.sent
+        calls, original = [], torch.distributed.all_to_all_single
+
+        def logged(output, tensor, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            row = tensor[:1].numel() * tensor.element_size()          # bytes per row sent
+            calls.append([n * row for n in input_split_sizes or [len(tensor) // 2] * 2])
+            return original(output, tensor, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        torch.distributed.all_to_all_single = logged
+        try:
+            moe(x[None]).sum().backward()
+        finally:
+            torch.distributed.all_to_all_single = original
+        result["sent"], result["calls"] = moe.exchange.sent, calls
     return result
 
 
 def _compare(per_rank: list[dict], ranks: int):
     for key in per_rank[0]:
-        if key == "sent":
+        if key in ("sent", "calls"):
             continue
         case = key.split()[0]
         want = _single(case)
@@ -265,6 +275,9 @@ def test_ep2_equals_one_process():
     _compare(per_rank, 2)
     # each rank: dispatch 4 rows, combine 4, both again in backward: 16 rows of 8 float64; counts 2 of 4 int64
     for r in per_rank:
+        # bytes to rank 0 and rank 1 of each all_to_all_single, in call order: the counts (2 int64 each way),
+        # dispatch, combine, combine's backward, dispatch's backward (4 rows of 8 float64 each way)
+        assert r["calls"] == [[16, 16], [256, 256], [256, 256], [256, 256], [256, 256]]
         assert r["sent"] == {"rows": 16, "bytes": 1024, "count_bytes": 16}
         assert ExpertParallel.price(8, 8, 1, 4, 1, 2, bytes_per_element=8) == {"all_to_all": 1024, "counts": 16}
 
