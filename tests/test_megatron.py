@@ -23,7 +23,7 @@ from labkit.parallel.megatron import (
 )
 from labkit.testing import run_ranks
 
-CFG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=32)
+CFG = GPTConfig(vocab_size=33, block_size=16, n_layer=2, n_head=4, n_embd=32)
 B, T, TOL = 2, 16, 1e-5
 
 
@@ -46,13 +46,14 @@ def _reference():
 
 
 def _full(name, local, ref_shape, group):
-    """Gather a shard back to the full tensor (the dim whose size differs from the reference's)."""
+    """Gather a shard back to the full tensor (along the dim whose size differs from the reference's; the
+    vocabulary's 33 rows are split 17 + 16)."""
     local = local.full_tensor() if hasattr(local, "full_tensor") else local
     if tuple(local.shape) == tuple(ref_shape):
         return local
     d = next(i for i, (a, b) in enumerate(zip(local.shape, ref_shape)) if a != b)
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local.detach(), group=group)
     return torch.cat(parts, dim=d)
 
 
@@ -105,7 +106,7 @@ def _tp_rank(env):
     for sp in (False, True):
         key = "sp" if sp else "tp"
         model = parallelize_gpt(_model(), group, sequence_parallel=sp)
-        criterion = VocabParallelCrossEntropy(group)
+        criterion = VocabParallelCrossEntropy(group, CFG.vocab_size)
         log = []
         originals = _counting(log)
         try:
@@ -147,7 +148,7 @@ def _tp_rank(env):
                    "eval": (full - ref_out).abs().max().item(), "owner": strategy.metric_owner()}
     # 3 SGD steps (momentum), SP, against the single-process model: loss every step, weights after
     ref, model = _model(), parallelize_gpt(_model(), group, sequence_parallel=True)
-    criterion, steps = VocabParallelCrossEntropy(group), []
+    criterion, steps = VocabParallelCrossEntropy(group, CFG.vocab_size), []
     opts = [torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (ref, model)]
     for step in range(3):
         x, y = _batch(10 + step)
@@ -242,8 +243,9 @@ def test_tp_that_does_not_divide_is_one_line(monkeypatch):
     with pytest.raises(ConfigError) as err:
         parallelize_gpt(_model(), None)
     assert str(err.value) == "--mesh tp=3 does not divide the attention heads (4); choose a tp that does"
-    with pytest.raises(ConfigError, match="vocabulary size"):
-        parallelize_gpt(GPT(CFG.replace(n_head=6, n_embd=36)), None)
+    with pytest.raises(ConfigError, match=r"the block size \(sequence parallelism\) \(16\)"):
+        parallelize_gpt(GPT(CFG.replace(n_head=6, n_embd=36)), None, sequence_parallel=True)
+    parallelize_gpt(GPT(CFG.replace(n_head=6, n_embd=36)), None)  # the vocabulary (33) need not divide
 
 
 def test_formulas_give_the_counted_sizes_for_gpt_100m():

@@ -104,7 +104,7 @@ def _run(env, kind: str, options: dict) -> dict:
     model = strategy.prepare(_model(kind))
     losses = _fit(strategy, model, kind)
     return dict(losses=losses, weights=_weights(model), data=strategy.data_shard(), owner=strategy.metric_owner(),
-                coords={d.name: d.rank for d in strategy.dims})
+                coords={d.name: d.rank for d in strategy.dims}, sizes={d.name: d.size for d in strategy.dims})
 
 
 def _single(kind: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]:
@@ -196,7 +196,7 @@ def _check_equal(ranks: list[dict], kind: str, single) -> None:
             full = single_weights[name]
             if w.shape != full.shape:  # a tensor-parallel shard: this rank's contiguous slice
                 dim = next(i for i, (a, b) in enumerate(zip(w.shape, full.shape, strict=True)) if a != b)
-                full = full.chunk(full.shape[dim] // w.shape[dim], dim)[r["coords"]["tp"]]
+                full = torch.tensor_split(full, r["sizes"]["tp"], dim)[r["coords"]["tp"]]
             torch.testing.assert_close(w, full, rtol=0, atol=1e-5)
             held.add(name)
     assert names <= held  # every weight is on some rank

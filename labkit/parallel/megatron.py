@@ -40,16 +40,17 @@ from labkit.parallel.megatron_ops import (
     all_reduce_copy,
     copy_to_tp,
     gather_sequence,
-    group_rank,
     group_size,
     reduce_from_tp,
     scatter_sequence,
     sequence_shard,
+    split_range,
 )
 
 
 def _rows(w: torch.Tensor, group) -> torch.Tensor:
-    return w.detach().chunk(group_size(group), dim=0)[group_rank(group)].clone()
+    start, stop = split_range(w.shape[0], group)
+    return w.detach()[start:stop].clone()
 
 
 def _mark(p: nn.Parameter) -> nn.Parameter:
@@ -88,14 +89,12 @@ class ParallelInputLayerNorm(nn.LayerNorm):
 
 class ColumnParallelLinear(nn.Linear):
     """Rank r's rows of a full ``nn.Linear``: (..., in) -> (..., out/t). Its input must already be the whole X on
-    every rank, entered through ``f`` (:class:`ParallelInputLayerNorm`, or ``enter=True`` here)."""
+    every rank, entered through ``f`` (:class:`ParallelInputLayerNorm`, or ``enter=True`` here). When ``t`` does
+    not divide ``out`` the parts differ by one row (:func:`~.megatron_ops.split_range`)."""
 
     def __init__(self, linear: nn.Linear, group, enter: bool = False, sequence_parallel: bool = False):
-        t = group_size(group)
-        if linear.out_features % t:
-            raise ConfigError(f"tensor parallelism over {t} ranks needs {linear.out_features} output features "
-                              f"to divide by {t}")
-        super().__init__(linear.in_features, linear.out_features // t, bias=linear.bias is not None)
+        start, stop = split_range(linear.out_features, group)
+        super().__init__(linear.in_features, stop - start, bias=linear.bias is not None)
         self.weight = nn.Parameter(_rows(linear.weight, group))                          # (out/t, in)
         if linear.bias is not None:
             self.bias = nn.Parameter(_rows(linear.bias, group))                          # (out/t,)
@@ -111,11 +110,8 @@ class RowParallelLinear(nn.Linear):
     after the sum (with SP on the (B, T/t, out) shard, so its gradient is marked for the group sum)."""
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel: bool = False):
-        t = group_size(group)
-        if linear.in_features % t:
-            raise ConfigError(f"tensor parallelism over {t} ranks needs {linear.in_features} input features to "
-                              f"divide by {t}")
-        super().__init__(linear.in_features // t, linear.out_features, bias=linear.bias is not None)
+        start, stop = split_range(linear.in_features, group)
+        super().__init__(stop - start, linear.out_features, bias=linear.bias is not None)
         self.weight = nn.Parameter(_rows(linear.weight.t(), group).t().contiguous())     # (out, in/t)
         if linear.bias is not None:
             self.bias = linear.bias if not sequence_parallel else _mark(linear.bias)      # (out,) replicated
@@ -128,17 +124,14 @@ class RowParallelLinear(nn.Linear):
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """Rank r's rows ``[r·V/t, (r+1)·V/t)`` of the (V, C) token table. An id outside them looks up a zero row;
-    the sum over ranks (``g``, or a reduce-scatter along the sequence with SP) is the full embedding."""
+    """Rank r's rows ``[start, stop)`` of the (V, C) token table (``r·V/t`` to ``(r+1)·V/t`` when ``t`` divides
+    V; else the parts differ by one row). An id outside them looks up a zero row; the sum over ranks (``g``, or
+    a reduce-scatter along the sequence with SP) is the full embedding."""
 
     def __init__(self, emb: nn.Embedding, group, sequence_parallel: bool = False):
-        t = group_size(group)
-        if emb.num_embeddings % t:
-            raise ConfigError(f"tensor parallelism over {t} ranks needs the vocabulary ({emb.num_embeddings} "
-                              f"tokens) to divide by {t}")
-        super().__init__(emb.num_embeddings // t, emb.embedding_dim)
+        self.start, stop = split_range(emb.num_embeddings, group)
+        super().__init__(stop - self.start, emb.embedding_dim)
         self.weight = nn.Parameter(_rows(emb.weight, group))                             # (V/t, C)
-        self.start = group_rank(group) * self.num_embeddings
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -174,10 +167,11 @@ def parallelize_gpt(model: GPT, group, sequence_parallel: bool = False) -> GPT:
     for :class:`VocabParallelCrossEntropy`.
 
     Raises:
-        ConfigError: ``t`` does not divide the heads, the vocabulary or (with SP) the block size.
+        ConfigError: ``t`` does not divide the heads or (with SP) the block size. (The vocabulary need not
+            divide: its rows are split as evenly as they go.)
     """
     t, cfg = group_size(group), model.cfg
-    for what, n in [("attention heads", cfg.n_head), ("vocabulary size", cfg.vocab_size)] + \
+    for what, n in [("attention heads", cfg.n_head)] + \
             [("block size (sequence parallelism)", cfg.block_size)] * sequence_parallel:
         if n % t:
             raise ConfigError(f"--mesh tp={t} does not divide the {what} ({n}); choose a tp that does")
@@ -224,9 +218,8 @@ class _VocabParallelCE(torch.autograd.Function):
     ``dz_iv = (softmax_iv − [v = y_i]) / N`` on r's columns."""
 
     @staticmethod
-    def forward(ctx, logits, targets, group):
+    def forward(ctx, logits, targets, group, start):
         V_local = logits.shape[-1]
-        start = group_rank(group) * V_local
         z = logits.float()                                                               # (B, T, V/t)
         m = z.max(dim=-1).values                                                         # (B, T)
         if group_size(group) > 1:
@@ -248,16 +241,24 @@ class _VocabParallelCE(torch.autograd.Function):
         d = softmax.clone()
         d.scatter_add_(-1, local.clamp(0, softmax.shape[-1] - 1).unsqueeze(-1),
                        -inside.unsqueeze(-1).to(d.dtype))
-        return d.mul_(grad / local.numel()), None, None
+        return d.mul_(grad / local.numel()), None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):
     """``(logits_shard (B, T, V/t), targets (B, T)) -> mean loss`` over all B·T tokens, the same on every rank
-    of ``group``, without gathering the (B, T, V) logits (see :class:`_VocabParallelCE`)."""
+    of ``group``, without gathering the (B, T, V) logits (see :class:`_VocabParallelCE`).
 
-    def __init__(self, group):
+    ``vocab_size``: the whole vocabulary, where ``t`` does not divide it (the parts of
+    :func:`~.megatron_ops.split_range`); ``None``: ``t`` times the shard's width."""
+
+    def __init__(self, group, vocab_size: int | None = None):
         super().__init__()
-        self.group = group
+        self.group, self.vocab_size = group, vocab_size
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return _VocabParallelCE.apply(logits, targets, self.group)
+        V = self.vocab_size or logits.shape[-1] * group_size(self.group)
+        start, stop = split_range(V, self.group)
+        if stop - start != logits.shape[-1]:
+            raise ValueError(f"logits hold {logits.shape[-1]} of the vocabulary's {V} tokens on this rank but its "
+                             f"part is {stop - start}: give VocabParallelCrossEntropy the vocab_size")
+        return _VocabParallelCE.apply(logits, targets, self.group, start)

@@ -147,6 +147,19 @@ def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     return x if group_size(group) == 1 else ReduceScatterSequence.apply(x, group)
 
 
+def part(n: int, t: int, r: int) -> tuple[int, int]:
+    """``(start, stop)`` of rank ``r``'s part of ``n`` rows over ``t`` ranks: ``torch.tensor_split``'s parts, so
+    when ``t`` does not divide ``n`` the first ``n mod t`` ranks hold one row more (103 tokens over 2: 52, 51)."""
+    q, extra = divmod(n, t)
+    start = r * q + min(r, extra)
+    return start, start + q + (r < extra)
+
+
+def split_range(n: int, group) -> tuple[int, int]:
+    """This rank's :func:`part` of ``n`` rows over ``group``."""
+    return part(n, group_size(group), group_rank(group))
+
+
 def sequence_shard(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     """This rank's contiguous ``1/t`` of ``x`` along ``dim`` (no communication)."""
     t = group_size(group)

@@ -13,6 +13,7 @@ backward. Bytes per step and activation memory: :mod:`labkit.parallel.megatron_c
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from labkit import dist as kdist
@@ -21,6 +22,7 @@ from labkit.gpt import GPT, GPT_SIZES
 from labkit.parallel.base import Dimension
 from labkit.parallel.megatron import VocabParallelCrossEntropy, parallelize_gpt, sync_sequence_parallel_grads
 from labkit.parallel.megatron_cost import tp_step_bytes
+from labkit.parallel.megatron_ops import part
 
 #: ``labkit train --mesh ...`` flags of this dimension, plain data read without importing it (labkit.flags)
 FLAGS = [
@@ -39,6 +41,7 @@ class TensorParallel(Dimension):
         super().__init__(mesh, options)
         self.sequence_parallel = bool(self.options.get("sequence_parallel"))
         self._criterion = VocabParallelCrossEntropy(self.group)
+        self.vocab_size: int | None = None
 
     def check(self, model_name: str) -> None:
         if not model_name.startswith("gpt"):
@@ -54,6 +57,7 @@ class TensorParallel(Dimension):
             return model
         if not isinstance(model, GPT):
             raise ConfigError(f"--mesh tp={self.size} needs a labkit GPT, got {type(model).__name__}")
+        self.vocab_size = self._criterion.vocab_size = model.cfg.vocab_size
         return parallelize_gpt(model, self.group, self.sequence_parallel)
 
     def criterion(self, criterion: nn.Module) -> nn.Module:
@@ -64,12 +68,15 @@ class TensorParallel(Dimension):
             sync_sequence_parallel_grads(model, self.group)
 
     def full_output(self, out: torch.Tensor) -> torch.Tensor:
-        """Evaluation: the (B, T, V) logits from every rank's (B, T, V/tp) slice."""
+        """Evaluation: the (B, T, V) logits from every rank's (B, T, V/tp) slice (slices of unequal width padded
+        to the widest for the all-gather, then cut back)."""
         if self.size == 1:
             return out
-        parts = kdist.all_gather([torch.empty_like(out) for _ in range(self.size)], out.contiguous(),
-                                 group=self.group)
-        return torch.cat(parts, dim=-1)
+        V = self.vocab_size or out.shape[-1] * self.size
+        widths = [stop - start for start, stop in (part(V, self.size, r) for r in range(self.size))]
+        padded = F.pad(out, (0, widths[0] - out.shape[-1])).contiguous()
+        parts = kdist.all_gather([torch.empty_like(padded) for _ in widths], padded, group=self.group)
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
 
     def owns_metrics(self) -> bool:
         return self.rank == 0  # every rank of the group has the same loss: count it once
