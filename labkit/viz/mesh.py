@@ -56,8 +56,9 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     ``batch`` is the rank's data-parallel batch (``labkit train --batch-size``). Returns ``coords``,
     ``regions`` (``{weight: (row0, row1, col0, col1)}`` of the whole weight, for :data:`WEIGHTS` this rank
     holds), ``shapes`` (the whole model's), ``bytes`` (``{group: {collective: bytes}}`` handed to each, groups
-    named by their mesh dimension), ``p2p`` (bytes the pipeline sent) and ``block_saved`` (bytes one block saves
-    for backward, its input shaped as this rank's activations).
+    named by their mesh dimension), ``p2p`` (bytes the pipeline sent), ``params`` (elements of the parameters
+    it holds) and ``block_saved`` (bytes one block saves for backward, its input shaped as this rank's
+    activations).
     """
     import torch
     import torch.distributed as dist
@@ -119,7 +120,8 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     return {"rank": env.rank, "coords": coordinates(env.rank, strategy.shape), "shape": strategy.shape,
             "regions": regions, "shapes": {n: tuple(t.shape) for n, t in full.items() if n in WEIGHTS},
             "bytes": counted, "p2p": p2p["bytes"], "block_saved": _saved_bytes(block, block_in),
-            "block_input": tuple(block_in.shape), "cfg": whole.cfg}
+            "block_input": tuple(block_in.shape), "cfg": whole.cfg,
+            "params": sum(p.numel() for p in net.parameters())}
 
 
 def _layout(shape: dict[str, int]) -> tuple[list[str], int, int]:
