@@ -67,6 +67,7 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     from labkit.gpt import Block
     from labkit.mesh import coordinates
     from labkit.strategies.mesh import MeshStrategy
+    from labkit.tasks import get_task
 
     options = {"mesh": mesh, "sequence_parallel": sequence_parallel, "num_microbatches": microbatches}
     strategy = MeshStrategy(env, options)
@@ -99,6 +100,7 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     g = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, vocab_size, (batch, seq_len), generator=g) for _ in range(2))
     p2p = {"bytes": 0}
+    criterion = get_task("lm").criterion()
     for n in _COUNTED:
         setattr(dist, n, wrap(n, originals[n]))
     try:
@@ -106,9 +108,9 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
             from labkit.parallel.pp import p2p_bytes_sent
 
             with p2p_bytes_sent() as p2p:
-                strategy.forward_backward(net, x, y, torch.nn.CrossEntropyLoss())
+                strategy.forward_backward(net, x, y, criterion)
         else:
-            strategy.forward_backward(net, x, y, torch.nn.CrossEntropyLoss())
+            strategy.forward_backward(net, x, y, criterion)
         strategy.sync_gradients(net)
     finally:
         for n, fn in originals.items():
