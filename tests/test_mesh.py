@@ -4,12 +4,15 @@ refused on resume.
 
 One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce) and on
 ``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0)
-on ``dp=2`` and on ``pp=2``; an fsdp run cut after one epoch and resumed; that checkpoint offered to a run on
-another mesh. (The CNN on ``pp=2`` and ``dp=2,pp=2`` is ``tests/test_pp.py``'s.)
+on ``dp=2``, ``pp=2``, ``tp=2`` and ``tp=2 --sequence-parallel``; the CNN on fsdp cut after one epoch and
+resumed, that checkpoint offered to another mesh. One 4-rank spawn: the GPT on ``dp=2,tp=2``, on
+``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP) and on ``tp=2,pp=2``; the GPT on ``dp=2,tp=2`` resumed, its
+checkpoint offered to ``dp=4``. One 8-rank spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and
+``dp=2,pp=2`` is ``tests/test_pp.py``'s.)
 
 The oracle: one process, the global batch, in the ranks' sample order. A step's global loss is the mean of the
 losses of the ranks that own metrics, one per data shard. Tolerances (float32): the loss of every step within
-1e-6 absolute (only the order of the sums changes), the weights after the last step within 1e-5; a resumed
+1e-6 absolute (only the order of the sums changes), the weights after the last step (2 epochs) within 1e-5; a resumed
 run's weights are bit-identical (==) to those of the run that was not interrupted.
 """
 import pytest
@@ -25,8 +28,8 @@ from labkit.tasks import LanguageModelling, Task
 from labkit.testing import run_ranks
 
 GLOBAL_BATCH, SEED, LR = 8, 5, 0.1
-STEPS = {"cnn": 3, "gpt": 3}  # steps per epoch
-EPOCHS = {"cnn": 2, "gpt": 1}
+STEPS = {"cnn": 3, "gpt": 2}  # steps per epoch
+EPOCHS = {"cnn": 2, "gpt": 2}
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 
 
@@ -131,28 +134,47 @@ FOUR = {"gpt dp=2,tp=2": ("gpt", {"mesh": "dp=2,tp=2"}),
 EIGHT = {"gpt dp=2,tp=2,pp=2": ("gpt", {"mesh": "dp=2,tp=2,pp=2", "num_microbatches": 2})}
 
 
+def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict) -> dict:
+    """One epoch, a checkpoint, and the second epoch resumed from it, beside ``straight`` (the weights of the two
+    epochs run without a stop); that checkpoint offered to a run on the mesh ``other``. Returns both runs' weights
+    and the refusal."""
+    from labkit.strategies.mesh import MeshStrategy
+
+    result = {"straight": straight}
+    first = MeshStrategy(env, options)
+    _fit(first, first.prepare(_model(kind)), kind, epochs=1, out=out)
+    again = MeshStrategy(env, options)
+    model = again.prepare(_model(kind))
+    _fit(again, model, kind, epochs=2, start_epoch=1, out=out, resume=True)
+    result["resumed"] = _weights(model)
+    wrong = MeshStrategy(env, other)
+    try:
+        _fit(wrong, wrong.prepare(_model(kind)), kind, epochs=2, start_epoch=1, out=out, resume=True)
+    except CheckpointError as exc:
+        result["mismatch"] = str(exc)
+    return result
+
+
 def _two_ranks(env, out):
-    """On each of 2 ranks: the TWO compositions; an fsdp run cut after one epoch and resumed; that checkpoint
-    offered to a run on another mesh; --dp-shard zero3 refused."""
+    """On each of 2 ranks: the TWO compositions; a CNN on dp=2 --dp-shard fsdp resumed, and its checkpoint
+    offered to dp=2 without sharding; --dp-shard zero3 refused."""
     from labkit.strategies.mesh import MeshStrategy
 
     result = _runs(env, TWO)
-    fsdp = {"mesh": "dp=2", "dp_shard": "fsdp"}
-    first = MeshStrategy(env, fsdp)
-    _fit(first, first.prepare(_model("cnn")), "cnn", epochs=1, out=out)
-    again = MeshStrategy(env, fsdp)
-    model = again.prepare(_model("cnn"))
-    _fit(again, model, "cnn", epochs=2, start_epoch=1, out=out, resume=True)
-    result["resumed"] = _weights(model)
+    result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
+                               result["cnn dp=2 fsdp"]["weights"])
     try:
         MeshStrategy(env, {"mesh": "dp=2", "dp_shard": "zero3"}).check_model("lenet")
     except ConfigError as exc:
         result["zero3"] = str(exc)
-    other = MeshStrategy(env, {"mesh": "dp=2"})
-    try:
-        _fit(other, other.prepare(_model("cnn")), "cnn", epochs=2, start_epoch=1, out=out, resume=True)
-    except CheckpointError as exc:
-        result["mismatch"] = str(exc)
+    return result
+
+
+def _four_ranks(env, out):
+    """On each of 4 ranks: the FOUR compositions; the GPT on dp=2,tp=2 resumed, its checkpoint offered to dp=4."""
+    result = _runs(env, FOUR)
+    result["resume"] = _resume(env, "gpt", {"mesh": "dp=2,tp=2"}, {"mesh": "dp=4"}, out,
+                               result["gpt dp=2,tp=2"]["weights"])
     return result
 
 
@@ -166,8 +188,8 @@ def _runs(env, table):
 
 
 @pytest.fixture(scope="module")
-def four():
-    return run_ranks(_runs, 4, FOUR, timeout=300)
+def four(tmp_path_factory):
+    return run_ranks(_four_ranks, 4, str(tmp_path_factory.mktemp("mesh4")), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +229,16 @@ def test_two_rank_meshes_equal_one_process(two, single, key):
     _check_equal([r[key] for r in two], TWO[key][0], single)
 
 
-def test_mesh_checkpoint_resumes_bit_identically_and_another_mesh_is_refused(two):
+def test_mesh_checkpoints_resume_bit_identically_and_another_mesh_is_refused(two, four):
+    for r in [*two, *four]:
+        straight, resumed = r["resume"]["straight"], r["resume"]["resumed"]
+        assert straight.keys() == resumed.keys()
+        assert all(torch.equal(resumed[name], w) for name, w in straight.items())
     for r in two:
-        for name, w in r["resumed"].items():
-            assert torch.equal(w, r["cnn dp=2 fsdp"]["weights"][name])
-        assert "--mesh dp=2 --dp-shard fsdp" in r["mismatch"] and "this run has --mesh dp=2;" in r["mismatch"]
+        assert ": it was written on --mesh dp=2 --dp-shard fsdp but this run has --mesh dp=2; resume with --mesh " \
+               "dp=2 --dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
+    for r in four:
+        assert ": it was written on --mesh dp=2,tp=2 but this run has --mesh dp=4;" in r["resume"]["mismatch"]
 
 
 def test_zero3_on_a_mesh_is_refused_naming_fsdp(two):
