@@ -6,8 +6,8 @@ One spawn of 2 ranks (``--mesh pp=2``): a 2-block GPT (d=32, T=16, vocabulary 64
 1F1B, 3 steps of SGD with momentum (the loss every step, every weight after, both copies of the tied
 embedding, the bytes each stage sends per step as literal numbers), a LeNet's nn.Sequential form, and the bad
 options. One spawn of 4 ranks: the GPT on ``tp=2,pp=2`` (and with ``--sequence-parallel``), a 4-block GPT on ``pp=4``
-(middle stages without a copy of the embedding, the embedding group made with ``new_group``) and the LeNet on
-``dp=2,pp=2``.
+(middle stages without a copy of the embedding, the embedding group made with ``new_group``), the LeNet on
+``dp=2,pp=2``, and ``cp=2,pp=2`` refused.
 
 Tolerances (float32): the loss of every step within 1e-6 (only the order of the micro-batch and shard sums
 changes), the weights after the last step within 1e-5; the tied embedding's two copies equal bit for bit.
