@@ -43,5 +43,5 @@ def _list(args: argparse.Namespace) -> int:
     base = data_root(args.root)
     print(f"data root: {base}")
     for name in DATASETS:
-        print(f"  {name:<20} {_present(name, base)}")
+        print(f"  {name:<18} {_present(name, base)}")
     return 0

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit import dist as kdist
 from labkit.errors import ConfigError
 from labkit.parallel.base import Dimension
 from labkit.strategies.data_parallel import DEFAULT_BUCKET_MB, average_gradients
@@ -34,6 +35,23 @@ FLAGS = [
      "help": "dp dimension: none = replicas + bucketed gradient all-reduce; fsdp = FSDP2 fully_shard over the dp "
              "groups; zero3 = refused on a mesh (use fsdp)"},
 ]
+#: the advisor's entry (its mesh search is a later issue): the pricing function below
+ADVISOR = {"price": "labkit.parallel.dp:price"}
+
+
+def price(param_bytes: float, size: int, shard: str = "none") -> dict[str, float]:
+    """Bytes one rank sends per step over its ``dp`` group of ``d`` ranks, for ``P`` bytes of (this rank's)
+    parameters, on ring collectives; a placeholder for the advisor's mesh search:
+
+    * ``none``: one all-reduce of the gradients, ``2·(d − 1)/d·P``;
+    * ``fsdp``: per step a reduce-scatter of the gradients and two all-gathers of the parameters (before
+      forward, again before backward: FSDP2 reshards after forward), ``3·(d − 1)/d·P``.
+
+    ``d = 1`` sends nothing.
+    """
+    collectives = {"none": 2, "fsdp": 3}[shard]
+    return {"bytes": collectives * (size - 1) / size * param_bytes if size > 1 else 0.0}
+
 
 
 class DataParallel(Dimension):
@@ -63,7 +81,7 @@ class DataParallel(Dimension):
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor, src=src, group=self.group)
+                kdist.broadcast(tensor, src=src, group=self.group)
         return self._fully_shard(model) if self.shard == "fsdp" else model
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
