@@ -45,7 +45,7 @@ def row_parallel_linear(x_part, weight, bias, group):
     r, t = dist.get_rank(group), dist.get_world_size(group)
     k = weight.shape[1] // t
     w_part = weight[:, :k]  # TODO: this rank's part of the weight
-    return SumPartials.apply(x_part @ w_part.t(), group) + bias  # TODO: check where the bias belongs
+    return SumPartials.apply(x_part @ w_part.t() + bias, group)  # TODO: is this where the bias belongs?
 '''
 
 N, IN, OUT, WORLD = 5, 8, 6, 2
