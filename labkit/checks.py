@@ -24,6 +24,7 @@ CHECKS: dict[str, str] = {
     "staleness": "labkit.exercises.staleness:main",
     "zero-stage1": "labkit.exercises.zero_stage1:main",
     "advisor-cost": "labkit.advisor.check:main",
+    "row-parallel": "labkit.exercises.row_parallel:main",
 }
 
 #: exercise name -> "module:ATTRIBUTE", the text of its starting file (``--init FILE``)
@@ -37,6 +38,7 @@ STARTERS: dict[str, str] = {
     "staleness": "labkit.exercises.staleness:STARTER",
     "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
     "advisor-cost": "labkit.advisor.check:STARTER",
+    "row-parallel": "labkit.exercises.row_parallel:STARTER",
 }
 
 # notebook 11: each broken program of labkit.faults is an exercise; its starting file is the program itself

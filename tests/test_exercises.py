@@ -8,7 +8,7 @@ import torch
 
 from labkit.checks import CHECKS, STARTERS, run_check, write_starter
 from labkit.errors import ConfigError
-from labkit.exercises import average_gradients, kfac_factors, lr_schedule, training_step
+from labkit.exercises import average_gradients, kfac_factors, lr_schedule, row_parallel, training_step
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -154,6 +154,116 @@ def test_average_gradients_checker_names_each_slip(tmp_path):
         "first_only": [got["first_only"][0]]}
     assert got["first_only"][0].startswith("parameter(s) 1, 2, 3 of model.parameters() (counted from 0) differ "
                                            "from DDP's by up to ")
+
+
+ROW_PARALLEL_SLIPS = """
+import torch
+import torch.distributed as dist
+
+from labkit.exercises.row_parallel import reference  # noqa: F401  (judged too)
+
+
+class G(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class F(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class Both(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def _cols(weight, group):
+    r, t = dist.get_rank(group), dist.get_world_size(group)
+    k = weight.shape[1] // t
+    return weight[:, r * k:(r + 1) * k]
+
+
+def right(x, weight, bias, group):
+    return G.apply(x @ _cols(weight, group).t(), group) + bias
+
+
+def no_all_reduce(x, weight, bias, group):
+    return x @ _cols(weight, group).t() + bias
+
+
+def all_reduce_in_backward(x, weight, bias, group):
+    return F.apply(x @ _cols(weight, group).t(), group) + bias
+
+
+def all_reduce_in_both(x, weight, bias, group):
+    return Both.apply(x @ _cols(weight, group).t(), group) + bias
+
+
+def first_shard(x, weight, bias, group):
+    k = weight.shape[1] // dist.get_world_size(group)
+    return G.apply(x @ weight[:, :k].t(), group) + bias
+
+
+def bias_every_rank(x, weight, bias, group):
+    return G.apply(x @ _cols(weight, group).t() + bias, group)
+
+
+def raises(x, weight, bias, group):
+    return G.apply(x @ weight.t(), group) + bias
+"""
+
+
+def test_row_parallel_checker_names_each_slip(tmp_path):
+    """One start of 2 ranks judges the library's answer, a right one and each slip against RowParallelLinear."""
+    path = tmp_path / "row_slips.py"
+    path.write_text(ROW_PARALLEL_SLIPS)
+    names = ["reference", "right", "no_all_reduce", "all_reduce_in_backward", "all_reduce_in_both", "first_shard",
+             "bias_every_rank", "raises"]
+    got = row_parallel.check_functions(path, names)
+    assert got == {
+        "reference": [], "right": [],
+        "no_all_reduce": ["Y is this rank's partial product X_r W_rᵀ + b on each rank: you forgot the all-reduce; "
+                          "g's forward must sum the partial products over the ranks (dist.all_reduce) before the "
+                          "bias"],
+        "all_reduce_in_backward": ["the all-reduce is in g's backward instead of its forward (that is f, the "
+                                   "column-parallel layer's operator): Y is still this rank's partial product and dX "
+                                   "is 2x too large; g sums the partial products in forward and passes dY through "
+                                   "unchanged in backward"],
+        "all_reduce_in_both": ["the input's gradient is 2x too large: g's backward all-reduces, but every rank "
+                               "already holds the whole dY; g's backward is the identity (return grad, None)"],
+        "first_shard": ["the wrong shard of the weight (rank 0's columns on every rank): rank r's input holds "
+                        "features r*k to (r+1)*k, so it multiplies the weight's COLUMNS weight[:, r*k:(r+1)*k] "
+                        "(k = in/t)"],
+        "bias_every_rank": ["Y holds the bias 2 times: the bias was added on every rank before the sum; add it "
+                            "once, after g"],
+        "raises": ["on rank 0, row_parallel_linear raised RuntimeError: mat1 and mat2 shapes cannot be multiplied "
+                   "(5x4 and 8x6)"]}
 
 
 def test_init_writes_every_starter_and_refuses_to_overwrite(tmp_path, capsys):

@@ -1,0 +1,187 @@
+"""What every rank of a ``--mesh`` holds and sends: measured on real gloo ranks, then drawn (notebook 09).
+
+    facts = run_ranks(rank_facts, 4, "dp=2,tp=2", vocab_size=103, batch=4, seq_len=32)   # one dict per rank
+    plot_mesh({"dp": 2, "tp": 2}); plot_shards(facts); plt.show()
+
+:func:`rank_facts` builds the GPT on the mesh through :class:`labkit.strategies.mesh.MeshStrategy` (the code
+``labkit train --mesh`` runs), then, on each rank: where it sits on the mesh, which rows and columns of each
+weight it holds (found by locating its tensor in the whole model's), the bytes it hands to each collective in
+one training step (``forward_backward`` and ``sync_gradients``, counted per process group), the bytes its
+pipeline sends point to point, and the bytes one transformer block saves for backward (every saved storage
+once, parameters left out). The pictures only draw those facts.
+"""
+from __future__ import annotations
+
+import math
+
+#: weights drawn by :func:`plot_shards`: the embedding, attention's q and output projection, the MLP's two
+WEIGHTS = ("tok_emb.weight", "blocks.0.attn.q.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.fc.weight",
+           "blocks.0.mlp.proj.weight", "blocks.1.mlp.fc.weight")
+_COUNTED = ("all_reduce", "all_gather", "reduce_scatter_single")
+
+
+def _locate(local, full) -> tuple[int, int, int, int] | None:
+    """``(row0, row1, col0, col1)`` of ``full`` (2-D) that equals ``local``; None if no contiguous block does."""
+    import torch
+
+    rows, cols = local.shape
+    for r0 in range(full.shape[0] - rows + 1):
+        for c0 in range(full.shape[1] - cols + 1):
+            if torch.equal(full[r0:r0 + rows, c0:c0 + cols], local):
+                return r0, r0 + rows, c0, c0 + cols
+    return None
+
+
+def _saved_bytes(module, x) -> int:
+    """Bytes of the tensors ``module``'s forward saves for backward, each storage once, parameters left out."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(seen.values())
+
+
+def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequence_parallel: bool = False,
+               model: str = "gpt-tiny", microbatches: int = 2) -> dict:
+    """On one rank of ``mesh`` (e.g. ``"dp=2,tp=2"``): coordinates, weight regions, bytes per step, activations.
+
+    ``batch`` is the rank's data-parallel batch (``labkit train --batch-size``). Returns ``coords``,
+    ``regions`` (``{weight: (row0, row1, col0, col1)}`` of the whole weight, for :data:`WEIGHTS` this rank
+    holds), ``shapes`` (the whole model's), ``bytes`` (``{group: {collective: bytes}}`` handed to each, groups
+    named by their mesh dimension), ``p2p`` (bytes the pipeline sent), ``params`` (elements of the parameters
+    it holds) and ``block_saved`` (bytes one block saves for backward, its input shaped as this rank's
+    activations).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from labkit import models as kmodels
+    from labkit.gpt import Block
+    from labkit.mesh import coordinates
+    from labkit.strategies.mesh import MeshStrategy
+    from labkit.tasks import get_task
+
+    options = {"mesh": mesh, "sequence_parallel": sequence_parallel, "num_microbatches": microbatches}
+    strategy = MeshStrategy(env, options)
+    strategy.check_model(model)
+    torch.manual_seed(0)
+    whole = kmodels.get_model(model, num_classes=vocab_size, seq_len=seq_len)
+    full = {n: p.detach().clone() for n, p in whole.named_parameters()}
+    torch.manual_seed(0)
+    net = strategy.prepare(kmodels.get_model(model, num_classes=vocab_size, seq_len=seq_len))
+    regions = {}
+    for name, p in net.named_parameters():
+        name = name.removeprefix("module.")
+        if name in WEIGHTS:
+            regions[name] = _locate(p.detach(), full[name])
+    groups = {id(d.group): d.name for d in strategy.dims}
+    if strategy.pipeline is not None and strategy.pipeline.embedding_group is not None:
+        groups.setdefault(id(strategy.pipeline.embedding_group), "pp")
+    counted: dict[str, dict[str, int]] = {}
+    originals = {n: getattr(dist, n) for n in _COUNTED}
+
+    def wrap(name, fn):
+        def counting(*args, **kwargs):
+            tensor = args[1] if name == "all_gather" else args[0]
+            group = groups.get(id(kwargs.get("group")), "world")
+            per_op = counted.setdefault(group, {})
+            per_op[name] = per_op.get(name, 0) + tensor.numel() * tensor.element_size()
+            return fn(*args, **kwargs)
+        return counting
+
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, vocab_size, (batch, seq_len), generator=g) for _ in range(2))
+    p2p = {"bytes": 0}
+    criterion = get_task("lm").criterion()
+    for n in _COUNTED:
+        setattr(dist, n, wrap(n, originals[n]))
+    try:
+        if strategy.pipeline is not None:
+            from labkit.parallel.pp import p2p_bytes_sent
+
+            with p2p_bytes_sent() as p2p:
+                strategy.forward_backward(net, x, y, criterion)
+        else:
+            strategy.forward_backward(net, x, y, criterion)
+        strategy.sync_gradients(net)
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+    block = next(m for m in net.modules() if isinstance(m, Block))
+    tp = strategy.shape["tp"]
+    rows = seq_len // tp if sequence_parallel else seq_len
+    block_in = torch.randn(batch, rows, whole.cfg.n_embd, requires_grad=True)
+    return {"rank": env.rank, "coords": coordinates(env.rank, strategy.shape), "shape": strategy.shape,
+            "regions": regions, "shapes": {n: tuple(t.shape) for n, t in full.items() if n in WEIGHTS},
+            "bytes": counted, "p2p": p2p["bytes"], "block_saved": _saved_bytes(block, block_in),
+            "block_input": tuple(block_in.shape), "cfg": whole.cfg,
+            "params": sum(p.numel() for p in net.parameters())}
+
+
+def _layout(shape: dict[str, int]) -> tuple[list[str], int, int]:
+    """The named dimensions (size > 1, mesh order), and the grid: rows = all but the last, columns = the last."""
+    named = [n for n, s in shape.items() if s > 1] or ["dp"]
+    cols = shape.get(named[-1], 1)
+    return named, math.prod(shape[n] for n in named) // cols, cols
+
+
+def plot_mesh(shape: dict[str, int], axes=None):
+    """The ranks on the grid, once per named dimension, each rank coloured by its coordinate along it (rank
+    numbers written in). The ranks of one group of a dimension are those that differ only in its coordinate."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from labkit.mesh import coordinates, full_shape
+
+    shape = full_shape(shape)
+    named, rows, cols = _layout(shape)
+    if axes is None:
+        _, axes = plt.subplots(1, len(named), figsize=(2.2 * len(named) + 0.4 * cols, 0.6 * rows + 1.2),
+                               squeeze=False)
+        axes = axes[0]
+    for ax, dim in zip(axes, named):
+        grid = np.zeros((rows, cols))
+        for rank in range(rows * cols):
+            grid[rank // cols, rank % cols] = coordinates(rank, shape)[dim]
+            ax.text(rank % cols, rank // cols, f"rank {rank}", ha="center", va="center", fontsize=8)
+        ax.imshow(grid, cmap="Pastel1", vmin=0, vmax=8)
+        ax.set_xticks([]), ax.set_yticks([])
+        ax.set_title(f"colour: {dim} coordinate", fontsize=9)
+    return axes
+
+
+def plot_shards(facts: list[dict], weights=WEIGHTS, axes=None):
+    """Each weight as its whole (rows × columns) rectangle, with the part each rank holds outlined and labelled
+    with the ranks that hold it (replicas share a part); a weight a rank does not hold (a pipeline stage
+    without it) is left out for that rank."""
+    import matplotlib.patches as patches
+    import matplotlib.pyplot as plt
+
+    shapes = facts[0]["shapes"]
+    if axes is None:
+        _, axes = plt.subplots(1, len(weights), figsize=(2.3 * len(weights), 2.6))
+    for ax, name in zip(axes, weights):
+        rows, cols = shapes[name]
+        holders: dict[tuple, list[int]] = {}
+        for f in facts:
+            region = f["regions"].get(name)
+            if region is not None:
+                holders.setdefault(region, []).append(f["rank"])
+        for i, ((r0, r1, c0, c1), ranks) in enumerate(sorted(holders.items())):
+            ax.add_patch(patches.Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=f"C{i}", alpha=0.35,
+                                           edgecolor="k"))
+            ax.text((c0 + c1) / 2, (r0 + r1) / 2, "ranks\n" + ",".join(map(str, ranks)), ha="center",
+                    va="center", fontsize=7)
+        ax.set_xlim(0, cols), ax.set_ylim(rows, 0)
+        ax.set_title(f"{name.replace('.weight', '')}\n({rows} × {cols})", fontsize=8)
+        ax.set_xticks([0, cols]), ax.set_yticks([0, rows])
+        ax.tick_params(labelsize=7)
+    return axes
