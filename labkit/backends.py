@@ -19,46 +19,74 @@ everything else        gloo         cuda        runs: labkit.dist's helpers move
                                                 tensors to the CPU and back
 =====================  ===========  ==========  ====================================================
 
+The rows of a strategy live in its own module, beside its ``FLAGS``: a ``BACKENDS`` literal (read without
+importing the module, :func:`labkit.strategies.strategy_literal`), one dict per refusal::
+
+    BACKENDS = [{"when": {"ps_mode": ["async", "ssp"]}, "backend": "nccl", "device": "*", "why": "..."}]
+
+``when`` (the option's value is one of those) and ``unless`` (it is none of those) test the strategy's options,
+its flags' defaults filled in; ``device`` is ``cpu``, ``cuda`` or ``*``; ``why`` is the one line the user sees,
+formatted with the options (``{ps_mode}``). Only the first row above, NCCL on a CPU, is this module's own.
+
 :func:`labkit.dist.distributed` applies it with the strategy :func:`key` names (``labkit train`` passes it).
 """
 from __future__ import annotations
 
 from labkit.errors import DeviceError
+from labkit.flags import defaults
 
 ANY = "*"
-PS_ASYNC = ("ps-async", "ps-ssp")
+#: the refusal every strategy shares
+NCCL_ON_CPU = "backend nccl needs GPUs but the device is cpu; use --backend gloo on CPU nodes"
 
-#: (strategy keys, backend, device type, why the combination cannot run and what to use instead)
-REFUSED: list[tuple[tuple[str, ...] | str, str, str, str]] = [
-    (ANY, "nccl", "cpu", "backend nccl needs GPUs but the device is cpu; use --backend gloo on CPU nodes"),
-    (PS_ASYNC, "nccl", ANY, "--ps-mode {mode} receives pushes from any worker, which NCCL cannot do; "
-                            "use --backend gloo (CPU tensors) or --ps-mode sync"),
-    (PS_ASYNC, "gloo", "cuda", "--ps-mode {mode} sends and receives point to point, which gloo does on CPU "
-                               "tensors only; use --device cpu (or leave --device auto), or --ps-mode sync"),
-    (("zero",), "gloo", "cuda", "--strategy zero's all-gathers and reduce-scatters run on CPU tensors only under "
-                                "gloo; use --backend nccl on GPUs, or --device cpu (or leave --device auto)"),
-    (("ddp-schedule",), "gloo", "cuda", "labkit's --allreduce schedules send and receive point to point, which gloo "
-                                        "does on CPU tensors only; use --backend nccl on GPUs, --allreduce native, "
-                                        "or --device cpu (or leave --device auto)"),
-]
+
+def _rows(strategy: str) -> list[dict]:
+    from labkit.strategies import STRATEGIES, strategy_literal
+
+    return list(strategy_literal(strategy, "BACKENDS", ())) if strategy in STRATEGIES else []
+
+
+def _options_named(rows: list[dict]) -> list[str]:
+    return sorted({o for r in rows for o in (*r.get("when", {}), *r.get("unless", {}))})
 
 
 def key(strategy: str, options: dict | None = None) -> str:
-    """The table's name for ``strategy`` with these options: ``ps`` by its mode (``ps-sync``, ``ps-async``,
-    ``ps-ssp``), ``ddp`` with one of labkit's all-reduce schedules ``ddp-schedule``."""
-    options = options or {}
-    if strategy == "ps":
-        return f"ps-{options.get('ps_mode') or 'sync'}"
-    if strategy == "ddp" and (options.get("allreduce") or "ddp") not in ("ddp", "native"):
-        return "ddp-schedule"
-    return strategy
+    """The table's name for ``strategy`` with these options: the strategy's name, followed by the options its
+    ``BACKENDS`` rows test (its flags' defaults filled in), e.g. ``ps:ps_mode=async``, ``ddp:allreduce=ring``,
+    ``zero``."""
+    from labkit.strategies import STRATEGIES, strategy_flags
+
+    named = _options_named(_rows(strategy))
+    if not named:
+        return strategy
+    given = {**(defaults(strategy_flags(strategy)) if strategy in STRATEGIES else {}),
+             **{k: v for k, v in (options or {}).items() if v is not None}}
+    return strategy + ":" + ",".join(f"{o}={given.get(o)}" for o in named)
+
+
+def _parse(strategy_key: str) -> tuple[str, dict[str, str]]:
+    name, _, rest = strategy_key.partition(":")
+    return name, dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+
+
+def _applies(row: dict, options: dict[str, str]) -> bool:
+    when = all(options.get(o) in map(str, values) for o, values in row.get("when", {}).items())
+    unless = all(options.get(o) not in map(str, values) for o, values in row.get("unless", {}).items())
+    return when and unless
 
 
 def refusal(strategy_key: str, backend: str, device_type: str) -> str | None:
-    """Why ``strategy_key`` cannot run on ``backend`` with ``device_type`` tensors (one line), or None."""
-    for strategies, b, d, why in REFUSED:
-        if (strategies == ANY or strategy_key in strategies) and b == backend and d in (ANY, device_type):
-            return why.format(mode=strategy_key.split("-", 1)[-1])
+    """Why ``strategy_key`` (:func:`key`; a bare strategy name takes its flags' defaults) cannot run on
+    ``backend`` with ``device_type`` tensors (one line), or None."""
+    if backend == "nccl" and device_type == "cpu":
+        return NCCL_ON_CPU
+    name, options = _parse(strategy_key)
+    rows = _rows(name)
+    if ":" not in strategy_key:  # a bare name: its flags' defaults
+        name, options = _parse(key(name))
+    for row in rows:
+        if row["backend"] == backend and row["device"] in (ANY, device_type) and _applies(row, options):
+            return row["why"].format(**options)
     return None
 
 

@@ -33,6 +33,47 @@ _NUMBERS = ("int", "float")
 
 
 @functools.lru_cache(maxsize=None)
+def _literals(module: str) -> dict[str, ast.expr]:
+    """The module-level assignments of ``module`` (dotted name), parsed from its source, not executed."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"module {module} is not installed")
+    tree = ast.parse(spec.loader.get_source(module) or "", filename=spec.origin or module)
+    out = {}
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else [])
+        out.update((t.id, node.value) for t in targets if isinstance(t, ast.Name))
+    return out
+
+
+_MISSING = object()
+
+
+def read_literal(module: str, name: str, default=None):
+    """The value of the literal ``name = ...`` at the top level of ``module``, read without importing it
+    (``default`` where the module has none). How the registries find a module's ``FLAGS``, ``ADVISOR``,
+    ``BENCH`` and ``BACKENDS`` (:mod:`labkit.strategies`). The value is read once and shared: do not change it.
+
+    Raises:
+        ConfigError: the module is missing, or ``name`` is assigned something other than a literal.
+    """
+    value = _literal(module, name)
+    return default if value is _MISSING else value
+
+
+@functools.lru_cache(maxsize=None)
+def _literal(module: str, name: str):
+    node = _literals(module).get(name)
+    if node is None:
+        return _MISSING
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        raise ConfigError(f"{module}.{name} must be a literal (plain lists, dicts, strings, numbers)") from None
+
+
+@functools.lru_cache(maxsize=None)
 def read_flags(module: str) -> tuple[dict, ...]:
     """The ``FLAGS`` literal of ``module`` (dotted name), read from its source without importing it.
 
@@ -42,27 +83,15 @@ def read_flags(module: str) -> tuple[dict, ...]:
     Raises:
         ConfigError: the module is missing, or its ``FLAGS`` is not a literal list of well-formed dicts.
     """
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"module {module} is not installed")
-    tree = ast.parse(spec.loader.get_source(module) or "", filename=spec.origin or module)
-    for node in tree.body:
-        targets = (node.targets if isinstance(node, ast.Assign)
-                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
-        if any(isinstance(t, ast.Name) and t.id == "FLAGS" for t in targets):
-            try:
-                flags = tuple(ast.literal_eval(node.value))
-            except ValueError:
-                raise ConfigError(f"{module}.FLAGS must be a literal (plain lists, dicts, strings, numbers)") from None
-            for f in flags:
-                if not isinstance(f, dict) or not {"flag", "help"} <= f.keys() or f.keys() - _KEYS:
-                    raise ConfigError(f"{module}.FLAGS: each entry needs 'flag' and 'help' and only {sorted(_KEYS)}"
-                                      f", got {f!r}")
-                if (f.get("type") in _NUMBERS) != ("range" in f) or f.get("type", "str") not in (*_NUMBERS, "str"):
-                    raise ConfigError(f"{module}.FLAGS: {f['flag']}: a 'type' of {' or '.join(_NUMBERS)} needs a "
-                                      "'range' (e.g. '[1, inf)') and only those have one")
-            return flags
-    return ()
+    flags = tuple(read_literal(module, "FLAGS", ()))
+    for f in flags:
+        if not isinstance(f, dict) or not {"flag", "help"} <= f.keys() or f.keys() - _KEYS:
+            raise ConfigError(f"{module}.FLAGS: each entry needs 'flag' and 'help' and only {sorted(_KEYS)}"
+                              f", got {f!r}")
+        if (f.get("type") in _NUMBERS) != ("range" in f) or f.get("type", "str") not in (*_NUMBERS, "str"):
+            raise ConfigError(f"{module}.FLAGS: {f['flag']}: a 'type' of {' or '.join(_NUMBERS)} needs a "
+                              "'range' (e.g. '[1, inf)') and only those have one")
+    return flags
 
 
 def dest(flag: dict) -> str:

@@ -11,26 +11,31 @@ from labkit.errors import DeviceError
 
 
 @pytest.mark.parametrize("strategy, options, table_key", [
-    ("ps", {}, "ps-sync"), ("ps", {"ps_mode": "ssp"}, "ps-ssp"), ("zero", {"zero_stage": 3}, "zero"),
-    ("ddp", {}, "ddp"), ("ddp", {"allreduce": "native"}, "ddp"), ("ddp", {"allreduce": "ring"}, "ddp-schedule")])
+    ("ps", {}, "ps:ps_mode=sync"), ("ps", {"ps_mode": "ssp"}, "ps:ps_mode=ssp"), ("zero", {"zero_stage": 3}, "zero"),
+    ("ddp", {}, "ddp:allreduce=ddp"), ("ddp", {"allreduce": "native"}, "ddp:allreduce=native"),
+    ("ddp", {"allreduce": "ring"}, "ddp:allreduce=ring"), ("fsdp", {}, "fsdp")])
 def test_key(strategy, options, table_key):
     assert backends.key(strategy, options) == table_key
 
 
+ASYNC, RING = "ps:ps_mode=async", "ddp:allreduce=ring"
+
+
 @pytest.mark.parametrize("table_key, backend, device, refused", [
-    ("ddp", "nccl", "cpu", "backend nccl needs GPUs"), ("ps-async", "nccl", "cuda", "--ps-mode async receives"),
-    ("ps-ssp", "nccl", "cuda", "--ps-mode ssp receives"), ("ps-async", "gloo", "cuda", "--ps-mode async sends"),
-    ("zero", "gloo", "cuda", "--strategy zero's all-gathers"), ("ddp-schedule", "gloo", "cuda", "labkit's --allreduce"),
-    ("ddp-schedule", "nccl", "cuda", None),
-    ("ps-sync", "nccl", "cuda", None), ("ps-async", "gloo", "cpu", None), ("zero", "nccl", "cuda", None),
-    ("zero", "gloo", "cpu", None), ("ddp", "gloo", "cuda", None), ("fsdp", "nccl", "cuda", None)])
+    ("ddp", "nccl", "cpu", "backend nccl needs GPUs"), (ASYNC, "nccl", "cuda", "--ps-mode async receives"),
+    ("ps:ps_mode=ssp", "nccl", "cuda", "--ps-mode ssp receives"), (ASYNC, "gloo", "cuda", "--ps-mode async sends"),
+    ("zero", "gloo", "cuda", "--strategy zero's all-gathers"), (RING, "gloo", "cuda", "labkit's --allreduce"),
+    (RING, "nccl", "cuda", None), ("ddp:allreduce=native", "gloo", "cuda", None),
+    ("ps:ps_mode=sync", "nccl", "cuda", None), ("ps", "nccl", "cuda", None), (ASYNC, "gloo", "cpu", None),
+    ("zero", "nccl", "cuda", None), ("zero", "gloo", "cpu", None), ("ddp", "gloo", "cuda", None),
+    ("fsdp", "nccl", "cuda", None)])
 def test_table(table_key, backend, device, refused):
     why = backends.refusal(table_key, backend, device)
     assert (why is None) if refused is None else (why.startswith(refused) and "\n" not in why and "use " in why)
 
 
 def test_auto_under_gloo_is_the_cpu_where_gloo_cannot_carry_cuda_tensors():
-    assert backends.auto_device("ps-async", "gloo", "auto") == "cpu"
+    assert backends.auto_device(ASYNC, "gloo", "auto") == "cpu"
     assert backends.auto_device("zero", "gloo", "auto") == "cpu"
     assert backends.auto_device("ddp", "gloo", "auto") == "auto"
     assert backends.auto_device("zero", "nccl", "auto") == "auto"
@@ -46,7 +51,7 @@ def _gpus(monkeypatch):
 def test_distributed_applies_the_table_before_touching_a_gpu(monkeypatch):
     _gpus(monkeypatch)
     two = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
-    for strategy in ("zero", "ps-ssp"):
+    for strategy in ("zero", "ps:ps_mode=ssp"):
         with pytest.raises(DeviceError, match="gloo"):
             with distributed(device="cuda", backend="gloo", environ=two, strategy=strategy):
                 pass
@@ -54,7 +59,7 @@ def test_distributed_applies_the_table_before_touching_a_gpu(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: started.append(kw) or pytest.skip("stop here"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
     with pytest.raises(pytest.skip.Exception):
-        with distributed(device="auto", backend="gloo", environ=two, strategy="ps-async"):
+        with distributed(device="auto", backend="gloo", environ=two, strategy=ASYNC):
             pass
     assert started[0]["backend"] == "gloo" and started[0]["device_id"] is None  # auto became the CPU
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: strategies whose ranks each take their own shard of the batch (``--batch-size`` is per rank)
-DATA_PARALLEL = ("ddp", "hybrid", "zero", "fsdp")
+from labkit.strategies import STRATEGIES, strategy_literal
 
 
 @dataclass(frozen=True)
@@ -29,10 +28,14 @@ class Plan:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that each train their own share of the batch (a parameter server's workers, not its servers)."""
-        if self.strategy == "ps":
-            return self.processes - self.option.get("ps_servers", 1)
-        return self.processes if self.strategy in DATA_PARALLEL else 1
+        """Ranks that each train their own share of the batch, as the strategy's ``ADVISOR`` literal says:
+        ``"batch": "split"`` every rank (``--batch-size`` is per rank), ``"workers"`` the ranks that are not
+        servers (the option its ``"servers"`` names), else one (every rank sees the whole batch)."""
+        entry = strategy_literal(self.strategy, "ADVISOR", {}) if self.strategy in STRATEGIES else {}
+        split = entry.get("batch")
+        if split == "workers":
+            return self.processes - self.option.get(entry["servers"], 1)
+        return self.processes if split == "split" else 1
 
     @property
     def per_rank_batch(self) -> int:

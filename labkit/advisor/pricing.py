@@ -1,33 +1,50 @@
-"""The registry of pricing functions: a strategy is searched when it has one here."""
+"""The registry of pricing functions: a strategy is searched when its module declares an ``ADVISOR`` literal.
+
+The literal lives beside the strategy's ``FLAGS`` and is read without importing the module
+(:func:`labkit.strategies.registered`)::
+
+    ADVISOR = {"price": "labkit.advisor.cost:price_ddp", "plans": "spread", "batch": "split",
+               "grid": {"allreduce": ["ddp", "ring"]}, "keep": "cheapest"}
+
+``price`` names the pricing function, ``module:function`` with the signature ``(plan, profile, topology) ->
+Estimate`` (its docstring holds the formula; it may live in the strategy's own module); the other keys say
+which plans the search enumerates (:mod:`labkit.advisor.search`) and how a plan splits the batch
+(:attr:`labkit.advisor.plan.Plan.data_parallel`).
+"""
 from __future__ import annotations
 
-from labkit.advisor.cost import (
-    price_ddp,
-    price_hybrid,
-    price_one_process_pipeline,
-    price_pipeline,
-    price_single,
-    price_tensor_parallel,
-)
-from labkit.advisor.cost_ps import price_ps
-from labkit.advisor.cost_sharded import price_sharded
+import functools
+import importlib
+from collections.abc import Callable
+
 from labkit.advisor.plan import Estimate, Plan
 from labkit.advisor.profile import Profile
 from labkit.advisor.topology import Topology
+from labkit.errors import ConfigError
 
-#: strategy name -> pricing function (the formula is in its docstring)
-PRICERS = {
-    "single": price_single,
-    "ddp": price_ddp,
-    "hybrid": price_hybrid,
-    "tensor-parallel": price_tensor_parallel,
-    "pipeline": price_pipeline,
-    "gpipe": price_one_process_pipeline,
-    "model-parallel": price_one_process_pipeline,
-    "zero": price_sharded,
-    "fsdp": price_sharded,
-    "ps": price_ps,
-}
+
+def advised() -> dict[str, dict]:
+    """``{strategy: its ADVISOR literal}`` for every registered strategy that has one, in registry order."""
+    from labkit.strategies import registered
+
+    return registered("ADVISOR")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(target: str) -> Callable:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def pricer(strategy: str) -> Callable[[Plan, Profile, Topology], Estimate]:
+    """The pricing function strategy ``strategy``'s ``ADVISOR`` literal names."""
+    from labkit.strategies import STRATEGIES, strategy_literal
+
+    entry = strategy_literal(strategy, "ADVISOR") if strategy in STRATEGIES else None
+    if entry is None or "price" not in entry:
+        raise ConfigError(f"strategy {strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
+                          f"prices: {', '.join(advised())}")
+    return _load(entry["price"])
 
 
 def price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
@@ -35,7 +52,7 @@ def price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     the training loop's own work per step, ``bookkeeping = loop_s`` (:class:`labkit.advisor.profile.Profile`,
     where measured). The loop's stop check is not priced: it is one tiny non-blocking all-reduce every few tenths
     of a second (:class:`labkit.preempt.StopCheck`), nothing measurable per step."""
-    est = PRICERS[plan.strategy](plan, prof, topo)
+    est = pricer(plan.strategy)(plan, prof, topo)
     if est.applicable:
         if prof.loop_s:
             est.time["bookkeeping"] = prof.loop_s  # host Python and tiny ops: not scaled with the device

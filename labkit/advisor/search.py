@@ -1,39 +1,48 @@
 """Search: enumerate every strategy with its parameters, price each plan, rank by predicted step time.
 
-What is enumerated for ``N`` ranks and global batch ``B``:
+The strategies searched are those whose module declares an ``ADVISOR`` literal (:mod:`labkit.advisor.pricing`);
+its ``"plans"`` says which plans to enumerate for ``N`` ranks and global batch ``B``:
 
-* ``single``; ``ddp`` on ``p = 2..N`` ranks with each all-reduce (PyTorch's ``ddp`` and the kit's
-  schedules), keeping the cheapest (``ddp`` on ties: it is the library's); ``hybrid`` and
-  ``tensor-parallel`` on ``p = 2..N``; ``zero`` stages 1, 2, 3 and ``fsdp`` (resharding or not) on
-  ``p = 2..N``; ``ps`` (synchronous) on ``p = 2..N`` ranks with ``S = 1..p − 1`` servers and ``W = p − S``
-  workers dividing ``B``;
-* ``pipeline`` on ``p = 2..N`` stages, ``gpipe`` and ``model-parallel`` on ``k = 2..N`` partitions, with
-  ``m ∈ {1, 2, 4, …, 32}`` micro-batches dividing ``B`` (``m = 1`` only for model-parallel), the gpipe
-  schedule (and 1f1b where gpipe's does not fit in memory);
-* the split points (balance) of each pipeline: **exhaustive** over all ``C(L − 1, p − 1)`` contiguous
-  splits when there are at most :data:`EXHAUSTIVE_SPLITS`, each priced whole (compute, messages at the cut,
-  memory); beyond that a **heuristic**: the exact min-max dynamic programme over layer groups on stage
-  times ``T_{stage}(B/m)`` (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's
-  message size.
+* ``"one"``: one plan on one process (``single``);
+* ``"spread"``: ``p = 2..N`` ranks with ``p`` dividing ``B``, one plan per combination of its ``"grid"``
+  (``{option: [values]}``, e.g. ``zero``'s stages 1, 2, 3, ``fsdp`` resharding or not), or only the cheapest of
+  them with ``"keep": "cheapest"`` (``ddp``'s all-reduces, PyTorch's ``ddp`` first and so kept on ties: it is the
+  library's); ``hybrid`` and ``tensor-parallel`` have no grid;
+* ``"servers"``: ``p = 2..N`` ranks of which ``S = 1..p − 1`` are servers (the option its ``"servers"`` names)
+  and ``W = p − S`` workers dividing ``B`` (``ps``, synchronous);
+* ``"pipeline"``: ``p = 2..N`` stages (one process each, or one process for all with ``"processes": "one"``),
+  with ``m ∈ {1, 2, 4, …, 32}`` micro-batches dividing ``B`` — ``m > 1`` where its ``"options"`` name a
+  ``"microbatches"`` option, else ``m = 1`` (``model-parallel``) — the gpipe schedule (and 1f1b where gpipe's
+  does not fit in memory, where they name a ``"schedule"`` option); its ``"options"`` map the pipeline's
+  quantities (``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule``) to the strategy's
+  option names (``pipeline``, ``gpipe``, ``model-parallel``);
+* ``"module:function"``: the strategy's own enumerator, ``function(name, entry, space) -> [Estimate]``
+  (:class:`Space`).
+
+The split points (balance) of each pipeline: **exhaustive** over all ``C(L − 1, p − 1)`` contiguous
+splits when there are at most :data:`EXHAUSTIVE_SPLITS`, each priced whole (compute, messages at the cut,
+memory); beyond that a **heuristic**: the exact min-max dynamic programme over layer groups on stage
+times ``T_{stage}(B/m)`` (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's
+message size.
 
 Infeasible plans (too much memory per device) stay in the list, marked, below the feasible ones.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from labkit.advisor.plan import Estimate, Plan
-from labkit.advisor.pricing import PRICERS, price
+from labkit.advisor.pricing import advised, price
 from labkit.advisor.profile import Profile
 from labkit.advisor.topology import Topology
-from labkit.collectives.registry import ALGORITHMS
 from labkit.errors import ConfigError
 
 EXHAUSTIVE_SPLITS = 2000
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
-ONE_PROCESS = ("single", "gpipe", "model-parallel")
 
 
 def splits(layers: int, stages: int) -> Iterator[tuple[int, ...]]:
@@ -58,62 +67,101 @@ def _rank_key(est: Estimate) -> tuple:
     return (not est.applicable, not est.feasible, est.step_s if est.applicable else math.inf)
 
 
+@dataclass(frozen=True)
+class Space:
+    """What an enumerator searches: the global batch, the topology's ranks, the model's layers, the profile at a
+    number of processes and the function that prices a plan (``add(plan) -> Estimate``)."""
+
+    batch: int
+    ranks: int
+    layers: int
+    prof_for: Callable[[int], Profile]
+    add: Callable[[Plan], Estimate]
+
+
+def one_plan(name: str, entry: dict, space: Space) -> list[Estimate]:
+    """``"plans": "one"``: the strategy on one process."""
+    return [space.add(Plan(name, 1, 1, space.batch))]
+
+
+def spread_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
+    """``"plans": "spread"``: ``p = 2..N`` ranks dividing the batch, each combination of ``"grid"``."""
+    grid = entry.get("grid", {})
+    out = []
+    for p in range(2, space.ranks + 1):
+        if space.batch % p:
+            continue
+        found = [space.add(Plan(name, p, p, space.batch, tuple(zip(grid, values))))
+                 for values in itertools.product(*grid.values())]
+        out += [min(found, key=lambda e: e.step_s)] if entry.get("keep") == "cheapest" else found
+    return out
+
+
+def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
+    """``"plans": "servers"``: ``p = 2..N`` ranks, ``S = 1..p − 1`` servers, the workers dividing the batch."""
+    return [space.add(Plan(name, p, p, space.batch, ((entry["servers"], s),)))
+            for p in range(2, space.ranks + 1) for s in range(1, p) if space.batch % (p - s) == 0]
+
+
+def pipeline_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
+    """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer), each micro-batch count."""
+    out = []
+    for p in range(2, min(space.ranks, space.layers) + 1):
+        out += _pipelines(name, entry, p, space)
+    return out
+
+
+#: the enumerators an ``ADVISOR`` literal's ``"plans"`` names
+PLANS = {"one": one_plan, "spread": spread_plans, "servers": server_plans, "pipeline": pipeline_plans}
+
+
+def _enumerator(name: str, entry: dict) -> Callable[[str, dict, Space], list[Estimate]]:
+    kind = entry.get("plans", "one")
+    if kind in PLANS:
+        return PLANS[kind]
+    if ":" in kind:
+        module, _, attr = kind.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    raise ConfigError(f"strategy {name!r}: ADVISOR's 'plans' is {kind!r}; use one of {', '.join(PLANS)} or "
+                      "'module:function'")
+
+
 def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
                strategies: tuple[str, ...] | None = None) -> list[Estimate]:
     """Every plan priced, best first. ``prof_for(processes)`` gives the profile at that many processes' threads."""
-    names = [s for s in (strategies or PRICERS) if s in PRICERS]
-    n_layers = len(prof_for(1).layers)
-    out: list[Estimate] = []
+    entries = advised()
+    names = [s for s in (strategies or entries) if s in entries]
 
     def add(plan: Plan) -> Estimate:
         return price(plan, prof_for(plan.processes), topo)
 
+    space = Space(batch, topo.ranks, len(prof_for(1).layers), prof_for, add)
+    out: list[Estimate] = []
     for name in names:
-        if name == "single":
-            out.append(add(Plan("single", 1, 1, batch)))
-            continue
-        for p in range(2, topo.ranks + 1):
-            if name in ("ddp", "hybrid", "tensor-parallel", "zero", "fsdp") and batch % p:
-                continue
-            if name == "zero":
-                out += [add(Plan("zero", p, p, batch, (("zero_stage", stage),))) for stage in (1, 2, 3)]
-            elif name == "fsdp":
-                out += [add(Plan("fsdp", p, p, batch, (("fsdp_no_reshard", keep),))) for keep in (False, True)]
-            elif name == "ps":
-                out += [add(Plan("ps", p, p, batch, (("ps_servers", s),))) for s in range(1, p)
-                        if batch % (p - s) == 0]
-            elif name == "ddp":
-                options = [add(Plan("ddp", p, p, batch, (("allreduce", a),))) for a in ("ddp", *ALGORITHMS)]
-                out.append(min(options, key=lambda e: e.step_s))
-            elif name in ("hybrid", "tensor-parallel"):
-                out.append(add(Plan(name, p, p, batch)))
-            elif p <= n_layers:
-                out += _pipelines(name, p, batch, prof_for, add)
+        out += _enumerator(name, entries[name])(name, entries[name], space)
     if not out:
-        raise ConfigError("no strategy to search: give at least one of " + ", ".join(PRICERS))
+        raise ConfigError("no strategy to search: give at least one of " + ", ".join(entries))
     return sorted(out, key=_rank_key)
 
 
-def _pipelines(name: str, p: int, batch: int, prof_for, add) -> list[Estimate]:
-    procs = 1 if name in ONE_PROCESS else p
-    prof = prof_for(procs)
+def _pipelines(name: str, entry: dict, p: int, space: Space) -> list[Estimate]:
+    roles = entry["options"]
+    procs = 1 if entry.get("processes") == "one" else p
+    prof, batch = space.prof_for(procs), space.batch
     found = []
     for m in MICROBATCHES:
-        if batch % m or m > batch or (m == 1 and name != "model-parallel") or (m > 1 and name == "model-parallel"):
+        if batch % m or m > batch or (m == 1) != ("microbatches" not in roles):
             continue
 
         def make(balance, schedule="gpipe"):
-            if name == "pipeline":
-                opts = (("num_microbatches", m), ("balance", balance)) + ((("schedule", schedule),)
-                                                                          if schedule != "gpipe" else ())
-            elif name == "gpipe":
-                opts = (("num_microbatches", m), ("partitions", p), ("balance", balance))
-            else:
-                opts = (("mp_split_points", tuple(itertools.accumulate(balance[:-1]))),)
-            return add(Plan(name, procs, p, batch, opts))
+            values = {"microbatches": m, "stages": p, "balance": balance, "schedule": schedule,
+                      "split_points": tuple(itertools.accumulate(balance[:-1]))}
+            opts = tuple((dest, values[role]) for role, dest in roles.items()
+                         if role != "schedule" or schedule != "gpipe")
+            return space.add(Plan(name, procs, p, batch, opts))
 
         est = best_balance(make, prof, p, batch / m)
-        if name == "pipeline" and not est.feasible and m >= p:
+        if "schedule" in roles and not est.feasible and m >= p:
             est = min(est, best_balance(lambda b: make(b, "1f1b"), prof, p, batch / m), key=_rank_key)
         found.append(est)
     return found

@@ -6,9 +6,10 @@
 
 Parts, each a real run whose own results folder is kept under ``--out``:
 
-- strategies: ``labkit train`` with every strategy on LeNet / mnist-sample, batch 64 per data-parallel rank
-  (single, ddp, hybrid, tensor-parallel, pipeline, zero (stage 3) and fsdp on 2 ranks; model-parallel and
-  gpipe driving 2 devices from one process): samples/s, peak memory, test accuracy after each epoch and the time it took. The
+- strategies: ``labkit train`` with every strategy whose module declares a ``BENCH`` literal (its ranks and extra
+  flags, :func:`strategy_runs`) on LeNet / mnist-sample, batch 64 per data-parallel rank (single; ddp, hybrid,
+  tensor-parallel, pipeline, zero (stage 3) and fsdp on 2 ranks; model-parallel and gpipe driving 2 devices from
+  one process): samples/s, peak memory, test accuracy after each epoch and the time it took. The
   hybrid strategy needs a model split into convolutional features and FC classifier: it trains
   alexnet_small on synthetic-cifar10, and the report names it so;
 - benchmarks on the shared harness: labkit vs plain PyTorch on one device and under DDP (with the 1 → 2 rank
@@ -32,27 +33,27 @@ from pathlib import Path
 import torch
 
 SUITE_FILE = "suite.json"
-#: strategy -> (ranks, extra ``labkit train`` flags)
-STRATEGY_RUNS: dict[str, tuple[int, list[str]]] = {
-    "single": (1, []),
-    "ddp": (2, []),
-    "hybrid": (2, ["--model", "alexnet_small", "--dataset", "synthetic-cifar10", "--base-lr", "0.01"]),  # .features/.classifier
-    "tensor-parallel": (2, []),
-    "pipeline": (2, ["--num-microbatches", "4"]),
-    "model-parallel": (1, ["--mp-devices", "2"]),
-    "gpipe": (1, ["--partitions", "2", "--num-microbatches", "4"]),
-    "zero": (2, ["--zero-stage", "3"]),
-    "fsdp": (2, []),
-}
+
+
+def strategy_runs() -> dict[str, tuple[int, list[str]]]:
+    """``{strategy: (ranks, extra labkit train flags)}`` from each strategy module's ``BENCH`` literal
+    (``{"ranks": 2, "flags": [...]}``, read without importing the module), in registry order."""
+    from labkit.strategies import registered
+
+    return {name: (int(b["ranks"]), list(b.get("flags", []))) for name, b in registered("BENCH").items()}
+
+
+def parts() -> list[str]:
+    """Every part of the suite: the strategies' runs, then the benchmarks."""
+    return [*strategy_runs(), *BENCHES]
 
 
 #: ``labkit bench suite`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
     {"flag": "--quick", "action": "store_true", "help": "short runs (minutes on a laptop CPU)"},
     {"flag": "--only", "nargs": "+", "default": None, "metavar": "PART",
-     "help": "run only these parts: single, ddp, hybrid, tensor-parallel, pipeline, model-parallel, gpipe, "
-             "zero, fsdp, "
-             "bench-single, bench-ddp, bench-gpipe, bench-kfac, allreduce"},
+     "help": "run only these parts: the strategies with a BENCH entry in their module (single, ddp, hybrid, "
+             "tensor-parallel, ...), bench-single, bench-ddp, bench-gpipe, bench-kfac, allreduce"},
     {"flag": "--device", "default": "auto", "help": "auto, cpu or cuda"},
     {"flag": "--out", "default": None, "help": "results folder (default: runs/suite-<machine tag>)"},
 ]
@@ -108,7 +109,7 @@ def strategy_part(name: str, quick: bool, device: str, out: Path) -> dict:
     """One ``labkit train`` run of strategy ``name``; its throughput, memory and accuracy-over-time."""
     from labkit.results import load_run
 
-    ranks, extra = STRATEGY_RUNS[name]
+    ranks, extra = strategy_runs()[name]
     steps = ["--epochs", "1", "--max-steps", "30", "--test-size", "500"] if quick else ["--epochs", "3"]
     args = ["train", "--strategy", name, "--model", "lenet", "--dataset", "mnist-sample", "--batch-size", "64",
             "--device", device, "--no-checkpoint", "--log-every", "1000", *steps, *extra]
@@ -148,16 +149,16 @@ def run_suite(quick: bool, device: str, out: Path, only: list[str] | None = None
     from labkit.errors import ConfigError
     from labkit.results import atomic_write_text
 
-    parts = [*STRATEGY_RUNS, *BENCHES]
-    unknown = sorted(set(only or []) - set(parts))
+    runs, names = strategy_runs(), parts()
+    unknown = sorted(set(only or []) - set(names))
     if unknown:
-        raise ConfigError(f"unknown suite part(s) {', '.join(unknown)}; choose from: {', '.join(parts)}")
+        raise ConfigError(f"unknown suite part(s) {', '.join(unknown)}; choose from: {', '.join(names)}")
     info = machine()
     suite = {"kind": "suite", "tag": machine_tag(info), "quick": quick, "machine": info, "strategies": {},
              "benches": {}}
     out.mkdir(parents=True, exist_ok=True)
-    for part in tqdm([p for p in parts if not only or p in only], desc="bench suite"):
-        section, run = (("strategies", strategy_part) if part in STRATEGY_RUNS else ("benches", bench_part))
+    for part in tqdm([p for p in names if not only or p in only], desc="bench suite"):
+        section, run = (("strategies", strategy_part) if part in runs else ("benches", bench_part))
         try:
             suite[section][part] = run(part, quick, device, out)
         except Exception as exc:  # a failing part is a result too: recorded, and the others still run

@@ -6,7 +6,9 @@
 into stages, ``dp`` wraps each stage for data parallelism.
 
 Adding a dimension: one module (a ``Dimension`` subclass and its ``FLAGS`` literal, see :mod:`labkit.flags`)
-and one line here. This package imports no torch, so flag and ``--mesh`` errors answer without it.
+and one line here. Beside ``FLAGS`` the module may declare an ``ADVISOR`` literal naming its pricing function
+(``{"price": "labkit.parallel.dp:price"}``, a pure function with its formula in the docstring), read like the
+strategies' (:func:`dimension_literal`, :func:`registered`) for the advisor's mesh search. This package imports no torch, so flag and ``--mesh`` errors answer without it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import importlib
 import importlib.util
 
 from labkit.errors import ConfigError
-from labkit.flags import read_flags
+from labkit.flags import read_flags, read_literal
 
 #: name -> "module:Class", in APPLY order (tp first, dp last)
 DIMENSIONS: dict[str, str] = {
@@ -54,9 +56,26 @@ def dimension_flags(name: str) -> tuple[dict, ...]:
     return read_flags(_check(name).partition(":")[0]) if installed(name) else ()
 
 
+def dimension_literal(name: str, literal: str, default=None):
+    """The ``literal`` (e.g. ``"ADVISOR"``) of dimension ``name``'s module, read without importing it;
+    ``default`` where the module has none or is not installed."""
+    return read_literal(_check(name).partition(":")[0], literal, default) if installed(name) else default
+
+
+def registered(literal: str) -> dict:
+    """``{name: value}`` of every available dimension whose module declares ``literal``, in apply order."""
+    found = {}
+    for name in available():
+        value = dimension_literal(name, literal)
+        if value is not None:
+            found[name] = value
+    return found
+
+
 def available() -> list[str]:
     """Registered dimension names whose module is present, in apply order."""
     return [n for n in DIMENSIONS if installed(n)]
 
 
-__all__ = ["DIMENSIONS", "get_dimension", "dimension_flags", "available", "installed"]
+__all__ = ["DIMENSIONS", "get_dimension", "dimension_flags", "available", "installed", "dimension_literal",
+           "registered"]

@@ -34,6 +34,23 @@ FLAGS = [
      "help": "dp dimension: none = replicas + bucketed gradient all-reduce; fsdp = FSDP2 fully_shard over the dp "
              "groups; zero3 = refused on a mesh (use fsdp)"},
 ]
+#: the advisor's entry (its mesh search is a later issue): the pricing function below
+ADVISOR = {"price": "labkit.parallel.dp:price"}
+
+
+def price(param_bytes: float, size: int, shard: str = "none") -> dict[str, float]:
+    """Bytes one rank sends per step over its ``dp`` group of ``d`` ranks, for ``P`` bytes of (this rank's)
+    parameters, on ring collectives; a placeholder for the advisor's mesh search:
+
+    * ``none``: one all-reduce of the gradients, ``2·(d − 1)/d·P``;
+    * ``fsdp``: per step a reduce-scatter of the gradients and two all-gathers of the parameters (before
+      forward, again before backward: FSDP2 reshards after forward), ``3·(d − 1)/d·P``.
+
+    ``d = 1`` sends nothing.
+    """
+    collectives = {"none": 2, "fsdp": 3}[shard]
+    return {"bytes": collectives * (size - 1) / size * param_bytes if size > 1 else 0.0}
+
 
 
 class DataParallel(Dimension):

@@ -1,8 +1,17 @@
 """Ways to parallelise training, one per module; ``get_strategy(name)`` imports only the one asked for.
 
-Adding a strategy: one module (a :class:`~labkit.strategies.base.Strategy` subclass and its ``FLAGS``
-literal, see :mod:`labkit.flags`) and one line in :data:`STRATEGIES`. This package imports no torch, so
-``labkit train --help`` and flag errors answer without it.
+Adding a strategy: one module and one line in :data:`STRATEGIES`. The module holds a
+:class:`~labkit.strategies.base.Strategy` subclass and, beside it, plain literals the rest of the kit reads
+from its source without importing it (:func:`labkit.flags.read_literal`):
+
+* ``FLAGS``: its ``labkit train`` flags (:mod:`labkit.flags`);
+* ``ADVISOR``: how ``labkit advise`` searches and prices it (:mod:`labkit.advisor.search`; the pricing
+  function it names holds the formula in its docstring);
+* ``BENCH``: its run in ``labkit bench suite`` (:mod:`labkit.bench.suite`);
+* ``BACKENDS``: the backend/device combinations it cannot run on (:mod:`labkit.backends`).
+
+Each but ``FLAGS`` is optional: a strategy without ``ADVISOR`` is not searched, one without ``BENCH`` not in
+the suite. This package imports no torch, so ``labkit train --help`` and flag errors answer without it.
 """
 from __future__ import annotations
 
@@ -10,7 +19,7 @@ import importlib
 import importlib.util
 
 from labkit.errors import ConfigError
-from labkit.flags import read_flags
+from labkit.flags import read_flags, read_literal
 from labkit.parallel import available as dimensions_available
 from labkit.parallel import dimension_flags
 
@@ -54,6 +63,28 @@ def strategy_flags(name: str) -> tuple[dict, ...]:
     return flags
 
 
+def module_of(name: str) -> str:
+    """The dotted module of strategy ``name``."""
+    return _check(name).partition(":")[0]
+
+
+def strategy_literal(name: str, literal: str, default=None):
+    """The ``literal`` (``"ADVISOR"``, ``"BENCH"``, ``"BACKENDS"``...) of strategy ``name``'s module, read
+    without importing it; ``default`` where the module has none."""
+    return read_literal(module_of(name), literal, default)
+
+
+def registered(literal: str) -> dict:
+    """``{name: value}`` of every available strategy whose module declares ``literal``, in registry order: how
+    the advisor and the benchmark suite find the strategies they know how to handle."""
+    found = {}
+    for name in available():
+        value = strategy_literal(name, literal)
+        if value is not None:
+            found[name] = value
+    return found
+
+
 def available() -> list[str]:
     """Registered strategy names whose module is present in this installation."""
     return [n for n, target in STRATEGIES.items()
@@ -66,4 +97,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'labkit.strategies' has no attribute {name!r}")
 
 
-__all__ = ["Strategy", "STRATEGIES", "get_strategy", "strategy_flags", "available"]
+__all__ = ["Strategy", "STRATEGIES", "get_strategy", "strategy_flags", "available", "module_of", "strategy_literal",
+           "registered"]

@@ -31,6 +31,12 @@ if TYPE_CHECKING:
     from labkit.optim import OptimizerSpec
 
 
+#: ``labkit advise`` (labkit.advisor.search): one plan, one process; priced by the function named
+ADVISOR = {"price": "labkit.advisor.cost:price_single", "plans": "one"}
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
+BENCH = {"ranks": 1, "flags": []}
+
+
 class Strategy:
     """One device, or every rank training its own full copy with no communication.
 

@@ -58,6 +58,18 @@ FLAGS = [
      "help": "fault-tolerance demo: rank RANK SIGKILLs itself before step STEP (counted from 0 over the whole "
              "run) on torchrun's first attempt only (None: no fault)"},
 ]
+#: ``labkit advise``: ``p`` ranks each on ``B/p`` samples, the cheapest ``--allreduce`` kept (labkit.advisor.search)
+ADVISOR = {"price": "labkit.advisor.cost:price_ddp", "plans": "spread", "batch": "split", "keep": "cheapest",
+           "grid": {"allreduce": ["ddp", "ring", "tree", "butterfly", "rabenseifner", "master-worker", "all-to-all",
+                                 "round-robin"]}}
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
+BENCH = {"ranks": 2, "flags": []}
+#: backend/device combinations it cannot run on (labkit.backends): the kit's schedules send point to point
+BACKENDS = [
+    {"unless": {"allreduce": ["ddp", "native"]}, "backend": "gloo", "device": "cuda",
+     "why": "labkit's --allreduce schedules send and receive point to point, which gloo does on CPU tensors only; "
+            "use --backend nccl on GPUs, --allreduce native, or --device cpu (or leave --device auto)"},
+]
 
 _COMM_FAILURE = re.compile(r"gloo|nccl|connection|timed? ?out|timeout|peer|socket", re.IGNORECASE)
 

@@ -28,6 +28,11 @@ FLAGS = [
     {"flag": "--fsdp-no-reshard", "action": "store_true",
      "help": "keep each unit's gathered parameters from forward to backward (fewer all-gathers, more memory)"},
 ]
+#: ``labkit advise``: ``p`` ranks each on ``B/p`` samples, resharding or not (labkit.advisor.search)
+ADVISOR = {"price": "labkit.advisor.cost_sharded:price_sharded", "plans": "spread", "batch": "split",
+           "grid": {"fsdp_no_reshard": [False, True]}}
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
+BENCH = {"ranks": 2, "flags": []}
 
 
 def _local(value):

@@ -60,6 +60,11 @@ FLAGS = [
     {"flag": "--checkpoint-mode", "choices": ["always", "except_last", "never"], "default": "except_last",
      "help": "recompute activations in backward"},
 ]
+#: ``labkit advise``: one process drives ``k`` partitions, ``m`` micro-batches (labkit.advisor.search)
+ADVISOR = {"price": "labkit.advisor.cost:price_one_process_pipeline", "plans": "pipeline", "processes": "one",
+           "options": {"microbatches": "num_microbatches", "stages": "partitions", "balance": "balance"}}
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
+BENCH = {"ranks": 1, "flags": ["--partitions", "2", "--num-microbatches", "4"]}
 
 
 def check_sequential(model: nn.Module) -> nn.Sequential:

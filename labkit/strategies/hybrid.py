@@ -27,6 +27,11 @@ from labkit import dist as kdist
 from labkit.errors import ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, average_gradients, broadcast_from_rank0
 
+#: ``labkit advise`` (labkit.advisor.search): ``p`` ranks, the features' batch split over them
+ADVISOR = {"price": "labkit.advisor.cost:price_hybrid", "plans": "spread", "batch": "split"}
+#: ``labkit bench suite``: a model split into .features/.classifier, so alexnet_small on synthetic-cifar10
+BENCH = {"ranks": 2, "flags": ["--model", "alexnet_small", "--dataset", "synthetic-cifar10", "--base-lr", "0.01"]}
+
 
 class HybridStrategy(DataParallelStrategy):
     """Replicated ``features`` with data-parallel shards, ``classifier`` and loss on rank 0.

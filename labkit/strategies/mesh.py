@@ -34,6 +34,8 @@ FLAGS = [
      "help": "the device mesh, e.g. dp=2,tp=2 (dimensions pp, dp, ep, cp, tp; their product = the number of "
              "ranks; None: dp over every rank)"},
 ]
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run (the CNN on a dp mesh)
+BENCH = {"ranks": 2, "flags": ["--mesh", "dp=2"]}
 
 
 class MeshStrategy(DataParallelStrategy):

@@ -67,6 +67,11 @@ FLAGS = [
     {"flag": "--trace-steps", "type": "int", "range": "[0, inf)", "default": None, "metavar": "N",
      "help": "steps to record after the first (None: 3 with --pipeline-trace, else 0)"},
 ]
+#: ``labkit advise``: a stage per rank, ``m`` micro-batches, 1f1b where gpipe's does not fit (labkit.advisor.search)
+ADVISOR = {"price": "labkit.advisor.cost:price_pipeline", "plans": "pipeline", "processes": "each",
+           "options": {"microbatches": "num_microbatches", "balance": "balance", "schedule": "schedule"}}
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
+BENCH = {"ranks": 2, "flags": ["--num-microbatches", "4"]}
 
 
 TRACE_SCHEMA = "labkit.pipeline-trace/1"

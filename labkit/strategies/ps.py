@@ -80,6 +80,18 @@ FLAGS = [
     {"flag": "--ps-record", "default": None, "metavar": "FILE",
      "help": "write every update's staleness, clock and time as JSON (None: not written)"},
 ]
+#: ``labkit advise``: ``p`` ranks, ``S`` of them servers (the option named), the batch split over the workers
+ADVISOR = {"price": "labkit.advisor.cost_ps:price_ps", "plans": "servers", "servers": "ps_servers",
+           "batch": "workers"}
+#: backend/device combinations it cannot run on (labkit.backends): asynchronous servers receive from anyone
+BACKENDS = [
+    {"when": {"ps_mode": ["async", "ssp"]}, "backend": "nccl", "device": "*",
+     "why": "--ps-mode {ps_mode} receives pushes from any worker, which NCCL cannot do; use --backend gloo (CPU "
+            "tensors) or --ps-mode sync"},
+    {"when": {"ps_mode": ["async", "ssp"]}, "backend": "gloo", "device": "cuda",
+     "why": "--ps-mode {ps_mode} sends and receives point to point, which gloo does on CPU tensors only; use "
+            "--device cpu (or leave --device auto), or --ps-mode sync"},
+]
 
 #: async workers i draw their order from seed + STREAM · i (worker 0: the sync order on one worker)
 STREAM = 1_000_003

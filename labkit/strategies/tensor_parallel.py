@@ -47,6 +47,10 @@ __all__ = [
     "scatter_to_parallel_region",
 ]
 
+#: ``labkit advise`` (labkit.advisor.search) and ``labkit bench suite`` (ranks, extra flags)
+ADVISOR = {"price": "labkit.advisor.cost:price_tensor_parallel", "plans": "spread"}
+BENCH = {"ranks": 2, "flags": []}
+
 #: modules that act on each feature independently: a column slice can pass through them unchanged
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity)
 

@@ -49,6 +49,17 @@ FLAGS = [
     {"flag": "--zero-prefetch", "action": "store_true",
      "help": "stage 3: all-gather the next layer's parameters while this layer computes"},
 ]
+#: ``labkit advise``: ``p`` ranks each on ``B/p`` samples, every stage (labkit.advisor.search)
+ADVISOR = {"price": "labkit.advisor.cost_sharded:price_sharded", "plans": "spread", "batch": "split",
+           "grid": {"zero_stage": [1, 2, 3]}}
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
+BENCH = {"ranks": 2, "flags": ["--zero-stage", "3"]}
+#: backend/device combinations it cannot run on (labkit.backends)
+BACKENDS = [
+    {"backend": "gloo", "device": "cuda",
+     "why": "--strategy zero's all-gathers and reduce-scatters run on CPU tensors only under gloo; use --backend "
+            "nccl on GPUs, or --device cpu (or leave --device auto)"},
+]
 
 
 def refuse_layerwise(optimizer: str, strategy: str, holds: str) -> None:
