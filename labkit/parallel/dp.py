@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit import dist as kdist
 from labkit.errors import ConfigError
 from labkit.parallel.base import Dimension
 from labkit.strategies.data_parallel import DEFAULT_BUCKET_MB, average_gradients
@@ -80,7 +81,7 @@ class DataParallel(Dimension):
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor, src=src, group=self.group)
+                kdist.broadcast(tensor, src=src, group=self.group)
         return self._fully_shard(model) if self.shard == "fsdp" else model
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:

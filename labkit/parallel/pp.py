@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from labkit import dist as kdist
 from labkit.dist import print0
 from labkit.errors import ConfigError
 from labkit.gpt import GPT_SIZES
@@ -155,7 +156,7 @@ class PipelineParallel(Dimension):
         self._tied_name = TIED["first" if self.is_first else "last"]
         first = dist.get_global_rank(self.embedding_group, 0)
         with torch.no_grad():
-            dist.broadcast(weight.data, src=first, group=self.embedding_group)
+            kdist.broadcast(weight.data, src=first, group=self.embedding_group)
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          criterion: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -175,7 +176,7 @@ class PipelineParallel(Dimension):
             self._tied = next(p for name, p in model.named_parameters() if name.endswith(self._tied_name))
         grad = self._tied.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor under a sharded dp
-        dist.all_reduce(local, group=self.embedding_group)
+        kdist.all_reduce(local, group=self.embedding_group)
 
     def owns_metrics(self) -> bool:
         return self.is_last
