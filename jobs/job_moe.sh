@@ -13,8 +13,8 @@
 #   bash jobs/job_moe.sh                                       # no SLURM: one node, torchrun on this machine
 #
 # Environment (all optional; defaults in brackets):
-#   MESH [dp=<nodes>,ep=<ranks per node>]: the product must be nodes × ranks per node, and the model's
-#     experts per layer a multiple of ep (gpt-moe-small 8, gpt-moe-tiny 4)
+#   MESH [dp=<nodes>,ep=<ranks per node>; quick: ep=<all ranks>]: the product must be nodes × ranks per node,
+#     and the model's experts per layer a multiple of ep (gpt-moe-small 8, gpt-moe-tiny 4)
 #   MODEL [gpt-moe-small; quick: gpt-moe-tiny]   DATASET [text-sample]   SEQ_LEN [quick: 16]   EPOCHS [1]
 #   BATCH_SIZE [16, per data-parallel rank; quick: 4]   BASE_LR [3e-4]   OPTIMIZER [adam]
 #   NPROC [ranks per node: the node's GPUs; on CPU 1, or 2 without SLURM]
@@ -47,11 +47,12 @@ source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), n
 source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
 
 nnodes=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo "${SLURM_NNODES:-1}" || echo 1)
-mesh="${MESH:-dp=$nnodes,ep=$nproc}"  # ep over the ranks of a node (the mesh's last dimension is the fastest)
 if [[ "$quick" != 0 ]]; then
+    mesh="${MESH:-ep=$((nnodes * nproc))}"  # every rank in the one ep group, across the nodes too
     sizes=(--model "${MODEL:-gpt-moe-tiny}" --dataset "${DATASET:-text-sample}" --seq-len "${SEQ_LEN:-16}"
            --epochs "${EPOCHS:-1}" --batch-size "${BATCH_SIZE:-4}" --train-size 64 --test-size 16 --log-every 4)
 else
+    mesh="${MESH:-dp=$nnodes,ep=$nproc}"  # ep over the ranks of a node (the mesh's last dimension is the fastest)
     sizes=(--model "${MODEL:-gpt-moe-small}" --dataset "${DATASET:-text-sample}" --epochs "${EPOCHS:-1}"
            --batch-size "${BATCH_SIZE:-16}" --optimizer "${OPTIMIZER:-adam}" --base-lr "${BASE_LR:-3e-4}")
 fi
