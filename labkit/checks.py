@@ -23,6 +23,7 @@ CHECKS: dict[str, str] = {
     "lr-schedule": "labkit.exercises.lr_schedule:main",
     "staleness": "labkit.exercises.staleness:main",
     "zero-stage1": "labkit.exercises.zero_stage1:main",
+    "online-softmax": "labkit.exercises.online_softmax:main",
     "advisor-cost": "labkit.advisor.check:main",
     "row-parallel": "labkit.exercises.row_parallel:main",
 }
@@ -37,6 +38,7 @@ STARTERS: dict[str, str] = {
     "lr-schedule": "labkit.exercises.lr_schedule:STARTER",
     "staleness": "labkit.exercises.staleness:STARTER",
     "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
+    "online-softmax": "labkit.exercises.online_softmax:STARTER",
     "advisor-cost": "labkit.advisor.check:STARTER",
     "row-parallel": "labkit.exercises.row_parallel:STARTER",
 }

@@ -8,7 +8,7 @@ import torch
 
 from labkit.checks import CHECKS, STARTERS, run_check, write_starter
 from labkit.errors import ConfigError
-from labkit.exercises import average_gradients, kfac_factors, lr_schedule, row_parallel, training_step
+from labkit.exercises import average_gradients, kfac_factors, lr_schedule, online_softmax, row_parallel, training_step
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -97,6 +97,43 @@ def test_lr_schedule_checker():
     assert lr_schedule.expected(10, 0.1, 8, 10, 2) == pytest.approx(0.1 + 0.7 * 10 / 20)
     assert lr_schedule.expected(25, 0.1, 8, 10, 2) == pytest.approx(0.8)
 
+
+
+def _merged(out_a, lse_a, out_b, lse_b, w_a, w_b, lse):
+    return w_a.unsqueeze(-1) * out_a + w_b.unsqueeze(-1) * out_b, lse
+
+
+@pytest.mark.parametrize("slip, expected", [
+    (lambda oa, la, ob, lb: (oa + ob, torch.logaddexp(la, lb)), ["out adds the partial outputs as they are"]),
+    (lambda oa, la, ob, lb: _merged(oa, la, ob, lb, torch.exp(torch.logaddexp(la, lb) - la),
+                                    torch.exp(torch.logaddexp(la, lb) - lb), torch.logaddexp(la, lb)),
+     ["out's weights have the wrong sign"]),
+    (lambda oa, la, ob, lb: _merged(oa, la, ob, lb, torch.exp(la - torch.maximum(la, lb)),
+                                    torch.exp(lb - torch.maximum(la, lb)), torch.logaddexp(la, lb)),
+     ["out is rescaled by exp(lse_x - max) but not renormalised"]),
+    (lambda oa, la, ob, lb: online_softmax.reference(oa, la, ob, lb)[:1] + (torch.maximum(la, lb),),
+     ["lse is the max of the two"]),
+    (lambda oa, la, ob, lb: _merged(oa, la, ob, lb, torch.exp(la) / (torch.exp(la) + torch.exp(lb)),
+                                    torch.exp(lb) / (torch.exp(la) + torch.exp(lb)),
+                                    torch.log(torch.exp(la) + torch.exp(lb))),
+     ["out holds inf or nan: exp() of a log-sum-exp overflows", "lse holds inf or nan"]),
+], ids=["no-rescale", "wrong-sign", "no-renormalisation", "max-for-lse", "overflow"])
+def test_online_softmax_checker_names_the_slip(slip, expected):
+    problems = online_softmax.check(slip)
+    assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected)), problems
+
+
+def test_online_softmax_checker_passes_the_answers_and_its_oracle_is_sdpa():
+    from labkit.parallel.ring_attention import merge
+
+    assert online_softmax.check(online_softmax.reference) == [] and online_softmax.check(merge) == []
+    q, k, v, (out_a, lse_a, out_b, lse_b) = online_softmax._blocks(*online_softmax.CASES[0])
+    assert (out_a.shape, lse_a.shape, out_b.shape) == ((2, 2, 5, 4), (2, 2, 5), (2, 2, 5, 4))
+    # the first block's output is SDPA over its 3 keys alone; the starting file is judged wrong
+    torch.testing.assert_close(out_a, torch.nn.functional.scaled_dot_product_attention(
+        q, k[..., :3, :], v[..., :3, :], scale=0.5), rtol=1e-12, atol=1e-12)
+    starter = online_softmax.check(_from_source(online_softmax.STARTER, "merge"))
+    assert starter[0].startswith("out adds the partial outputs") and starter[1].startswith("lse is one block's")
 
 AVERAGE_SLIPS = """
 import torch.distributed as dist

@@ -1,0 +1,80 @@
+#!/bin/bash
+# Long sequences: context parallelism (labkit train --mesh dp=D,cp=C), every sequence spread over the cp ranks,
+# attention computed with the keys/values passed around a ring (ring attention, zig-zag layout). Notebook 10.
+# srun starts one torchrun per node; the torchruns meet at a c10d rendezvous on the job's first node, each starts
+# one rank per GPU: cp over the GPUs of a node (the ring's messages stay inside it), dp over the nodes.
+#
+# Usage (from the repository root):
+#   sbatch --nodes=1 jobs/job_long_context.sh                  # 1 node × 4 GPUs: --mesh dp=1,cp=4
+#   sbatch jobs/job_long_context.sh                            # 2 nodes × 4 GPUs: --mesh dp=2,cp=4
+#   SEQ_LEN=4096 sbatch jobs/job_long_context.sh               # longer sequences (a multiple of 2 × cp)
+#   MESH=cp=2,tp=2 sbatch --nodes=1 jobs/job_long_context.sh   # cp composed with tensor parallelism
+#   EXTRA_ARGS="--cp-layout contiguous" sbatch jobs/job_long_context.sh   # without the causal load balancing
+#   SBATCH_GRES=none LABKIT_QUICK=1 sbatch jobs/job_long_context.sh       # CPU nodes, tiny sizes (gloo)
+#   bash jobs/job_long_context.sh                              # no SLURM: one node, torchrun on this machine
+#
+# Environment (all optional; defaults in brackets):
+#   MESH [dp=<nodes>,cp=<ranks per node>; quick: cp=<all ranks>]: the product must be nodes × ranks per node
+#   MODEL [gpt-small; quick: gpt-tiny]   DATASET [text-sample]   SEQ_LEN [1024; quick: 16]   EPOCHS [1]
+#   BATCH_SIZE [16, per data-parallel rank; quick: 4]   BASE_LR [3e-4]   OPTIMIZER [adam]
+#   NPROC [ranks per node: the node's GPUs; on CPU 1, or 2 without SLURM]
+#   RDZV_PORT [29500 + job id mod 1000]   EXTRA_ARGS: more `labkit train` flags
+#   RESUME [0]: 1 continues the checkpoint in LABKIT_OUT (same --mesh; a requeued job does so by itself)
+#   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
+#   LABKIT_QUICK=1: gpt-tiny on the offline text-sample, sequences of 16 tokens, 1 short epoch, CPU/gloo
+#   LABKIT_OUT: results folder, on a file system all nodes share [runs/long_context-<jobid>]
+#
+# Results: <LABKIT_OUT>/summary.json (written by global rank 0), metrics.jsonl, checkpoint.rank<r>.pt per rank:
+#   labkit.results.load_run("runs/long_context-<jobid>").summary["metrics"]
+#
+#SBATCH --job-name=labkit-long-context
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=8
+#SBATCH --gres=gpu:4
+#SBATCH --time=02:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --output=long_context-%j.out
+
+set -euo pipefail
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+python="${PYTHON:-python3}"
+quick="${LABKIT_QUICK:-0}"
+
+cpu_ranks=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo 1 || echo 2)  # CPU: 1 rank per node under SLURM, 2 without
+source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
+source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
+
+nnodes=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo "${SLURM_NNODES:-1}" || echo 1)
+if [[ "$quick" != 0 ]]; then
+    mesh="${MESH:-cp=$((nnodes * nproc))}"  # every rank in the one cp group, across the nodes too
+    sizes=(--model "${MODEL:-gpt-tiny}" --dataset "${DATASET:-text-sample}" --seq-len "${SEQ_LEN:-16}"
+           --epochs "${EPOCHS:-1}" --batch-size "${BATCH_SIZE:-4}" --train-size 64 --test-size 16 --log-every 4)
+else
+    mesh="${MESH:-dp=$nnodes,cp=$nproc}"  # cp over the ranks of a node (the mesh's last dimension is the fastest)
+    sizes=(--model "${MODEL:-gpt-small}" --dataset "${DATASET:-text-sample}" --seq-len "${SEQ_LEN:-1024}" --epochs "${EPOCHS:-1}"
+           --batch-size "${BATCH_SIZE:-16}" --optimizer "${OPTIMIZER:-adam}" --base-lr "${BASE_LR:-3e-4}")
+fi
+out="${LABKIT_OUT:-runs/long_context-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
+read -r -a extra <<< "${EXTRA_ARGS:-}"
+train=(-m labkit train --mesh "$mesh" --device "$device" --backend "$backend" "${sizes[@]}" --out "$out"
+       "${resume[@]}" "${extra[@]}")
+
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    # the address the other nodes reach the first node at (NodeAddr), else its name
+    head_addr="$(scontrol show node "$head_node" -o 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)"
+    head_addr="${head_addr:-$head_node}"
+    port="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}"
+    run_nodes="$nnodes"  # run_ranks: one torchrun per node
+    rdzv=(--nnodes "$nnodes" --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_addr:$port")
+else
+    rdzv=(--standalone --nnodes 1)
+fi
+cmd=("$python" -m labkit.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" "${train[@]}")
+
+echo "labkit long-context job ${SLURM_JOB_ID:-(no SLURM)}: $nnodes node(s) × $nproc rank(s) on $device ($backend), --mesh $mesh"
+echo "+ ${cmd[*]}"
+run_ranks "$out" "${cmd[@]}"
+echo "results: $out/summary.json"
