@@ -3,6 +3,7 @@
     labkit train --model lenet --dataset mnist-sample --epochs 2
     labkit tour
     labkit data fetch mnist cifar10
+    labkit sample --out runs/gpt
     labkit allreduce verify --ranks 4 --algo all
     labkit bench single
     labkit check allreduce
@@ -28,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tour": ("labkit.tour", "a short CPU tour of the kit (start here)"),
     "train": ("labkit.train_cli", "train a model with a parallel strategy"),
     "data": ("labkit.data_cli", "fetch datasets (on a login node) and list what is on disk"),
+    "sample": ("labkit.sample", "print text from a trained language model's run"),
     "allreduce": ("labkit.collectives.cli", "verify, animate and benchmark the all-reduce algorithms"),
     "bench": ("labkit.bench", "benchmarks (labkit vs plain PyTorch, scaling, sweeps)"),
     "check": ("labkit.checks", "check a workshop exercise"),

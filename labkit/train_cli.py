@@ -15,6 +15,7 @@ from labkit.data_cli import ROOT_HELP
 from labkit.errors import ConfigError, flag_error
 from labkit.flags import add_flags
 from labkit.mesh import parse_mesh
+from labkit.model_names import default_optimizer
 from labkit.optim import OPTIMIZERS
 from labkit.optim import add_arguments as add_optimizer_arguments
 from labkit.ranges import within
@@ -28,7 +29,7 @@ NUMBERS = {
     "base_lr": ("float", "(0, inf)"), "momentum": ("float", "[0, 1)"), "weight_decay": ("float", "[0, inf)"),
     "lr_decay": ("int", "[1, inf)"), "lr_decay_factor": ("float", "(0, 1]"), "warmup_epochs": ("float", "[0, inf)"),
     "max_steps": ("int", "[1, inf)"), "seed": ("int", "[0, 4294967295]"), "timeout_s": ("float", "(0, 1e7]"),
-    "log_every": ("int", "[1, inf)"), "step_delay_s": ("float", "[0, 3600]"),
+    "log_every": ("int", "[1, inf)"), "step_delay_s": ("float", "[0, 3600]"), "seq_len": ("int", "[1, 65536]"),
 }
 
 
@@ -57,9 +58,11 @@ class TrainParser(argparse.ArgumentParser):
         args = list(sys.argv[1:] if args is None else args)
         peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
         peek.add_argument("--strategy", default=None)
-        peek.add_argument("--optimizer", default="sgd")
+        peek.add_argument("--optimizer", default=None)  # None: the model's (sgd or adam: no flags of their own)
+        peek.add_argument("--model", default="lenet")
         peek.add_argument("--mesh", default=None)
         chosen, _ = peek.parse_known_args(args)
+        chosen.optimizer = chosen.optimizer or default_optimizer(chosen.model)
         if chosen.strategy is None:  # --mesh alone means --strategy mesh
             chosen.strategy = "single" if chosen.mesh is None else "mesh"
             args = args if chosen.mesh is None else [*args, "--strategy", "mesh"]
@@ -140,9 +143,13 @@ def add_parser(sub) -> None:
                        "brings its own flags: `labkit train --strategy ddp --optimizer kfac --help` lists them.")
     p.__class__ = TrainParser  # argparse's sub-parsers are plain parsers; this one reads --strategy first
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="lenet", help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
+    g.add_argument("--model", default="lenet", help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small; "
+                   "language models for the text datasets: gpt (= gpt-tiny), gpt-tiny, gpt-small, gpt-100m")
     g.add_argument("--dataset", default="mnist-sample",
-                   help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10")
+                   help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10; text: text-sample "
+                        "(offline), tinyshakespeare, tinyshakespeare-bpe")
+    g.add_argument("--seq-len", type=_number("seq_len"), default=None,
+                   help="tokens per example of a text dataset (the GPT's context); None: 128")
     g.add_argument("--data-root", default=None, help=ROOT_HELP)
     g.add_argument("--download", action="store_true", help="download the dataset if missing (needs internet)")
     g.add_argument("--augment", action="store_true", help="random crop + flip (CIFAR10)")
@@ -161,10 +168,11 @@ def add_parser(sub) -> None:
                    help="samples per step on each data-parallel rank")
     g.add_argument("--test-batch-size", type=_number("test_batch_size"), default=512,
                    help="samples per evaluation batch")
-    g.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS),
-                   help="kfac = K-FAC preconditioning the gradients of --kfac-base")
+    g.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS),
+                   help="kfac = K-FAC preconditioning the gradients of --kfac-base; None: adam for a GPT, else sgd")
     g.add_argument("--base-lr", type=_number("base_lr"), default=None,
-                   help="learning rate (before --scale-lr and warm-up); None: the model's, 0.05 (alexnet_small 0.005)")
+                   help="learning rate (before --scale-lr and warm-up); None: the model's, 0.05 (alexnet_small "
+                        "0.005; a GPT 0.001 with adam, 0.1 with sgd)")
     g.add_argument("--momentum", type=_number("momentum"), default=0.9, help="SGD/LARS momentum")
     g.add_argument("--weight-decay", type=_number("weight_decay"), default=0.0, help="L2 penalty")
     g.add_argument("--lr-decay", type=_number("lr_decay"), nargs="*", default=[], metavar="EPOCH",

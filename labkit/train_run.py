@@ -31,7 +31,9 @@ from labkit.preempt import Preempted, StopSignals, clear_marker, signal_of_any_r
 from labkit.ranges import check
 from labkit.results import RunWriter, make_dirs
 from labkit.strategies import get_strategy
+from labkit.tasks import get_task
 from labkit.tensor_data import LOADERS, load_split
+from labkit.text_data import DEFAULT_SEQ_LEN, TEXT_NAMES
 from labkit.train import fit, lr_factor
 from labkit.train_cli import NUMBERS
 
@@ -49,7 +51,7 @@ class TrainConfig:
     epochs: int = 1
     batch_size: int = 64
     test_batch_size: int = 512
-    optimizer: str = "sgd"
+    optimizer: str | None = None  # None: the model's (labkit.models.default_optimizer: adam for GPTs, else sgd)
     base_lr: float | None = None  # None: the model's default (labkit.models.default_lr)
     momentum: float = 0.9
     weight_decay: float = 0.0
@@ -79,8 +81,13 @@ class TrainConfig:
     log_every: int = 20
     timeout_s: float = 1800.0
     step_delay_s: float = 0.0
+    seq_len: int | None = None  # text datasets: tokens per example (None: labkit.text_data.DEFAULT_SEQ_LEN)
     strategy_options: dict = field(default_factory=dict)
     optim_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.optimizer is None:
+            self.optimizer = kmodels.default_optimizer(self.model)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad value."""
@@ -95,6 +102,21 @@ class TrainConfig:
         if self.loader == "tensor" and self.num_workers:
             raise ConfigError("--num-workers applies to --loader torch; the tensor loader has no workers")
         check_amp(self.amp, self.strategy)
+        self._check_task()
+
+    def _check_task(self) -> None:
+        """A language model needs a text dataset and an image model an image dataset; --seq-len is for text."""
+        if self.dataset not in kdata.DATASETS:
+            kdata.dataset_info(self.dataset)  # the unknown-dataset error
+        text = kdata.DATASETS[self.dataset].task == "lm"
+        if self.model in kmodels.LANGUAGE_MODELS and not text:
+            raise ConfigError(f"--model {self.model} is a language model: train it on a text dataset, e.g. "
+                              f"--dataset text-sample (text datasets: {', '.join(TEXT_NAMES)})")
+        if text and self.model not in kmodels.LANGUAGE_MODELS:
+            raise ConfigError(f"--dataset {self.dataset} is text: train a language model on it, "
+                              f"--model {' | '.join(kmodels.LANGUAGE_MODELS)}")
+        if self.seq_len is not None and not text:
+            raise ConfigError(f"--seq-len applies to text datasets ({', '.join(TEXT_NAMES)}), not {self.dataset}")
 
     @property
     def out_dir(self) -> Path:
@@ -113,16 +135,17 @@ def run(cfg: TrainConfig) -> dict:
     strategy_cls = get_strategy(cfg.strategy)
     make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
     if cfg.base_lr is None:
-        cfg.base_lr = kmodels.default_lr(cfg.model)
+        cfg.base_lr = kmodels.default_lr(cfg.model, cfg.optimizer)
     with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
                      strategy=backends.key(cfg.strategy, cfg.strategy_options)) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
         strategy.check_model(cfg.model)  # e.g. a mesh dimension the model cannot take: one line, before any work
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
-        info = kdata.dataset_info(cfg.dataset)
+        info = kdata.dataset_info(cfg.dataset, cfg.data_root)
+        task = get_task(info.task)
         split = dict(loader=cfg.loader, name=cfg.dataset, root=cfg.data_root, download=cfg.download,
-                     device=strategy.input_device)
+                     device=strategy.input_device, seq_len=cfg.seq_len)
         train_set = load_split(**split, train=True, augment=cfg.augment, limit=cfg.train_size)
         test_set = load_split(**split, train=False, limit=cfg.test_size)
         dp = strategy.data_parallel_size
@@ -130,7 +153,8 @@ def run(cfg: TrainConfig) -> dict:
             raise ConfigError(f"the training set has {len(train_set)} samples, fewer than one global batch "
                               f"({dp} ranks × --batch-size {cfg.batch_size}); use fewer ranks or a smaller batch")
         model = kmodels.get_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels,
-                                  image_size=info.image_size, sequential=strategy.sequential_model)
+                                  image_size=info.image_size, sequential=strategy.sequential_model,
+                                  seq_len=cfg.seq_len or DEFAULT_SEQ_LEN)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)  # before DDP/partitioning take views of the weights
         model = strategy.prepare(model)
@@ -177,7 +201,7 @@ def run(cfg: TrainConfig) -> dict:
                               start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps,
                               log_every=cfg.log_every, on_epoch_end=lambda epoch: save(epoch + 1), profiler=prof,
                               amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
-                              on_stop=save, step_delay_s=cfg.step_delay_s)
+                              on_stop=save, step_delay_s=cfg.step_delay_s, task=task)
             except Preempted as stopped:
                 name = signal_of_any_rank(stopped.signal_name, env)
                 if env.is_main:
@@ -197,8 +221,7 @@ def run(cfg: TrainConfig) -> dict:
             kdist.all_reduce(peak, op=dist.ReduceOp.MAX)
         last = history[-1] if history else {}
         metrics = {"samples_per_sec": last.get("samples_per_sec"), "peak_memory_gb": peak.item(),
-                   "final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
-                   "best_test_acc": max((r["test_acc"] for r in history), default=None),
+                   **_quality(history, task.metric),
                    "epochs_run": len(history), "time_s": time.perf_counter() - started,
                    "throughput_window": {  # the window of samples_per_sec
                        "epoch": last["epoch"], "timed_steps": last["timed_steps"], "seconds": last["window_s"],
@@ -209,6 +232,18 @@ def run(cfg: TrainConfig) -> dict:
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
     return summary
+
+
+def _quality(history: list[dict], metric: str) -> dict:
+    """The summary's final and best test metric (accuracy, or loss and perplexity) and final training loss."""
+    last = history[-1] if history else {}
+    if metric == "acc":
+        return {"final_test_acc": last.get("test_acc"), "final_train_loss": last.get("train_loss"),
+                "best_test_acc": max((r["test_acc"] for r in history), default=None)}
+    return {"final_test_loss": last.get("test_loss"), f"final_test_{metric}": last.get(f"test_{metric}"),
+            "final_train_loss": last.get("train_loss"),
+            f"best_test_{metric}": min((r[f"test_{metric}"] for r in history), default=None),
+            "tokens_per_sec": last.get("tokens_per_sec")}
 
 
 def _stop_signals(enabled: bool):

@@ -188,3 +188,30 @@ def test_a_mesh_of_another_rank_count_is_refused_before_any_communication():
 def test_a_mesh_flag_with_another_strategy_is_one_line(capsys, tmp_path):
     assert _exit_code(["train", *QUICK, "--out", str(tmp_path), "--strategy", "ddp", "--mesh", "dp=2"]) == 2
     assert _one_error_line(capsys) == "labkit: error: --mesh is a flag of --strategy mesh, not of --strategy ddp"
+
+
+class _Mesh:
+    """A stand-in for a DeviceMesh of ``sizes``: what a Dimension reads when it is made, no process group."""
+
+    def __init__(self, **sizes):
+        self.mesh_dim_names, self.sizes = tuple(sizes), sizes
+
+    def size(self, i):
+        return self.sizes[self.mesh_dim_names[i]]
+
+    def get_group(self, name):
+        return None
+
+    def get_local_rank(self, name):
+        return 0
+
+
+@pytest.mark.parametrize("tp, model, expected", [
+    (2, "lenet", "--mesh tp=2 splits a transformer's attention heads and MLP: it needs --model gpt"),
+    (3, "gpt-tiny", "--mesh tp=3 does not divide gpt-tiny's 4 attention heads"),
+])
+def test_a_mesh_dimension_the_model_cannot_take_is_refused_before_any_work(tp, model, expected):
+    from labkit.parallel import get_dimension
+
+    with pytest.raises(ConfigError, match=f"^{expected}"):
+        get_dimension("tp")(_Mesh(pp=1, dp=1, ep=1, cp=1, tp=tp), {}).check(model)

@@ -34,7 +34,8 @@ def sample_root(tmp_path_factory):
 
 
 def test_registry_and_info():
-    assert list(data.DATASETS) == ["mnist", "cifar10", "mnist-sample", "synthetic-mnist", "synthetic-cifar10"]
+    assert list(data.DATASETS) == ["mnist", "cifar10", "mnist-sample", "synthetic-mnist", "synthetic-cifar10",
+                                   "text-sample", "tinyshakespeare", "tinyshakespeare-bpe"]
     mnist, cifar = data.dataset_info("mnist"), data.dataset_info("cifar10")
     assert (mnist.num_classes, mnist.in_channels, mnist.image_size, mnist.mean, mnist.std) == \
         (10, 1, 28, (0.1307,), (0.3081,))

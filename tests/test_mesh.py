@@ -1,11 +1,19 @@
-"""labkit.strategies.mesh on gloo CPU ranks: every composition, through the same ``labkit.train.fit`` a user runs,
+"""labkit.strategies.mesh on gloo CPU ranks: each composition, through the same ``labkit.train.fit`` a user runs,
 equals single-process ``fit`` on the global batch; mesh checkpoints resume bit-identically; another mesh is
 refused on resume.
 
 One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce) and on
-``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group). Tolerances (float32): the loss of every step within
-1e-6 absolute (only the order of the sums changes), the weights after 6 momentum-SGD steps within 1e-5; a
-resumed run's weights are bit-identical (==) to the run that was not interrupted.
+``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0)
+on ``dp=2``, ``pp=2``, ``tp=2`` and ``tp=2 --sequence-parallel``; the CNN on fsdp cut after one epoch and
+resumed, that checkpoint offered to another mesh. One 4-rank spawn: the GPT on ``dp=2,tp=2``, on
+``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP) and on ``tp=2,pp=2``; the GPT on ``dp=2,tp=2`` resumed, its
+checkpoint offered to ``dp=4``. One 8-rank spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and
+``dp=2,pp=2`` is ``tests/test_pp.py``'s.)
+
+The oracle: one process, the global batch, in the ranks' sample order. A step's global loss is the mean of the
+losses of the ranks that own metrics, one per data shard. Tolerances (float32): the loss of every step within
+1e-6 absolute (only the order of the sums changes), the weights after the last step within 1e-5; a resumed
+run's weights are bit-identical (==) to those of the run that was not interrupted.
 """
 import pytest
 import torch
@@ -13,134 +21,235 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labkit.dist import DistEnv
-from labkit.errors import CheckpointError
+from labkit.errors import CheckpointError, ConfigError
+from labkit.gpt import GPT, GPTConfig
 from labkit.strategies.base import Strategy
+from labkit.tasks import LanguageModelling, Task
 from labkit.testing import run_ranks
 
-B, EPOCHS, STEPS, SEED, LR = 4, 2, 3, 5, 0.1
-RANKS = 2
+GLOBAL_BATCH, SEED, LR = 8, 5, 0.1
+STEPS = {"cnn": 3, "gpt": 3}  # steps per epoch
+EPOCHS = {"cnn": 2, "gpt": 1}
+CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 
 
-def _data():
+def _data(kind: str):
     g = torch.Generator().manual_seed(0)
-    n = STEPS * RANKS * B
-    train = TensorDataset(torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 5, (n,), generator=g))
-    test = TensorDataset(torch.randn(6, 1, 4, 4, generator=g), torch.randint(0, 5, (6,), generator=g))
-    return train, test
+    n = STEPS[kind] * GLOBAL_BATCH
+    if kind == "cnn":
+        return (TensorDataset(torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 5, (n,), generator=g)),
+                TensorDataset(torch.randn(6, 1, 4, 4, generator=g), torch.randint(0, 5, (6,), generator=g)))
+    tokens = torch.randint(0, CFG.vocab_size, (n + 4, CFG.block_size + 1), generator=g)
+    return TensorDataset(tokens[:n, :-1], tokens[:n, 1:]), TensorDataset(tokens[n:, :-1], tokens[n:, 1:])
 
 
-def _cnn() -> nn.Module:
+def _model(kind: str) -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(48, 5))
+    if kind == "cnn":
+        return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(48, 5))
+    return GPT(CFG)
 
 
-def _recorded(strategy: Strategy) -> list[torch.Tensor]:
-    """Record the loss of every step the loop runs (the loss ``forward_backward`` returns)."""
+def _task(kind: str) -> Task:
+    return Task() if kind == "cnn" else LanguageModelling()
+
+
+def _recorded(strategy: Strategy) -> list:
+    """Record the loss of every step the loop runs (the loss ``forward_backward`` returns; None off the owner)."""
     losses, inner = [], strategy.forward_backward
 
     def forward_backward(*args):
         loss, out = inner(*args)
-        losses.append(loss.clone())
+        losses.append(None if loss is None else loss.clone())
         return loss, out
 
     strategy.forward_backward = forward_backward
     return losses
 
 
-def _weights(model: nn.Module) -> list[torch.Tensor]:
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's parameters by name (an FSDP shard gathered over dp: what this rank's tp/pp part holds)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for name, p in model.named_parameters()}
 
 
-def _fit(strategy, model, epochs=EPOCHS, start_epoch=0, out=None, resume=False):
+def _fit(strategy, model, kind, epochs=None, start_epoch=0, out=None, resume=False):
     """labkit.train.fit as ``labkit train`` calls it; with ``out``: save (or resume from) a checkpoint there."""
     from labkit.checkpoint import load_training_state, save_training_state
     from labkit.train import fit
 
-    train, test = _data()
+    train, test = _data(kind)
+    epochs = EPOCHS[kind] if epochs is None else epochs
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if resume:
         load_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None)
     losses = _recorded(strategy)
-    sampler = strategy.sampler(train, True, SEED)
-    fit(model, DataLoader(train, batch_size=len(train) // STEPS // strategy.data_parallel_size, sampler=sampler,
+    sampler = strategy.sampler(train, True, SEED) or DistributedSampler(train, 1, 0, shuffle=True, seed=SEED)
+    task = _task(kind)
+    fit(model, DataLoader(train, batch_size=GLOBAL_BATCH // strategy.data_parallel_size, sampler=sampler,
                           drop_last=True),
         DataLoader(test, batch_size=3, sampler=strategy.sampler(test, False, SEED)), optimizer, epochs=epochs,
-        start_epoch=start_epoch, strategy=strategy, seed=SEED, scheduler=scheduler, printer=lambda line: None)
+        start_epoch=start_epoch, strategy=strategy, seed=SEED, scheduler=scheduler, criterion=task.criterion(),
+        task=task, printer=lambda line: None)
     if out is not None and not resume:
         save_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None,
                             {"epoch": epochs}, {})
     return losses
 
 
-def _single() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The oracle: one process, the global batch, drawn in the ranks' order (a one-replica DistributedSampler
-    with the same seed permutes the same way, so global batch s is the ranks' batches s)."""
-    from labkit.train import fit
-
-    train, test = _data()
-    model = _cnn()
-    strategy = Strategy(DistEnv())
-    losses = _recorded(strategy)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=SEED)
-    fit(model, DataLoader(train, batch_size=RANKS * B, sampler=sampler, drop_last=True), DataLoader(test, batch_size=3),
-        optimizer, epochs=EPOCHS, strategy=strategy, seed=SEED, printer=lambda line: None)
-    return torch.stack(losses), _weights(model)
-
-
-def _two_ranks(env, out):
-    """On each of 2 ranks: the CNN on dp=2 and on dp=2 --dp-shard fsdp; an fsdp run cut after one epoch and
-    resumed; that checkpoint offered to a run on another mesh."""
+def _run(env, kind: str, options: dict) -> dict:
+    """One composition through fit: this rank's losses, weights, data shard and metric ownership."""
     from labkit.strategies.mesh import MeshStrategy
 
-    result = {}
-    for key, options in {"dp": {"mesh": "dp=2"}, "fsdp": {"mesh": "dp=2", "dp_shard": "fsdp"}}.items():
-        strategy = MeshStrategy(env, options)
-        model = strategy.prepare(_cnn())
-        losses = _fit(strategy, model)
-        result[key] = dict(losses=torch.stack(losses), weights=_weights(model), data=strategy.data_shard(),
-                           owner=strategy.metric_owner())
-    fsdp = {"mesh": "dp=2", "dp_shard": "fsdp"}
-    first = MeshStrategy(env, fsdp)
-    _fit(first, first.prepare(_cnn()), epochs=1, out=out)
-    again = MeshStrategy(env, fsdp)
-    model = again.prepare(_cnn())
-    _fit(again, model, start_epoch=1, out=out, resume=True)
+    strategy = MeshStrategy(env, options)
+    strategy.check_model("gpt-tiny" if kind == "gpt" else "lenet")
+    model = strategy.prepare(_model(kind))
+    losses = _fit(strategy, model, kind)
+    return dict(losses=losses, weights=_weights(model), data=strategy.data_shard(), owner=strategy.metric_owner(),
+                coords={d.name: d.rank for d in strategy.dims}, sizes={d.name: d.size for d in strategy.dims})
+
+
+def _single(kind: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]:
+    """The oracle: fit in one process on the global batch, drawn in the ranks' order (a one-replica
+    DistributedSampler with the same seed permutes the same way, so global batch s is the ranks' batches s).
+    Returns the losses, the weights by every name (state_dict) and the parameters' names."""
+    model = _model(kind)
+    strategy = Strategy(DistEnv())
+    losses = _fit(strategy, model, kind)
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}  # a tied head under both names
+    return torch.stack(losses), state, set(_weights(model))
+
+
+#: (kind, options) of each composition, by the spawn that runs it
+TWO = {"cnn dp=2": ("cnn", {"mesh": "dp=2"}),
+       "cnn dp=2 fsdp": ("cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}),
+       "gpt dp=2": ("gpt", {"mesh": "dp=2"}),
+       "gpt pp=2": ("gpt", {"mesh": "pp=2", "num_microbatches": 2}),
+       "gpt tp=2": ("gpt", {"mesh": "tp=2"}),
+       "gpt tp=2 sp": ("gpt", {"mesh": "tp=2", "sequence_parallel": True})}
+FOUR = {"gpt dp=2,tp=2": ("gpt", {"mesh": "dp=2,tp=2"}),
+        "gpt dp=2,tp=2 fsdp": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp"}),
+        "gpt tp=2,pp=2": ("gpt", {"mesh": "tp=2,pp=2", "num_microbatches": 2})}
+EIGHT = {"gpt dp=2,tp=2,pp=2": ("gpt", {"mesh": "dp=2,tp=2,pp=2", "num_microbatches": 2})}
+
+
+def _resume(env, kind: str, options: dict, other: dict, out: str) -> dict:
+    """Two epochs straight; one epoch, a checkpoint, and the second epoch resumed from it; that checkpoint offered
+    to a run on the mesh ``other``. Returns both runs' weights and the refusal."""
+    from labkit.strategies.mesh import MeshStrategy
+
+    straight = MeshStrategy(env, options)
+    model = straight.prepare(_model(kind))
+    _fit(straight, model, kind, epochs=2)
+    result = {"straight": _weights(model)}
+    first = MeshStrategy(env, options)
+    _fit(first, first.prepare(_model(kind)), kind, epochs=1, out=out)
+    again = MeshStrategy(env, options)
+    model = again.prepare(_model(kind))
+    _fit(again, model, kind, epochs=2, start_epoch=1, out=out, resume=True)
     result["resumed"] = _weights(model)
-    other = MeshStrategy(env, {"mesh": "dp=2"})
+    wrong = MeshStrategy(env, other)
     try:
-        _fit(other, other.prepare(_cnn()), start_epoch=1, out=out, resume=True)
+        _fit(wrong, wrong.prepare(_model(kind)), kind, epochs=2, start_epoch=1, out=out, resume=True)
     except CheckpointError as exc:
         result["mismatch"] = str(exc)
     return result
 
 
+def _two_ranks(env, out):
+    """On each of 2 ranks: the TWO compositions; a CNN on dp=2 --dp-shard fsdp resumed, and its checkpoint
+    offered to dp=2 without sharding; --dp-shard zero3 refused."""
+    from labkit.strategies.mesh import MeshStrategy
+
+    result = _runs(env, TWO)
+    result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out)
+    try:
+        MeshStrategy(env, {"mesh": "dp=2", "dp_shard": "zero3"}).check_model("lenet")
+    except ConfigError as exc:
+        result["zero3"] = str(exc)
+    return result
+
+
+def _four_ranks(env, out):
+    """On each of 4 ranks: the FOUR compositions; the GPT on dp=2,tp=2 resumed, its checkpoint offered to dp=4."""
+    result = _runs(env, FOUR)
+    result["resume"] = _resume(env, "gpt", {"mesh": "dp=2,tp=2"}, {"mesh": "dp=4"}, out)
+    return result
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    return run_ranks(_two_ranks, RANKS, str(tmp_path_factory.mktemp("mesh")))
+    return run_ranks(_two_ranks, 2, str(tmp_path_factory.mktemp("mesh")), timeout=300)
 
 
-def _check_equal(ranks, key, single_losses, single_weights):
-    """Each step's global loss (the mean of the data shards' losses) and the final weights equal the oracle's."""
-    assert sorted(r[key]["data"] for r in ranks) == [(2, 0), (2, 1)]
-    assert all(r[key]["owner"] for r in ranks)
-    losses = torch.stack([r[key]["losses"] for r in ranks]).mean(0)
-    assert losses.shape == (EPOCHS * STEPS,)
+def _runs(env, table):
+    return {key: _run(env, kind, options) for key, (kind, options) in table.items()}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_ranks(_four_ranks, 4, str(tmp_path_factory.mktemp("mesh4")), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def eight():
+    return run_ranks(_runs, 8, EIGHT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return {kind: _single(kind) for kind in ("cnn", "gpt")}
+
+
+def _check_equal(ranks: list[dict], kind: str, single) -> None:
+    """Each data shard has exactly one metric owner; the mean of the owners' losses every step and every rank's
+    weights (its part of them) equal the oracle's."""
+    single_losses, single_weights, names = single[kind]
+    owners = [r for r in ranks if r["owner"]]
+    shards = ranks[0]["data"][0]
+    assert sorted(r["data"][1] for r in owners) == list(range(shards))  # every sample counted once
+    losses = torch.stack([torch.stack(r["losses"]) for r in owners]).mean(0)
+    assert losses.shape == (EPOCHS[kind] * STEPS[kind],)
     torch.testing.assert_close(losses, single_losses, rtol=0, atol=1e-6)
+    held = set()
     for r in ranks:
-        for w, s in zip(r[key]["weights"], single_weights, strict=True):
-            torch.testing.assert_close(w, s, rtol=0, atol=1e-5)
+        for name, w in r["weights"].items():
+            full = single_weights[name]
+            if w.shape != full.shape:  # a tensor-parallel shard: this rank's contiguous slice
+                dim = next(i for i, (a, b) in enumerate(zip(w.shape, full.shape, strict=True)) if a != b)
+                full = torch.tensor_split(full, r["sizes"]["tp"], dim)[r["coords"]["tp"]]
+            torch.testing.assert_close(w, full, rtol=0, atol=1e-5)
+            held.add(name)
+    assert names <= held  # every weight is on some rank
 
 
-@pytest.mark.parametrize("key", ["dp", "fsdp"])
-def test_cnn_on_dp2_equals_one_process(two, key):
-    single_losses, single_weights = _single()
-    _check_equal(two, key, single_losses, single_weights)
+@pytest.mark.parametrize("key", list(TWO))
+def test_two_rank_meshes_equal_one_process(two, single, key):
+    _check_equal([r[key] for r in two], TWO[key][0], single)
 
 
-def test_mesh_checkpoint_resumes_bit_identically_and_another_mesh_is_refused(two):
+def test_mesh_checkpoints_resume_bit_identically_and_another_mesh_is_refused(two, four):
+    for r in [*two, *four]:
+        straight, resumed = r["resume"]["straight"], r["resume"]["resumed"]
+        assert straight.keys() == resumed.keys()
+        assert all(torch.equal(resumed[name], w) for name, w in straight.items())
     for r in two:
-        for w, s in zip(r["resumed"], r["fsdp"]["weights"], strict=True):
-            assert torch.equal(w, s)
-        assert "--mesh dp=2 --dp-shard fsdp" in r["mismatch"] and "this run has --mesh dp=2;" in r["mismatch"]
+        assert ": it was written on --mesh dp=2 --dp-shard fsdp but this run has --mesh dp=2; resume with --mesh " \
+               "dp=2 --dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
+    for r in four:
+        assert ": it was written on --mesh dp=2,tp=2 but this run has --mesh dp=4;" in r["resume"]["mismatch"]
+
+
+def test_zero3_on_a_mesh_is_refused_naming_fsdp(two):
+    assert all(r["zero3"].startswith("--dp-shard zero3: ") and "use --dp-shard fsdp" in r["zero3"] for r in two)
+
+
+@pytest.mark.parametrize("key", list(FOUR))
+def test_four_rank_meshes_equal_one_process(four, single, key):
+    _check_equal([r[key] for r in four], FOUR[key][0], single)
+
+
+def test_dp2_tp2_pp2_on_eight_ranks_equals_one_process(eight, single):
+    key = "gpt dp=2,tp=2,pp=2"
+    _check_equal([r[key] for r in eight], EIGHT[key][0], single)

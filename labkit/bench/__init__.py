@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "datapath": "labkit.bench.datapath",
     "largebatch": "labkit.bench.largebatch",
     "ps": "labkit.bench.ps",
+    "tp": "labkit.bench.tp",
     "suite": "labkit.bench.suite",
     "report": "labkit.bench.report",
 }

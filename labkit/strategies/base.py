@@ -8,6 +8,7 @@ A strategy never runs its own training loop; :func:`labkit.train_run.run` and :f
     for epoch: strategy.set_epoch(epoch)
         for x, y: loss, out = strategy.forward_backward(model, x, y, criterion)
                   strategy.sync_gradients(model); [preconditioner.step()]; optimizer.step()
+        strategy.epoch_end(); strategy.all_reduce_sum(metric sums)
         [save strategy.state_dict(model, optimizer) to strategy.checkpoint_file(out)]  # writes_checkpoint()
 
 Its ``labkit train`` flags are the ``FLAGS`` literal of its module (see :mod:`labkit.flags`); the parsed
@@ -52,6 +53,10 @@ class Strategy:
     #: every rank holds the same parameters and optimizer state (rank 0 alone writes ``checkpoint.pt``);
     #: False: each rank writes its own part to ``checkpoint.rank{r}.pt``
     replicated = True
+    #: ``--amp`` reaches this strategy's forward passes (autocast is per thread: not where stages run in threads)
+    supports_amp = True
+    #: why not, when ``supports_amp`` is False (the end of ``--amp``'s error line)
+    amp_note = ""
 
     def __init__(self, env: DistEnv, options: dict | None = None):
         self.env = env
@@ -163,6 +168,11 @@ class Strategy:
             optimizer.load_state_dict(state["optimizer"])
         except (RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"the checkpoint does not fit this model/optimizer: {str(exc)[:200]}") from None
+
+    def epoch_end(self) -> None:
+        """Called by the loop on every rank after an epoch's last step and its throughput window, before the
+        epoch's metric sums meet: a strategy whose ranks run steps on their own schedule within the epoch (the
+        parameter server) brings them together here. Nothing to do by default."""
 
     def step_boundary(self) -> bool:
         """Called between two steps before the loop's own collective there (the stop check, the barriers of the

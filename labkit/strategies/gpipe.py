@@ -284,6 +284,8 @@ class GPipeStrategy(Strategy):
 
     name = "gpipe"
     sequential_model = True
+    supports_amp = False
+    amp_note = "on GPUs its stages run in worker threads, and autocast is per thread"
 
     def __init__(self, env: DistEnv, options: dict | None = None):
         super().__init__(env, options)

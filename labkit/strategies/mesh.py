@@ -21,6 +21,7 @@ from torch import nn
 
 from labkit.errors import CheckpointError
 from labkit.mesh import MESH_ORDER, build_mesh, check_world, format_mesh, full_shape, parse_mesh
+from labkit.model_names import LANGUAGE_MODELS
 from labkit.parallel import DIMENSIONS, get_dimension
 from labkit.strategies.data_parallel import DataParallelStrategy
 from labkit.strategies.fsdp import load_local_state, local_state
@@ -60,13 +61,15 @@ class MeshStrategy(DataParallelStrategy):
         self.mesh = build_mesh(self.shape, env.device.type) if env.distributed else None
         self.dims = [cls(self.mesh, self.options) for cls in classes]
         self.pipeline = next((d for d in self.dims if d.name == "pp"), None)
-        self.sequential_model = self.pipeline is not None  # a CNN is cut into stages as a flat nn.Sequential
+        self.sequential_model = False  # check_model: a CNN on a pipeline is built as a flat nn.Sequential
         self._criteria: dict[int, nn.Module] = {}
 
     def check_model(self, model_name: str) -> None:
         """Every dimension's :meth:`~labkit.parallel.base.Dimension.check` (ConfigError before any work)."""
         for d in self.dims:
             d.check(model_name)
+        # pp cuts a GPT by its layer names, any other model as the flat nn.Sequential it is then built as
+        self.sequential_model = self.pipeline is not None and model_name not in LANGUAGE_MODELS
 
     # ----- data: shards by the data-parallel coordinates ----------------------------------------------
 

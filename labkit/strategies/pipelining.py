@@ -40,12 +40,20 @@ from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.results import atomic_write_text
 from labkit.strategies.base import Strategy
-from labkit.strategies.gpipe import SavedActivations, check_balance, check_chunks, check_sequential, num_microbatches
+from labkit.strategies.gpipe import SavedActivations, check_balance, check_sequential, num_microbatches
+from labkit.strategies.pipeline_stages import (
+    SCHEDULES,
+    StageSchedules,
+    even_balance,
+    microbatches_for,
+    stage_layers,
+    torch_pipelining,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
 
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+__all__ = ["PipelineStrategy", "Timeline", "StageSchedules", "even_balance", "microbatches_for", "stage_layers"]
 
 #: ``labkit train --strategy pipeline`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -66,33 +74,9 @@ ADVISOR = {"price": "labkit.advisor.cost:price_pipeline", "plans": "pipeline", "
 BENCH = {"ranks": 2, "flags": ["--num-microbatches", "4"]}
 
 
-def _pipelining():
-    """torch.distributed.pipelining, imported on first use: it costs seconds, and every `labkit train`
-    process imports this module to learn the strategy's flags."""
-    import torch.distributed.pipelining as pipelining
-    import torch.distributed.pipelining.schedules  # noqa: F401  (the module whose p2p helpers are timed)
-
-    return pipelining
 TRACE_SCHEMA = "labkit.pipeline-trace/1"
 
 
-def even_balance(num_layers: int, num_stages: int) -> list[int]:
-    """Layer counts as equal as possible, earlier stages taking the remainder: ``(7, 3) -> [3, 2, 2]``."""
-    if num_stages > num_layers:
-        raise ConfigError(f"{num_stages} stages but the model has only {num_layers} layers; use fewer ranks")
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (i < extra) for i in range(num_stages)]
-
-
-def stage_layers(model: nn.Sequential, balance: list[int], stage: int) -> nn.Sequential:
-    """The layers of ``stage``: ``model[sum(balance[:stage]) : sum(balance[:stage + 1])]`` (same objects)."""
-    start = sum(balance[:stage])
-    return model[start:start + balance[stage]]
-
-
-def microbatches_for(batch: int, wanted: int, minimum: int = 1) -> int | None:
-    """Largest ``m <= wanted`` with ``batch % m == 0`` and ``m >= minimum``, or None."""
-    return next((m for m in range(min(wanted, batch), minimum - 1, -1) if batch % m == 0), None)
 
 
 class Timeline:
@@ -112,8 +96,8 @@ class Timeline:
         self.rank = rank
         self.events: list[dict] = []
         self.memory: list[dict] = []
-        self.comm_recorded = hasattr(_pipelining().schedules, "_batch_p2p") and \
-            hasattr(_pipelining().schedules, "_wait_batch_p2p")
+        self.comm_recorded = hasattr(torch_pipelining().schedules, "_batch_p2p") and \
+            hasattr(torch_pipelining().schedules, "_wait_batch_p2p")
         self._step: int | None = None
         self._origin = 0.0
         self._labels: dict[int, str] = {}
@@ -150,7 +134,7 @@ class Timeline:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         self._step, self._origin = step, time.perf_counter()
-        _schedules = _pipelining().schedules
+        _schedules = torch_pipelining().schedules
         originals = (getattr(_schedules, "_batch_p2p", None), getattr(_schedules, "_wait_batch_p2p", None))
         if self.comm_recorded:
             _schedules._batch_p2p = self._labelled(originals[0])
@@ -207,16 +191,17 @@ class PipelineStrategy(Strategy):
         self.trace_steps = int(trace_steps if trace_steps is not None else (3 if self.trace_path else 0))
         self.timeline = Timeline(env.rank) if self.trace_steps > 0 else None
         self.balance: list[int] | None = None
-        self._schedules: dict[tuple[int, bool], tuple] = {}
+        self.stages = StageSchedules(env.rank, env.world_size, env.device, self.schedule_name, self.num_microbatches,
+                                     timeline=self.timeline)
         self._steps = 0
 
     @property
     def is_first(self) -> bool:
-        return self.env.rank == 0
+        return self.stages.is_first
 
     @property
     def is_last(self) -> bool:
-        return self.env.rank == self.env.world_size - 1
+        return self.stages.is_last
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = check_sequential(model)
@@ -231,54 +216,15 @@ class PipelineStrategy(Strategy):
                f"{self.num_microbatches} micro-batches")
         return stage_layers(model, self.balance, self.env.rank).to(self.env.device)
 
-    def _schedule(self, model: nn.Module, batch: int, train: bool, criterion: nn.Module | None):
-        """The (schedule, micro-batches) for this batch size, built once per size: stages have fixed shapes."""
-        key = (batch, train)
-        if key not in self._schedules:
-            pp = _pipelining()
-            cls = getattr(pp, SCHEDULES[self.schedule_name]) if train else pp.ScheduleGPipe
-            if not train:
-                m = 1
-            elif not any(is_train for _, is_train in self._schedules):
-                if batch % self.num_microbatches:
-                    raise ConfigError(f"batch of {batch} samples does not split into {self.num_microbatches} equal "
-                                      "micro-batches; choose --batch-size divisible by --num-microbatches")
-                m = self.num_microbatches
-            else:  # a smaller last batch
-                m = microbatches_for(batch, self.num_microbatches, self.env.world_size if cls is pp.Schedule1F1B else 1)
-                if m is None:
-                    cls, m = pp.ScheduleGPipe, microbatches_for(batch, self.num_microbatches)
-            stage = pp.PipelineStage(model, self.env.rank, self.env.world_size, self.env.device)
-            if self.timeline is not None and train:
-                self.timeline.instrument(stage)
-            self._schedules[key] = (cls(stage, m, loss_fn=criterion if train else None), m)
-        return self._schedules[key]
-
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          criterion: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not self._schedules:
-            check_chunks(self.num_microbatches, len(x))
-        schedule, _ = self._schedule(model, len(x), True, criterion)
         step, self._steps = self._steps, self._steps + 1
         recording = self.timeline is not None and 1 <= step <= self.trace_steps
-        context = self.timeline.record(step, self.env.device, model.parameters()) if recording \
-            else contextlib.nullcontext()
-        losses: list[torch.Tensor] = []
-        with context:
-            if self.is_first:
-                out = schedule.step(x)
-            elif self.is_last:
-                out = schedule.step(target=y, losses=losses)
-            else:
-                out = schedule.step()
-        if not self.is_last:
-            return None, None
-        return torch.stack(losses).mean().detach(), out.detach()  # equal micro-batches: mean of means
+        context = self.timeline.record(step, self.env.device, model.parameters()) if recording else None
+        return self.stages.forward_backward(model, x, y, criterion, context)
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        schedule, _ = self._schedule(model, len(x), False, None)
-        out = schedule.eval(x) if self.is_first else schedule.eval()
-        return out if self.is_last else None
+        return self.stages.forward(model, x)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model

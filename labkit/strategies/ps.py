@@ -297,11 +297,11 @@ class ParameterServerStrategy(Strategy):
             self.server.after_step(budget_reached=False)  # answer this step's pushes: workers wait for it
         return True
 
-    def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
-        # the loop's metrics sum after an epoch's steps is its first collective: finish the epoch before it
-        if self._epoch_open and values.numel() > 1:
+    def epoch_end(self) -> None:
+        # the loop calls this after an epoch's steps, before its first collective there: answer the last
+        # pushes and bring every rank the same model
+        if self._epoch_open:
             self._finish_epoch()
-        return super().all_reduce_sum(values)
 
     def _finish_epoch(self) -> None:
         """Answer the last pushes, then every server broadcasts its shard: all ranks hold the same model."""

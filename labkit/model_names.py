@@ -1,0 +1,18 @@
+"""The language models' ``--model`` names and their defaults, without torch (the ``labkit train`` parser reads
+them before torch loads; :mod:`labkit.models` builds them)."""
+from __future__ import annotations
+
+#: the language models (:mod:`labkit.gpt`): ``--model`` name -> size in ``GPT_SIZES``; their vocabulary and
+#: sequence length come from the text dataset and ``--seq-len``
+LANGUAGE_MODELS: dict[str, str] = {"gpt": "gpt-tiny", "gpt-tiny": "gpt-tiny", "gpt-small": "gpt-small",
+                                   "gpt-100m": "gpt-100m"}
+
+
+def default_optimizer(name: str) -> str:
+    """``--optimizer`` when not given: Adam for a GPT, SGD (momentum 0.9) for the CNNs."""
+    return "adam" if name in LANGUAGE_MODELS else "sgd"
+
+
+def model_task(name: str) -> str:
+    """The task (:mod:`labkit.tasks`) model ``name`` is built for: ``"lm"`` or ``"classification"``."""
+    return "lm" if name in LANGUAGE_MODELS else "classification"

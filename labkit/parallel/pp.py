@@ -1,0 +1,208 @@
+"""The mesh's ``pp`` dimension: the model cut into stages along each ``pp`` column, micro-batches scheduled by
+``torch.distributed.pipelining`` (GPipe or 1F1B, as ``--strategy pipeline``).
+
+    torchrun --nproc_per_node 4 -m labkit train --mesh tp=2,pp=2 --model gpt-tiny --dataset text-sample \\
+        --num-microbatches 4 --schedule 1f1b
+
+The ``P`` ranks of one ``pp`` group (``mesh.get_group("pp")``, the same dp/ep/cp/tp coordinates) each hold one
+stage: a GPT's blocks split as evenly as possible (stage 0 also holds the embeddings, the last ``ln_f`` and the
+head, :mod:`labkit.parallel.pp_gpt`), or a CNN's ``nn.Sequential`` cut by layer count as ``--strategy pipeline``
+cuts it; ``--balance`` gives the counts (blocks of a GPT, layers of a Sequential). Every stage loads the same
+batch; the first feeds the inputs, the last owns the targets, the loss and the metrics.
+
+The tied embedding. A GPT's (V, C) matrix embeds on stage 0 and predicts on stage P-1, so those two stages each
+hold a copy. After backward (:meth:`PipelineParallel.sync_gradients`) the copies' gradients are summed over the
+*embedding group*, the first and last rank of this ``pp`` column (Megatron's name); the copies start equal
+(broadcast from stage 0 once) and so stay equal, and each step equals the single-process step of the tied model.
+The group is not a mesh dimension: a mesh dimension's groups are whole lines of the grid, every rank of a ``pp``
+column, but the middle stages hold no copy and must not join. So it is made with ``dist.new_group`` from the
+mesh's own rank grid: every rank creates every column's group, in the same order (``new_group`` is collective
+over the whole job), and keeps its own. With ``pp=2`` the pair is the ``pp`` group itself, which is reused.
+
+Bytes per step of one ``pp`` column (one tp shard of one data-parallel replica), with per-rank batch ``B``,
+sequence ``T``, width ``C``, vocabulary ``V``, ``s`` bytes per element (:meth:`PipelineParallel.price`)::
+
+    activations = 2 (P - 1) B T C s / (tp if sequence parallel else 1)
+                  # each of the P - 1 boundaries sends every micro-batch's (B/M, T, C) forward and its gradient
+                  # backward: M micro-batches × 2 directions × (B/M) T C s; independent of M
+    embedding   = 2 (V / tp) C s   # all-reduce of the tied gradient between 2 ranks: each sends its copy
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from labkit.dist import print0
+from labkit.errors import ConfigError
+from labkit.gpt import GPT_SIZES
+from labkit.parallel.base import Dimension
+from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
+from labkit.strategies.gpipe import check_balance, check_sequential, num_microbatches
+from labkit.strategies.pipeline_stages import SCHEDULES, StageSchedules, even_balance, stage_layers, torch_pipelining
+
+#: ``labkit train --mesh ...pp=P`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--num-microbatches", "type": "int", "range": "[1, inf)", "default": 4, "metavar": "M",
+     "help": "pp dimension: micro-batches per mini-batch"},
+    {"flag": "--schedule", "choices": ["gpipe", "1f1b"], "default": "gpipe",
+     "help": "pp dimension: micro-batch schedule"},
+    {"flag": "--balance", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "N",
+     "help": "pp dimension, per stage: GPT blocks or Sequential layers, e.g. --balance 3 2 (None: as even as possible)"},
+]
+
+
+class PipelineParallel(Dimension):
+    """Stage ``rank`` of this ``pp`` column's ``size``-stage pipeline."""
+
+    name = "pp"
+    #: a CNN must be built as a flat nn.Sequential to be cut (labkit.models.get_model(..., sequential=True))
+    sequential_model = True
+
+    def __init__(self, mesh: DeviceMesh, options: dict):
+        super().__init__(mesh, options)
+        self.schedule_name = self.options.get("schedule") or "gpipe"
+        if self.schedule_name not in SCHEDULES:
+            raise ConfigError(f"--schedule {self.schedule_name!r}: choose one of {', '.join(SCHEDULES)}")
+        self.num_microbatches = num_microbatches(self.options)
+        if self.size > 1 and self.schedule_name == "1f1b" and self.num_microbatches < self.size:
+            raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages (pp={self.size}), "
+                              f"got {self.num_microbatches}")
+        device = torch.device(mesh.device_type)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.stages = StageSchedules(self.rank, self.size, device, self.schedule_name, self.num_microbatches,
+                                     group=self.group)
+        given = self.options.get("balance")
+        if self.size > 1 and given and len(given) != self.size:
+            raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but pp={self.size}; "
+                              "give one count per stage")
+        self.balance: list[int] | None = None
+        self.embedding_group: dist.ProcessGroup | None = None
+        self._tied_name: str | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def check(self, model_name: str) -> None:
+        """A GPT of a named size is checked now (blocks >= stages, ``--balance`` summing to its blocks); a CNN's
+        layers are counted when it is cut."""
+        if self.size > 1 and model_name in GPT_SIZES:
+            self._balance(GPT_SIZES[model_name].n_layer, "blocks", model_name)
+
+    def _balance(self, num_units: int, unit: str, model_name: str = "the model") -> list[int]:
+        """``--balance``, checked against ``num_units`` blocks or layers, or the even split."""
+        given = self.options.get("balance")
+        if given:
+            return check_balance(given, num_units, [f"stage {i}" for i in range(self.size)])
+        if num_units < self.size:
+            raise ConfigError(f"--mesh pp={self.size}: {model_name} has {num_units} {unit}, fewer than the stages; "
+                              f"use pp <= {num_units}")
+        return even_balance(num_units, self.size)
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """This rank's stage of ``model`` (a GPT, possibly tp-sharded, or an ``nn.Sequential``), on its device."""
+        if self.size == 1:
+            return model
+        if is_gpt(model):
+            self.balance = self._balance(len(model.blocks), "blocks", "the GPT")
+            tied = is_tied(model)
+            stage = GPTStage(model, self.balance, self.rank).to(self.device)
+            if tied:
+                self._tie(stage)
+            kind = f"GPT blocks {self.balance}" + (", tied embedding on the first and last stage" if tied else "")
+        else:
+            model = check_sequential(model)
+            self.balance = self._balance(len(model), "layers", "the nn.Sequential")
+            stage = stage_layers(model, self.balance, self.rank).to(self.device)
+            kind = f"layers {self.balance}"
+        print0(f"pp | {self.size} stages, {kind} | schedule {self.schedule_name} | {self.num_microbatches} "
+               "micro-batches")
+        return stage
+
+    def _embedding_groups(self) -> dist.ProcessGroup | None:
+        """The {first, last} stage ranks of this rank's pp column (None on a middle stage); collective."""
+        if self.size == 2:
+            return self.group
+        grid = self.mesh.mesh.movedim(self.mesh.mesh_dim_names.index("pp"), 0).reshape(self.size, -1)  # (P, cols)
+        mine = None
+        for column in grid.t().tolist():  # every rank creates every group, in the same order
+            group = dist.new_group([column[0], column[-1]])
+            if dist.get_rank() in (column[0], column[-1]):
+                mine = group
+        return mine
+
+    def _tie(self, stage: GPTStage) -> None:
+        """Make the embedding group; start the last stage's copy equal to the first's (broadcast once)."""
+        self.embedding_group = self._embedding_groups()
+        weight = stage.tied_weight()
+        if weight is None:
+            return
+        self._tied_name = TIED["first" if self.is_first else "last"]
+        first = dist.get_global_rank(self.embedding_group, 0)
+        with torch.no_grad():
+            dist.broadcast(weight.data, src=first, group=self.embedding_group)
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                         criterion: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One step's schedule over this column: ``(mean loss, outputs)`` on the last stage, ``(None, None)``
+        elsewhere. ``model`` is what the later dimensions made of the stage (e.g. dp's wrapper)."""
+        return self.stages.forward_backward(model, x, y, criterion)
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """Evaluation: the outputs on the last stage, None elsewhere."""
+        return self.stages.forward(model, x)
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Sum the tied embedding's gradient over the embedding group (first and last stage); nothing else."""
+        if self._tied_name is None:
+            return
+        grad = next(p.grad for name, p in model.named_parameters() if name.endswith(self._tied_name))
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor under a sharded dp
+        dist.all_reduce(local, group=self.embedding_group)
+
+    def owns_metrics(self) -> bool:
+        return self.is_last
+
+    def state_key(self) -> dict:
+        return {"pp": self.size, "pp_balance": self.balance}
+
+    @staticmethod
+    def price(batch: int, seq_len: int, n_embd: int, vocab_size: int, num_stages: int, tp: int = 1,
+              sequence_parallel: bool = False, tied: bool = True, dtype_bytes: int = 4) -> dict:
+        """Bytes one ``pp`` column sends per step (module docstring): ``{"activations", "embedding", "total"}``."""
+        activations = 2 * (num_stages - 1) * batch * seq_len * n_embd * dtype_bytes
+        if sequence_parallel:
+            activations //= tp
+        embedding = 2 * (vocab_size // tp) * n_embd * dtype_bytes if tied and num_stages > 1 else 0
+        return {"activations": activations, "embedding": embedding, "total": activations + embedding}
+
+
+@contextlib.contextmanager
+def p2p_bytes_sent():
+    """Count the bytes this rank's pipeline schedules send point-to-point inside the block (not the one-time
+    shape exchange of a stage's first step): ``with p2p_bytes_sent() as sent: ...; sent["bytes"]``.
+
+    Wraps the schedules module's ``_batch_p2p`` (a PyTorch internal, as :class:`~labkit.strategies.pipelining.
+    Timeline` does); every send of a schedule goes through it.
+    """
+    schedules = torch_pipelining().schedules
+    original, sent = schedules._batch_p2p, {"bytes": 0}
+
+    def counted(ops, desc=None):
+        sent["bytes"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops, desc=desc)
+    schedules._batch_p2p = counted
+    try:
+        yield sent
+    finally:
+        schedules._batch_p2p = original

@@ -1,0 +1,87 @@
+"""The ``tp`` dimension of a mesh: Megatron tensor parallelism (+ sequence parallelism) of the GPT.
+
+    torchrun --nproc_per_node 2 -m labkit train --mesh tp=2 --model gpt-tiny --dataset text-sample
+    torchrun --nproc_per_node 4 -m labkit train --mesh dp=2,tp=2 --sequence-parallel --model gpt-tiny ...
+
+The ranks of one ``tp`` group (neighbours: ``tp`` is the mesh's innermost dimension) hold the same batch and
+each a ``1/tp`` of every block's matrices (:func:`labkit.parallel.megatron.parallelize_gpt`): attention heads,
+MLP columns, vocabulary rows. The model's output is this rank's slice of the logits, so the loss is the
+vocabulary-parallel cross-entropy; evaluation gathers the slices. ``--sequence-parallel`` also cuts the
+activations between the layers along the sequence and sums the layer norms' gradients over the group after
+backward. Bytes per step and activation memory: :mod:`labkit.parallel.megatron_cost`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit import dist as kdist
+from labkit.errors import ConfigError
+from labkit.gpt import GPT, GPT_SIZES
+from labkit.parallel.base import Dimension
+from labkit.parallel.megatron import VocabParallelCrossEntropy, parallelize_gpt, sync_sequence_parallel_grads
+from labkit.parallel.megatron_cost import tp_step_bytes
+from labkit.parallel.megatron_ops import part
+
+#: ``labkit train --mesh ...`` flags of this dimension, plain data read without importing it (labkit.flags)
+FLAGS = [
+    {"flag": "--sequence-parallel", "action": "store_true",
+     "help": "tp dimension: layer norms and dropout on sequence shards, all-gather / reduce-scatter in place of "
+             "the all-reduces (Korthikanti et al. 2022)"},
+]
+
+
+class TensorParallel(Dimension):
+    """The GPT's layers split over the ``tp`` group; the loss reduced over the vocabulary shards."""
+
+    name = "tp"
+
+    def __init__(self, mesh, options):
+        super().__init__(mesh, options)
+        self.sequence_parallel = bool(self.options.get("sequence_parallel"))
+        self._criterion = VocabParallelCrossEntropy(self.group)
+        self.vocab_size: int | None = None
+
+    def check(self, model_name: str) -> None:
+        if not model_name.startswith("gpt"):
+            raise ConfigError(f"--mesh tp={self.size} splits a transformer's attention heads and MLP: it needs "
+                              f"--model gpt-tiny|gpt-small|gpt-100m, not {model_name}")
+        cfg = GPT_SIZES.get(model_name)
+        if cfg is not None and cfg.n_head % self.size:
+            raise ConfigError(f"--mesh tp={self.size} does not divide {model_name}'s {cfg.n_head} attention heads; "
+                              "choose a tp that does")
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        if self.size == 1:
+            return model
+        if not isinstance(model, GPT):
+            raise ConfigError(f"--mesh tp={self.size} needs a labkit GPT, got {type(model).__name__}")
+        self.vocab_size = self._criterion.vocab_size = model.cfg.vocab_size
+        return parallelize_gpt(model, self.group, self.sequence_parallel)
+
+    def criterion(self, criterion: nn.Module) -> nn.Module:
+        return criterion if self.size == 1 else self._criterion
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        if self.sequence_parallel and self.size > 1:
+            sync_sequence_parallel_grads(model, self.group)
+
+    def full_output(self, out: torch.Tensor) -> torch.Tensor:
+        """Evaluation: the (B, T, V) logits from every rank's (B, T, V/tp) slice (slices of unequal width padded
+        to the widest for the all-gather, then cut back)."""
+        if self.size == 1:
+            return out
+        V = self.vocab_size or out.shape[-1] * self.size
+        widths = [stop - start for start, stop in (part(V, self.size, r) for r in range(self.size))]
+        padded = F.pad(out, (0, widths[0] - out.shape[-1])).contiguous()
+        parts = kdist.all_gather([torch.empty_like(padded) for _ in widths], padded, group=self.group)
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
+
+    def owns_metrics(self) -> bool:
+        return self.rank == 0  # every rank of the group has the same loss: count it once
+
+    @staticmethod
+    def price(cfg, batch: int, seq: int, tp: int, sequence_parallel: bool = False) -> dict:
+        """Bytes this rank hands to each kind of collective per step (:func:`megatron_cost.tp_step_bytes`)."""
+        return tp_step_bytes(cfg, batch, seq, tp, sequence_parallel)
