@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from labkit.dist import print0
 from labkit.errors import ConfigError
 from labkit.gpt import GPT_SIZES
+from labkit.model_names import LANGUAGE_MODELS
 from labkit.parallel.base import Dimension
 from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
 from labkit.strategies.gpipe import check_balance, check_sequential, num_microbatches
@@ -59,8 +60,6 @@ class PipelineParallel(Dimension):
     """Stage ``rank`` of this ``pp`` column's ``size``-stage pipeline."""
 
     name = "pp"
-    #: a CNN must be built as a flat nn.Sequential to be cut (labkit.models.get_model(..., sequential=True))
-    sequential_model = True
 
     def __init__(self, mesh: DeviceMesh, options: dict):
         super().__init__(mesh, options)
@@ -84,6 +83,7 @@ class PipelineParallel(Dimension):
         self.balance: list[int] | None = None
         self.embedding_group: dist.ProcessGroup | None = None
         self._tied_name: str | None = None
+        self._tied: nn.Parameter | None = None
 
     @property
     def is_first(self) -> bool:
@@ -95,9 +95,14 @@ class PipelineParallel(Dimension):
 
     def check(self, model_name: str) -> None:
         """A GPT of a named size is checked now (blocks >= stages, ``--balance`` summing to its blocks); a CNN's
-        layers are counted when it is cut."""
-        if self.size > 1 and model_name in GPT_SIZES:
-            self._balance(GPT_SIZES[model_name].n_layer, "blocks", model_name)
+        layers are counted when it is cut. Context parallelism is refused: its ranks hold tokens at other positions
+        than 0..T/cp-1, given to the whole GPT's forward, and a stage computes its own positions."""
+        if self.size > 1 and self.mesh.size(self.mesh.mesh_dim_names.index("cp")) > 1:
+            raise ConfigError(f"--mesh pp={self.size} with cp > 1 is not supported: a pipeline stage computes the "
+                              "positions itself, not cp's; use pp or cp")
+        size = LANGUAGE_MODELS.get(model_name)
+        if self.size > 1 and size is not None:
+            self._balance(GPT_SIZES[size].n_layer, "blocks", model_name)
 
     def _balance(self, num_units: int, unit: str, model_name: str = "the model") -> list[int]:
         """``--balance``, checked against ``num_units`` blocks or layers, or the even split."""
@@ -166,7 +171,9 @@ class PipelineParallel(Dimension):
         """Sum the tied embedding's gradient over the embedding group (first and last stage); nothing else."""
         if self._tied_name is None:
             return
-        grad = next(p.grad for name, p in model.named_parameters() if name.endswith(self._tied_name))
+        if self._tied is None:  # found once, by name: dp may have wrapped or sharded the stage since the cut
+            self._tied = next(p for name, p in model.named_parameters() if name.endswith(self._tied_name))
+        grad = self._tied.grad
         local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor under a sharded dp
         dist.all_reduce(local, group=self.embedding_group)
 
