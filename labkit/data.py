@@ -364,7 +364,8 @@ def set_loader_epoch(loader: DataLoader, epoch: int, seed: int = 0) -> None:
 def fetch(names: list[str], root: str | os.PathLike | None = None) -> None:
     """Download the real datasets among ``names`` (both splits) into :func:`data_root`, with progress bars."""
     for name in names:
-        dataset_info(name)
+        if name not in DATASETS:
+            dataset_info(name)  # the unknown-name error, before any download
     base = data_root(root)
     for name in names:
         if name in text_data.TEXT_NAMES:

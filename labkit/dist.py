@@ -276,3 +276,13 @@ def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None) ->
     moved = _moved(output, device)
     dist.all_gather_single(moved, _moved(tensor, device), group=group)
     return _restore(output, moved)
+
+
+def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group=None) -> torch.Tensor:
+    """``dist.all_to_all_single``: rank i's j-th slice of ``tensor`` (``input_split_sizes[j]`` rows) becomes rank
+    j's i-th slice of ``output``; ``None``: equal slices. On the communication device; returns ``output``."""
+    device = comm_device(group)
+    moved = _moved(output, device)
+    dist.all_to_all_single(moved, _moved(tensor, device), output_split_sizes, input_split_sizes, group=group)
+    return _restore(output, moved)

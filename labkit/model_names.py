@@ -6,6 +6,8 @@ from __future__ import annotations
 #: sequence length come from the text dataset and ``--seq-len``
 LANGUAGE_MODELS: dict[str, str] = {"gpt": "gpt-tiny", "gpt-tiny": "gpt-tiny", "gpt-small": "gpt-small",
                                    "gpt-100m": "gpt-100m"}
+#: the GPTs whose MLPs are mixtures of experts (:data:`labkit.moe.MOE_SIZES`)
+LANGUAGE_MODELS.update({name: name for name in ("gpt-moe", "gpt-moe-tiny", "gpt-moe-tiny-top2", "gpt-moe-small")})
 
 
 def default_optimizer(name: str) -> str:

@@ -271,8 +271,10 @@ def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size
         if num_classes < 1:
             raise ConfigError(f"{name} needs a vocabulary of >= 1 token, got {num_classes}")
         from labkit.gpt import gpt
+        from labkit.moe import MOE_SIZES, gpt_moe
 
-        model = gpt(LANGUAGE_MODELS[name], vocab_size=num_classes, block_size=seq_len)
+        build = gpt_moe if LANGUAGE_MODELS[name] in MOE_SIZES else gpt
+        model = build(LANGUAGE_MODELS[name], vocab_size=num_classes, block_size=seq_len)
         return to_sequential(model) if sequential else model
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join([*MODELS, *LANGUAGE_MODELS])}")

@@ -211,12 +211,15 @@ def load_runs(paths: Iterable[str | Path]) -> list[Run]:
     return [load_run(p) for p in paths]
 
 
-def plot_metric(runs: Run | Iterable[Run], y: str = "test_acc", x: str = "epoch", kind: str = "epoch",
+def plot_metric(runs: Run | Iterable[Run], y: str | None = None, x: str = "epoch", kind: str = "epoch",
                 ax=None, labels: Iterable[str] | None = None, **plot_kwargs):
-    """Plot ``y`` against ``x`` for one or more runs on one axis; returns the axis."""
+    """Plot ``y`` against ``x`` for one or more runs on one axis; returns the axis. ``y`` defaults to
+    ``test_acc``, or ``test_loss`` when the first run has no accuracy (a language model's)."""
     import matplotlib.pyplot as plt
 
     runs = [runs] if isinstance(runs, Run) else list(runs)
+    if y is None:
+        y = "test_acc" if not runs or runs[0].series("test_acc", x, kind)[1] else "test_loss"
     labels = list(labels) if labels is not None else [r.name for r in runs]
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.5))

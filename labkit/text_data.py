@@ -45,6 +45,15 @@ _BPE_NEEDS = ("tinyshakespeare-bpe needs tiktoken and its GPT-2 encoding, which 
               "offline: --dataset text-sample or tinyshakespeare")
 
 
+def check_available(name: str) -> None:
+    """DatasetMissing at once for a BPE dataset without tiktoken (before any work starts)."""
+    if name.endswith("-bpe"):
+        import importlib.util
+
+        if importlib.util.find_spec("tiktoken") is None:
+            raise DatasetMissing(_BPE_NEEDS)
+
+
 def text_file(base: Path) -> Path:
     """Where ``labkit data fetch tinyshakespeare`` puts the text under the data root ``base``."""
     return Path(base) / "tinyshakespeare" / "input.txt"
@@ -123,8 +132,8 @@ def vocab_size(name: str, base: Path) -> int:
 @lru_cache(maxsize=4)
 def tokens(name: str, base: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(train tokens, validation tokens), int64, split by position at :data:`TRAIN_FRACTION`."""
-    text = read_text(name.removesuffix("-bpe"), base)
-    ids = torch.tensor(tokenizer(name, base).encode(text), dtype=torch.int64)
+    tok = tokenizer(name, base)  # first: tiktoken's absence is the error a -bpe name gets
+    ids = torch.tensor(tok.encode(read_text(name.removesuffix("-bpe"), base)), dtype=torch.int64)
     cut = int(len(ids) * TRAIN_FRACTION)
     return ids[:cut], ids[cut:]
 
@@ -222,10 +231,9 @@ def present(name: str, base: Path) -> str:
     """One word on whether ``name`` can be loaded offline from ``base`` (``labkit data list``)."""
     if name == "text-sample":
         return "offline"
-    if name.endswith("-bpe"):
-        import importlib.util
-
-        if importlib.util.find_spec("tiktoken") is None:
-            return "missing (pip install tiktoken; it downloads its encoding once)"
+    try:
+        check_available(name)
+    except DatasetMissing:
+        return "missing (pip install tiktoken; it downloads its encoding once)"
     return "present" if text_file(base).exists() else "missing (labkit data fetch tinyshakespeare)"
 

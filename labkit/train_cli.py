@@ -144,7 +144,8 @@ def add_parser(sub) -> None:
     p.__class__ = TrainParser  # argparse's sub-parsers are plain parsers; this one reads --strategy first
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="lenet", help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small; "
-                   "language models for the text datasets: gpt (= gpt-tiny), gpt-tiny, gpt-small, gpt-100m")
+                   "language models for the text datasets: gpt (= gpt-tiny), gpt-tiny, gpt-small, gpt-100m; "
+                   "with mixture-of-experts MLPs: gpt-moe (= gpt-moe-tiny), gpt-moe-tiny-top2, gpt-moe-small")
     g.add_argument("--dataset", default="mnist-sample",
                    help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10; text: text-sample "
                         "(offline), tinyshakespeare, tinyshakespeare-bpe")

@@ -33,7 +33,7 @@ from labkit.results import RunWriter, make_dirs
 from labkit.strategies import get_strategy
 from labkit.tasks import get_task
 from labkit.tensor_data import LOADERS, load_split
-from labkit.text_data import DEFAULT_SEQ_LEN, TEXT_NAMES
+from labkit.text_data import DEFAULT_SEQ_LEN, TEXT_NAMES, check_available
 from labkit.train import fit, lr_factor
 from labkit.train_cli import NUMBERS
 
@@ -117,6 +117,8 @@ class TrainConfig:
                               f"--model {' | '.join(kmodels.LANGUAGE_MODELS)}")
         if self.seq_len is not None and not text:
             raise ConfigError(f"--seq-len applies to text datasets ({', '.join(TEXT_NAMES)}), not {self.dataset}")
+        if text:
+            check_available(self.dataset)
 
     @property
     def out_dir(self) -> Path:

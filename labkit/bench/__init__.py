@@ -15,6 +15,7 @@ from labkit.flags import add_flags, read_flags
 #: benchmark name -> module with a ``FLAGS`` literal (see :mod:`labkit.flags`) and ``main(args) -> int``
 BENCHMARKS: dict[str, str] = {
     "single": "labkit.bench.single",
+    "gpt": "labkit.bench.gpt",
     "ddp": "labkit.bench.ddp",
     "model-parallel": "labkit.bench.model_parallel",
     "gpipe": "labkit.bench.gpipe",
