@@ -78,7 +78,6 @@ def _why(advice: Advice) -> str:
     link = topo.link
     return (f"the FC layers hold {prof.params(fc) / 2**20:.1f} of {prof.param_bytes / 2**20:.1f} MB of weights; "
             f"all-reducing them costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
-            f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s in a loop, a byte {topo.step_bytes:.2f}× that in a "
-            f"step), which hybrid saves, while running them on rank 0 for "
+            f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), which hybrid saves, while running them on rank 0 for "
             f"the whole batch instead of half costs {paid * 1e3:.1f} ms more, which hybrid pays. FlexFlow's GPUs "
             "computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there.")
