@@ -1,6 +1,6 @@
 """The advisor's cost terms against hand-computed numbers, and its search on cost tables with known answers."""
 import math
-from dataclasses import astuple, replace
+from dataclasses import replace
 
 import pytest
 
