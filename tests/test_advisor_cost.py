@@ -353,32 +353,6 @@ def test_bookkeeping_is_one_term_per_step_whatever_the_plan():
         assert est.step_s == pytest.approx(price(plan, tiny_profile(), t).step_s + 1.5e-4)
 
 
-def test_relevel_rescales_every_layer_to_the_step_timed_now(monkeypatch):
-    from labkit.advisor import profile
-
-    layers = [LayerProfile("a", "Conv2d", (0.002, 0.0001), (0.004, 0.0002), 1000, 10, 10),
-              LayerProfile("b", "Linear", (0.001, 0.0005), (0.002, 0.001), 0, 10, 10)]
-    prof = Profile("mlp", "synthetic-mnist", 1, (2, 8), layers, 16, 1e-9, 1e-9, 0)  # T(2) 0.0126 s, T(8) 0.0234 s
-    # the loop's step timed now: 1.5 times the layers' time at 2 samples, twice at 8, plus update and data
-    whole = [1.5 * 0.0126 + 1e-6 * 1000 + 1e-4 * 2, 2 * 0.0234 + 1e-6 * 1000 + 1e-4 * 8]
-    copies = []
-    monkeypatch.setattr(profile, "_loop_costs_together",
-                        lambda model, dataset, sizes, repeats, n: copies.append(n) or (1e-4, 1e-6, whole, 2e-4))
-    monkeypatch.setattr(profile.os, "cpu_count", lambda: 4)
-    now = profile.relevel(prof)
-    assert copies == [4]  # a one-thread profile is re-timed with every core stepping, as its plans' ranks run
-    assert now.time(2) == pytest.approx(0.0189) and now.time(8) == pytest.approx(0.0468)
-    # a's forward 0.002 + 0.0001·b becomes the line through (2, 1.5 · 0.0022) and (8, 2 · 0.0028)
-    slope = (2 * 0.0028 - 1.5 * 0.0022) / 6
-    assert now.layers[0].fwd == pytest.approx((1.5 * 0.0022 - 2 * slope, slope))
-    assert (now.update_s_per_byte, now.data_s_per_sample) == (1e-6, 1e-4) and now.layers[0].param_bytes == 1000
-    assert now.loop_s == 2e-4  # the loop's bookkeeping as timed now
-    # the first layer's input gradient (0 here) is rescaled the same way
-    prof.input_grad = (0.001, 0.0001)  # 0.0012 s at 2 samples, 0.0018 s at 8
-    slope = (2 * 0.0018 - 1.5 * 0.0012) / 6
-    assert profile.relevel(prof).input_grad == pytest.approx((1.5 * 0.0012 - 2 * slope, slope))
-
-
 def test_profile_times_the_first_layer_as_training_runs_it_and_its_input_gradient_apart(monkeypatch):
     """A training step never asks the first layer for its input's gradient (the data needs none); torchgpipe's
     micro-batches after the first do. The profile times that layer's backward without it, then with it, and

@@ -52,11 +52,11 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
     topo = Topology.local(2, link=CostModel(1e-4, 1e-9))
     est = price(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), _lenet_profile(1), topo)
     advice = Advice("lenet", "mnist-sample", 32, topo, [est], [est])
-    measured = validate(advice, top=1, steps=STEPS, out=tmp_path, progress=False, echo=None)
+    measured = validate(advice, repeats=1, steps=STEPS, out=tmp_path, progress=False, echo=None)  # one spawn in CI
     m = measured[est.plan.label]
     assert m["step_s"] > 0 and m["samples_per_s"] == pytest.approx(32 / m["step_s"])
     assert m["ratio"] == pytest.approx(m["step_s"] / est.step_s) and m["peak_bytes"] > 0
-    summary = json.loads((tmp_path / "plan0-ddp" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "plan0-ddp-0" / "summary.json").read_text())
     assert summary["config"]["strategy"] == "ddp" and summary["config"]["strategy_options"]["allreduce"] == "ring"
     saved = advice.write(tmp_path / "advice.json")
     row = json.loads(saved.read_text())["plans"][0]
@@ -65,6 +65,45 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
 
     losses = run_ranks(_train_parallelized, 2, est.plan.to_dict(), STEPS)
     assert losses[0] == losses[1] == pytest.approx(m["final_train_loss"], rel=1e-6)
+
+
+def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_path):
+    """Three plans, three runs each (a fake torchrun with literal rates): the runs alternate between plans, each
+    plan's step is its median with its spread, and the ranking is judged by Spearman's rho and by what the
+    predicted best measured against the measured best."""
+    import labkit.launch
+    from labkit.advisor.validate import ranking, spearman
+
+    topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
+    prof = _lenet_profile(1)
+    plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), Plan("zero", 2, 2, 32, (("zero_stage", 1),))]
+    table = sorted((price(p, prof, topo) for p in plans), key=lambda e: e.step_s)
+    advice = Advice("lenet", "mnist-sample", 32, topo, table, table)
+    rates = {"single": iter([320, 400, 160]), "ddp": iter([800, 640, 800]), "zero": iter([256, 320, 256])}
+    order = []
+
+    class Run:
+        def __init__(self, strategy):
+            self.summary = {"metrics": {"samples_per_sec": next(rates[strategy]), "peak_memory_gb": 0.5,
+                                        "final_train_loss": 2.0}}
+
+    def fake(args, nproc, echo=None):
+        order.append(args[args.index("--strategy") + 1])
+        return Run(order[-1])
+
+    monkeypatch.setattr(labkit.launch, "torchrun", fake)
+    measured = validate(advice, repeats=3, out=tmp_path, progress=False)
+    first = [e.plan.strategy for e in table]
+    assert order == first * 3
+    single = measured["single"]
+    assert single["steps_s"] == [0.1, 0.08, 0.2] and single["step_s"] == 0.1
+    assert single["spread"] == pytest.approx(1.2)  # (0.2 − 0.08) / 0.1
+    assert measured["ddp×2 ring"]["step_s"] == 0.04 and measured["zero×2 stage 1"]["step_s"] == 0.125
+    # predicted: ddp (9.8 ms), zero (12.0 ms), single (15.3 ms); measured: ddp, single, zero
+    assert [e.plan.strategy for e in table] == ["ddp", "zero", "single"]
+    assert ranking(advice) == {"plans": 3, "spearman": pytest.approx(0.5), "best_ratio": 1.0}
+    assert spearman([1, 2, 3], [10, 30, 20]) == pytest.approx(0.5)
+    assert spearman([1, 2, 3], [3, 3, 1]) == pytest.approx(-0.8660254)  # ties share their mean rank
 
 
 def test_parallelize_refuses_what_it_cannot_run():

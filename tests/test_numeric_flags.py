@@ -30,7 +30,7 @@ BAD = {
     "faults run": {"--ranks": ["0", "9"], "--watchdog": ["0", "-1"]},
     "allreduce animate": {"--ranks": ["1"], "--interval": ["0"]},
     "allreduce bench": {"--timeout": ["0"], "--repeats": ["0"]},
-    "advise": {"--ranks": ["0"], "--batch-size": ["0"], "--memory-limit": ["0"], "--base-lr": ["0"], "--top": ["0"],
+    "advise": {"--ranks": ["0"], "--batch-size": ["0"], "--memory-limit": ["0"], "--base-lr": ["0"], "--repeats": ["2"],
                "--steps": ["3"]},
     "train --strategy ddp": {"--bucket-mb": ["0"], "--global-batch-size": ["0"]},
     "train --strategy model-parallel": {"--mp-devices": ["0"], "--mp-split-points": ["0"], "--mp-split-size": ["0"]},

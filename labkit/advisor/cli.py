@@ -1,7 +1,7 @@
 """``labkit advise``: rank the parallel strategies for a model on this machine, optionally run the best.
 
     labkit advise --model alexnet_small --dataset synthetic-cifar10 --ranks 2
-    labkit advise --model lenet --ranks 2 --validate --top 3
+    labkit advise --model lenet --ranks 2 --validate --repeats 3
     labkit advise --model resnet20 --dataset synthetic-cifar10 --ranks 2 --memory-limit 0.5
 """
 from __future__ import annotations
@@ -25,8 +25,10 @@ def add_parser(sub) -> None:
                    default=None, metavar="GB", help="usable memory per device")
     p.add_argument("--base-lr", type=within("float", "(0, inf)"), default=None,
                    help="learning rate for the printed commands and validation runs (default: labkit train's)")
-    p.add_argument("--top", type=within("int", "[1, inf)"), default=3, help="plans to run with --validate")
-    p.add_argument("--validate", action="store_true", help="run the top plans through labkit train and compare")
+    p.add_argument("--repeats", type=within("int", "[3, inf)"), default=3,
+                   help="runs of each plan with --validate (the median and spread)")
+    p.add_argument("--validate", action="store_true",
+                   help="run every plan through labkit train and compare the ranking")
     p.add_argument("--steps", type=within("int", "[4, inf)"), default=8, help="training steps per validation run")
     p.add_argument("--links", default=None, metavar="DIR",
                    help="results of `labkit allreduce bench --out DIR` for the α-β fit (default: measure now)")
@@ -44,8 +46,6 @@ def _run(args: argparse.Namespace) -> int:
     from labkit.errors import ConfigError
     from labkit.results import RunWriter
 
-    if args.top < 1:
-        raise ConfigError(f"--top must be >= 1, got {args.top}")
     if args.steps < 4:
         raise ConfigError(f"--steps must be >= 4 (the first step is not timed), got {args.steps}")
     out = Path(args.out or f"runs/advise-{args.model}-{args.ranks}")
@@ -57,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.validate:
         from labkit.advisor.validate import validate
 
-        validate(advice, args.top, args.steps, out)
+        validate(advice, args.repeats, args.steps, out)
     print(table(advice))
     if args.model.startswith("alexnet") and args.ranks == 2:
         print()
