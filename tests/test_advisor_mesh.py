@@ -4,8 +4,7 @@ import itertools
 
 import pytest
 
-from labkit.advisor.mesh import (GPT_1_3B, GPTShape, MeshPlan, _valid, explain, frontier, meshes, price_mesh,
-                                 search)
+from labkit.advisor.mesh import GPT_1_3B, GPTShape, MeshPlan, _valid, explain, frontier, meshes, price_mesh, search
 from labkit.advisor.topology import Topology, named
 from labkit.collectives.cost import CostModel
 

@@ -71,6 +71,8 @@ GPT_1_3B = GPTShape(24, 16, 2048, 50304, 4096, "1.3B")
 
 @dataclass(frozen=True)
 class MeshPlan:
+    """A mesh (dp, tp, pp, cp sizes) and its options: micro-batches, ZeRO stage, SP, recomputation."""
+
     dp: int
     tp: int
     pp: int
@@ -91,6 +93,8 @@ class MeshPlan:
 
 @dataclass
 class MeshEstimate:
+    """A plan's time terms (seconds per step) and memory terms (bytes per device) against ``limit_bytes``."""
+
     plan: MeshPlan
     time: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
