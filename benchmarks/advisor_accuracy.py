@@ -8,7 +8,7 @@ best over the measured best.
 
 Targets (issue 33): rho >= 0.8 on each model, the predicted best within 10 % of the measured best. The link is
 measured afresh for each model; the profiles come from the cache unless ``--refresh``. Results are written as
-they come: ``<out>/<model>/advice.json`` after each model and ``<out>/summary.json`` (one key per model done),
+they come: ``<out>/<model>.runs.jsonl`` after each run, ``<out>/<model>/advice.json`` after each model and ``<out>/summary.json`` (one key per model done),
 with the load average before and after (the machine may be shared).
 """
 from __future__ import annotations
@@ -46,7 +46,15 @@ def main() -> None:
         advice = advise(model, DATASETS.get(model, "synthetic-cifar10"), args.ranks, args.batch_size,
                         refresh=args.refresh, topology=topo)
         # the learning rate changes no timing; AlexNet without BatchNorm needs a small one not to diverge
-        validate(advice, args.repeats, args.steps, out / model, extra=("--base-lr", "0.005"), progress=False)
+        log = (out / model).with_suffix(".runs.jsonl")
+
+        def record(label: str, metrics: dict, model=model, advice=advice, log=log) -> None:
+            with log.open("a") as f:  # each run as it comes: a benchmark cut short keeps what it measured
+                f.write(json.dumps({"model": model, "plan": label, "predicted_s": advice.find(label).step_s,
+                                    "measured_s": advice.batch_size / metrics["samples_per_sec"]}) + "\n")
+
+        validate(advice, args.repeats, args.steps, out / model, extra=("--base-lr", "0.005"), progress=False,
+                 record=record)
         advice.write(out / model / "advice.json")
         r = ranking(advice)
         summary[model] = {**r, "predicted_best": advice.best.plan.label, "seconds": time.perf_counter() - start,

@@ -73,12 +73,14 @@ def ranking(advice: Advice) -> dict:
 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              echo: Callable[[str], None] | None = None, progress: bool = True,
-             extra: tuple[str, ...] = (), processes: int | None = None) -> dict[str, dict]:
+             extra: tuple[str, ...] = (), processes: int | None = None,
+             record: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
     """Run every feasible plan of ``advice.table`` ``repeats`` times, round-robin; fill ``advice.measured``.
 
     ``processes``: only plans on this many processes. ``extra``: more ``labkit train`` arguments (e.g.
     ``("--base-lr", "0.005")`` for AlexNet). A plan whose run fails gets ``{"error": its line, "run"}``
-    instead of numbers, and its other runs are skipped.
+    instead of numbers, and its other runs are skipped. ``record(label, metrics)`` is called after each run
+    (a benchmark writes them as they come).
 
     Returns:
         ``{plan label: {"step_s" (median), "steps_s" (each run), "spread", "samples_per_s", "peak_bytes",
@@ -110,6 +112,8 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                 advice.measured[label] = {"error": why[:300], "run": str(run_dir)}
                 continue
             runs[label].append({**run.summary["metrics"], "run": str(run_dir)})
+            if record is not None:
+                record(label, runs[label][-1])
     if bar is not None:
         bar.close()
     for est in chosen:
