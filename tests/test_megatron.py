@@ -245,7 +245,6 @@ def test_tp_that_does_not_divide_is_one_line(monkeypatch):
     assert str(err.value) == "--mesh tp=3 does not divide the attention heads (4); choose a tp that does"
     with pytest.raises(ConfigError, match=r"the block size \(sequence parallelism\) \(16\)"):
         parallelize_gpt(GPT(CFG.replace(n_head=6, n_embd=36)), None, sequence_parallel=True)
-    parallelize_gpt(GPT(CFG.replace(n_head=6, n_embd=36)), None)  # the vocabulary (33) need not divide
 
 
 def test_formulas_give_the_counted_sizes_for_gpt_100m():

@@ -33,6 +33,10 @@ def _parser():
     return parser
 
 
+#: SAMPLE's flags that a later strategy owns too (the mesh's pp dimension: the pipeline's --schedule)
+SHARED = {"--schedule": ("mesh",)}
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_every_strategy_rejects_the_other_strategies_flags(strategy, capsys, tmp_path):
     mine = {f["flag"] for f in strategy_flags(strategy)}
@@ -41,7 +45,8 @@ def test_every_strategy_rejects_the_other_strategies_flags(strategy, capsys, tmp
             continue
         assert _exit_code(["train", "--strategy", strategy, flag, *value, "--out", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"labkit: error: {flag} is a flag of --strategy {owner}, not of --strategy {strategy}"]
+        owners = " and ".join(f"--strategy {name}" for name in (owner, *SHARED.get(flag, ())))
+        assert err == [f"labkit: error: {flag} is a flag of {owners}, not of --strategy {strategy}"]
     assert _exit_code(["train", "--strategy", strategy, "--kfac-damping", "0.1", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == ("labkit: error: --kfac-damping is a flag of --optimizer kfac, "
                                                "not of --optimizer sgd")
@@ -64,7 +69,7 @@ def test_only_the_chosen_strategys_and_optimizers_flags_are_parsed():
     assert args.balance == [2, 4] and args.num_microbatches == 4 and args.kfac_damping == 0.01
     assert not hasattr(args, "schedule") and not hasattr(args, "allreduce") and not hasattr(args, "mp_devices")
     shared = flag_owners()
-    assert shared["--num-microbatches"] == ["--strategy gpipe", "--strategy pipeline"]
+    assert shared["--num-microbatches"] == ["--strategy gpipe", "--strategy pipeline", "--strategy mesh"]
     assert shared["--kfac-update-freq"] == ["--optimizer kfac"]
 
 

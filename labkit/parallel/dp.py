@@ -75,22 +75,18 @@ class DataParallel(Dimension):
     def parallelize(self, model: nn.Module) -> nn.Module:
         if self.size == 1:
             return model
-        if self.shard == "fsdp":
-            return self._fully_shard(model)
+        # every copy starts from the group's first rank's (as DDP does; fully_shard keeps this rank's slice of
+        # its own copy, so it too must start from one copy)
         src = dist.get_global_rank(self.group, 0)
-        with torch.no_grad():  # every copy starts from the group's first rank's (as DDP does)
+        with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=src, group=self.group)
-        return model
+        return self._fully_shard(model) if self.shard == "fsdp" else model
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         submesh = self.mesh["dp"]
-        src = dist.get_global_rank(self.group, 0)
-        with torch.no_grad():  # fully_shard keeps this rank's slice of its own copy: start from one copy
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor, src=src, group=self.group)
         for module in _units(model):
             fully_shard(module, mesh=submesh)
         return fully_shard(model, mesh=submesh)

@@ -233,7 +233,8 @@ class _VocabParallelCE(torch.autograd.Function):
             sums = all_reduce_copy(sums, group)
         loss = (torch.log(sums[0]) + m - sums[1]).mean()
         ctx.save_for_backward(e.div_(sums[0].unsqueeze(-1)), local, inside)              # softmax shard
-        return loss.to(logits.dtype)
+        ctx.dtype = logits.dtype
+        return loss                                                                      # float32, as F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad):
@@ -241,7 +242,7 @@ class _VocabParallelCE(torch.autograd.Function):
         d = softmax.clone()
         d.scatter_add_(-1, local.clamp(0, softmax.shape[-1] - 1).unsqueeze(-1),
                        -inside.unsqueeze(-1).to(d.dtype))
-        return d.mul_(grad / local.numel()), None, None, None
+        return d.mul_(grad / local.numel()).to(ctx.dtype), None, None, None
 
 
 class VocabParallelCrossEntropy(nn.Module):

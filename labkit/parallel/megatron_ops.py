@@ -5,22 +5,23 @@ Where the activations cross from "every rank holds the same tensor" to "each ran
 operator and its conjugate (the same collective moved to the other pass) keep forward and backward exact
 (Shoeybi et al. 2019, "Megatron-LM", §3; Korthikanti et al. 2022, "Reducing Activation Recomputation", §4.2):
 
-=====================  ==========================================  ==========================================
-operator               forward                                     backward
-=====================  ==========================================  ==========================================
-``f``  (copy)          identity: ``Y = X``                         all-reduce: ``dX = Σ_r dY_r``
-``g``  (reduce)        all-reduce: ``Y = Σ_r X_r``                 identity: ``dX_r = dY``
-``g_seq`` (gather)     all-gather along the sequence:              reduce-scatter along the sequence:
-                       ``(B, T/t, C) -> (B, T, C)``                ``dX_r = (Σ_q dY_q)[:, r·T/t:(r+1)·T/t]``
-``rs_seq`` (scatter)   reduce-scatter along the sequence:          all-gather along the sequence:
-                       ``(B, T, C) -> (B, T/t, C)``, summed        ``(B, T/t, C) -> (B, T, C)``
-=====================  ==========================================  ==========================================
+============================  ======================================  ==========================================
+operator                      forward                                 backward
+============================  ======================================  ==========================================
+``f``: copy_to_tp             identity: ``Y = X``                     all-reduce: ``dX = Σ_r dY_r``
+``g``: reduce_from_tp         all-reduce: ``Y = Σ_r X_r``             identity: ``dX_r = dY``
+SP ``g``: gather_sequence     all-gather along the sequence:          reduce-scatter along the sequence:
+                              ``(B, T/t, C) -> (B, T, C)``            ``dX_r = (Σ_q dY_q)[:, r·T/t:(r+1)·T/t]``
+SP ``ḡ``: scatter_sequence    reduce-scatter along the sequence:      all-gather along the sequence:
+                              ``(B, T, C) -> (B, T/t, C)``, summed    ``(B, T/t, C) -> (B, T, C)``
+============================  ======================================  ==========================================
 
 ``f`` enters a column-parallel layer (every rank needs all of X; each rank's ``dY_r W_r`` is a part of dX),
 ``g`` leaves a row-parallel layer (each rank holds a partial sum of Y). With sequence parallelism (Korthikanti's
 ``g`` and ``ḡ``) the replicated (B, T, C) activations between the layers are cut along the sequence instead:
-an all-reduce is a reduce-scatter followed by an all-gather, so ``f``/``g`` become ``g_seq``/``rs_seq`` and the
-same bytes cross the wire while the layer norms and dropout in between work on T/t tokens.
+an all-reduce is a reduce-scatter followed by an all-gather, so ``f``/``g`` become the all-gather /
+reduce-scatter pair above and the same bytes cross the wire while the layer norms and dropout in between work
+on T/t tokens.
 
 On a group of one rank every operator is the identity. The collectives go through :mod:`labkit.dist`'s helpers
 (the tensor is moved to the group's communication device); the reduce-scatter, which :mod:`labkit.dist` lacks,
