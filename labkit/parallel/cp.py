@@ -75,6 +75,10 @@ class ContextParallel(Dimension):
         if self.size > 1 and not model_name.startswith("gpt"):
             raise ConfigError(f"--mesh cp={self.size} splits the sequences of a transformer; it needs --model gpt-tiny, "
                               f"gpt-small or gpt-100m, not --model {model_name}")
+        pp = self.mesh.size(self.mesh.mesh_dim_names.index("pp"))
+        if self.size > 1 and pp > 1:  # the stages would lose the positions the GPT's pre-hook passes
+            raise ConfigError(f"--mesh cp={self.size} with pp={pp} is not supported: the pipeline's stages do not get "
+                              "the sequence positions of a rank's chunks; combine cp with dp and tp")
         if self.size > 1 and self.options.get("seq_len"):  # --seq-len: refused before the data and the model
             self.ring.check_length(self.options["seq_len"])
 

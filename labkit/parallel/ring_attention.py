@@ -19,8 +19,10 @@ are ``P = exp(s - l)``, and ``dv = Pᵀ dout``, ``ds = P * (dout vᵀ - D)``, ``
 brings every dK/dV to the rank that owns it.
 
 The block kernel is plain PyTorch (``q kᵀ``, mask, ``logsumexp``), so it runs on any device and can be read
-next to the formulas. Under bf16 autocast (``--amp bf16``) the blocks, the merges and the messages are float32. While a block is computed, the next K/V are already on their way
-(:func:`labkit.collectives.kv_ring.pass_on` posts the send and the receive before the compute).
+next to the formulas. Under bf16 autocast (``--amp bf16``) the blocks, the merges and the messages are
+float32. In the forward, while a block is computed, the next K/V are already on their way
+(:func:`labkit.collectives.kv_ring.pass_on` posts the send and the receive before the compute); the backward
+sends after each block's gradients are added.
 """
 from __future__ import annotations
 
