@@ -140,7 +140,12 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
     for argv, message in [(["--model", "nope", "--ranks", "2"], "unknown model 'nope'"),
                           (["--model", "lenet", "--ranks", "0"], "--ranks must be >= 1"),
                           (["--model", "lenet", "--ranks", "2", "--memory-limit", "0.01"],
-                           r"no plan fits in 0.01 GB per device; the smallest needs 0.0\d+ GB")]:
+                           r"no plan fits in 0.01 GB per device; the smallest needs 0.0\d+ GB"),
+                          (["--model", "gpt-1.3b", "--ranks", "8"], "the mesh search prices a GPU topology"),
+                          (["--model", "resnet20", "--ranks", "8", "--topology", "h100-nvlink"],
+                           "prices a dense GPT: gpt-1.3b or gpt-tiny"),
+                          (["--model", "gpt-1.3b", "--ranks", "16", "--topology", "h100-nvlink"],
+                           "--ranks 16: one H100 node with NVLink has 8 GPUs")]:
         try:
             code = main(["advise", *argv, "--cache", str(cache), "--out", str(out)])
         except SystemExit as exc:  # a flag argparse refuses
@@ -149,6 +154,9 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("labkit: error: ")
         assert re.search(message, err[0]), err[0]
+    assert main(["advise", "--model", "gpt-1.3b", "--topology", "h100-nvlink", "--ranks", "8"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("on one H100 node with NVLink, a 1.3B GPT at sequence 4096: ") and "frontier" in text
 
 
 def test_flexflow_comparison_names_the_terms():

@@ -69,6 +69,21 @@ class GPTShape:
 GPT_1_3B = GPTShape(24, 16, 2048, 50304, 4096, "1.3B")
 
 
+def gpt_shape(model: str, seq: int | None = None) -> GPTShape:
+    """``--model``'s GPT (``gpt-1.3b`` or one of :data:`labkit.gpt.GPT_SIZES` by its ``LANGUAGE_MODELS`` name)
+    with GPT-2's vocabulary (50304) at sequence ``seq`` (default its block size)."""
+    from labkit.errors import ConfigError
+    from labkit.gpt import GPT_SIZES
+    from labkit.model_names import LANGUAGE_MODELS
+
+    if model == "gpt-1.3b":
+        return GPTShape(**{**GPT_1_3B.__dict__, "seq": seq or GPT_1_3B.seq})
+    cfg = GPT_SIZES.get(LANGUAGE_MODELS.get(model, ""))
+    if cfg is None:
+        raise ConfigError(f"the mesh search prices a dense GPT: gpt-1.3b or {', '.join(GPT_SIZES)}, not {model!r}")
+    return GPTShape(cfg.n_layer, cfg.n_head, cfg.n_embd, 50304, seq or cfg.block_size, model)
+
+
 @dataclass(frozen=True)
 class MeshPlan:
     """A mesh (dp, tp, pp, cp sizes) and its options: micro-batches, ZeRO stage, SP, recomputation."""
