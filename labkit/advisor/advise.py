@@ -51,8 +51,7 @@ class Advice:
         t = self.topology
         return {"schema": ADVICE_SCHEMA, "model": self.model, "dataset": self.dataset, "batch_size": self.batch_size,
                 "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores,
-                             "alpha": t.link.alpha, "beta": t.link.beta, "gamma": t.link.gamma, "launch_s": t.launch_s,
-                             "step_bytes": t.step_bytes, "call_s": t.call_s,
+                             "alpha": t.link.alpha, "beta": t.link.beta, "gamma": t.link.gamma,
                              "memory_bytes": t.memory_bytes},
                 "plans": [{**e.to_dict(), "command": self.command(e),
                            "measured": self.measured.get(e.plan.label)} for e in self.table]}

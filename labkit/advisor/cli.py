@@ -1,8 +1,9 @@
 """``labkit advise``: rank the parallel strategies for a model on this machine, optionally run the best.
 
     labkit advise --model alexnet_small --dataset synthetic-cifar10 --ranks 2
-    labkit advise --model lenet --ranks 2 --validate --top 3
+    labkit advise --model lenet --ranks 2 --validate --repeats 3
     labkit advise --model resnet20 --dataset synthetic-cifar10 --ranks 2 --memory-limit 0.5
+    labkit advise --model gpt-1.3b --topology h100-nvlink --ranks 8 --seq-len 4096   # the mesh search
 """
 from __future__ import annotations
 
@@ -25,9 +26,15 @@ def add_parser(sub) -> None:
                    default=None, metavar="GB", help="usable memory per device")
     p.add_argument("--base-lr", type=within("float", "(0, inf)"), default=None,
                    help="learning rate for the printed commands and validation runs (default: labkit train's)")
-    p.add_argument("--top", type=within("int", "[1, inf)"), default=3, help="plans to run with --validate")
-    p.add_argument("--validate", action="store_true", help="run the top plans through labkit train and compare")
+    p.add_argument("--repeats", type=within("int", "[3, inf)"), default=3,
+                   help="runs of each plan with --validate (the median and spread)")
+    p.add_argument("--validate", action="store_true",
+                   help="run every plan through labkit train and compare the ranking")
     p.add_argument("--steps", type=within("int", "[4, inf)"), default=8, help="training steps per validation run")
+    p.add_argument("--topology", default="local", choices=["local", "h100-nvlink", "a100-pcie", "h100-2x-ib"],
+                   help="this machine's gloo ranks, or a GPU node from public specs (a GPT's mesh search)")
+    p.add_argument("--seq-len", type=within("int", "[2, inf)"), default=None,
+                   help="a GPT's sequence length for the mesh search (default its block size)")
     p.add_argument("--links", default=None, metavar="DIR",
                    help="results of `labkit allreduce bench --out DIR` for the α-β fit (default: measure now)")
     p.add_argument("--cache", default="runs/advisor", help="where profiles and link fits are cached")
@@ -44,10 +51,10 @@ def _run(args: argparse.Namespace) -> int:
     from labkit.errors import ConfigError
     from labkit.results import RunWriter
 
-    if args.top < 1:
-        raise ConfigError(f"--top must be >= 1, got {args.top}")
     if args.steps < 4:
         raise ConfigError(f"--steps must be >= 4 (the first step is not timed), got {args.steps}")
+    if args.model.startswith("gpt") or args.topology != "local":
+        return _mesh(args)
     out = Path(args.out or f"runs/advise-{args.model}-{args.ranks}")
     advice = advise(args.model, args.dataset, args.ranks, args.batch_size, args.memory_limit, links=args.links,
                     cache=args.cache, refresh=args.refresh)
@@ -57,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.validate:
         from labkit.advisor.validate import validate
 
-        validate(advice, args.top, args.steps, out)
+        validate(advice, args.repeats, args.steps, out)
     print(table(advice))
     if args.model.startswith("alexnet") and args.ranks == 2:
         print()
@@ -69,4 +76,28 @@ def _run(args: argparse.Namespace) -> int:
     writer.finish(f"advise {args.model}", "advice", vars(args) | {"func": None},
                   {"best": advice.best.plan.label, "best_samples_per_sec": advice.best.samples_per_s})
     print(f"advice written to {path}")
+    return 0
+
+
+def _mesh(args: argparse.Namespace) -> int:
+    """A GPT's mesh search on a named topology: the explanation, the best plans and the frontier."""
+    from labkit.advisor.mesh import explain as why
+    from labkit.advisor.mesh import frontier, gpt_shape, search
+    from labkit.advisor.topology import named
+    from labkit.errors import ConfigError
+
+    if args.topology == "local":
+        raise ConfigError("the mesh search prices a GPU topology: give --topology h100-nvlink, a100-pcie or "
+                          "h100-2x-ib")
+    gpt = gpt_shape(args.model, args.seq_len)
+    topo = named(args.topology).with_memory(args.memory_limit)
+    if args.ranks > topo.ranks:
+        raise ConfigError(f"--ranks {args.ranks}: {topo.name} has {topo.ranks} GPUs")
+    found = search(gpt, topo, args.batch_size, args.ranks)
+    if not found:
+        raise ConfigError(f"no mesh of {args.ranks} GPUs divides a batch of {args.batch_size}")
+    print(why(found, gpt, topo))
+    print(f"{len(found)} plans, {sum(e.feasible for e in found)} fit; the frontier of memory vs time:")
+    for e in frontier(found):
+        print(f"  {e.plan.label:34s} {e.step_s * 1e3:9.1f} ms/step {e.peak_bytes / 2**30:7.1f} GB/GPU")
     return 0

@@ -4,13 +4,15 @@ Notation (per optimizer step, global batch ``B``):
 
 * ``T_k(b)`` forward + backward seconds of layer ``k`` on ``b`` samples (profile, fitted ``a + c·b``);
   ``T_S(b) = Σ_{k∈S} T_k(b)``; ``s`` = oversubscription × device speed of the topology;
+* on one CPU, work is conserved: ``q`` processes sharing ``c`` cores cannot do one-thread work ``W`` in less
+  than ``W / min(q, c)`` (:func:`cpu_floor`), so ``q`` ranks on ``c`` cores are never priced more than ``c``
+  times faster than one process;
 * ``P`` parameter bytes (``P_S`` of layers ``S``); ``A_k`` output bytes of layer ``k`` per sample;
   ``M_S(b)`` bytes autograd saves in layers ``S`` for ``b`` samples;
 * ``AR(n, algo, p)`` the all-reduce of ``n`` bytes over ``p`` ranks priced from the kit's schedule counts:
-  ``Σ_steps α·m_s + β·b_s + γ·r_s + κ`` (:meth:`labkit.collectives.cost.CostModel.predict`);
-  ``msg(n) = α + β·n + κ`` one point-to-point message; ``κ`` what every collective or message launched
-  between computations costs on top (:class:`labkit.advisor.topology.Topology`'s ``launch_s``); β and γ are a
-  step's: ``f`` × the tight-loop fit's (``Topology.step_bytes``; ``Topology.collective_link`` applies it);
+  ``Σ_steps α·m_s + β·b_s + γ·r_s`` (:meth:`labkit.collectives.cost.CostModel.predict`);
+  ``msg(n) = α + β·n`` one point-to-point message; α, β and γ are the topology's, measured once
+  (:mod:`labkit.advisor.measure`) or from a public specification, the same for every strategy;
 * ``u`` optimizer seconds per parameter byte, ``d`` loading seconds per sample (measured by the profile;
   the loss is inside ``T``, which the profile scales to whole measured bare steps).
 
@@ -23,7 +25,6 @@ the fullest device: ``parameters + gradients + optimizer (momentum) = 3·P_dev``
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from labkit.advisor.plan import Estimate, Plan
 from labkit.advisor.profile import Profile
@@ -36,7 +37,7 @@ FIRST_BUCKET_BYTES = 2**20  # DistributedDataParallel's first bucket (the last l
 
 
 def allreduce_time(nbytes: float, ranks: int, algorithm: str, topo: Topology) -> float:
-    """``AR(n, algo, p)``: the schedule's per-step counts priced by the α-β-γ link, plus κ (0 for one rank).
+    """``AR(n, algo, p)``: the schedule's per-step counts priced by the α-β-γ link (0 for one rank).
 
     ``ddp`` (PyTorch's DistributedDataParallel over gloo/NCCL) and ``native`` (``dist.all_reduce``) are
     priced as the ring schedule, the algorithm those libraries use for large messages.
@@ -44,7 +45,7 @@ def allreduce_time(nbytes: float, ranks: int, algorithm: str, topo: Topology) ->
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     name = "ring" if algorithm in ("ddp", "native") else algorithm
-    return topo.collective_link(ranks).predict(get_schedule(name, ranks), math.ceil(nbytes / 4), 4) + topo.launch_s
+    return topo.collective_link(ranks).predict(get_schedule(name, ranks), math.ceil(nbytes / 4), 4)
 
 
 def ring_bytes_time(nbytes: float, ranks: int, link: CostModel) -> float:
@@ -55,8 +56,8 @@ def ring_bytes_time(nbytes: float, ranks: int, link: CostModel) -> float:
 
 
 def message_time(nbytes: float, topo: Topology, ranks: int = 2) -> float:
-    """``msg(n) = α + β·n + κ``: one point-to-point message."""
-    return topo.collective_link(ranks).transfer_time(nbytes) + topo.launch_s
+    """``msg(n) = α + β·n``: one point-to-point message."""
+    return topo.collective_link(ranks).transfer_time(nbytes)
 
 
 def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo: Topology) -> float:
@@ -75,18 +76,13 @@ def bucket_count(nbytes: float, algorithm: str) -> int:
     return int(first > 0) + int(full) + int(rest > 0)
 
 
-def ddp_key(algorithm: str) -> str:
-    """The measured launch price a DDP plan pays: ``ddp`` (PyTorch's DDP) or ``ddp-kit`` (the kit's schedules)."""
-    return "ddp" if algorithm == "ddp" else "ddp-kit"
-
-
 def broadcast_time(count: int, nbytes: float, ranks: int, topo: Topology) -> float:
-    """``BC(k, n) = (p − 1)·(k·α + β·n) + k·κ``: ``k`` broadcasts of ``n`` bytes in all, the root sending to
+    """``BC(k, n) = (p − 1)·(k·α + β·n)``: ``k`` broadcasts of ``n`` bytes in all, the root sending to
     each rank."""
     if ranks <= 1 or count == 0:
         return 0.0
     link = topo.collective_link(ranks)
-    return (ranks - 1) * (count * link.alpha + link.beta * nbytes) + count * topo.launch_s
+    return (ranks - 1) * (count * link.alpha + link.beta * nbytes)
 
 
 def common_terms(prof: Profile, topo: Topology, params: float, loaded: float) -> dict[str, float]:
@@ -116,14 +112,10 @@ def price_ddp(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     ``compute = s·T_all(b)``; ``communication = Σ_buckets AR(bucket, algo, p)`` after backward (no overlap
     is assumed: small models fit one or two buckets, ready only near the end of backward) ``+ BC(1, n_buf)``
     under PyTorch's DDP, which broadcasts the model's buffers (``n_buf`` bytes, coalesced) from rank 0 in
-    every forward; memory ``3P + M_all(b) + P`` (the flat gradient bucket). Where the topology has a measured
-    price for launching one of these collectives from a step (``call_s["ddp"]`` for PyTorch's DDP,
-    ``call_s["ddp-kit"]`` for the kit's schedules; :mod:`labkit.advisor.calibrate`), that price is their κ.
+    every forward; memory ``3P + M_all(b) + P`` (the flat gradient bucket).
     """
     p, b = plan.processes, plan.batch_size / plan.processes
     algo = plan.option.get("allreduce", "ddp")
-    launch = topo.call_s.get(ddp_key(algo))
-    topo = topo if launch is None else replace(topo, launch_s=launch)
     count, nbytes = prof.buffers
     sync = broadcast_time(1, nbytes, p, topo) if algo == "ddp" and count else 0.0
     time = {"compute": compute_scale(topo, p) * prof.time(b),
@@ -161,9 +153,7 @@ def price_tensor_parallel(plan: Plan, prof: Profile, topo: Topology) -> Estimate
     Sliced layers ``S`` (each pair and the elementwise layers between) cost ``T_k(B/p)``, the rest
     ``T_k(B)``: ``compute = s·(T_rest(B) + Σ_{k∈S} T_k(B/p))``. Per pair (column i, row j):
     ``communication = AR(B·A_{i−1}, ring, p)`` (backward, input gradient) ``+ AR(B·A_j, ring, p)``
-    (forward, partial sums); where the topology has a measured price per all-reduce in a step ``c_tp``
-    (``call_s["tensor-parallel"]``, :mod:`labkit.advisor.calibrate`), each costs ``c_tp`` plus its bytes on
-    the ring (:func:`ring_bytes_time`) instead. Memory ``3·P_dev + M_rest(B) + M_S(B)/p`` with
+    (forward, partial sums). Memory ``3·P_dev + M_rest(B) + M_S(B)/p`` with
     ``P_dev = P − (1 − 1/p)·P_S``.
     """
     p, B = plan.processes, plan.batch_size
@@ -175,14 +165,8 @@ def price_tensor_parallel(plan: Plan, prof: Profile, topo: Topology) -> Estimate
     rest = [k for k in range(len(prof.layers)) if k not in sliced]
     compute = sum(prof.layers[k].time(B) for k in rest) + sum(prof.layers[k].time(B / p) for k in sliced)
     inputs = [prof.layers[i - 1].out_bytes if i else prof.input_bytes for i, _ in prof.tp_pairs]
-    call = topo.call_s.get("tensor-parallel")
-    if call is not None:
-        link = topo.collective_link(p)
-        comm = sum(2 * call + ring_bytes_time(B * a, p, link) + ring_bytes_time(B * prof.layers[j].out_bytes, p, link)
-                   for a, (_, j) in zip(inputs, prof.tp_pairs))
-    else:
-        comm = sum(allreduce_time(B * a, p, "ring", topo) + allreduce_time(B * prof.layers[j].out_bytes, p, "ring", topo)
-                   for a, (_, j) in zip(inputs, prof.tp_pairs))
+    comm = sum(allreduce_time(B * a, p, "ring", topo) + allreduce_time(B * prof.layers[j].out_bytes, p, "ring", topo)
+               for a, (_, j) in zip(inputs, prof.tp_pairs))
     p_sliced = sum(prof.layers[k].param_bytes for k in sliced)
     p_dev = prof.param_bytes - (1 - 1 / p) * p_sliced
     time = {"compute": compute_scale(topo, p) * compute, "communication": comm, **common_terms(prof, topo, p_dev, B)}
@@ -236,35 +220,12 @@ def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatch
     return terms
 
 
-def pipeline_overhead(topo: Topology, microbatches: int) -> float | None:
-    """``h(m)``: the pipeline schedule's measured price per micro-batch and stage at ``m`` micro-batches.
-
-    The calibrated prices ``call_s["pipeline-m<k>"]`` (:mod:`labkit.advisor.calibrate`, ``k`` = 2, 4, 8),
-    linear in ``m`` between two of them and the nearest one outside their range; a topology with one price for
-    every ``m`` (``call_s["pipeline"]``) gives that; None when the topology has neither (messages then pay κ).
-    """
-    measured = sorted((int(key.rsplit("-m", 1)[1]), s) for key, s in topo.call_s.items()
-                      if key.startswith("pipeline-m"))
-    if not measured:
-        return topo.call_s.get("pipeline")
-    if microbatches <= measured[0][0]:
-        return measured[0][1]
-    for (m0, h0), (m1, h1) in zip(measured, measured[1:]):
-        if microbatches <= m1:
-            return h0 + (h1 - h0) * (microbatches - m0) / (m1 - m0)
-    return measured[-1][1]
-
-
 def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     """One stage per rank (``torch.distributed.pipelining``), ``m`` micro-batches of ``B/m``:
 
     ``t_j = s·T_{stage j}(B/m)``, ``c_j = 2·msg((B/m)·A_{last of j})`` (activation forward, gradient
     backward; 0 for the last stage), terms from :func:`pipeline_terms` along the critical path (the stages a
-    search cuts are seldom equal). Where the topology has a measured price per micro-batch and stage ``h``
-    (:func:`pipeline_overhead` at ``m``: the schedule's own work for one forward and one backward chunk, its
-    sends, receives and wake-ups; :mod:`labkit.advisor.calibrate`), every stage pays it,
-    ``t_j = s·T_{stage j}(B/m) + h``, and the messages their α-β alone, ``c_j = 2·(α + β·(B/m)·A)``; the
-    slowest stage's ``m·h`` is shown as its own term, ``schedule overhead``.
+    search cuts are seldom equal).
     Every rank loads the whole batch.
     Memory of stage ``j``: ``3·P_j + k_j·M_j(B/m)`` with ``k_j = m`` (gpipe schedule) or
     ``min(p − j, m)`` (1f1b); the fullest stage counts.
@@ -273,14 +234,13 @@ def price_pipeline(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     p, m, B = plan.processes, o["num_microbatches"], plan.batch_size
     stages = stages_of(o["balance"])
     bm = B / m
-    h = pipeline_overhead(topo, m)
-    msg = topo.collective_link(p).transfer_time if h is not None else lambda n: message_time(n, topo, p)
+    msg = topo.collective_link(p).transfer_time
     times = [compute_scale(topo, p) * prof.time(bm, s) for s in stages]
     comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0 for j, s in enumerate(stages)]
     held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
     mem = [memory_terms(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
     full = max(range(p), key=lambda j: sum(mem[j].values()))
-    time = pipeline_terms(times, comm, m, h or 0.0, critical_path=True)
+    time = pipeline_terms(times, comm, m, critical_path=True)
     time.update(common_terms(prof, topo, max(prof.params(s) for s in stages), B))
     return Estimate(plan, time, mem[full])
 

@@ -37,7 +37,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -384,32 +384,6 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
                    [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task, loop_s)
     return prof
-
-
-def relevel(prof: Profile, repeats: int = 5) -> Profile:
-    """``prof`` at this moment's machine speed: the loop's step is timed again at the profile's two sizes and
-    every layer's line is rescaled through ``r_k·T_i(b_k)``, ``r_k = (step(b_k) − update − data) / T_all(b_k)``
-    (the layers' shape stays, the level is now's). About a second for small models: what a validation
-    prices its run with, so that the prediction and the run see the same load on a shared machine."""
-    info = kdata.dataset_info(prof.dataset)
-    seq = kmodels.get_model(prof.model, info.num_classes, info.in_channels, info.image_size, sequential=True)
-    before = torch.get_num_threads()
-    torch.set_num_threads(prof.threads)
-    try:
-        data_s, update_s, whole, loop_s = _loop_costs_together(seq.train(), prof.dataset, prof.sizes, repeats,
-                                                               _copies(prof.threads))
-    finally:
-        torch.set_num_threads(before)
-    b0, b1 = prof.sizes
-    r0, r1 = (max(0.0, whole[k] - update_s * prof.param_bytes - data_s * b) / max(1e-12, prof.time(b))
-              for k, b in enumerate(prof.sizes))
-
-    def line(ab):
-        return _line(b0, r0 * (ab[0] + ab[1] * b0), b1, r1 * (ab[0] + ab[1] * b1))
-
-    layers = [replace(layer, fwd=line(layer.fwd), bwd=line(layer.bwd)) for layer in prof.layers]
-    return replace(prof, layers=layers, update_s_per_byte=update_s, data_s_per_sample=data_s,
-                   input_grad=line(prof.input_grad), loop_s=loop_s)
 
 
 def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Path) -> Path:

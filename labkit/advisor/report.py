@@ -15,11 +15,11 @@ FLEXFLOW_ALEXNET_2GPU = (
 
 def table(advice: Advice) -> str:
     """Ranked plans: predicted samples/s, peak memory per device, main term, measured columns if validated
-    (``at run``: measured over the prediction priced at the run's machine speed, see ``validate``)."""
+    (the median step of the runs, their spread ``(max − min) / median``), and the ranking's figures of merit."""
     measured = any("step_s" in advice.measured.get(e.plan.label, {}) for e in advice.table)
     head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"
     if measured:
-        head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'at run':>6} {'meas MB':>8}"
+        head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'spread':>6} {'meas MB':>8}"
     lines = [head]
     for i, est in enumerate(advice.table, 1):
         mark = "" if est.feasible else "  (does not fit)"
@@ -29,10 +29,15 @@ def table(advice: Advice) -> str:
         if m and "error" in m:
             line += f"  run failed: {m['error']}"
         elif m:
-            at_run = f"{m['ratio_at_run']:.2f}" if "ratio_at_run" in m else "-"
-            line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} {at_run:>6} "
+            line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} {m['spread']:>6.0%} "
                      f"{m['peak_bytes'] / MB:>8.1f}")
         lines.append(line + mark)
+    if measured:
+        from labkit.advisor.validate import ranking
+
+        r = ranking(advice)
+        lines.append(f"ranking over {r['plans']} plans: Spearman rho {r['spearman']:.2f}; the predicted best "
+                     f"measured {r['best_ratio']:.2f}x the measured best")
     lines.append("")
     lines += [f"{i:>2} {advice.command(e)}" for i, e in enumerate(advice.table, 1)]
     return "\n".join(lines)
@@ -78,7 +83,6 @@ def _why(advice: Advice) -> str:
     link = topo.link
     return (f"the FC layers hold {prof.params(fc) / 2**20:.1f} of {prof.param_bytes / 2**20:.1f} MB of weights; "
             f"all-reducing them costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
-            f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s in a loop, a byte {topo.step_bytes:.2f}× that in a "
-            f"step), which hybrid saves, while running them on rank 0 for "
+            f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), which hybrid saves, while running them on rank 0 for "
             f"the whole batch instead of half costs {paid * 1e3:.1f} ms more, which hybrid pays. FlexFlow's GPUs "
             "computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there.")

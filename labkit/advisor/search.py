@@ -133,7 +133,7 @@ def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
     names = [s for s in (strategies or entries) if s in entries]
 
     def add(plan: Plan) -> Estimate:
-        return price(plan, prof_for(plan.processes), topo)
+        return price(plan, prof_for(plan.processes), topo, prof_for(topo.cores) if topo.device == "cpu" else None)
 
     space = Space(batch, topo.ranks, len(prof_for(1).layers), prof_for, add)
     out: list[Estimate] = []

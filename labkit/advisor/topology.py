@@ -1,27 +1,21 @@
-"""The device topology: devices, their memory, and an α-β(-γ) price per link (seed 000's ``D = (D_N, D_E)``).
+"""The device topology: devices, their memory, and an α-β-γ price per link (seed 000's ``D = (D_N, D_E)``).
 
 A message of ``n`` bytes over a link costs ``alpha + beta · n``; reducing ``n`` bytes costs ``gamma · n``
-(:class:`labkit.collectives.cost.CostModel`). A collective launched *between computations*, as a training step
-launches them, also costs ``launch`` (κ) seconds: the rank that arrives first sleeps in its wait and must be
-woken and scheduled again when its peer's data comes, which on a busy CPU means queueing behind other
-processes. The α-β fit, whose ranks exchange messages of at most 1 MB in a tight loop, does not see it; nor that
-a byte of a large collective sent from a step, after a forward and backward filled the caches, costs
-``step_bytes`` times what the fit prices it (:func:`labkit.advisor.calibrate.bytes_in_step`): a plan's
-collectives are priced with β and γ times that. Three shapes:
+(:class:`labkit.collectives.cost.CostModel`). Every strategy pays the same prices for its bytes and messages:
+there is no per-strategy correction. Two kinds of topology:
 
-* :meth:`Topology.local` — N gloo ranks on this machine: the link is fitted by the collectives benchmark
-  (``labkit allreduce bench --out DIR`` writes ``"cost-model"`` records) or measured on the spot with the
-  same fit, cached in the same record format. Every rank is a process on the same cores, so a plan with
-  ``q`` processes gives each ``cores // q`` threads, and one process's "devices" are the same CPU.
-* :meth:`Topology.gpu_node` — G GPUs in one node (NCCL over NVLink/PCIe): one process may drive several
-  GPUs that really run at once.
-* ``nodes > 1`` — two levels: ``link`` inside a node, ``inter`` between nodes. A ring over all ranks
-  crosses the slower level, so collectives spanning nodes are priced with ``inter``.
+* :meth:`Topology.local` — N gloo ranks on this machine, the link measured once (:mod:`labkit.advisor.measure`)
+  or read from ``labkit allreduce bench --out DIR``'s ``"cost-model"`` records. Every rank is a process on the
+  same cores, so a plan with ``q`` processes gives each ``cores // q`` threads.
+* :data:`NAMED` — hardware a learner will meet, written from the vendors' public specifications (the link's
+  bandwidth per direction and per GPU, the memory, the dense bf16 peak); α is NCCL's typical small-message
+  latency on such links, not a spec. ``nodes > 1`` has two levels: ``link`` inside a node, ``inter`` between
+  nodes; a collective over more ranks than a node holds is priced with ``inter``.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from labkit.collectives.cost import CostModel
@@ -41,14 +35,7 @@ class Topology:
         cores: CPU cores the ranks share (CPU topologies); a process gets ``cores // processes`` threads.
         separate_devices: the devices one process drives really run at once (GPUs); False on one CPU.
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
-        launch_s: κ, seconds every collective or message launched between computations costs on top of its
-            α-β price (0 on GPUs, where the host does not wait for it).
-        step_bytes: ``f``, what a byte of a collective in a training step costs over the fit's price of it (1 on
-            GPUs and hand-made topologies); :meth:`collective_link` applies it.
-        call_s: measured seconds per collective in a training step (keys :data:`CALL_KEYS`:
-            ZeRO stages and ZeRO's buffer broadcasts, FSDP, DDP, tensor parallelism, and the pipeline
-            schedule's price per micro-batch and stage;
-            :mod:`labkit.advisor.calibrate`); where absent, α-β and κ price each one.
+        flops: dense bf16 peak per device, FLOP/s (named GPU topologies; 0 where unknown).
     """
 
     name: str
@@ -61,13 +48,15 @@ class Topology:
     inter: CostModel | None = None
     separate_devices: bool = False
     compute_scale: float = 1.0
-    launch_s: float = 0.0
-    call_s: dict = field(default_factory=dict)
-    step_bytes: float = 1.0
+    flops: float = 0.0
 
     def __post_init__(self):
         if self.ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {self.ranks}")
+
+    @property
+    def per_node(self) -> int:
+        return -(-self.ranks // self.nodes)
 
     def threads(self, processes: int) -> int:
         """CPU threads per process when ``processes`` share the cores (at least one)."""
@@ -78,11 +67,8 @@ class Topology:
         return max(1.0, processes / self.cores) if self.device == "cpu" else 1.0
 
     def collective_link(self, ranks: int) -> CostModel:
-        """The link a collective of a training step over the first ``ranks`` ranks is limited by (the slowest
-        level it crosses), its β and γ times :attr:`step_bytes`."""
-        per_node = -(-self.ranks // self.nodes)
-        link = self.inter if self.inter is not None and ranks > per_node else self.link
-        return in_step(link, self.step_bytes)
+        """The link a collective over ``ranks`` consecutive ranks is limited by (the slowest level it crosses)."""
+        return self.inter if self.inter is not None and ranks > self.per_node else self.link
 
     def with_memory(self, gigabytes: float | None) -> Topology:
         return self if gigabytes is None else replace(self, memory_bytes=gigabytes * GB)
@@ -92,166 +78,50 @@ class Topology:
               cache: str | Path = Path("runs") / "advisor", refresh: bool = False, rounds: int = 1) -> Topology:
         """``ranks`` gloo ranks on this machine; the link from ``link``, a bench run dir, a cache, or measured now
         (``refresh``: measured now even if cached; ``rounds``: the median of that many fits)."""
+        from labkit.advisor.measure import measure_link, read_fit
+
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        launch, call, factor = 0.0, {}, 1.0
         if link is None and links_from:
-            link, launch, call, factor = read_fit(links_from, ranks)
-            # `labkit allreduce bench` measures neither κ, nor the per-collective prices, nor f
-            launch, factor = launch or 0.0, factor or 1.0
+            link = read_fit(links_from, ranks)
         elif link is None and not refresh:
-            link, launch, call, factor = read_fit(Path(cache) / f"links-{ranks}", ranks, False)
-            # a cache from before κ, f, or one of the prices was calibrated, is measured again
-            if launch is None or factor is None or call is None or not CALL_KEYS <= set(call):
-                link = None
+            link = read_fit(Path(cache) / f"links-{ranks}", ranks, required=False)
         if link is None:
-            link, launch, call, factor = measure_link(ranks, Path(cache) / f"links-{ranks}", rounds)
+            link = measure_link(ranks, Path(cache) / f"links-{ranks}", rounds)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1,
-                   launch_s=launch, call_s=call or {}, step_bytes=factor)
+        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1)
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
-                 nodes: int = 1, inter: CostModel | None = None) -> Topology:
+                 nodes: int = 1, inter: CostModel | None = None, flops: float = 0.0,
+                 name: str | None = None) -> Topology:
         """``gpus`` GPUs per node on ``nodes`` nodes. Default link: NVLink-class, α 10 µs, 150 GB/s; between
         nodes (default) α 20 µs, 12.5 GB/s (100 Gb/s InfiniBand). ``compute_scale`` maps CPU-profiled times to
         the GPU's (a rough guess: profile on the GPU node itself for real numbers)."""
         link = link or CostModel(alpha=10e-6, beta=1 / 150e9)
         if nodes > 1:
             inter = inter or CostModel(alpha=20e-6, beta=1 / 12.5e9)
-        return cls(f"{nodes} node(s) × {gpus} GPU(s)", gpus * nodes, link, memory_gb * GB, "cuda", 1, nodes, inter,
-                   True, compute_scale)
+        return cls(name or f"{nodes} node(s) × {gpus} GPU(s)", gpus * nodes, link, memory_gb * GB, "cuda", 1, nodes,
+                   inter, True, compute_scale, flops)
 
 
-def in_step(link: CostModel, factor: float) -> CostModel:
-    """``link`` with β and γ times ``factor``: what its bytes cost when a training step sends them."""
-    return link if factor == 1.0 else CostModel(link.alpha, link.beta * factor, link.gamma * factor)
+#: H100 SXM: 80 GB HBM3, 989 TFLOP/s dense bf16, NVLink 4 at 900 GB/s per GPU both ways (450 each way);
+#: A100 PCIe 80 GB: 312 TFLOP/s dense bf16, PCIe Gen4 x16 at 32 GB/s each way (about 25 GB/s reached);
+#: between nodes one 400 Gb/s NDR InfiniBand adapter per GPU (50 GB/s each way).
+H100_FLOPS, A100_FLOPS = 989e12, 312e12
+NAMED = {
+    "h100-nvlink": dict(gpus=8, memory_gb=80, link=CostModel(5e-6, 1 / 450e9), flops=H100_FLOPS,
+                        name="one H100 node with NVLink"),
+    "a100-pcie": dict(gpus=8, memory_gb=80, link=CostModel(10e-6, 1 / 25e9), flops=A100_FLOPS,
+                      name="one A100 PCIe node"),
+    "h100-2x-ib": dict(gpus=8, nodes=2, memory_gb=80, link=CostModel(5e-6, 1 / 450e9),
+                       inter=CostModel(10e-6, 1 / 50e9), flops=H100_FLOPS,
+                       name="two H100 nodes over InfiniBand"),
+}
 
 
-def read_fit(path: str | Path, ranks: int, required: bool = True
-             ) -> tuple[CostModel | None, float | None, dict[str, float] | None, float | None]:
-    """``(α-β-γ fit, κ, per-collective prices, f)`` for ``ranks`` ranks from a run with ``"cost-model"`` records;
-    κ, the prices and f (``step_bytes``) are None where the run did not measure them."""
-    from labkit.results import load_run
-
-    try:
-        run = load_run(path)
-    except (FileNotFoundError, ValueError) as exc:
-        if required:
-            raise ConfigError(f"--links {path}: {exc}; write one with `labkit allreduce bench --out {path}`") from None
-        return None, None, None, None
-    fits = {r["world_size"]: r for r in run.records_of("cost-model")}
-    if ranks not in fits:
-        if ranks == 1:
-            return CostModel(0.0, 0.0, 0.0), 0.0, {}, 1.0
-        if required:
-            raise ConfigError(f"--links {path} has fits for {sorted(fits)} rank(s), not {ranks}; "
-                              f"run `labkit allreduce bench --ranks {ranks} --out {path}`")
-        return None, None, None, None
-    fit = fits[ranks]
-    return (CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)), fit.get("launch"), fit.get("call"),
-            fit.get("step_bytes"))
-
-
-#: the per-collective prices :mod:`labkit.advisor.calibrate` measures (a cache missing one is measured again)
-CALL_KEYS = {"zero-1", "zero-2", "zero-3", "zero-broadcast", "fsdp", "fsdp-no-reshard", "ddp", "ddp-kit",
-             "tensor-parallel", "pipeline-m2", "pipeline-m4", "pipeline-m8"}
-
-#: message sizes of the on-the-spot fit: from latency-bound to bandwidth-bound, small enough to take seconds
-FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
-
-
-def _per_call(fn, calls: int = 20, windows: int = 5, quantile: float = 0.5, each: bool = False):
-    """Seconds per call of ``fn`` back to back, the ``quantile`` of ``windows`` (default the median), the slowest
-    rank's (``each``: every rank's, a list in rank order)."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from labkit import dist as kdist
-
-    times = []
-    for _ in range(windows):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    times.sort()
-    mine = torch.tensor(times[round(quantile * (len(times) - 1))], dtype=torch.float64)
-    if each:
-        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-        kdist.all_gather(gathered, mine)
-        return [t.item() for t in gathered]
-    kdist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return mine.item()
-
-
-def _fit_rank(env):
-    """Everything the topology measures, on every rank:
-
-    * α-β-γ from the point-to-point fit, the lower quartile of 9 rounds per size (on a virtual machine the
-      latency has slow spells lasting seconds — α 0.15 ms, then 1.0–1.6 ms — and a median flips between them;
-      what a step pays beyond the quiet α is κ's and the calibration's part);
-    * κ = (a small computation + a 4-byte all-reduce) − the computation alone − the all-reduce alone, back to
-      back (the tight loop the α-β fit sees);
-    * f (``step_bytes``): a byte's price in a step over the fit's price of it
-      (:func:`labkit.advisor.calibrate.bytes_in_step`);
-    * the price per collective in a step of ZeRO, FSDP, DDP and tensor parallelism, and per micro-batch and stage
-      of the pipeline schedule (:mod:`labkit.advisor.calibrate`).
-    """
-    import torch
-
-    from labkit import dist as kdist
-    from labkit.advisor.calibrate import bytes_in_step, calibrate_rank
-    from labkit.collectives.cost import fit_cost_model
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
-    model, points = fit_cost_model(FIT_SIZES, repeats=9, quantile=0.25)
-    a, tiny = torch.randn(96, 96), torch.zeros(1)
-
-    def work():
-        for _ in range(4):
-            a @ a
-
-    def both():
-        work()
-        kdist.all_reduce(tiny)
-
-    work_s, alone_s = _per_call(work), _per_call(lambda: kdist.all_reduce(tiny))
-    launch = max(0.0, _per_call(both) - work_s - alone_s)
-    factor = bytes_in_step(_per_call, model, env.world_size)
-    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "launch": launch, "step_bytes": factor,
-            "p2p": points, "call": calibrate_rank(env, in_step(model, factor), _per_call)}  # bytes at a step's price
-
-
-def median_fit(fits: list[dict]) -> dict:
-    """One fit from several rounds: the median of each number (α, β, γ, κ and every calibrated price); the
-    first round's measured points. A round caught in one of the machine's slow spells moves no median. What a
-    round measures in a step is a byte's price, ``f·β`` (f is that over its own β): its median over the median β
-    gives f (at least 1)."""
-    import statistics
-
-    out = {key: statistics.median(f[key] for f in fits) for key in ("alpha", "beta", "gamma", "launch")}
-    byte_price = statistics.median(f["step_bytes"] * f["beta"] for f in fits)
-    out["step_bytes"] = max(1.0, byte_price / out["beta"]) if out["beta"] > 0 else 1.0
-    out["call"] = {key: statistics.median(f["call"][key] for f in fits) for key in fits[0]["call"]}
-    return {**out, "p2p": fits[0]["p2p"], "rounds": len(fits)}
-
-
-def measure_link(ranks: int, out: Path, rounds: int = 1) -> tuple[CostModel, float, dict[str, float], float]:
-    """Fit α-β-γ, κ and f and calibrate the sharded strategies on ``ranks`` spawned gloo ranks now (``rounds``
-    times, each number the median: :func:`median_fit`); cache them at ``out`` (the bench's record format)."""
-    if ranks == 1:
-        return CostModel(0.0, 0.0, 0.0), 0.0, {}, 1.0
-    from labkit.results import RunWriter
-    from labkit.testing import run_ranks
-
-    fit = median_fit([run_ranks(_fit_rank, ranks, timeout=300)[0] for _ in range(max(1, rounds))])
-    writer = RunWriter(out)
-    writer.log({"kind": "cost-model", "world_size": ranks, **fit})
-    writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {"alpha": fit["alpha"], "beta": fit["beta"],
-                                                                     "launch": fit["launch"], "call": fit["call"],
-                                                                     "step_bytes": fit["step_bytes"]})
-    return CostModel(fit["alpha"], fit["beta"], fit["gamma"]), fit["launch"], fit["call"], fit["step_bytes"]
+def named(name: str, **changes) -> Topology:
+    """A topology of :data:`NAMED` (e.g. ``named("h100-nvlink")``), with ``changes`` to its arguments."""
+    if name not in NAMED:
+        raise ConfigError(f"unknown topology {name!r}; choose one of: {', '.join(NAMED)}")
+    return Topology.gpu_node(**{**NAMED[name], **changes})

@@ -1,0 +1,79 @@
+"""The GPT mesh search: one plan's terms by hand, the search against brute force on a small space, a synthetic
+topology whose best plan is known, and the explanation on a named GPU node."""
+import itertools
+
+import pytest
+
+from labkit.advisor.mesh import GPT_1_3B, GPTShape, MeshPlan, _valid, explain, frontier, meshes, price_mesh, search
+from labkit.advisor.topology import Topology, named
+from labkit.collectives.cost import CostModel
+
+TINY = GPTShape(n_layer=2, n_head=2, n_embd=4, vocab_size=8, seq=4, name="tiny")  # 536 parameters
+
+
+def _topo(link, inter=None, nodes=1, ranks=2, flops=1e4, memory=float("inf")):
+    return Topology("test", ranks, link, memory, "cuda", 1, nodes, inter, True, 1.0, flops)
+
+
+def test_one_plan_by_hand():
+    t = _topo(CostModel(0.01, 1e-3))
+    one = price_mesh(MeshPlan(1, 1, 1, 1), TINY, t, 4)
+    # 6 · 536 · 4 · 4 + 12 · 2 · 4 · 16 · 4 = 57600 FLOP at 1e4 · 0.4 FLOP/s
+    assert one.time == {"compute": pytest.approx(14.4), "bubble": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
+    dp = price_mesh(MeshPlan(2, 1, 1, 1), TINY, t, 4)
+    assert dp.time["compute"] == pytest.approx(7.2)
+    assert dp.time["dp"] == pytest.approx(1.092)  # (2 − 1)/2 · 2 · 1072 bytes · 1e-3 + 2 · 0.01
+    # 2 bytes each of parameters and gradients, 12 of Adam; per block 560 saved elements of 2 bytes (b = 2, s = 4,
+    # h = 4: 4·sbh + 12·sbh + 4·sb + a·sb)
+    assert dp.memory == {"parameters": 1072, "gradients": 1072, "optimizer": 6432, "activations": 2240}
+    z3 = price_mesh(MeshPlan(2, 1, 1, 1, zero=3), TINY, t, 4)
+    assert z3.memory == {"parameters": 536, "gradients": 536, "optimizer": 3216, "activations": 2240}
+    assert z3.time["dp"] == pytest.approx(1.628)  # 3 collectives' bytes: 1.5 · 1072 · 1e-3 + 2 · 0.01
+    pipe = price_mesh(MeshPlan(1, 1, 2, 1, microbatches=4), TINY, t, 4)
+    assert pipe.time["compute"] == pytest.approx(7.2) and pipe.time["bubble"] == pytest.approx(1.8)  # (p − 1)/m
+    # per micro-batch (1 sequence) 2 messages of 4 · 4 · 2 bytes; the tied embedding's 2 · 8 · 4 · 2 bytes
+    assert pipe.time["pp"] == pytest.approx(4 * 2 * (0.01 + 32e-3) + 128e-3)
+
+
+def test_the_search_is_brute_force_on_a_small_space():
+    devices, batch = 4, 8
+    brute = [MeshPlan(*dims, m, z, sp, rc) for dims in itertools.product(range(1, devices + 1), repeat=4)
+             for m, z, sp, rc in itertools.product((1, 2, 4, 8, 16, 32), range(4), (False, True), (False, True))
+             if dims[0] * dims[1] * dims[2] * dims[3] == devices]
+    brute = [p for p in brute if _valid(p, TINY, batch)]
+    assert sorted(map(repr, meshes(devices, TINY, batch))) == sorted(map(repr, brute))
+    # dp=4: 8; dp=2,tp=2: 16; dp=2,pp=2 (m 2, 4): 16; dp=2,cp=2: 8; tp=2,pp=2 (m 2, 4, 8): 12; tp=2,cp=2: 16
+    assert len(brute) == 76
+    t = _topo(CostModel(1e-3, 1e-6), ranks=4, memory=5000)
+    found = search(TINY, t, batch)
+    best = min((price_mesh(p, TINY, t, batch) for p in brute), key=lambda e: (not e.feasible, e.step_s))
+    assert found[0].step_s == best.step_s and found[0].feasible
+    assert sum(e.feasible for e in found) < len(found)  # the memory limit rules plans out; they come last
+    assert not found[-1].feasible
+    fast = frontier(found)
+    assert fast[0] is found[0] and all(a.peak_bytes > b.peak_bytes for a, b in zip(fast, fast[1:]))
+
+
+def test_a_synthetic_topology_with_a_known_best_plan():
+    """Two nodes of two GPUs, free links inside a node, 1 ms per byte between them, compute almost free. Ranks
+    are laid out pp, dp, cp, tp (tp innermost), so the outermost dimension crosses the slow link. Gradients
+    (dp outermost) are the model's size; a pipeline boundary carries one micro-batch's activation each way,
+    which sequence parallelism splits over tp, and tp halves the tied embedding's all-reduce: tp=2 inside the
+    nodes, pp=2 across them, SP, and the most micro-batches (m = 8 of a batch of 8) for the smallest bubble."""
+    gpt = GPTShape(n_layer=2, n_head=2, n_embd=64, vocab_size=8, seq=4)
+    t = _topo(CostModel(0.0, 0.0), CostModel(0.0, 1e-3), nodes=2, ranks=4, flops=1e12)
+    best = search(gpt, t, 8)[0]
+    assert best.plan == MeshPlan(dp=1, tp=2, pp=2, cp=1, microbatches=8, sequence_parallel=True)
+    # 8 micro-batches · 2 messages of 4 · 64 · 2 / 2 bytes, and 2 · 4 · 64 · 2 bytes of embedding, at 1 ms a byte
+    assert best.time["pp"] == pytest.approx(8 * 2 * 256e-3 + 1024e-3)
+
+
+def test_the_explanation_on_one_h100_node():
+    t = named("h100-nvlink")
+    found = search(GPT_1_3B, t, 64)
+    text = explain(found, GPT_1_3B, t)
+    assert text.startswith("on one H100 node with NVLink, a 1.3B GPT at sequence 4096: ")
+    assert f"{found[0].plan.label} (" in text and " because " in text and text.count("slower") + \
+        text.count("needs") == 3
+    small = search(GPT_1_3B, named("h100-nvlink", memory_gb=8), 64)
+    assert "needs" in explain(small, GPT_1_3B, named("h100-nvlink", memory_gb=8))  # a plan that does not fit
