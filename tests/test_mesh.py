@@ -253,3 +253,12 @@ def test_four_rank_meshes_equal_one_process(four, single, key):
 def test_dp2_tp2_pp2_on_eight_ranks_equals_one_process(eight, single):
     key = "gpt dp=2,tp=2,pp=2"
     _check_equal([r[key] for r in eight], EIGHT[key][0], single)
+
+
+def test_padded_evaluation_shards_have_one_length_and_count_each_sample_once():
+    from labkit.strategies.mesh import PaddedShardSampler
+
+    shards = [PaddedShardSampler(range(5), 2, r) for r in range(2)]
+    assert [list(s) for s in shards] == [[0, 2, 4], [1, 3, 1]]
+    assert [(len(s), s.real) for s in shards] == [(3, 3), (3, 2)]
+    assert [list(PaddedShardSampler(range(1), 2, r)) for r in range(2)] == [[0], [0]]

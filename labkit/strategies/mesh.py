@@ -23,7 +23,7 @@ from labkit.errors import CheckpointError
 from labkit.mesh import MESH_ORDER, build_mesh, check_world, format_mesh, full_shape, parse_mesh
 from labkit.model_names import LANGUAGE_MODELS
 from labkit.parallel import DIMENSIONS, get_dimension
-from labkit.strategies.data_parallel import DataParallelStrategy
+from labkit.strategies.data_parallel import DataParallelStrategy, ShardSampler
 from labkit.strategies.fsdp import load_local_state, local_state
 from labkit.strategies.zero import refuse_layerwise
 
@@ -36,6 +36,28 @@ FLAGS = [
 ]
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run (the CNN on a dp mesh)
 BENCH = {"ranks": 2, "flags": ["--mesh", "dp=2"]}
+
+
+class PaddedShardSampler(ShardSampler):
+    """Evaluation shard ``r, r + W, r + 2W, ...`` padded to ``ceil(N / W)`` indices on every rank.
+
+    A mesh's evaluation forward has collectives (tp, cp, ep, pp), so every data-parallel rank must run the same
+    number of batches: a rank with one batch fewer would leave the others waiting in a collective forever. The
+    padding repeats the shard's first index (index 0 for an empty shard); :func:`labkit.train.evaluate` counts only
+    the first ``real`` samples, so every test sample is counted exactly once over the ranks.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas, rank)
+        self.real = super().__len__()
+        self.padded = -(-self.size // num_replicas)
+
+    def __iter__(self):
+        shard = list(super().__iter__())
+        return iter(shard + [shard[0] if shard else 0] * (self.padded - self.real))
+
+    def __len__(self) -> int:
+        return self.padded
 
 
 class MeshStrategy(DataParallelStrategy):
@@ -86,6 +108,12 @@ class MeshStrategy(DataParallelStrategy):
             if d is not None and d.data_parallel_size > 1:
                 index = index * d.data_parallel_size + d.rank
         return self.data_parallel_size, index
+
+    def sampler(self, dataset, train: bool, seed: int):
+        world, index = self.data_shard()
+        if train or world == 1:
+            return super().sampler(dataset, train, seed)
+        return PaddedShardSampler(dataset, world, index)
 
     # ----- the model and the step ---------------------------------------------------------------------
 
