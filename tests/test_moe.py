@@ -138,6 +138,20 @@ def test_ep_refuses_a_model_it_cannot_spread():
         dim.check("gpt-tiny")
 
 
+
+@pytest.mark.parametrize("name", ["tp", "cp", "pp"])
+def test_tp_cp_pp_refuse_a_mixture_of_experts_in_one_line(name):
+    from labkit.moe import MOE_SIZES
+    from labkit.parallel import get_dimension
+    from labkit.parallel.base import MOE_MODELS
+
+    assert MOE_MODELS == set(MOE_SIZES) == {"gpt-moe", "gpt-moe-tiny", "gpt-moe-tiny-top2", "gpt-moe-small"}
+    dim = get_dimension(name).__new__(get_dimension(name))  # refused before check() reads the mesh
+    dim.size, dim.options = 2, {}
+    for model in sorted(MOE_MODELS):
+        with pytest.raises(ConfigError, match=rf"^--mesh {name}=2 with --model {model} is not supported: "):
+            dim.check(model)
+
 # ----- ep=2 and dp=2,ep=2 against one process, through fit ------------------------------------------------
 
 def _model(case: str):
