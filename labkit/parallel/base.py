@@ -55,6 +55,10 @@ class Dimension:
     name: str = ""
     #: distinct batch shards this dimension makes (dp: its size; tp, pp: 1)
     data_parallel_size: int = 1
+    #: does ``sync_gradients`` average the (non-expert) gradients over this dimension's group (dp with replicas,
+    #: cp, ep)? Two or more such dimensions average once over their flattened group instead
+    #: (:meth:`labkit.strategies.mesh.MeshStrategy.sync_gradients`): one all-reduce, not one per dimension.
+    averages_gradients: bool = False
 
     def __init__(self, mesh: DeviceMesh, options: dict):
         self.mesh = mesh

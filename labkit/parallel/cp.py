@@ -70,6 +70,7 @@ class ContextParallel(Dimension):
         super().__init__(mesh, options)
         self.ring = kv_ring(self.size, causal=True, layout=self.options.get("cp_layout") or "zigzag")
         self.bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
+        self.averages_gradients = self.size > 1
 
     def check(self, model_name: str) -> None:
         refuse_moe("cp", self.size, model_name, "the router balances and caps its experts over a whole sequence, "
