@@ -264,3 +264,10 @@ def test_padded_evaluation_shards_have_one_length_and_count_each_sample_once():
     assert [list(s) for s in shards] == [[0, 2, 4], [1, 3, 1]]
     assert [(len(s), s.real) for s in shards] == [(3, 3), (3, 2)]
     assert [list(PaddedShardSampler(range(1), 2, r)) for r in range(2)] == [[0], [0]]
+
+
+def test_the_one_process_note_reads_each_strategy_s_own_literal():
+    from labkit.strategies import available
+    from labkit.train_run import spread_over_ranks
+
+    assert {n for n in available() if spread_over_ranks(n)} == {"ddp", "fsdp", "hybrid", "tensor-parallel", "zero"}
