@@ -61,16 +61,21 @@ def lr_factor(step: int, steps_per_epoch: int, decay_epochs: list[int], decay_fa
 def evaluate(model: nn.Module, loader: DataLoader, strategy: Strategy, criterion: nn.Module, amp: str | None = None,
              channels_last: bool = False, task: Task | None = None) -> tuple[float, float]:
     """Mean loss and the task's metric (accuracy, perplexity) over ``loader``, summed over the ranks that own
-    outputs."""
+    outputs. A sampler with a ``real`` attribute (:class:`labkit.strategies.mesh.PaddedShardSampler`) is padded
+    to the same length on every rank; only its first ``real`` samples are counted."""
     task = task or Task()
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, metric sum, count
+    # a padded shard (every rank runs the same batches, e.g. a mesh's): only its first `real` samples count
+    real, seen = getattr(getattr(loader, "sampler", None), "real", None), 0
     for x, y in loader:
         x = x.to(strategy.input_device)
         with autocast(amp, strategy.input_device):
             out = strategy.forward(model, to_channels_last(x) if channels_last else x)
-        if out is not None and strategy.metric_owner():
-            y = y.to(out.device)
+        keep = len(y) if real is None else max(0, min(len(y), real - seen))
+        seen += len(y)
+        if out is not None and keep and strategy.metric_owner():
+            out, y = out[:keep], y[:keep].to(out.device)
             totals += task.sums(criterion(out, y), out, y).cpu()
     values = task.metrics(*strategy.all_reduce_sum(totals).tolist())
     return values["loss"], values[task.metric]

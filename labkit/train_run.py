@@ -30,15 +30,18 @@ from labkit.precision import check_amp
 from labkit.preempt import Preempted, StopSignals, clear_marker, signal_of_any_rank, write_marker
 from labkit.ranges import check
 from labkit.results import RunWriter, make_dirs
-from labkit.strategies import get_strategy
+from labkit.strategies import get_strategy, strategy_literal
 from labkit.tasks import get_task
 from labkit.tensor_data import LOADERS, load_split
 from labkit.text_data import DEFAULT_SEQ_LEN, TEXT_NAMES, check_available
 from labkit.train import fit, lr_factor
 from labkit.train_cli import NUMBERS
 
-#: strategies that spread over the ranks of a process group: run in one process, they get a note
-SPREAD_OVER_RANKS = ("ddp", "zero", "hybrid", "tensor-parallel")
+
+def spread_over_ranks(name: str) -> bool:
+    """Does strategy ``name`` spread over the ranks of a process group (run in one process it gets a note)? Its
+    module's ``ADVISOR`` literal says so, ``"plans": "spread"``: a new strategy declares it there, nothing here."""
+    return (strategy_literal(name, "ADVISOR", None) or {}).get("plans") == "spread"
 
 
 @dataclass
@@ -189,7 +192,7 @@ def run(cfg: TrainConfig) -> dict:
                 save_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner,
                                     {"epoch": epochs_done, "position": position}, asdict(cfg))
 
-        if not env.distributed and cfg.strategy in SPREAD_OVER_RANKS:  # legitimate, but rarely what was meant
+        if not env.distributed and spread_over_ranks(cfg.strategy):  # legitimate, but rarely what was meant
             print0(f"note: one process, so --strategy {cfg.strategy} runs on 1 rank; for N ranks start it with "
                    f"torchrun --nproc_per_node N -m labkit train --strategy {cfg.strategy} ... (or srun)")
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "

@@ -45,6 +45,23 @@ def _data():
     return Subset(pairs, range(STEPS * GLOBAL_BATCH)), Subset(pairs, range(STEPS * GLOBAL_BATCH, len(pairs)))
 
 
+def _logged_all_reduces(sync, calls: list):
+    """``sync`` (a strategy's sync_gradients) with every ``dist.all_reduce`` it makes logged in ``calls`` as
+    (elements, ranks in the group)."""
+    def logged_sync(model):
+        original = torch.distributed.all_reduce
+
+        def logged(tensor, *args, group=None, **kwargs):
+            calls.append((tensor.numel(), torch.distributed.get_world_size(group)))
+            return original(tensor, *args, group=group, **kwargs)
+        torch.distributed.all_reduce = logged
+        try:
+            sync(model)
+        finally:
+            torch.distributed.all_reduce = original
+    return logged_sync
+
+
 def _fit(strategy, model):
     """labkit.train.fit as ``labkit train`` runs it (the LM task, momentum SGD, 1 epoch of 3 steps, evaluation);
     this rank's loss of every step and the epoch's record."""
@@ -58,6 +75,8 @@ def _fit(strategy, model):
         losses.append(loss)
         return loss, out
     strategy.forward_backward = recorded
+    calls: list = []
+    strategy.sync_gradients = _logged_all_reduces(strategy.sync_gradients, calls)
     train, test = _data()
     sampler = strategy.sampler(train, True, SEED) or DistributedSampler(train, num_replicas=1, rank=0, seed=SEED)
     batch = GLOBAL_BATCH // strategy.data_parallel_size
@@ -65,7 +84,7 @@ def _fit(strategy, model):
                   DataLoader(test, batch_size=2, sampler=strategy.sampler(test, False, SEED)),
                   torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), epochs=1, strategy=strategy, seed=SEED,
                   task=get_task("lm"), printer=lambda line: None)
-    return losses, history[0]
+    return losses, {**history[0], "sync_calls": calls}
 
 
 def _run(env, mesh, options=None):
@@ -225,6 +244,9 @@ def _check_equal(per_rank):
 def test_gpt_on_dp2_cp2_through_fit_equals_one_process(four, layout):
     _check_equal([rank[layout] for rank in four])
     assert len(four[0][layout]["weights"]) == 37  # the GPT's own names (2 + 2 x 16 + 3): none added, none lost
+    # one all-reduce per step over the 4 ranks of dp x cp, flattened: all 28,032 parameters (one bucket; 2,048 +
+    # 512 embeddings, 2 x 12,704 per block, 64 ln_f), not one over cp and then one over dp
+    assert [rank[layout]["record"]["sync_calls"] for rank in four] == [[(28032, 4)] * STEPS] * 4
 
 
 def test_gpt_on_cp2_tp2_through_fit_equals_one_process(four):

@@ -4,7 +4,7 @@ refused on resume.
 
 One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce) and on
 ``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0)
-on ``dp=2``, ``pp=2``, ``tp=2`` and ``tp=2 --sequence-parallel``; the CNN on fsdp cut after one epoch and
+on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone); the CNN on fsdp cut after one epoch and
 resumed, that checkpoint offered to another mesh. One 4-rank spawn: the GPT on ``dp=2,tp=2``, on
 ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP) and on ``tp=2,pp=2``; the GPT on ``dp=2,tp=2`` resumed, its
 checkpoint offered to ``dp=4``. One 8-rank spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and
@@ -127,7 +127,8 @@ TWO = {"cnn dp=2": ("cnn", {"mesh": "dp=2"}),
        "gpt dp=2": ("gpt", {"mesh": "dp=2"}),
        "gpt pp=2": ("gpt", {"mesh": "pp=2", "num_microbatches": 2}),
        "gpt tp=2": ("gpt", {"mesh": "tp=2"}),
-       "gpt tp=2 sp": ("gpt", {"mesh": "tp=2", "sequence_parallel": True})}
+       "gpt tp=2 sp": ("gpt", {"mesh": "tp=2", "sequence_parallel": True}),
+       "gpt cp=2": ("gpt", {"mesh": "cp=2"})}
 FOUR = {"gpt dp=2,tp=2": ("gpt", {"mesh": "dp=2,tp=2"}),
         "gpt dp=2,tp=2 fsdp": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp"}),
         "gpt tp=2,pp=2": ("gpt", {"mesh": "tp=2,pp=2", "num_microbatches": 2})}
@@ -203,12 +204,13 @@ def single():
 
 
 def _check_equal(ranks: list[dict], kind: str, single) -> None:
-    """Each data shard has exactly one metric owner; the mean of the owners' losses every step and every rank's
-    weights (its part of them) equal the oracle's."""
+    """Each data shard has exactly one metric owner per sequence chunk (cp: each rank's loss is its chunks'); the
+    mean of the owners' losses every step and every rank's weights (its part of them) equal the oracle's."""
     single_losses, single_weights, names = single[kind]
     owners = [r for r in ranks if r["owner"]]
-    shards = ranks[0]["data"][0]
-    assert sorted(r["data"][1] for r in owners) == list(range(shards))  # every sample counted once
+    shards, chunks = ranks[0]["data"][0], ranks[0]["sizes"].get("cp", 1)
+    counted = sorted((r["data"][1], r["coords"].get("cp", 0)) for r in owners)
+    assert counted == [(s, c) for s in range(shards) for c in range(chunks)]  # every token counted once
     losses = torch.stack([torch.stack(r["losses"]) for r in owners]).mean(0)
     assert losses.shape == (EPOCHS[kind] * STEPS[kind],)
     torch.testing.assert_close(losses, single_losses, rtol=0, atol=1e-6)
@@ -253,3 +255,19 @@ def test_four_rank_meshes_equal_one_process(four, single, key):
 def test_dp2_tp2_pp2_on_eight_ranks_equals_one_process(eight, single):
     key = "gpt dp=2,tp=2,pp=2"
     _check_equal([r[key] for r in eight], EIGHT[key][0], single)
+
+
+def test_padded_evaluation_shards_have_one_length_and_count_each_sample_once():
+    from labkit.strategies.mesh import PaddedShardSampler
+
+    shards = [PaddedShardSampler(range(5), 2, r) for r in range(2)]
+    assert [list(s) for s in shards] == [[0, 2, 4], [1, 3, 1]]
+    assert [(len(s), s.real) for s in shards] == [(3, 3), (3, 2)]
+    assert [list(PaddedShardSampler(range(1), 2, r)) for r in range(2)] == [[0], [0]]
+
+
+def test_the_one_process_note_reads_each_strategy_s_own_literal():
+    from labkit.strategies import available
+    from labkit.train_run import spread_over_ranks
+
+    assert {n for n in available() if spread_over_ranks(n)} == {"ddp", "fsdp", "hybrid", "tensor-parallel", "zero"}

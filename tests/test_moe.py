@@ -138,6 +138,20 @@ def test_ep_refuses_a_model_it_cannot_spread():
         dim.check("gpt-tiny")
 
 
+
+@pytest.mark.parametrize("name", ["tp", "cp", "pp"])
+def test_tp_cp_pp_refuse_a_mixture_of_experts_in_one_line(name):
+    from labkit.moe import MOE_SIZES
+    from labkit.parallel import get_dimension
+    from labkit.parallel.base import MOE_MODELS
+
+    assert MOE_MODELS == set(MOE_SIZES) == {"gpt-moe", "gpt-moe-tiny", "gpt-moe-tiny-top2", "gpt-moe-small"}
+    dim = get_dimension(name).__new__(get_dimension(name))  # refused before check() reads the mesh
+    dim.size, dim.options = 2, {}
+    for model in sorted(MOE_MODELS):
+        with pytest.raises(ConfigError, match=rf"^--mesh {name}=2 with --model {model} is not supported: "):
+            dim.check(model)
+
 # ----- ep=2 and dp=2,ep=2 against one process, through fit ------------------------------------------------
 
 def _model(case: str):
@@ -148,9 +162,28 @@ def _model(case: str):
 
 def _data():
     g = torch.Generator().manual_seed(1)
-    n = STEPS * B + 4                                       # STEPS global batches of B, then 4 test sequences
+    # STEPS global batches of B, then 5 test sequences: 3 and 2 per data shard, 2 batches of 2 and 1 of 2 unpadded
+    # (a shard with fewer batches would leave its ep peer waiting in the all-to-all forever)
+    n = STEPS * B + 5
     x, y = torch.randint(0, V, (n, T), generator=g), torch.randint(0, V, (n, T), generator=g)
-    return TensorDataset(x[:-4], y[:-4]), TensorDataset(x[-4:], y[-4:])
+    return TensorDataset(x[:-5], y[:-5]), TensorDataset(x[-5:], y[-5:])
+
+
+def _logged_all_reduces(sync, calls: list):
+    """``sync`` (a strategy's sync_gradients) with every ``dist.all_reduce`` it makes logged in ``calls`` as
+    (elements, ranks in the group)."""
+    def logged_sync(model):
+        original = torch.distributed.all_reduce
+
+        def logged(tensor, *args, group=None, **kwargs):
+            calls.append((tensor.numel(), torch.distributed.get_world_size(group)))
+            return original(tensor, *args, group=group, **kwargs)
+        torch.distributed.all_reduce = logged
+        try:
+            sync(model)
+        finally:
+            torch.distributed.all_reduce = original
+    return logged_sync
 
 
 def _fit(strategy, model, rename) -> dict:
@@ -168,8 +201,11 @@ def _fit(strategy, model, rename) -> dict:
         out["dropped"].append([m.dropped.item() for m in moe_layers(model)])
         return loss, logits
 
+    out["sync_calls"] = []
+    logged_sync = _logged_all_reduces(inner_sync, out["sync_calls"])
+
     def sync_gradients(m):
-        inner_sync(m)
+        logged_sync(m)
         out.setdefault("grads", {rename(n): p.grad.clone() for n, p in m.named_parameters()})
 
     strategy.forward_backward, strategy.sync_gradients = forward_backward, sync_gradients
@@ -263,6 +299,9 @@ def _compare(per_rank: list[dict], ranks: int):
 def test_ep2_equals_one_process():
     per_rank = run_ranks(_mesh_rank, 2, "ep=2")
     _compare(per_rank, 2)
+    # per step one all-reduce of the 11,072 non-expert gradients over ep (1,536 + 512 embeddings, per layer 4,224
+    # attention, 128 layer norms, 128 router, 64 ln_f)
+    assert [r[case]["sync_calls"] for r in per_rank for case in CASES] == [[(11072, 2)] * STEPS] * 4
     # each rank: dispatch 4 rows, combine 4, both again in backward: 16 rows of 8 float64; counts 2 of 4 int64
     for r in per_rank:
         # bytes to rank 0 and rank 1 of each all_to_all_single, in call order: the counts (2 int64 each way),
@@ -276,3 +315,6 @@ def test_dp2_ep2_equals_one_process():
     per_rank = run_ranks(_mesh_rank, 4, "dp=2,ep=2", timeout=240.0)
     assert sorted(per_rank[0]) == ["top2-cap", "top2-cap fsdp"]
     _compare(per_rank, 4)
+    # per step: the non-expert gradients (11,072) averaged once over the flattened dp x ep group (4 ranks), the
+    # rank's 2 experts of each of 2 layers (4 x 8,352 = 33,408) over dp (2 ranks); not ep's and then dp's
+    assert [r["top2-cap"]["sync_calls"] for r in per_rank] == [[(11072, 4), (33408, 2)] * STEPS] * 4

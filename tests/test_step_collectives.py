@@ -1,6 +1,8 @@
 """What one training step of each strategy sends, counted: nothing the plain version of the step lacks.
 
-One 2-rank gloo job runs 6 steps of :func:`labkit.train.fit` per strategy with every ``torch.distributed`` call
+One 2-rank gloo job runs 6 steps of :func:`labkit.train.fit` per strategy (and a 2-layer GPT on ``--mesh tp=2``
+and ``pp=2``; the 4-rank meshes ``dp=2,cp=2`` and ``dp=2,ep=2`` count their all-reduces in ``tests/test_cp.py``
+and ``tests/test_moe.py``) with every ``torch.distributed`` call
 the step can make wrapped (its name and element count logged; pipelining's batched sends arrive as their isend/
 irecv), DDP's gradient buckets made visible by registering PyTorch's own ``allreduce_hook`` (without a hook its
 reducer calls the process group from C++, out of Python's sight), and the log cut at each
@@ -71,9 +73,27 @@ def _data(channels=3, size=2) -> TensorDataset:
     return TensorDataset(torch.randn(96, channels, size, size, generator=g), torch.randint(0, 3, (96,), generator=g))
 
 
+def _gpt():
+    from labkit.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, n_embd=8, dropout=0.0))
+
+
+def _tokens() -> TensorDataset:
+    tokens = torch.randint(0, 16, (96, 5), generator=torch.Generator().manual_seed(1))
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
 def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset, log: list) -> list[list[str]]:
     """The calls of each of the STEPS steps, from one train_step to the next (the last one to the epoch's end)."""
     strategy = get_strategy(name)(env, options)
+    task = None
+    if isinstance(data.tensors[1], torch.Tensor) and data.tensors[1].ndim == 2:  # next-token targets: a GPT
+        from labkit.tasks import LanguageModelling
+
+        strategy.check_model("gpt-tiny")
+        task = LanguageModelling()
     model = strategy.prepare(model)
     if name == "ddp" and env.distributed:  # PyTorch's own hook: the same all-reduce, called from Python
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -91,7 +111,7 @@ def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset,
     start = len(log)
     try:
         ktrain.fit(model, loader, None, optimizer, epochs=1, strategy=strategy, max_steps=STEPS,
-                   printer=lambda line: None, stop=StopSignals(every_steps=2))
+                   printer=lambda line: None, stop=StopSignals(every_steps=2), task=task)
     finally:
         ktrain.train_step = step
     cuts.append(len(log))
@@ -116,6 +136,8 @@ def _ranks(env) -> dict:
                 "fsdp": ("fsdp", {}, _net(), _data()),
                 "mesh-dp": ("mesh", {"mesh": "dp=2"}, _net(), _data()),
                 "mesh-fsdp": ("mesh", {"mesh": "dp=2", "dp_shard": "fsdp"}, _net(), _data()),
+                "mesh-tp": ("mesh", {"mesh": "tp=2"}, _gpt(), _tokens()),
+                "mesh-pp": ("mesh", {"mesh": "pp=2", "num_microbatches": 2}, _gpt(), _tokens()),
                 "hybrid": ("hybrid", {}, alexnet, _data(3, 16)),
                 "tensor-parallel": ("tensor-parallel", {}, _net(), _data()),
                 "pipeline": ("pipeline", {"num_microbatches": 2}, _net(), _data()),
@@ -156,6 +178,17 @@ PIPE = {0: ["isend 16", "isend 16", "irecv 16", "irecv 16"], 1: ["irecv 16", "ir
 #: the first step also agrees on the shapes between the stages
 PIPE_FIRST = {0: ["send 1", "isend 1", "recv 1", "irecv 1", "isend 1", "isend 161", "irecv 1", "irecv 162"],
               1: ["recv 1", "irecv 1", "send 1", "isend 1", "irecv 1", "irecv 161", "isend 1", "isend 162"]}
+#: --mesh tp=2, a 2-layer GPT (vocabulary 16, C = 8) on batches of 4 sequences of 4 tokens: activations of
+#: 4 x 4 x 8 = 128; forward: the vocabulary-parallel embedding's all-reduce and each block's two row-parallel
+#: outputs (attention, MLP); the vocabulary-parallel loss's max (4 x 4) and its sums (2 x 4 x 4); backward: the
+#: tied head's input and each block's two column-parallel inputs (MLP, q/k/v together). No gradient all-reduce.
+MESH_TP = ["all_reduce 128"] * 5 + ["all_reduce 16", "all_reduce 32"] + ["all_reduce 128"] + ["all_reduce 128"] * 4
+#: --mesh pp=2, the same GPT, 2 micro-batches of 2 sequences: activations (2 x 4 x 8) forward and their gradients
+#: back, then the tied embedding's gradient (16 x 8) summed over the first and last stage
+MESH_PP = {0: ["isend 64", "isend 64", "irecv 64", "irecv 64", "all_reduce 128"],
+           1: ["irecv 64", "irecv 64", "isend 64", "isend 64", "all_reduce 128"]}
+MESH_PP_FIRST = {0: ["send 1", "isend 1", "recv 1", "irecv 1", "isend 1", "isend 165", "irecv 1", "irecv 166"],
+                 1: ["recv 1", "irecv 1", "send 1", "isend 1", "irecv 1", "irecv 165", "isend 1", "isend 166"]}
 PUSH, REPLY = ["irecv 131"], ["isend 2", "isend 131"]  # ps server: a worker's gradient in; header and parameters out
 
 
@@ -167,6 +200,10 @@ def test_a_step_sends_what_its_strategy_needs_and_the_stop_check_one_collective_
         pipe = [PIPE[rank] + extra for extra in LOOP]
         pipe[0] = PIPE_FIRST[rank] + pipe[0]
         assert got["pipeline"] == pipe, (rank, got["pipeline"])
+        assert got["mesh-tp"] == [MESH_TP + extra for extra in LOOP], (rank, got["mesh-tp"])
+        mesh_pp = [MESH_PP[rank] + extra for extra in LOOP]
+        mesh_pp[0] = MESH_PP_FIRST[rank] + mesh_pp[0]
+        assert got["mesh-pp"] == mesh_pp, (rank, got["mesh-pp"])
     # ps, rank 1 the worker: push its gradient, wait for the header and the parameters; the epoch's end
     # broadcasts the server's shard
     ps = [["isend 131", "irecv 2", "irecv 131"] + extra for extra in LOOP]

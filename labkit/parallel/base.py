@@ -23,6 +23,20 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from labkit.errors import ConfigError
+from labkit.model_names import LANGUAGE_MODELS
+
+#: the mixture-of-experts GPTs (``labkit.moe.MOE_SIZES``; only ``ep`` spreads them, dp replicates them)
+MOE_MODELS = frozenset(n for n in LANGUAGE_MODELS if n.startswith("gpt-moe"))
+
+
+def refuse_moe(name: str, size: int, model_name: str, why: str) -> None:
+    """One line (ConfigError) if ``model_name`` is a mixture of experts and dimension ``name`` of ``size`` > 1
+    cannot carry it; ``why`` says what would go wrong."""
+    if size > 1 and model_name in MOE_MODELS:
+        raise ConfigError(f"--mesh {name}={size} with --model {model_name} is not supported: {why}; spread the "
+                          "experts with ep and the batch with dp (e.g. --mesh dp=2,ep=2)")
+
 
 class Dimension:
     """One named axis of the device mesh.
@@ -41,6 +55,10 @@ class Dimension:
     name: str = ""
     #: distinct batch shards this dimension makes (dp: its size; tp, pp: 1)
     data_parallel_size: int = 1
+    #: does ``sync_gradients`` average the (non-expert) gradients over this dimension's group (dp with replicas,
+    #: cp, ep)? Two or more such dimensions average once over their flattened group instead
+    #: (:meth:`labkit.strategies.mesh.MeshStrategy.sync_gradients`): one all-reduce, not one per dimension.
+    averages_gradients: bool = False
 
     def __init__(self, mesh: DeviceMesh, options: dict):
         self.mesh = mesh

@@ -31,7 +31,7 @@ from torch import nn
 from labkit.collectives.kv_ring import KVRing, kv_ring
 from labkit.dist import all_gather
 from labkit.errors import ConfigError
-from labkit.parallel.base import Dimension
+from labkit.parallel.base import Dimension, refuse_moe
 from labkit.parallel.ring_attention import positions, ring_attention, shard, unshard
 from labkit.strategies.data_parallel import DEFAULT_BUCKET_MB, average_gradients
 
@@ -70,8 +70,11 @@ class ContextParallel(Dimension):
         super().__init__(mesh, options)
         self.ring = kv_ring(self.size, causal=True, layout=self.options.get("cp_layout") or "zigzag")
         self.bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
+        self.averages_gradients = self.size > 1
 
     def check(self, model_name: str) -> None:
+        refuse_moe("cp", self.size, model_name, "the router balances and caps its experts over a whole sequence, "
+                   "and a cp rank holds only its chunks of it")
         if self.size > 1 and not model_name.startswith("gpt"):
             raise ConfigError(f"--mesh cp={self.size} splits the sequences of a transformer; it needs --model gpt-tiny, "
                               f"gpt-small or gpt-100m, not --model {model_name}")

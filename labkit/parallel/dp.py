@@ -62,6 +62,7 @@ class DataParallel(Dimension):
     def __init__(self, mesh, options):
         super().__init__(mesh, options)
         self.shard = self.options.get("dp_shard") or "none"
+        self.averages_gradients = self.size > 1 and self.shard == "none"
         self.bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
 
     @property

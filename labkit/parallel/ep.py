@@ -104,7 +104,7 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def _expert_params(model: nn.Module) -> set[int]:
+def expert_params(model: nn.Module) -> set[int]:
     return {id(p) for m in moe_layers(model) for p in m.experts.parameters()}
 
 
@@ -116,6 +116,7 @@ class ExpertParallel(Dimension):
     def __init__(self, mesh, options: dict):
         super().__init__(mesh, options)
         self.data_parallel_size = self.size
+        self.averages_gradients = self.size > 1  # the non-expert gradients
 
     def check(self, model_name: str) -> None:
         if self.size == 1:
@@ -146,7 +147,7 @@ class ExpertParallel(Dimension):
         """Average non-expert gradients over the group (one flat all-reduce); divide expert gradients by N."""
         if self.size == 1:
             return
-        experts = _expert_params(model)
+        experts = expert_params(model)
         grads = [(id(p) in experts, _local(p.grad)) for p in model.parameters() if p.grad is not None]
         shared = [g for is_expert, g in grads if not is_expert]
         if shared:

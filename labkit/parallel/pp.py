@@ -41,7 +41,7 @@ from labkit.dist import print0
 from labkit.errors import ConfigError
 from labkit.gpt import GPT_SIZES
 from labkit.model_names import LANGUAGE_MODELS
-from labkit.parallel.base import Dimension
+from labkit.parallel.base import Dimension, refuse_moe
 from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
 from labkit.strategies.gpipe import check_balance, check_sequential, num_microbatches
 from labkit.strategies.pipeline_stages import SCHEDULES, StageSchedules, even_balance, stage_layers, torch_pipelining
@@ -97,7 +97,11 @@ class PipelineParallel(Dimension):
     def check(self, model_name: str) -> None:
         """A GPT of a named size is checked now (blocks >= stages, ``--balance`` summing to its blocks); a CNN's
         layers are counted when it is cut. Context parallelism is refused: its ranks hold tokens at other positions
-        than 0..T/cp-1, given to the whole GPT's forward, and a stage computes its own positions."""
+        than 0..T/cp-1, given to the whole GPT's forward, and a stage computes its own positions. A mixture of
+        experts is refused: its balancing loss would get the gradient 1 once per micro-batch while the task loss
+        is divided by the number of micro-batches."""
+        refuse_moe("pp", self.size, model_name, "the experts' balancing loss would count once per micro-batch "
+                   "while the task loss is averaged over them")
         if self.size > 1 and self.mesh.size(self.mesh.mesh_dim_names.index("cp")) > 1:
             raise ConfigError(f"--mesh pp={self.size} with cp > 1 is not supported: a pipeline stage computes the "
                               "positions itself, not cp's; use pp or cp")

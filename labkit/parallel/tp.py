@@ -19,7 +19,7 @@ from torch import nn
 from labkit import dist as kdist
 from labkit.errors import ConfigError
 from labkit.gpt import GPT, GPT_SIZES
-from labkit.parallel.base import Dimension
+from labkit.parallel.base import Dimension, refuse_moe
 from labkit.parallel.megatron import VocabParallelCrossEntropy, parallelize_gpt, sync_sequence_parallel_grads
 from labkit.parallel.megatron_cost import tp_step_bytes
 from labkit.parallel.megatron_ops import part
@@ -44,6 +44,8 @@ class TensorParallel(Dimension):
         self.vocab_size: int | None = None
 
     def check(self, model_name: str) -> None:
+        refuse_moe("tp", self.size, model_name, "tensor parallelism splits a dense MLP, and a mixture-of-experts "
+                   "block has experts in its place")
         if not model_name.startswith("gpt"):
             raise ConfigError(f"--mesh tp={self.size} splits a transformer's attention heads and MLP: it needs "
                               f"--model gpt-tiny|gpt-small|gpt-100m, not {model_name}")

@@ -23,7 +23,7 @@ from labkit.errors import CheckpointError
 from labkit.mesh import MESH_ORDER, build_mesh, check_world, format_mesh, full_shape, parse_mesh
 from labkit.model_names import LANGUAGE_MODELS
 from labkit.parallel import DIMENSIONS, get_dimension
-from labkit.strategies.data_parallel import DataParallelStrategy
+from labkit.strategies.data_parallel import DEFAULT_BUCKET_MB, DataParallelStrategy, ShardSampler, average_gradients
 from labkit.strategies.fsdp import load_local_state, local_state
 from labkit.strategies.zero import refuse_layerwise
 
@@ -36,6 +36,28 @@ FLAGS = [
 ]
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run (the CNN on a dp mesh)
 BENCH = {"ranks": 2, "flags": ["--mesh", "dp=2"]}
+
+
+class PaddedShardSampler(ShardSampler):
+    """Evaluation shard ``r, r + W, r + 2W, ...`` padded to ``ceil(N / W)`` indices on every rank.
+
+    A mesh's evaluation forward has collectives (tp, cp, ep, pp), so every data-parallel rank must run the same
+    number of batches: a rank with one batch fewer would leave the others waiting in a collective forever. The
+    padding repeats the shard's first index (index 0 for an empty shard); :func:`labkit.train.evaluate` counts only
+    the first ``real`` samples, so every test sample is counted exactly once over the ranks.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas, rank)
+        self.real = super().__len__()
+        self.padded = -(-self.size // num_replicas)
+
+    def __iter__(self):
+        shard = list(super().__iter__())
+        return iter(shard + [shard[0] if shard else 0] * (self.padded - self.real))
+
+    def __len__(self) -> int:
+        return self.padded
 
 
 class MeshStrategy(DataParallelStrategy):
@@ -61,6 +83,13 @@ class MeshStrategy(DataParallelStrategy):
         self.mesh = build_mesh(self.shape, env.device.type) if env.distributed else None
         self.dims = [cls(self.mesh, self.options) for cls in classes]
         self.pipeline = next((d for d in self.dims if d.name == "pp"), None)
+        # the dimensions that average gradients, when two or more: one all-reduce over their flattened group
+        self.averaged = [d for d in self.dims if d.averages_gradients]
+        self.averaged = self.averaged if len(self.averaged) > 1 else []
+        self.averaged_group = None
+        if self.averaged:  # collective: every rank flattens the same dimensions (torchtitan's way to a "dp_cp" group)
+            names = tuple(n for n in MESH_ORDER if n in {d.name for d in self.averaged})
+            self.averaged_group = self.mesh[names]._flatten("_".join(names)).get_group()
         self.sequential_model = False  # check_model: a CNN on a pipeline is built as a flat nn.Sequential
         self._criteria: dict[int, nn.Module] = {}
 
@@ -86,6 +115,12 @@ class MeshStrategy(DataParallelStrategy):
             if d is not None and d.data_parallel_size > 1:
                 index = index * d.data_parallel_size + d.rank
         return self.data_parallel_size, index
+
+    def sampler(self, dataset, train: bool, seed: int):
+        world, index = self.data_shard()
+        if train or world == 1:
+            return super().sampler(dataset, train, seed)
+        return PaddedShardSampler(dataset, world, index)
 
     # ----- the model and the step ---------------------------------------------------------------------
 
@@ -115,8 +150,35 @@ class MeshStrategy(DataParallelStrategy):
         return loss.detach(), out.detach()
 
     def sync_gradients(self, model: nn.Module) -> None:
+        """Every dimension's synchronisation in reverse apply order; the averaging dimensions (dp, cp, ep), when
+        two or more, together in :meth:`_average_once` (averages over different groups commute with the other
+        dimensions' sums, so the order does not change the result)."""
+        if self.averaged:
+            self._average_once(model)
         for d in reversed(self.dims):
-            d.sync_gradients(model)
+            if d not in self.averaged:
+                d.sync_gradients(model)
+
+    def _average_once(self, model: nn.Module) -> None:
+        """Gradients averaged over the flattened group of the averaging dimensions in one bucketed all-reduce
+        (what one data-parallel group of their product would do). Under ep the experts are not replicated over
+        it: an expert's gradient already sums the ep ranks' losses (their rows came to it), so it is averaged
+        over dp alone (a second all-reduce, of the experts only, as a plain expert-parallel step has) and
+        divided by ep."""
+        from labkit.parallel.ep import expert_params
+
+        names = {d.name: d for d in self.averaged}
+        experts = expert_params(model) if "ep" in names else set()
+        params = [p for p in model.parameters() if p.requires_grad]
+        bucket = int(DEFAULT_BUCKET_MB * 2**20)
+        average_gradients([p for p in params if id(p) not in experts], "native", bucket, group=self.averaged_group)
+        if experts:
+            ours = [p for p in params if id(p) in experts]
+            if "dp" in names:
+                average_gradients(ours, "native", bucket, group=names["dp"].group)
+            for p in ours:
+                if p.grad is not None:
+                    p.grad /= names["ep"].size
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the whole output on the ranks that own it (pp: its schedule's forward)."""
