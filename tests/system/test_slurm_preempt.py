@@ -1,7 +1,8 @@
 """Pre-emption on a real one-node SLURM cluster: ``jobs/job_ddp.sh`` gets SLURM's warning signal mid-epoch
 (``scancel --signal=USR1 --batch``, what ``#SBATCH --signal=B:USR1@120`` sends before a time limit), its ranks
 write a mid-epoch checkpoint, the job requeues itself, resumes from that step when it runs again, and ends with
-the weights of the same job run uninterrupted (torch.equal)."""
+the weights of the same job run uninterrupted (torch.equal). The two jobs run side by side (each asks for half the
+test node), so the uninterrupted one trains while the warned one sleeps through its slowed steps and its requeue."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from labkit.checkpoint import load_checkpoint
 
-from .jobs import JOBS, job_env
+from .jobs import JOB_MEMORY, JOBS, job_env
 from .provision import REPO
 from .slurm_cluster import TERMINAL, SlurmCluster
 
@@ -29,7 +30,7 @@ ARGS = ("--model mlp --dataset synthetic-mnist --train-size 192 --test-size 32 -
 def _submit(slurm: SlurmCluster, root: Path, name: str, extra: str = ""):
     env = job_env(root / name) | {"NPROC": "2", "EXTRA_ARGS": f"{ARGS} {extra}"}
     return slurm.submit(JOBS / "job_ddp.sh", name=name, output=root / f"{name}.log", env=env,
-                        args=("--exclusive", "--time=5", "--open-mode=append"), cwd=REPO)
+                        args=(JOB_MEMORY, "--time=5", "--open-mode=append"), cwd=REPO)
 
 
 def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm: SlurmCluster, tmp_path: Path) -> None:
