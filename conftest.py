@@ -13,26 +13,64 @@ os.environ.setdefault("LABKIT_PLAIN", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# The system layer is two units of work, one per xdist worker at the start: everything on the session's SLURM
+# cluster (its job scripts, pre-emption, the Jupyter job, the two-node cluster) and the browser (JupyterLab and
+# Chromium) with the static job-script checks. Each unit's session fixtures are built once, on its worker.
+SLURM_UNIT = ("tests/system/test_slurm_", "tests/system/test_jupyter_job.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to: its file, or one of the system layer's two units."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith(SLURM_UNIT):
+        return "tests/system (SLURM)"
+    return "tests/system (browser)" if path.startswith("tests/system/") else path
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Under ``pytest -n N`` (pytest-xdist): each file runs on one worker (a notebook's cells share one kernel; a
-    module's fixtures are built once), and the whole system layer on one worker (one SLURM cluster, one
-    JupyterLab, one apt at a time)."""
+    module's fixtures are built once), the system layer as its two units (:func:`work_unit`). Units go out in the
+    order :func:`pytest_collection_modifyitems` sorts them (longest first, not xdist's most-tests-first), and a
+    worker gets its next unit only once it has nothing left to run, so that no unit waits behind a long test on
+    one worker while the other worker is idle."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByFile(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "tests/system" if path.startswith("tests/system/") else path
+    config.option.loadscopereorder = False
 
-    return ByFile(config, log)
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+        def _reschedule(self, node) -> None:
+            # A worker holds back the last test it was given until more arrive (it needs the next test to tear
+            # down fixtures), so "at most 1 pending" is idle; xdist's default (2) queues a unit behind a running test.
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    return ByUnit(config, log)
+
+
+# Units that took a minute or more on two cores (pytest --durations), sent out right after the system layer. The
+# order only balances the two workers; a name missing here or a file renamed changes no result.
+LONGEST = ("notebooks/08_strategy_advisor.ipynb", "notebooks/09_transformer_parallelism.ipynb",
+           "notebooks/06_cifar10_resnet32_multi_gpu.ipynb", "notebooks/10_long_context_and_experts.ipynb",
+           "notebooks/04_pipeline.ipynb", "notebooks/03_model_parallel.ipynb", "tests/test_preempt.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest work first, so that two workers end together: the system layer (one unit of several minutes),
-    then the notebooks (a unit each), then the test files (many short units that fill the gaps)."""
-    def rank(item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return 0 if path.startswith("tests/system/") else 1 if path.startswith("notebooks/") else 2
+    """Longest work first, so that two workers end together: the system layer's SLURM unit, then its browser unit,
+    the :data:`LONGEST` units, the other notebooks (a unit each), then the test files (many short units that fill
+    the gaps)."""
+    def rank(item) -> tuple[int, int]:
+        unit = work_unit(item.nodeid)
+        if unit in LONGEST:
+            return 2, LONGEST.index(unit)
+        return (0 if unit == "tests/system (SLURM)" else 1 if unit.startswith("tests/system") else
+                3 if unit.startswith("notebooks/") else 4), 0
 
     items.sort(key=rank)  # stable: each file's own order is kept

@@ -3,6 +3,7 @@ forwarded by torchrun) mid-epoch → the step finishes, a mid-epoch checkpoint i
 ``preempted.json``; ``--resume`` continues from that step and ends bit-identical to an uninterrupted run.
 Under torchrun, a rank killed outright is restarted with the whole group (``--max-restarts``), which resumes
 from the last checkpoint. The SLURM round trip (job script trap, requeue) is in tests/system/test_slurm_preempt.py."""
+import contextlib
 import json
 import os
 import signal
@@ -12,12 +13,15 @@ import time
 import types
 
 import psutil
+import pytest
 import torch
 
 from labkit import train as ktrain
+from labkit import train_run
 from labkit.checkpoint import load_checkpoint
 from labkit.cli import main
 from labkit.preempt import EXIT_PREEMPTED, MARKER, StopSignals
+from labkit.testing import run_ranks
 from labkit.train_run import TrainConfig, run
 
 # 96 samples in batches of 16: 6 steps per epoch
@@ -94,6 +98,30 @@ def _train(strategy, out, *extra, restarts=0):
             "--out", str(out), *extra]
 
 
+def _clean_rank(env, root):
+    """In the group run_ranks started: the uninterrupted runs of ``_train``'s configuration (DDP and the pipeline)
+    the interrupted ones must end equal to, one after the other in the same two ranks."""
+    from labkit.dist import seed_everything
+
+    def same_group(*args, seed=0, **kwargs):
+        seed_everything(seed)
+        return contextlib.nullcontext(env)
+
+    train_run.distributed = same_group
+    for strategy in ("ddp", "pipeline"):
+        train_run.run(TrainConfig(**{**SMALL, "train_size": 192, "log_every": 1}, strategy=strategy,
+                                  out=f"{root}/{strategy}"))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The uninterrupted runs on two ranks forked from one process that imported torch once (two torchrun launches
+    would start and import six processes): ``clean / "ddp"``, ``clean / "pipeline"``."""
+    root = tmp_path_factory.mktemp("clean")
+    run_ranks(_clean_rank, 2, str(root), timeout=300)
+    return root
+
+
 ENV = dict(os.environ, OMP_NUM_THREADS="1", LABKIT_PLAIN="1", PYTHONUNBUFFERED="1",
            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # a fresh rendezvous store for a restarted group
 
@@ -149,13 +177,12 @@ def _stopped_and_resumed(strategy, out, log, steps, sig="SIGTERM"):
     assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines
 
 
-def test_ddp_killed_rank_restarts_then_sigterm_mid_epoch_resumes_bit_identically(tmp_path):
+def test_ddp_killed_rank_restarts_then_sigterm_mid_epoch_resumes_bit_identically(tmp_path, clean):
     """One DDP run meets both failures. Rank 1 is SIGKILLed in epoch 2 under ``--max-restarts 1``: torchrun
     restarts the whole group, which resumes from epoch 1's checkpoint. In epoch 3 rank 1 alone gets SIGTERM (srun
     or a site wrapper signalling processes one by one); both ranks stop after the same step, rank 0 writes the
     mid-epoch checkpoint and a marker naming rank 1's signal, and the run exits 75 with one line.
     ``--resume`` finishes it, equal to an uninterrupted run (weights, momentum, every epoch's loss)."""
-    subprocess.run(_train("ddp", tmp_path / "clean"), env=ENV, check=True, capture_output=True, timeout=300)
     # slowed down (the delay changes no result) so that the signal lands mid-epoch
     code, log, _ = _signal_when(_train("ddp", tmp_path / "int", "--resume", "--kill-rank-at", "1:8",
                                        "--step-delay-s", "0.15", restarts=1), "train | 3/3 epoch", signal.SIGTERM,
@@ -163,14 +190,13 @@ def test_ddp_killed_rank_restarts_then_sigterm_mid_epoch_resumes_bit_identically
     assert "rank 1: --kill-rank-at: SIGKILL before step 8" in log and "at epoch 1" in log, log
     assert code == EXIT_PREEMPTED and "Traceback" not in log, log
     _stopped_and_resumed("ddp", tmp_path / "int", log, steps=6)
-    _equal_runs(tmp_path / "clean", tmp_path / "int")
+    _equal_runs(clean / "ddp", tmp_path / "int")
 
 
-def test_pipeline_sigusr1_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path):
+def test_pipeline_sigusr1_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path, clean):
     """A non-replicated strategy, every rank writing its own mid-epoch checkpoint of the same step, and SIGUSR1
     to torchrun itself (SLURM's ``--signal=USR1`` without ``B:``): torchrun passes it on, the ranks stop after
     the same step, and torchrun exits 75 with the ranks' one line; no rank is left running."""
-    subprocess.run(_train("pipeline", tmp_path / "clean"), env=ENV, check=True, capture_output=True, timeout=300)
     code, log, ranks = _signal_when(_train("pipeline", tmp_path / "int", "--step-delay-s", "0.15"),
                                     "train | 3/3 epoch", signal.SIGUSR1)
     assert len(ranks) == 2 and _none_alive(ranks), ranks
@@ -178,7 +204,7 @@ def test_pipeline_sigusr1_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path
     assert "death signal" not in log, log  # torchrun's own shutdown line: the ranks had already left
     _stopped_and_resumed("pipeline", tmp_path / "int", log, steps=12, sig="SIGUSR1")  # one pipeline: whole batch
     for name in ["checkpoint.rank0.pt", "checkpoint.rank1.pt"]:
-        _equal_runs(tmp_path / "clean", tmp_path / "int", name)
+        _equal_runs(clean / "pipeline", tmp_path / "int", name)
 
 
 RANK = """import signal, sys, time

@@ -6,6 +6,8 @@ with ``CI=true`` every :func:`unavailable` is a failure, so a CI run cannot turn
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -13,8 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -24,6 +27,20 @@ T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[2]
 _apt_updated = False
+# The system layer runs on both pytest-xdist workers (two units: SLURM, browser); each may install packages, and
+# apt/dpkg and pip must not run twice at once: a lock shared by every process of this machine.
+INSTALL_LOCK = Path(tempfile.gettempdir()) / "labkit-system-install.lock"
+
+
+@contextlib.contextmanager
+def install_lock() -> Iterator[None]:
+    """Hold the machine-wide install lock (blocking) while inside."""
+    with INSTALL_LOCK.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def in_ci() -> bool:
@@ -50,8 +67,15 @@ def apt_install(packages: list[str], binaries: list[str]) -> None:
 
     Runs ``apt-get update`` once per test session (a fresh machine has no package lists).
     """
-    global _apt_updated
     if all(shutil.which(b) for b in binaries):
+        return
+    with install_lock():
+        _apt_install(packages, binaries)
+
+
+def _apt_install(packages: list[str], binaries: list[str]) -> None:
+    global _apt_updated
+    if all(shutil.which(b) for b in binaries):  # the other worker installed them while this one waited
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         unavailable(f"{', '.join(binaries)} missing and apt-get is not usable here (needs root and Debian)")
@@ -72,8 +96,12 @@ def pip_install(module: str, requirement: str) -> None:
     """``pip install requirement`` into this interpreter unless ``module`` is importable."""
     if importlib.util.find_spec(module) is not None:
         return
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement],
-                          check=False, capture_output=True, text=True, timeout=600)
+    with install_lock():
+        importlib.invalidate_caches()
+        if importlib.util.find_spec(module) is not None:  # the other worker installed it meanwhile
+            return
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", requirement],
+                              check=False, capture_output=True, text=True, timeout=600)
     importlib.invalidate_caches()
     if proc.returncode != 0 or importlib.util.find_spec(module) is None:
         unavailable(f"`pip install {requirement}` failed: {(proc.stdout + proc.stderr)[-1500:]}")

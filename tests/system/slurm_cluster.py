@@ -170,7 +170,9 @@ class SlurmCluster:
             "SchedulerParameters=sched_interval=1", "MpiDefault=none",
             "ReturnToService=2", "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none", "JobAcctGatherType=jobacct_gather/none",
-            "KillWait=5", "MinJobAge=600", "InactiveLimit=0", "SlurmdTimeout=60",
+            # KillWait: SIGTERM to SIGKILL; a job that cleans up on SIGTERM (JupyterLab's) may need a while on a busy
+            # machine
+            "KillWait=30", "MinJobAge=600", "InactiveLimit=0", "SlurmdTimeout=60",
             *node_lines,
             "PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "",
@@ -236,15 +238,29 @@ class SlurmCluster:
             job.info = parse_record(proc.stdout.strip().splitlines()[0])
         return job
 
-    def wait(self, jobs: list[Job], timeout: float, states: frozenset[str] = TERMINAL) -> bool:
-        """Poll until every job is in one of ``states``; False if ``timeout`` passed first."""
+    def refresh_all(self, jobs: list[Job]) -> None:
+        """Update every job in ``jobs`` from one ``scontrol -o show job`` (one line per job the cluster knows;
+        ``MinJobAge`` keeps finished ones): one process and one request per poll, however many jobs."""
+        proc = self.command("scontrol", "-o", "show", "job", check=False)
+        records = {}
+        for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+            record = parse_record(line)
+            records[record.get("JobId")] = record
+        for job in jobs:
+            job.info = records.get(job.job_id, job.info)
+
+    def wait(self, jobs: list[Job], timeout: float, states: frozenset[str] = TERMINAL,
+             interval: float = 1.0) -> bool:
+        """Poll every ``interval`` seconds until every job is in one of ``states``; False if ``timeout`` passed
+        first."""
         deadline = time.monotonic() + timeout
         while True:
-            if all(self.refresh(j).state in states for j in jobs):
+            self.refresh_all(jobs)
+            if all(j.state in states for j in jobs):
                 return True
             if time.monotonic() > deadline:
                 return False
-            time.sleep(0.5)
+            time.sleep(interval)
 
     def cancel(self, job: Job) -> None:
         self.command("scancel", job.job_id, check=False)

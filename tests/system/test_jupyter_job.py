@@ -8,6 +8,7 @@ script serves and exits 0 on SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import re
@@ -76,7 +77,11 @@ def test_jupyter_job_under_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
     finally:
         slurm.cancel(job)
     assert slurm.wait([job], 30), job.describe()
-    wait_for(lambda: not port_open(port_n), 15, f"port {port} to close after scancel")
+    wait_for(lambda: not port_open(port_n), 30, f"port {port} to close after scancel")
+    # the script writes its last line once JupyterLab has exited, a moment after the port closed (long on a busy
+    # machine; the cluster's KillWait leaves it 30 s before a SIGKILL)
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: "JupyterLab stopped." in job.log(), 30, "the job's last line")
     assert "JupyterLab stopped." in job.log(), job.describe()
 
 

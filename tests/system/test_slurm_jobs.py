@@ -39,12 +39,18 @@ LEAN = {"job_zero": {"RUNS": "zero-3 fsdp"}, "job_pipeline": {"SCHEDULES": "1f1b
         "gpipe-job_gpipe_exercise": {"BATCHSIZE": "4"}, "gpipe-job_pytorch": {"BATCHSIZE": "4"}}
 
 
+# Submitted first (SLURM starts jobs in submission order): the jobs that train twice (one run per optimizer or
+# sharding), so that the batch does not end with one long job running alone.
+FIRST = ("job_kfac", "job_zero")
+
+
 @pytest.fixture(scope="module")
 def finished_jobs(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory,
                   request: pytest.FixtureRequest) -> dict[Path, tuple[Job, Path]]:
     """Submit the selected scripts, wait for all, cancel what still runs at the timeout."""
     selected = [item.callspec.params["script"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_job_runs_under_sbatch"]  # honours -k
+    selected.sort(key=lambda script: script_id(script) not in FIRST)  # stable: the rest keep their order
     root = tmp_path_factory.mktemp("jobs")
     jobs: dict[Path, tuple[Job, Path]] = {}
     for script in selected:

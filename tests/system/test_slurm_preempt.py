@@ -1,7 +1,8 @@
 """Pre-emption on a real one-node SLURM cluster: ``jobs/job_ddp.sh`` gets SLURM's warning signal mid-epoch
 (``scancel --signal=USR1 --batch``, what ``#SBATCH --signal=B:USR1@120`` sends before a time limit), its ranks
 write a mid-epoch checkpoint, the job requeues itself, resumes from that step when it runs again, and ends with
-the weights of the same job run uninterrupted (torch.equal)."""
+the weights of the same job run uninterrupted (torch.equal). The two jobs run side by side (each asks for half the
+test node), so the uninterrupted one trains while the warned one sleeps through its slowed steps and its requeue."""
 
 from __future__ import annotations
 
@@ -14,27 +15,29 @@ import torch
 
 from labkit.checkpoint import load_checkpoint
 
-from .jobs import JOBS, job_env
+from .jobs import JOB_MEMORY, JOBS, job_env
 from .provision import REPO
 from .slurm_cluster import TERMINAL, SlurmCluster
 
 pytestmark = pytest.mark.system
 
-# 2 CPU ranks × 16 samples: 6 steps per epoch, 3 epochs; the warned job is slowed down (which changes no
-# result) so that the signal lands mid-epoch
-ARGS = ("--model mlp --dataset synthetic-mnist --train-size 192 --test-size 32 --batch-size 16 --epochs 3 "
+# 2 CPU ranks × 16 samples: 12 steps per epoch, 3 epochs. The warned job is slowed down (which changes no result)
+# so that the signal lands mid-epoch: it is sent at epoch 2's first throughput line (step 3) and must reach the
+# ranks (scancel, slurmd, the script's trap, srun) 0.2 s plus two steps before the epoch's last step; the 9 steps
+# left of 0.4 s leave it seconds even while the clean job computes beside it on a busy machine
+ARGS = ("--model mlp --dataset synthetic-mnist --train-size 384 --test-size 32 --batch-size 16 --epochs 3 "
         "--log-every 1 --seed 4")
 
 
 def _submit(slurm: SlurmCluster, root: Path, name: str, extra: str = ""):
     env = job_env(root / name) | {"NPROC": "2", "EXTRA_ARGS": f"{ARGS} {extra}"}
     return slurm.submit(JOBS / "job_ddp.sh", name=name, output=root / f"{name}.log", env=env,
-                        args=("--exclusive", "--time=5", "--open-mode=append"), cwd=REPO)
+                        args=(JOB_MEMORY, "--time=5", "--open-mode=append"), cwd=REPO)
 
 
 def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm: SlurmCluster, tmp_path: Path) -> None:
     clean = _submit(slurm, tmp_path, "clean")
-    warned = _submit(slurm, tmp_path, "warned", "--step-delay-s 0.3")
+    warned = _submit(slurm, tmp_path, "warned", "--step-delay-s 0.4")
     deadline = time.monotonic() + 300
     while "train | 2/3 epoch" not in warned.log():  # epoch 2 under way
         assert time.monotonic() < deadline and slurm.refresh(warned).state not in TERMINAL, warned.describe()
@@ -48,7 +51,7 @@ def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm: SlurmClus
     log = warned.log()
     assert "labkit: stopped on SIGTERM in epoch 2 after step" in log and f"requeued job {warned.job_id}" in log, log
     stopped_at = int(log.split("in epoch 2 after step ")[1].split(";")[0])
-    assert 0 < stopped_at < 6 and f"at epoch 1, step {stopped_at}" in log, log
+    assert 0 < stopped_at < 12 and f"at epoch 1, step {stopped_at}" in log, log
     a = load_checkpoint(tmp_path / "clean" / "checkpoint.pt")
     b = load_checkpoint(tmp_path / "warned" / "checkpoint.pt")
     assert a["epoch"] == b["epoch"] == 3
