@@ -126,7 +126,7 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
             "params": sum(p.numel() for p in net.parameters())}
 
 
-def train_and_facts(env, cfg, vocab_size: int, model: str = "gpt-tiny") -> dict:
+def train_and_facts(env, cfg, vocab_size: int) -> dict:
     """Train ``cfg`` (a :class:`labkit.train_run.TrainConfig` with ``strategy="mesh"``: what ``labkit train
     --mesh`` builds from its flags) through ``labkit.train_run.run`` on this rank's process group, its results
     written to ``cfg.out`` as usual, then return this rank's :func:`rank_facts` of the same mesh: one start of
@@ -136,7 +136,7 @@ def train_and_facts(env, cfg, vocab_size: int, model: str = "gpt-tiny") -> dict:
     run(cfg, env=env)
     opts = cfg.strategy_options
     return rank_facts(env, opts["mesh"], vocab_size, cfg.batch_size, cfg.seq_len,
-                      opts.get("sequence_parallel", False), model, opts.get("num_microbatches", 2))
+                      opts.get("sequence_parallel", False), cfg.model, opts.get("num_microbatches", 2))
 
 
 def _layout(shape: dict[str, int]) -> tuple[list[str], int, int]:
