@@ -49,7 +49,9 @@ def next_steps(cwd: Path | None = None) -> list[tuple[str, str]]:
             return name
         return _relative(mine, cwd) if mine.exists() else name
 
-    steps = [(f"{exe('jupyter')} lab {_relative(checkout / 'notebooks', cwd)}", "then walk 00 -> 08 in order"),
+    listed = [line.split()[0][:2] for line in NOTEBOOKS.splitlines()]  # the list above, first to last
+    steps = [(f"{exe('jupyter')} lab {_relative(checkout / 'notebooks', cwd)}",
+              f"then walk {listed[0]} -> {listed[-1]} in order"),
              (f"{exe('labkit')} train --help", "every training flag"),
              (f"{exe('labkit')} check allreduce --init my_ring.py", "write the ring all-reduce yourself")]
     if shutil.which("sbatch"):

@@ -134,15 +134,20 @@ class TrainConfig:
 
 
 
-def run(cfg: TrainConfig) -> dict:
-    """Build everything from ``cfg``, train, write results; return the summary (same on every rank)."""
+def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
+    """Build everything from ``cfg``, train, write results; return the summary (same on every rank).
+
+    ``env``: a process group already set up (a rank of :func:`labkit.testing.run_ranks`) to train on, seeded
+    with ``cfg.seed`` as a fresh one would be; None (``labkit train``) sets one up and tears it down.
+    """
     cfg.validate()
     strategy_cls = get_strategy(cfg.strategy)
     make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
     if cfg.base_lr is None:
         cfg.base_lr = kmodels.default_lr(cfg.model, cfg.optimizer)
-    with distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
-                     strategy=backends.key(cfg.strategy, cfg.strategy_options)) as env:
+    with (distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
+                      strategy=backends.key(cfg.strategy, cfg.strategy_options))
+          if env is None else _given(env, cfg.seed)) as env:
         strategy = strategy_cls(env, cfg.strategy_options)
         strategy.check_model(cfg.model)  # e.g. a mesh dimension the model cannot take: one line, before any work
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
@@ -237,6 +242,12 @@ def run(cfg: TrainConfig) -> dict:
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
     return summary
+
+
+@contextlib.contextmanager
+def _given(env: kdist.DistEnv, seed: int):
+    kdist.seed_everything(seed)
+    yield env
 
 
 def _quality(history: list[dict], metric: str) -> dict:

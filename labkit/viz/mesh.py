@@ -126,6 +126,19 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
             "params": sum(p.numel() for p in net.parameters())}
 
 
+def train_and_facts(env, cfg, vocab_size: int) -> dict:
+    """Train ``cfg`` (a :class:`labkit.train_run.TrainConfig` with ``strategy="mesh"``: what ``labkit train
+    --mesh`` builds from its flags) through ``labkit.train_run.run`` on this rank's process group, its results
+    written to ``cfg.out`` as usual, then return this rank's :func:`rank_facts` of the same mesh: one start of
+    the ranks for both."""
+    from labkit.train_run import run
+
+    run(cfg, env=env)
+    opts = cfg.strategy_options
+    return rank_facts(env, opts["mesh"], vocab_size, cfg.batch_size, cfg.seq_len,
+                      opts.get("sequence_parallel", False), cfg.model, opts.get("num_microbatches", 2))
+
+
 def _layout(shape: dict[str, int]) -> tuple[list[str], int, int]:
     """The named dimensions (size > 1, mesh order), and the grid: rows = all but the last, columns = the last."""
     named = [n for n, s in shape.items() if s > 1] or ["dp"]
