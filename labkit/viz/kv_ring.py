@@ -22,6 +22,7 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from labkit import quick
 from labkit.collectives.kv_ring import KVRing
 from labkit.errors import ConfigError
 from labkit.viz.allreduce import BOX_H, BOX_W, _edge, offline, rank_color
@@ -139,9 +140,14 @@ class KVRingView:
                              blit=False, repeat=False)
 
 
-def to_html(ring: KVRing, interval_ms: int = 1500) -> str:
-    """The animation as a stand-alone offline HTML/JavaScript player (show with ``IPython.display.HTML``)."""
-    return offline(KVRingView(ring).animation(interval_ms).to_jshtml(fps=1000 / interval_ms, default_mode="once"))
+def to_html(ring: KVRing, interval_ms: int = 1500, dpi: int | None = None) -> str:
+    """The animation as a stand-alone offline HTML/JavaScript player (show with ``IPython.display.HTML``).
+
+    ``dpi``: the frames' resolution; by default 100, or 50 in quick mode (``LABKIT_QUICK=1``: laptops and CI),
+    where the frames render in about half the time."""
+    view = KVRingView(ring)
+    view.fig.set_dpi(dpi or (50 if quick() else 100))
+    return offline(view.animation(interval_ms).to_jshtml(fps=1000 / interval_ms, default_mode="once"))
 
 
 def save_animation(ring: KVRing, path: str | Path, interval_ms: int = 1500, dpi: int = 72) -> Path:
