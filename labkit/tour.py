@@ -30,6 +30,7 @@ NOTEBOOKS = """\
     07_sharded_data_parallel        ZeRO stages 1-3 from scratch and FSDP2, memory per rank
     08_strategy_advisor   which strategy for this model on this machine: predicted vs measured
     09_transformer_parallelism      one GPT on a mesh: dp, tp, sequence parallel, dp x tp x pp
+    10_long_context_and_experts     ring attention (cp) and a mixture of experts (ep): the KV ring, all-to-all
     11_when_it_breaks     ten broken programs: read the hang table, catch silent failures, fix them"""
 
 
