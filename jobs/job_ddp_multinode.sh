@@ -41,6 +41,7 @@ quick="${LABKIT_QUICK:-0}"
 cpu_ranks=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo 1 || echo 2)  # CPU: 1 rank per node under SLURM, 2 without
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
 source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
+source jobs/lib/rdzv.sh   # nnodes; rdzv (torchrun rendezvous flags) and run_nodes for several nodes
 
 if [[ "$quick" != 0 ]]; then
     sizes=(--model "${MODEL:-lenet}" --dataset "${DATASET:-mnist-sample}" --epochs "${EPOCHS:-1}"
@@ -61,19 +62,6 @@ read -r -a extra <<< "${EXTRA_ARGS:-}"
 train=(-m labkit train --strategy ddp --allreduce "${ALLREDUCE:-ddp}" --device "$device" --backend "$backend"
        "${sizes[@]}" --out "$out" "${resume[@]}" "${extra[@]}")
 
-if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    nnodes="${SLURM_NNODES:-1}"
-    head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-    # the address the other nodes reach the first node at (NodeAddr), else its name
-    head_addr="$(scontrol show node "$head_node" -o 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)"
-    head_addr="${head_addr:-$head_node}"
-    port="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}"
-    run_nodes="$nnodes"  # run_ranks: one torchrun per node
-    rdzv=(--nnodes "$nnodes" --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_addr:$port")
-else
-    nnodes=1
-    rdzv=(--standalone --nnodes 1)
-fi
 cmd=("$python" -m labkit.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$restarts"
      "${train[@]}")
 

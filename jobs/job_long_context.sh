@@ -45,8 +45,8 @@ quick="${LABKIT_QUICK:-0}"
 cpu_ranks=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo 1 || echo 2)  # CPU: 1 rank per node under SLURM, 2 without
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
 source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
+source jobs/lib/rdzv.sh   # nnodes; rdzv (torchrun rendezvous flags) and run_nodes for several nodes
 
-nnodes=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo "${SLURM_NNODES:-1}" || echo 1)
 if [[ "$quick" != 0 ]]; then
     mesh="${MESH:-cp=$((nnodes * nproc))}"  # every rank in the one cp group, across the nodes too
     sizes=(--model "${MODEL:-gpt-tiny}" --dataset "${DATASET:-text-sample}" --seq-len "${SEQ_LEN:-16}"
@@ -61,17 +61,6 @@ read -r -a extra <<< "${EXTRA_ARGS:-}"
 train=(-m labkit train --mesh "$mesh" --device "$device" --backend "$backend" "${sizes[@]}" --out "$out"
        "${resume[@]}" "${extra[@]}")
 
-if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-    # the address the other nodes reach the first node at (NodeAddr), else its name
-    head_addr="$(scontrol show node "$head_node" -o 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)"
-    head_addr="${head_addr:-$head_node}"
-    port="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}"
-    run_nodes="$nnodes"  # run_ranks: one torchrun per node
-    rdzv=(--nnodes "$nnodes" --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_addr:$port")
-else
-    rdzv=(--standalone --nnodes 1)
-fi
 cmd=("$python" -m labkit.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" "${train[@]}")
 
 echo "labkit long-context job ${SLURM_JOB_ID:-(no SLURM)}: $nnodes node(s) × $nproc rank(s) on $device ($backend), --mesh $mesh"

@@ -43,8 +43,8 @@ quick="${LABKIT_QUICK:-0}"
 cpu_ranks=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo 1 || echo 2)  # CPU: 1 rank per node under SLURM, 2 without
 source jobs/lib/ranks.sh  # sets gpus, device (cuda|cpu), backend (nccl|gloo), nproc
 source jobs/lib/run.sh    # run_ranks; resume=(--resume) on a requeued run
+source jobs/lib/rdzv.sh   # nnodes; rdzv (torchrun rendezvous flags) and run_nodes for several nodes
 
-nnodes=$([[ -n "${SLURM_JOB_ID:-}" ]] && echo "${SLURM_NNODES:-1}" || echo 1)
 if [[ "$quick" != 0 ]]; then
     mesh="${MESH:-dp=$((nnodes * nproc))}"
     sizes=(--model "${MODEL:-lenet}" --dataset "${DATASET:-mnist-sample}" --epochs "${EPOCHS:-1}"
@@ -60,17 +60,6 @@ read -r -a extra <<< "${EXTRA_ARGS:-}"
 train=(-m labkit train --mesh "$mesh" --device "$device" --backend "$backend" "${sizes[@]}" --out "$out"
        "${resume[@]}" "${extra[@]}")
 
-if [[ -n "${SLURM_JOB_ID:-}" ]]; then
-    head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-    # the address the other nodes reach the first node at (NodeAddr), else its name
-    head_addr="$(scontrol show node "$head_node" -o 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)"
-    head_addr="${head_addr:-$head_node}"
-    port="${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}"
-    run_nodes="$nnodes"  # run_ranks: one torchrun per node
-    rdzv=(--nnodes "$nnodes" --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$head_addr:$port")
-else
-    rdzv=(--standalone --nnodes 1)
-fi
 cmd=("$python" -m labkit.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" "${train[@]}")
 
 echo "labkit mesh job ${SLURM_JOB_ID:-(no SLURM)}: $nnodes node(s) × $nproc rank(s) on $device ($backend), --mesh $mesh"
