@@ -19,8 +19,10 @@ import pickle
 import queue
 import socket
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -34,8 +36,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-#: what the forkserver imports once, so that no rank imports it again ("__main__": the caller's script, as spawn)
-_PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "labkit.dist"]
+#: what the forkserver imports once, so that no rank imports it again ("__main__": the caller's script, as spawn;
+#: labkit.train_run: what every rank that trains imports, models and data included)
+_PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "labkit.dist", "labkit.train_run"]
 
 
 def _caller() -> dict:
@@ -43,13 +46,18 @@ def _caller() -> dict:
     return {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
 
 
-def _rank_main(payload, rank, world_size, port, timeout_s, results, caller):
+def _become_rank(rank, world_size, port, caller):
+    """Take the caller's state and the variables torchrun (or srun, through labkit's launch_info) gives a rank."""
     os.environ.clear()
     os.environ.update(caller["environ"], RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.chdir(caller["cwd"])
     sys.path[:] = caller["sys_path"]
     torch.set_num_threads(1)
+
+
+def _rank_main(payload, rank, world_size, port, timeout_s, results, caller):
+    _become_rank(rank, world_size, port, caller)
     try:
         from labkit.dist import distributed
 
@@ -120,3 +128,64 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
                 p.kill()
                 p.join()
     return [collected[r] for r in range(world_size)]
+
+
+def _cli_rank_main(argv, rank, world_size, port, caller, out_path, err_path):
+    """``labkit ARGV`` as rank ``rank``: its output into two files, its exit code the process's."""
+    _become_rank(rank, world_size, port, caller)
+    for fd, path in ((1, out_path), (2, err_path)):  # the file descriptors: C++ warnings are caught too
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(file, fd)
+        os.close(file)
+    try:
+        from labkit.cli import main
+
+        code = main(list(argv))
+    except SystemExit as exc:  # a bad flag: argparse's exit
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # a crash shows its traceback, as it would in a terminal
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def run_cli_ranks(argv: list[str], world_size: int, timeout: float = 120.0) -> list[tuple[int, str, str]]:
+    """``labkit ARGV`` (e.g. ``["train", "--strategy", "ddp", ...]``) on ``world_size`` ranks forked as
+    :func:`run_ranks` forks them, each set up as torchrun or srun would (``RANK``, ``WORLD_SIZE``, ...), and
+    the command's own ``labkit.dist.distributed`` starting the process group: the ``labkit`` command's whole
+    path but the launcher's.
+
+    Returns:
+        ``[(exit code, stdout, stderr) of rank 0, ...]``; a rank killed by a signal has the negative signal
+        number as its code (``-9``: SIGKILL), and what it wrote before it died.
+
+    Raises:
+        TimeoutError: a rank still ran after ``timeout`` seconds (every rank is killed).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="labkit-ranks-") as tmp:
+        paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world_size)]
+        procs = [ctx.Process(target=_cli_rank_main, args=(list(argv), r, world_size, port, _caller(), *paths[r]),
+                             daemon=True) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if any(p.is_alive() for p in procs):
+                raise TimeoutError(f"labkit {' '.join(argv[:1])} on {world_size} ranks did not finish in "
+                                   f"{timeout:.0f} s")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [(p.exitcode, *(Path(path).read_text(errors="replace") for path in paths[r]))
+                for r, p in enumerate(procs)]
