@@ -1,9 +1,10 @@
 """The seed-000 hybrid strategy: one step on 2 gloo ranks == one single-process step on the whole batch (loss,
 logits, every gradient); three steps (the last with uneven shards) == the same weights; the per-rank
-checkpoint contents; `labkit train --strategy hybrid` under torchrun; bad models."""
+checkpoint contents; `labkit train --strategy hybrid` on 2 ranks; bad models."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from labkit.dist import DistEnv
 from labkit.errors import ConfigError
 from labkit.models import get_model
 from labkit.strategies.hybrid import HybridStrategy
-from labkit.testing import run_ranks
+from labkit.testing import run_cli_ranks, run_ranks
 
 ATOL = 1e-5  # float32: the convolutions run per shard, the sums run in another order
 SHARDS = [(4, 4), (4, 4), (3, 5)]  # rows per rank at each step; the last step exercises the padding
@@ -155,16 +156,16 @@ def test_hybrid_on_one_process_is_the_plain_model():
     assert torch.allclose(out, reference(x), atol=ATOL) and strategy.sampler([0, 1], True, 0) is None
 
 
-def test_labkit_train_hybrid_under_torchrun(tmp_path):
-    from labkit.launch import torchrun
-
-    lines = []
-    run = torchrun(["train", "--strategy", "hybrid", "--model", "alexnet_small", "--dataset", "synthetic-cifar10",
-                    "--train-size", "64", "--test-size", "32", "--batch-size", "16", "--epochs", "1",
-                    "--device", "cpu", "--out", str(tmp_path)], nproc=2, echo=lines.append, timeout=300)
-    log = "\n".join(lines)
+def test_labkit_train_hybrid_on_two_ranks(tmp_path):
+    """The ``labkit train`` command's whole path on two ranks set up as torchrun sets them up (forked: the
+    launcher itself is tests/test_launch.py's)."""
+    ranks = run_cli_ranks(["train", "--strategy", "hybrid", "--model", "alexnet_small", "--dataset",
+                           "synthetic-cifar10", "--train-size", "64", "--test-size", "32", "--batch-size", "16",
+                           "--epochs", "1", "--device", "cpu", "--out", str(tmp_path)], 2, timeout=300)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
+    log = "".join(out + err for _, out, err in ranks)
     assert "samples/sec" in log and "CPU (process" in log
-    metrics = run.summary["metrics"]
+    metrics = json.loads((tmp_path / "summary.json").read_text())["metrics"]
     assert metrics["global_batch_size"] == 32 and metrics["samples_per_sec"] > 0
     assert 0.0 <= metrics["final_test_acc"] <= 1.0
     rank0 = torch.load(tmp_path / "checkpoint.rank0.pt", weights_only=True)["model"]

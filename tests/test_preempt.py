@@ -21,7 +21,7 @@ from labkit import train_run
 from labkit.checkpoint import load_checkpoint
 from labkit.cli import main
 from labkit.preempt import EXIT_PREEMPTED, MARKER, StopSignals
-from labkit.testing import run_ranks
+from labkit.testing import run_cli_ranks, run_ranks
 from labkit.train_run import TrainConfig, run
 
 # 96 samples in batches of 16: 6 steps per epoch
@@ -89,13 +89,17 @@ def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatc
     _equal_runs(tmp_path / "clean", tmp_path / "int")
 
 
+def _args(strategy, out, *extra):
+    """``labkit train`` of SMALL on 192 samples in batches of 16 with 2 ranks (DDP: 2 × 16 per step, 6 steps per
+    epoch; pipeline: 12)."""
+    return ["train", "--strategy", strategy, *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()],
+            "--train-size", "192", "--log-every", "1", "--out", str(out), *extra]
+
+
 def _train(strategy, out, *extra, restarts=0):
-    """``labkit train`` of SMALL on 192 samples in batches of 16 under torchrun with 2 ranks (DDP: 2 × 16 per
-    step, 6 steps per epoch; pipeline: 12)."""
+    """:func:`_args` under torchrun with 2 ranks."""
     return [sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-            str(restarts), "-m", "labkit", "train", "--strategy", strategy,
-            *[f"--{k.replace('_', '-')}={v}" for k, v in SMALL.items()], "--train-size", "192", "--log-every", "1",
-            "--out", str(out), *extra]
+            str(restarts), "-m", "labkit", *_args(strategy, out, *extra)]
 
 
 def _clean_rank(env, root):
@@ -163,15 +167,17 @@ def _none_alive(pids):
 
 def _stopped_and_resumed(strategy, out, log, steps, sig="SIGTERM"):
     """The signal stopped the run mid-epoch 3 with one message; ``--resume`` continues from that step and the
-    resumed epoch's throughput line counts from there (100 % at its end, a real rate)."""
+    resumed epoch's throughput line counts from there (100 % at its end, a real rate). The resumed run is the
+    ``labkit`` command on two ranks forked from a process that imported torch once: torchrun's part, the stop,
+    is over (a third torchrun launch would import torch in three more processes)."""
     marker = json.loads((out / MARKER).read_text())
     assert marker["epoch"] == 2 and 0 < marker["step"] < steps and marker["signal"] == sig, log
     assert log.count("labkit: stopped on") == 1 and log.count(f"labkit: stopped on {sig}") == 1, log
-    resumed = subprocess.run([*_train(strategy, out), "--resume"], env=ENV, capture_output=True, text=True,
-                             timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-2000:]
-    assert f"at epoch 2, step {marker['step']}" in resumed.stdout
-    lines = [ln for ln in resumed.stdout.splitlines() if ln.startswith("train | 3/3 epoch")]
+    ranks = run_cli_ranks([*_args(strategy, out), "--resume"], 2, timeout=300)
+    stdout = "".join(rank_out for _, rank_out, _ in ranks)
+    assert [code for code, _, _ in ranks] == [0, 0], ranks
+    assert f"at epoch 2, step {marker['step']}" in stdout
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("train | 3/3 epoch")]
     done = [int(ln.split("(")[1].split("%")[0]) for ln in lines]
     assert 100 * marker["step"] // steps < done[0] and done == sorted(done) and done[-1] == 100, lines
     assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines
