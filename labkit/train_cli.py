@@ -102,7 +102,7 @@ class TrainParser(argparse.ArgumentParser):
             group = _Recording(self.add_argument_group(f"optimizer {optimizer}"))
             add_optimizer_arguments(group, optimizer)
             owned["optim"] = [a.dest for a in group.actions]
-        self.set_defaults(func=lambda a: _run(a, owned))
+        self.set_defaults(func=lambda a: _run(a, owned), owned=owned)
 
     def error(self, message: str):
         """One ``labkit: error: ...`` line and exit code 2, like every other labkit error."""
@@ -218,6 +218,16 @@ def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
     cfg.strategy_options = {k: getattr(args, k) for k in owned["strategy"]}
     cfg.optim_options = {k: getattr(args, k) for k in owned["optim"]}
     return cfg
+
+
+def config_from_argv(argv: list[str]):
+    """The :class:`labkit.train_run.TrainConfig` that ``labkit train ARGV`` runs, its flags read and checked as
+    on the command line (a bad flag is one ``labkit: error`` line and exit 2)."""
+    from labkit.cli import build_parser
+
+    argv = ["train", *map(str, argv)]
+    args = build_parser(argv).parse_args(argv)
+    return config_from_args(args, args.owned)
 
 
 def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
