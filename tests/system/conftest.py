@@ -113,16 +113,21 @@ def browser() -> Iterator[object]:
         chromium.close()
 
 
-@pytest.fixture
-def page(browser: object, artifacts: Path, request: pytest.FixtureRequest) -> Iterator[object]:
-    """A fresh browser tab, large enough that JupyterLab shows a notebook and its outputs.
-
-    Leaves a screenshot of the window as the test left it in ``test-artifacts/<test>.png``.
-    """
+@pytest.fixture(scope="module")
+def module_tab(browser: object) -> Iterator[object]:
+    """One browser tab for a test module, large enough that JupyterLab shows a notebook and its outputs:
+    the module's tests look at one notebook run once (a JupyterLab page load costs seconds of CPU)."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})  # type: ignore[attr-defined]
     tab = context.new_page()
     tab.set_default_timeout(30_000)
     yield tab
-    with contextlib.suppress(Exception):
-        tab.screenshot(path=str(artifacts / f"{request.node.name}.png"))
     context.close()
+
+
+@pytest.fixture
+def page(module_tab: object, artifacts: Path, request: pytest.FixtureRequest) -> Iterator[object]:
+    """The module's browser tab; leaves a screenshot of the window as the test left it in
+    ``test-artifacts/<test>.png``."""
+    yield module_tab
+    with contextlib.suppress(Exception):
+        module_tab.screenshot(path=str(artifacts / f"{request.node.name}.png"))  # type: ignore[attr-defined]

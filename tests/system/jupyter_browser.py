@@ -49,6 +49,7 @@ class JupyterLab:
     def __init__(self, root: Path, token: str, env: dict[str, str],
                  notebooks: Path = REPO / "notebooks") -> None:
         self.root = root
+        self.serve = root / "serve"  # what the server serves: notebooks/ copied, the rest symlinked
         self.notebooks = notebooks
         self.token = token
         self.env = env
@@ -57,7 +58,7 @@ class JupyterLab:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 120.0) -> None:
-        serve = self.root / "serve"
+        serve = self.serve
         serve.mkdir()
         for entry in REPO.iterdir():
             if entry.name in (".git", "notebooks", "test-artifacts"):
@@ -132,6 +133,35 @@ class JupyterLab:
             except subprocess.TimeoutExpired:
                 continue
         self._proc = None
+
+
+def notebook_prefix(path: Path, marker: str) -> list[dict]:
+    """The cells of the notebook ``path`` up to and including the first code cell whose source has ``marker``."""
+    cells = json.loads(path.read_text())["cells"]
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] == "code" and marker in "".join(cell["source"]):
+            return cells[:i + 1]
+    raise AssertionError(f"{path.name}: no code cell contains {marker!r}")
+
+
+def prepare_notebook(server: JupyterLab, name: str, parts: list[tuple[str, str]]) -> str:
+    """Write ``notebooks/<name>`` into the served copy: for each ``(notebook, marker)`` of ``parts``, that
+    notebook's cells up to its cell with ``marker`` (:func:`notebook_prefix`), in order, without outputs.
+
+    A browser check then runs the cells it looks at and the ones they need, not a whole notebook (nbval
+    executes every notebook in full). Returns the path to open, relative to the server's root.
+    """
+    first = json.loads((server.notebooks / parts[0][0]).read_text())
+    cells = []
+    for notebook, marker in parts:
+        for cell in notebook_prefix(server.notebooks / notebook, marker):
+            cell = dict(cell, id=f"{notebook[:3]}{cell.get('id', len(cells))}"[:64])  # ids stay unique
+            if cell["cell_type"] == "code":
+                cell.update(outputs=[], execution_count=None)
+            cells.append(cell)
+    prepared = dict(first, cells=cells)
+    (server.serve / "notebooks" / name).write_text(json.dumps(prepared, indent=1))
+    return f"notebooks/{name}"
 
 
 def open_notebook(page, server: JupyterLab, relpath: str, timeout_s: float = 120) -> None:
