@@ -19,7 +19,8 @@ def test_one_plan_by_hand():
     t = _topo(CostModel(0.01, 1e-3))
     one = price_mesh(MeshPlan(1, 1, 1, 1), TINY, t, 4)
     # 6 · 536 · 4 · 4 + 12 · 2 · 4 · 16 · 4 = 57600 FLOP at 1e4 · 0.4 FLOP/s
-    assert one.time == {"compute": pytest.approx(14.4), "bubble": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
+    assert one.time == {"compute": pytest.approx(14.4), "bubble": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0,
+                        "ep": 0.0}
     dp = price_mesh(MeshPlan(2, 1, 1, 1), TINY, t, 4)
     assert dp.time["compute"] == pytest.approx(7.2)
     assert dp.time["dp"] == pytest.approx(1.092)  # (2 − 1)/2 · 2 · 1072 bytes · 1e-3 + 2 · 0.01
