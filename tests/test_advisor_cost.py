@@ -290,12 +290,12 @@ def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(m
     given = [0.0, 0.0031, 0.0, 0.0011]  # warm-up windows, then GPipe (2 partitions, 4 micro-batches), then plain
     ran = []
 
-    def fake_windowed(fn, windows, window_s=profile.WINDOW_S, quantile=0.5):
+    def fake_timed(fn, windows, quantile=0.5, window_s=0.0, setup=None):
         fn()
         ran.append((windows, quantile))
         return given.pop(0)
 
-    monkeypatch.setattr(profile, "_windowed", fake_windowed)
+    monkeypatch.setattr(profile, "timed", fake_timed)
     assert profile._gpipe_task_time(3) == pytest.approx((0.0031 - 0.0011) / 8)
     assert ran == [(2, 0.5), (9, 0.25)] * 2
 
@@ -316,7 +316,7 @@ def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
              4e-4, 4e-4, 1e-4, 5e-4, 4e-4, 6e-4, 3e-4, 4e-4, 0.0]            # median 4e-4
     looped = [b + e for b, e in zip(bare, extra)]
 
-    def fake_windowed(fn, windows, window_s=profile.WINDOW_S, quantile=0.5):
+    def fake_timed(fn, windows, quantile=0.5, window_s=0.0, setup=None):
         fn()  # everything timed really runs
         if fn.__qualname__ == "SGD.step":
             return 1e-6
@@ -331,7 +331,7 @@ def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(train, "train_step", spy)
-    monkeypatch.setattr(profile, "_windowed", fake_windowed)
+    monkeypatch.setattr(profile, "timed", fake_timed)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
     data, update, steps, loop = profile._loop_costs(model, "synthetic-mnist", (2, 8), 5)

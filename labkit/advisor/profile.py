@@ -33,10 +33,8 @@ dataset, sizes, threads, host and torch version match.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +43,7 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
+from labkit.advisor.measure import timed
 from labkit.errors import ConfigError
 from labkit.meters import process_memory_gb
 from labkit.results import RunWriter, load_run
@@ -138,26 +137,11 @@ class Profile:
         return sum(self.layers[i].param_bytes for i in layers)
 
 
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
+    """The median backward of ``layer`` on ``inp`` (each forward untimed, before it)."""
     y = layer(inp)
     grad = torch.randn_like(y)
-    y.backward(grad)  # warm-up: allocations, kernel choice
-    times = []
-    for _ in range(repeats):
-        y = layer(inp)
-        start = time.perf_counter()
-        y.backward(grad)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return timed(lambda out: out.backward(grad), repeats, setup=lambda: layer(inp))
 
 
 def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> tuple[list[tuple[float, float]], float]:
@@ -167,7 +151,7 @@ def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> tuple[l
     out, input_grad = [], 0.0
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
-        fwd = _median_time(lambda: layer(inp), repeats)
+        fwd = timed(lambda: layer(inp), repeats)
         first = i == 0 and x.is_floating_point()
         bwd = _backward_time(layer, inp, max(7, repeats) if first else repeats)
         if first:  # a difference of two timings: more repeats of both
@@ -198,28 +182,6 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
     return pairs
 
 
-def _windowed(fn, windows: int, window_s: float = WINDOW_S, quantile: float = 0.5) -> float:
-    """Seconds per call of ``fn`` called back to back (as a loop calls it): the ``quantile`` (default the
-    median) over ``windows`` windows of at least ``window_s`` each. A window shorter than a scheduler time slice
-    is all luck on a shared machine (one process more or less on the cores for its whole length); a window this
-    long averages over slices."""
-    start = time.perf_counter()
-    fn()
-    calls = max(1, math.ceil(window_s / max(time.perf_counter() - start, 1e-6)))
-    times = []
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    return _quantile(times, quantile)
-
-
-def _quantile(times: list[float], quantile: float) -> float:
-    """The ``quantile`` of ``times`` (the nearest one; 0.25: the lower quartile)."""
-    return sorted(times)[round(quantile * (len(times) - 1))]
-
-
 def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
                 repeats: int) -> tuple[float, float, list[float], float]:
     """(s per sample of data loading, s per parameter byte of SGD, s per bare training step at each size,
@@ -243,7 +205,7 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
     data, steps, books = 0.0, [], []
     for b in sizes:
         batches = _endless(kdata.make_loader(train_set, b, shuffle=True, drop_last=True))
-        data = _windowed(lambda: next(batches), repeats) / b
+        data = timed(lambda: next(batches), repeats, window_s=WINDOW_S) / b
 
         def step():
             x, y = next(batches)
@@ -258,16 +220,16 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
 
         for fn in (step, loop_step):
             fn()  # warm-up: allocations
-            _windowed(fn, 2)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
+            timed(fn, 2, window_s=WINDOW_S)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
         bare, extra = [], []
         for _ in range(max(9, repeats)):
-            bare.append(_windowed(step, 1))
-            extra.append(_windowed(loop_step, 1) - bare[-1])
+            bare.append(timed(step, 1, window_s=WINDOW_S))
+            extra.append(timed(loop_step, 1, window_s=WINDOW_S) - bare[-1])
         # the lower quartile of 9 or more windows: other programs only ever slow a window down, and this
         # level sets every layer's time (a median of 5 once caught a slow spell of the machine: lenet 2x)
-        steps.append(_quantile(bare, 0.25))
+        steps.append(sorted(bare)[round(0.25 * (len(bare) - 1))])
         books.append(statistics.median(extra))
-    update = _windowed(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
+    update = timed(opt.step, repeats, window_s=WINDOW_S) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
     return data, update, steps, max(0.0, statistics.fmean(books))
 
 
@@ -313,7 +275,7 @@ def _gpipe_task_time(repeats: int) -> float:
     x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
     criterion = nn.CrossEntropyLoss()
 
-    def timed(model: nn.Module) -> float:
+    def step_time(model: nn.Module) -> float:
         opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
 
         def step():
@@ -322,12 +284,12 @@ def _gpipe_task_time(repeats: int) -> float:
             opt.step()
 
         step()
-        _windowed(step, 2)
-        return _windowed(step, max(9, repeats), quantile=0.25)
+        timed(step, 2, window_s=WINDOW_S)
+        return timed(step, max(9, repeats), 0.25, WINDOW_S)
 
     k, m = GPIPE_PARTITIONS, GPIPE_MICROBATCHES
     pipe = make_gpipe(tiny(), ["cpu"] * k, m, "except_last", [2, 1])
-    return max(0.0, timed(pipe) - timed(tiny())) / (m * k)
+    return max(0.0, step_time(pipe) - step_time(tiny())) / (m * k)
 
 
 def _endless(loader):
