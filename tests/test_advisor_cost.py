@@ -430,3 +430,16 @@ def test_named_topologies_from_public_specifications():
     assert 1 / named("a100-pcie").link.beta == 25e9
     with pytest.raises(ConfigError, match="unknown topology 'dgx'"):
         named("dgx")
+
+
+def test_one_timing_helper_windows_quantile_and_setup(monkeypatch):
+    """``measure.timed``: one untimed call sizes the windows (4 ms, so 3 calls fill 10 ms), then each window's
+    mean per call (10, 4 and 6 ms), the median of them; ``setup`` runs before every window, untimed."""
+    from labkit.advisor import measure
+
+    clock = iter([0.0, 0.004, 1.0, 1.030, 2.0, 2.012, 3.0, 3.018])
+    monkeypatch.setattr(measure, "perf_counter", lambda: next(clock))
+    setups, calls = [], []
+    got = measure.timed(calls.append, 3, 0.5, window_s=0.01, setup=lambda: setups.append(0) or len(setups))
+    assert got == pytest.approx(0.006)
+    assert calls == [1, 2, 2, 2, 3, 3, 3, 4, 4, 4] and len(setups) == 4

@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 from pathlib import Path
+from time import perf_counter
 
 from labkit.collectives.cost import CostModel
 from labkit.errors import ConfigError
@@ -59,16 +59,16 @@ def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=
     def call():
         return fn(state) if setup else fn()
 
-    start = time.perf_counter()
+    start = perf_counter()
     call()
-    calls = max(1, math.ceil(window_s / max(time.perf_counter() - start, 1e-6)))
+    calls = max(1, math.ceil(window_s / max(perf_counter() - start, 1e-6)))
     times = []
     for _ in range(windows):
         state = setup() if setup else None
-        start = time.perf_counter()
+        start = perf_counter()
         for _ in range(calls):
             call()
-        times.append((time.perf_counter() - start) / calls)
+        times.append((perf_counter() - start) / calls)
     return sorted(times)[round(quantile * (len(times) - 1))]
 
 
