@@ -99,8 +99,8 @@ def gpt_shape(model: str, seq: int | None = None) -> GPTShape:
         return GPTShape(**{**GPT_1_3B.__dict__, "seq": seq or GPT_1_3B.seq})
     cfg, moe = MOE_SIZES.get(model, (GPT_SIZES.get(LANGUAGE_MODELS.get(model, "")), None))
     if cfg is None:
-        raise ConfigError(f"the mesh search prices a GPT: gpt-1.3b, {', '.join(GPT_SIZES)} or "
-                          f"{', '.join(MOE_SIZES)}, not {model!r}")
+        raise ConfigError(f"the mesh search prices a dense GPT: gpt-1.3b or {', '.join(GPT_SIZES)}, or a mixture of "
+                          f"experts: {', '.join(MOE_SIZES)}; not {model!r}")
     experts = (moe.n_expert, moe.top_k) if moe else (0, 0)
     return GPTShape(cfg.n_layer, cfg.n_head, cfg.n_embd, 50304, seq or cfg.block_size, model, *experts)
 
