@@ -248,14 +248,11 @@ def _valid(plan: MeshPlan, gpt: GPTShape, batch: int) -> bool:
             and (p.zero == 0 or p.dp * p.cp * p.ep > 1) and (not p.sequence_parallel or p.tp > 1))
 
 
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def meshes(devices: int, gpt: GPTShape, batch: int, microbatches=(1, 2, 4, 8, 16, 32)) -> list[MeshPlan]:
     """Every valid plan using all ``devices``: ``dp·tp·pp·cp·ep = N`` over its divisors."""
     out = []
-    for tp, pp, cp, ep in itertools.product(divisors(devices), repeat=4):
+    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
+    for tp, pp, cp, ep in itertools.product(divisors, repeat=4):
         if devices % (tp * pp * cp * ep):
             continue
         dp = devices // (tp * pp * cp * ep)
