@@ -17,6 +17,7 @@ from labkit import models as kmodels
 from labkit.dist import DistEnv
 from labkit.optim import OptimizerSpec
 from labkit.strategies.ps import ParameterServerStrategy
+from labkit.tensor_data import load_split
 from labkit.train import fit
 
 
@@ -31,8 +32,9 @@ def compare_modes(env: DistEnv, modes: tuple[str, ...] = ("sync", "async", "ssp"
     per-update record (worker, clock, staleness, ahead, time_s).
     """
     info = kdata.dataset_info(dataset)
-    train = torch.utils.data.Subset(kdata.get_dataset(dataset, train=True), range(train_size))
-    test = torch.utils.data.Subset(kdata.get_dataset(dataset, train=False), range(test_size))
+    # the splits held as tensors (the per-sample dataset's items, without importing torchvision on every rank)
+    train = load_split("tensor", dataset, True, limit=train_size)
+    test = load_split("tensor", dataset, False, limit=test_size)
     out = {}
     for mode in modes:
         options = {"ps_mode": mode, "ps_slow_worker": slow_worker, "ps_timeout_s": 120}

@@ -17,7 +17,6 @@ import math
 from pathlib import Path
 
 from matplotlib.animation import FuncAnimation, PillowWriter
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
@@ -25,7 +24,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle
 from labkit import quick
 from labkit.collectives.kv_ring import KVRing
 from labkit.errors import ConfigError
-from labkit.viz.allreduce import BOX_H, BOX_W, _edge, offline, rank_color
+from labkit.viz.allreduce import BOX_H, BOX_W, FrameCanvas, _edge, offline, rank_color
 
 
 class KVRingView:
@@ -38,7 +37,7 @@ class KVRingView:
         self.positions = {r: (radius * math.sin(2 * math.pi * r / p), radius * math.cos(2 * math.pi * r / p))
                           for r in range(p)}
         self.fig = Figure(figsize=(11.0, 5.4))
-        FigureCanvasAgg(self.fig)
+        FrameCanvas(self.fig)
         self.ax = self.fig.add_axes((0.01, 0.06, 0.55, 0.84))
         self.grid_ax = self.fig.add_axes((0.60, 0.10, 0.37, 0.76))
 
