@@ -326,7 +326,7 @@ def test_labkit_train_with_the_seed_flags(tmp_path, capsys):
     seed_flags = ["--optimizer", "kfac", "--base-lr", "0.1", "--batch-size", "128", "--kfac-update-freq", "10",
                   "--lr-decay", "35", "75", "90"]
     args = ["train", "--model", "resnet20", "--dataset", "synthetic-cifar10", *seed_flags, "--epochs", "1",
-            "--max-steps", "2", "--test-size", "128", "--device", "cpu", "--out", str(tmp_path / "run")]
+            "--max-steps", "2", "--test-size", "16", "--device", "cpu", "--out", str(tmp_path / "run")]
     assert main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["config"]["optim_options"]["kfac_update_freq"] == 10
