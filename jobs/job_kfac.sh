@@ -16,6 +16,7 @@
 #   LR_DECAY ["35 75 90"]   WARMUP_EPOCHS [5]   WEIGHT_DECAY [5e-4]   KFAC_UPDATE_FREQ [10]
 #   NPROC [the GPUs; 2 on CPU]   (as the seed's kfac_pytorch example: LR × ranks, 5 warm-up epochs, crops/flips)
 #   EXTRA_ARGS: more `labkit train` flags for both runs, e.g. "--kfac-method inverse"
+#   RUNS ["sgd kfac"]: the runs, in order; "kfac" alone skips the SGD baseline
 #   LABKIT_QUICK=1: lenet on the offline mnist-sample, 1 short epoch, CPU/gloo
 #   LABKIT_OUT: results folder [runs/kfac-<jobid>]; PYTHON [python3]
 #
@@ -55,9 +56,14 @@ else
 fi
 out="${LABKIT_OUT:-runs/kfac-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
 read -r -a extra <<< "${EXTRA_ARGS:-}"
+read -r -a runs <<< "${RUNS:-sgd kfac}"
+(( ${#runs[@]} )) || { echo "labkit: error: RUNS is empty; use sgd, kfac or both" >&2; exit 2; }
+for run in "${runs[@]}"; do
+    [[ "$run" == sgd || "$run" == kfac ]] || { echo "labkit: error: RUNS: unknown run '$run'; use sgd, kfac" >&2; exit 2; }
+done
 
 echo "labkit K-FAC job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $nproc rank(s) on $device ($backend)"
-for run in sgd kfac; do
+for run in "${runs[@]}"; do
     update=0
     [[ "$run" == kfac ]] && update="$freq"
     cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
@@ -67,22 +73,23 @@ for run in sgd kfac; do
     run_ranks "$out/$run" "${cmd[@]}" "${resume[@]}"
 done
 
-"$python" - "$out" "$nproc" <<'EOF'
+"$python" - "$out" "$nproc" "${runs[@]}" <<'EOF'
 import sys
 
 from labkit.results import RunWriter, load_run
 
-out, nproc = sys.argv[1], int(sys.argv[2])
-runs = {name: load_run(f"{out}/{name}") for name in ("sgd", "kfac")}
+out, nproc, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+runs = {name: load_run(f"{out}/{name}") for name in names}
 keys = ("final_test_acc", "best_test_acc", "time_s", "samples_per_sec")
 metrics = {name: {k: run.summary["metrics"].get(k) for k in keys} for name, run in runs.items()}
 print(f"validation accuracy, {nproc} rank(s):")
 for name, m in metrics.items():
     print(f"  {name:<5} final {m['final_test_acc']:.2%}  best {m['best_test_acc']:.2%}  "
           f"time {m['time_s']:.0f} s  {m['samples_per_sec']:.1f} samples/sec")
+top = "kfac" if "kfac" in runs else names[-1]
 config = {"world_size": nproc, "runs": {name: f"{out}/{name}" for name in runs},
-          "train": runs["kfac"].summary["config"]}
+          "train": runs[top].summary["config"]}
 # top level: the K-FAC run's numbers (what a single-run summary holds); per run below
-RunWriter(out, append=True).finish("kfac-vs-sgd", "comparison", config, {**metrics["kfac"], **metrics})
+RunWriter(out, append=True).finish("kfac-vs-sgd", "comparison", config, {**metrics[top], **metrics})
 EOF
-echo "results: $out/summary.json ($out/sgd, $out/kfac)"
+echo "results: $out/summary.json (${runs[*]/#/$out/})"

@@ -31,17 +31,18 @@ JOB_TIME_LIMIT_MIN = 8
 
 
 # the lean subsets: ZeRO stage 3 and FSDP (tests/test_zero.py compares every stage with DDP), one
-# pipeline schedule (both in tests/test_pipelining.py), the hybrid run without its DDP twin (job_ddp);
+# pipeline schedule (both in tests/test_pipelining.py), the hybrid run without its DDP twin (job_ddp), the K-FAC
+# run without its SGD baseline (the same command with --kfac-update-freq 0; job_ddp trains with SGD);
 # the seed's ResNet-50 hands-on scripts at the smallest batch their micro-batches allow
-LEAN = {"job_zero": {"RUNS": "zero-3 fsdp"}, "job_pipeline": {"SCHEDULES": "1f1b"},
+LEAN = {"job_zero": {"RUNS": "zero-3 fsdp"}, "job_kfac": {"RUNS": "kfac"}, "job_pipeline": {"SCHEDULES": "1f1b"},
         "job_hybrid": {"COMPARE_DDP": "0"},
         "gpipe-job_gpipe_answer": {"BATCHSIZE": "4", "NUM_MICROBATCHES": "2"},
         "gpipe-job_gpipe_exercise": {"BATCHSIZE": "4"}, "gpipe-job_pytorch": {"BATCHSIZE": "4"}}
 
 
-# Submitted first (SLURM starts jobs in submission order): the jobs that train twice (one run per optimizer or
-# sharding), so that the batch does not end with one long job running alone.
-FIRST = ("job_kfac", "job_zero")
+# Submitted first (SLURM starts jobs in submission order): the jobs that launch their ranks twice (one run per
+# sharding; a check, then a benchmark), so that the batch does not end with one long job running alone.
+FIRST = ("job_zero", "job_allreduce")
 
 
 @pytest.fixture(scope="module")

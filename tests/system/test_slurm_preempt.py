@@ -21,11 +21,12 @@ from .slurm_cluster import TERMINAL, SlurmCluster
 
 pytestmark = pytest.mark.system
 
-# 2 CPU ranks × 16 samples: 12 steps per epoch, 3 epochs. The warned job is slowed down (which changes no result)
-# so that the signal lands mid-epoch: it is sent at epoch 2's first throughput line (step 3) and must reach the
+# 2 CPU ranks × 16 samples: 12 steps per epoch, 2 epochs. The warned job is slowed down (which changes no result)
+# so that the signal lands mid-epoch: it is sent at epoch 1's first throughput line (step 3) and must reach the
 # ranks (scancel, slurmd, the script's trap, srun) 0.2 s plus two steps before the epoch's last step; the 9 steps
-# left of 0.4 s leave it seconds even while the clean job computes beside it on a busy machine
-ARGS = ("--model mlp --dataset synthetic-mnist --train-size 384 --test-size 32 --batch-size 16 --epochs 3 "
+# left of 0.4 s leave it seconds even while the clean job computes beside it on a busy machine. The resumed run
+# finishes epoch 1 from that step and then trains all of epoch 2, whose shuffle must not skip anything.
+ARGS = ("--model mlp --dataset synthetic-mnist --train-size 384 --test-size 32 --batch-size 16 --epochs 2 "
         "--log-every 1 --seed 4")
 
 
@@ -39,7 +40,7 @@ def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm: SlurmClus
     clean = _submit(slurm, tmp_path, "clean")
     warned = _submit(slurm, tmp_path, "warned", "--step-delay-s 0.4")
     deadline = time.monotonic() + 300
-    while "train | 2/3 epoch" not in warned.log():  # epoch 2 under way
+    while "train | 1/2 epoch" not in warned.log():  # epoch 1 under way
         assert time.monotonic() < deadline and slurm.refresh(warned).state not in TERMINAL, warned.describe()
         time.sleep(0.3)
     slurm.command("scancel", "--signal=USR1", "--batch", warned.job_id)
@@ -49,12 +50,12 @@ def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm: SlurmClus
     assert int(warned.info.get("Restarts", "0")) == 1, warned.describe()
 
     log = warned.log()
-    assert "labkit: stopped on SIGTERM in epoch 2 after step" in log and f"requeued job {warned.job_id}" in log, log
-    stopped_at = int(log.split("in epoch 2 after step ")[1].split(";")[0])
-    assert 0 < stopped_at < 12 and f"at epoch 1, step {stopped_at}" in log, log
+    assert "labkit: stopped on SIGTERM in epoch 1 after step" in log and f"requeued job {warned.job_id}" in log, log
+    stopped_at = int(log.split("in epoch 1 after step ")[1].split(";")[0])
+    assert 0 < stopped_at < 12 and f"at epoch 0, step {stopped_at}" in log, log
     a = load_checkpoint(tmp_path / "clean" / "checkpoint.pt")
     b = load_checkpoint(tmp_path / "warned" / "checkpoint.pt")
-    assert a["epoch"] == b["epoch"] == 3
+    assert a["epoch"] == b["epoch"] == 2
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     summary = json.loads((tmp_path / "warned" / "summary.json").read_text())
