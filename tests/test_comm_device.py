@@ -22,15 +22,17 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "al
 #: where a bare collective is the point: the helpers themselves, the all-reduce algorithms, the exercises and the
 #: broken programs of the faults lab that teach torch.distributed, the strategies' own protocols whose buffers the
 #: backend/device table keeps right, and the stop check, which launches its all-reduce without waiting
-#: (``async_op``) on a tensor it keeps on the rank's device itself, and sequence parallelism's reduce-scatter, for
-#: which labkit.dist has no helper (it moves the tensor to the communication device itself)
+#: (``async_op``) on a tensor it keeps on the rank's device itself, sequence parallelism's reduce-scatter, for
+#: which labkit.dist has no helper (it moves the tensor to the communication device itself), and the advisor's link
+#: fit, whose ring step is the point-to-point exchange it times (its buffers are made on the communication device)
 ALLOWED_FILES = {"dist.py", "collectives", "exercises", "faults"}
 ALLOWED_FUNCTIONS = {("strategies/zero.py", "Comm.all_gather"), ("strategies/zero.py", "Comm.reduce_scatter"),
                      ("strategies/ps.py", "ParameterServerStrategy._push_pull"),
                      ("strategies/ps_server.py", "ServerState.receive"),
                      ("strategies/ps_server.py", "ServerState.reply"),
                      ("preempt.py", "StopCheck._launch"),
-                     ("parallel/megatron_ops.py", "reduce_scatter_sequence")}
+                     ("parallel/megatron_ops.py", "reduce_scatter_sequence"),
+                     ("advisor/measure.py", "_fit_rank.ring_step")}
 
 
 class _Calls(ast.NodeVisitor):

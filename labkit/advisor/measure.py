@@ -76,27 +76,35 @@ def _fit_rank(env) -> dict:
     import torch
     import torch.distributed as dist
 
+    from labkit import dist as kdist
     from labkit.collectives.cost import fit_alpha_beta
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
     rank, p, points = env.rank, env.world_size, []
+    device = kdist.comm_device()  # NCCL takes CUDA tensors only
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     for nbytes in FIT_SIZES:
-        send = torch.zeros(max(1, nbytes // 4))
+        send = torch.zeros(max(1, nbytes // 4), device=device)
         recv = torch.empty_like(send)
 
         def ring_step(_):
             ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % p), dist.P2POp(dist.isend, send, (rank + 1) % p)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
+            sync()
 
         slowest = torch.tensor(timed(ring_step, 9, 0.25, setup=dist.barrier), dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         points.append((send.numel() * 4, slowest.item()))
     alpha, beta = fit_alpha_beta(*zip(*points))
     a = torch.zeros(1 << 20)
     b = torch.ones_like(a)
     gamma = torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64)
-    dist.all_reduce(gamma)
+    kdist.all_reduce(gamma)
     return {"alpha": alpha, "beta": beta, "gamma": gamma.item() / p, "p2p": points}
 
 
