@@ -57,9 +57,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 # Units that took a minute or more on two cores (pytest --durations), sent out right after the system layer. The
 # order only balances the two workers; a name missing here or a file renamed changes no result.
-LONGEST = ("notebooks/08_strategy_advisor.ipynb", "notebooks/09_transformer_parallelism.ipynb",
-           "notebooks/06_cifar10_resnet32_multi_gpu.ipynb", "notebooks/10_long_context_and_experts.ipynb",
-           "notebooks/04_pipeline.ipynb", "notebooks/03_model_parallel.ipynb", "tests/test_preempt.py")
+LONGEST = ("notebooks/08_strategy_advisor.ipynb", "notebooks/06_cifar10_resnet32_multi_gpu.ipynb",
+           "notebooks/03_model_parallel.ipynb", "tests/test_preempt.py", "notebooks/04_pipeline.ipynb",
+           "notebooks/02_data_parallel.ipynb", "notebooks/10_long_context_and_experts.ipynb",
+           "notebooks/09_transformer_parallelism.ipynb", "notebooks/01_allreduce.ipynb")
 
 
 def pytest_collection_modifyitems(config, items):
