@@ -55,7 +55,7 @@ def pytest_xdist_make_scheduler(config, log):
     return ByUnit(config, log)
 
 
-# Units that took a minute or more on two cores (pytest --durations), sent out right after the system layer. The
+# Units that took 40 s or more on two cores (pytest --durations), sent out right after the system layer. The
 # order only balances the two workers; a name missing here or a file renamed changes no result.
 LONGEST = ("notebooks/08_strategy_advisor.ipynb", "notebooks/06_cifar10_resnet32_multi_gpu.ipynb",
            "notebooks/03_model_parallel.ipynb", "tests/test_preempt.py", "notebooks/04_pipeline.ipynb",
