@@ -48,7 +48,7 @@ from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
 from labkit.meters import process_memory_gb
 from labkit.results import RunWriter, load_run
-from labkit.strategies.gpipe import SavedActivations
+from labkit.strategies.gpipe_balance import SavedActivations
 from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
