@@ -30,13 +30,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit import text_data
 from labkit.data_check import verify
 from labkit.errors import ConfigError, DatasetCorrupt, DatasetMissing
 from labkit.mnist_sample import _mnist_sample_arrays, _read_idx, _write_mnist_sample  # noqa: F401 (tests clear its cache)
+from labkit.synthetic_data import SYNTHETIC_NOISE, SyntheticImages, synthetic_split
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,6 @@ DATASETS: dict[str, DatasetInfo] = {
     **{name: _TEXT for name in text_data.TEXT_NAMES},  # labkit.text_data
 }
 _REAL = ("mnist", "cifar10")  # torchvision's datasets; torchvision is imported only where one is read
-_SYNTHETIC_NOISE = {"synthetic-mnist": 1.5, "synthetic-cifar10": 3.5}  # tuned: linear ~60-80 %, CNN higher
-_SYNTHETIC_SIZE = {True: 2048, False: 512}
 
 
 def dataset_info(name: str, root: str | os.PathLike | None = None) -> DatasetInfo:
@@ -116,8 +114,8 @@ def get_dataset(name: str, train: bool = True, root: str | os.PathLike | None = 
     info = dataset_info(name)
     _check_size(name, size)
     augment = augment and train and name in ("cifar10", "synthetic-cifar10")
-    if name in _SYNTHETIC_NOISE:
-        x, y = _synthetic(name, _synthetic_size(train, size), seed=1 if train else 2)
+    if name in SYNTHETIC_NOISE:
+        x, y = synthetic_split(name, DATASETS[name], train, size)
         return SyntheticImages(x, y, _augmentation(info, compose=True) if augment else None)
     from torchvision import datasets
     from torchvision.transforms import v2
@@ -143,8 +141,8 @@ def raw_split(name: str, train: bool = True, root: str | os.PathLike | None = No
     if name in text_data.TEXT_NAMES:
         raise ConfigError(f"{name} is text, not images: read it with labkit.text_data.text_split")
     _check_size(name, size)
-    if name in _SYNTHETIC_NOISE:
-        return _synthetic(name, _synthetic_size(train, size), seed=1 if train else 2)
+    if name in SYNTHETIC_NOISE:
+        return synthetic_split(name, DATASETS[name], train, size)
     base = data_root(root)
     if name == "mnist-sample":
         raw = _write_mnist_sample(base) / "MNIST" / "raw"
@@ -156,14 +154,10 @@ def raw_split(name: str, train: bool = True, root: str | os.PathLike | None = No
 
 
 def _check_size(name: str, size: int | None) -> None:
-    if size is not None and name not in _SYNTHETIC_NOISE:
+    if size is not None and name not in SYNTHETIC_NOISE:
         raise ConfigError(f"size={size} only applies to synthetic datasets, not {name!r}; use a Subset instead")
     if size is not None and size <= 0:
         raise ConfigError(f"size={size} must be a positive number of samples")
-
-
-def _synthetic_size(train: bool, size: int | None) -> int:
-    return _SYNTHETIC_SIZE[train] if size is None else size
 
 
 def _augmentation(info: DatasetInfo, compose: bool = False):
@@ -204,45 +198,6 @@ def _raise_if_corrupt(name: str, base: Path, train: bool | None = None) -> None:
     if state.status == "corrupt":
         raise DatasetCorrupt(f"dataset {name!r}: {state.path} is corrupt ({state.reason}); delete it and fetch "
                              f"again: rm {state.path} && labkit data fetch {name} --root {base}")
-
-
-class SyntheticImages(Dataset):
-    """In-memory images ``data`` (N, C, H, W) float32 (already normalised) and labels ``targets`` (N,)."""
-
-    def __init__(self, data: torch.Tensor, targets: torch.Tensor, transform=None):
-        self.data, self.targets, self.transform = data, targets, transform
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        x = self.data[index]
-        return (self.transform(x) if self.transform else x), int(self.targets[index])
-
-
-def _synthetic(name: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x (n, C, S, S) normalised, y (n,)) for a synthetic dataset; templates are shared by both splits."""
-    info = DATASETS[name]
-    c, s = info.in_channels, info.image_size
-    g = torch.Generator().manual_seed(0)
-    # Smooth templates: 7x7 Gaussian fields upsampled; the channels share most of their pattern, as colour
-    # channels of real images do.
-    low = torch.randn(info.num_classes, 1, 7, 7, generator=g) + 0.4 * torch.randn(info.num_classes, c, 7, 7,
-                                                                                   generator=g)
-    templates = F.interpolate(low, size=(s, s), mode="bilinear", align_corners=False)
-    templates = (templates - templates.mean()) / templates.std()
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randperm(n, generator=g) % info.num_classes  # balanced classes, shuffled order
-    dy, dx = torch.randint(-6, 7, (2, n, 1), generator=g)
-    pixel = torch.arange(s)
-    rows, cols = (pixel - dy) % s, (pixel - dx) % s  # (n, S): a cyclic shift, as torch.roll
-    x = templates[y[:, None, None, None], torch.arange(c)[None, :, None, None], rows[:, None, :, None],
-                  cols[:, None, None, :]]  # (n, C, S, S)
-    noise = _SYNTHETIC_NOISE[name]
-    z = (x + noise * torch.randn(x.shape, generator=g)) / (1 + noise**2) ** 0.5  # unit variance
-    mean, std = torch.tensor(info.mean).view(1, c, 1, 1), torch.tensor(info.std).view(1, c, 1, 1)
-    pixels = (mean + std * z).clamp(0, 1)  # valid intensities around the real dataset's statistics
-    return (pixels - mean) / std, y
 
 
 def make_loader(dataset: Dataset, batch_size: int, shuffle: bool, sampler: Sampler | None = None, seed: int = 0,
@@ -307,7 +262,7 @@ def fetch(names: list[str], root: str | os.PathLike | None = None) -> None:
 
 def _present(name: str, base: Path) -> str:
     """One word on whether ``name`` can be loaded from ``base`` without a download."""
-    if name in _SYNTHETIC_NOISE:
+    if name in SYNTHETIC_NOISE:
         return "generated"
     if name in text_data.TEXT_NAMES:
         return text_data.present(name, base)

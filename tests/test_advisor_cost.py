@@ -308,7 +308,7 @@ def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
     from torch import nn
 
     from labkit import train
-    from labkit.advisor import profile
+    from labkit.advisor import loop_costs
 
     bare = [0.010, 0.012, 0.011, 0.030, 0.010, 0.013, 0.011, 0.012, 0.010,   # 2 samples: 9 windows
             0.020, 0.021, 0.022, 0.020, 0.025, 0.021, 0.020, 0.050, 0.023]   # 8 samples
@@ -331,10 +331,10 @@ def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(train, "train_step", spy)
-    monkeypatch.setattr(profile, "timed", fake_timed)
+    monkeypatch.setattr(loop_costs, "timed", fake_timed)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
-    data, update, steps, loop = profile._loop_costs(model, "synthetic-mnist", (2, 8), 5)
+    data, update, steps, loop = loop_costs.loop_costs(model, "synthetic-mnist", (2, 8), 5)
     assert steps == [0.010, 0.020]  # the lower quartile of each size's 9 bare windows
     assert loop == pytest.approx((2e-4 + 4e-4) / 2)
     assert not bare and not looped
@@ -378,12 +378,12 @@ def test_profile_times_the_first_layer_as_training_runs_it_and_its_input_gradien
 
 def test_profile_levels_are_timed_with_as_many_processes_as_fill_the_cores(monkeypatch):
     """A one-thread profile prices plans whose ranks all compute at once; a two-thread one the one-process plans."""
-    from labkit.advisor import profile
+    from labkit.advisor import loop_costs
 
-    monkeypatch.setattr(profile.os, "cpu_count", lambda: 8)
-    assert [profile._copies(t) for t in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]
-    monkeypatch.setattr(profile.os, "cpu_count", lambda: 2)
-    assert [profile._copies(t) for t in (1, 2)] == [2, 1]
+    monkeypatch.setattr(loop_costs.os, "cpu_count", lambda: 8)
+    assert [loop_costs.copies(t) for t in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]
+    monkeypatch.setattr(loop_costs.os, "cpu_count", lambda: 2)
+    assert [loop_costs.copies(t) for t in (1, 2)] == [2, 1]
 
 
 def test_no_plan_pays_a_per_step_stop_check():

@@ -26,8 +26,8 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "al
 #: which labkit.dist has no helper (it moves the tensor to the communication device itself), and the advisor's link
 #: fit, whose ring step is the point-to-point exchange it times (its buffers are made on the communication device)
 ALLOWED_FILES = {"dist.py", "collectives", "exercises", "faults"}
-ALLOWED_FUNCTIONS = {("strategies/zero.py", "Comm.all_gather"), ("strategies/zero.py", "Comm.reduce_scatter"),
-                     ("strategies/ps.py", "ParameterServerStrategy._push_pull"),
+ALLOWED_FUNCTIONS = {("strategies/zero_units.py", "Comm.all_gather"), ("strategies/zero_units.py", "Comm.reduce_scatter"),
+                     ("strategies/ps_worker.py", "push_pull"),
                      ("strategies/ps_server.py", "ServerState.receive"),
                      ("strategies/ps_server.py", "ServerState.reply"),
                      ("preempt.py", "StopCheck._launch"),

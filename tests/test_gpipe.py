@@ -14,7 +14,8 @@ from torchgpipe.worker import spawn_workers
 from labkit.cli import main as cli
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
-from labkit.strategies.gpipe import GPipeStrategy, SavedActivations, compute_balance, estimate_layer_memory, make_gpipe
+from labkit.strategies.gpipe import GPipeStrategy, make_gpipe
+from labkit.strategies.gpipe_balance import SavedActivations, compute_balance, estimate_layer_memory
 from labkit.train import fit
 
 CPU2 = ["cpu", "cpu"]

@@ -47,7 +47,7 @@ def test_nu_scales_every_gradient_on_that_gradients_device():
 def test_balancing_profiles_a_copy_that_kfac_does_not_see(how):
     """The profiler runs as many passes as fit in its time, on the first device: K-FAC must capture none."""
     from labkit.models import get_model
-    from labkit.strategies.gpipe import compute_balance
+    from labkit.strategies.gpipe_balance import compute_balance
     from labkit.strategies.model_parallel import balance_by_time
 
     model = get_model("mlp", sequential=True)

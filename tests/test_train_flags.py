@@ -91,14 +91,14 @@ def test_every_flag_has_help_and_every_valued_flag_shows_its_default(strategy):
 
 
 def test_flags_literals_agree_with_the_modules_that_own_them():
-    from labkit.strategies import ddp, gpipe, pipelining, ps, ps_server
+    from labkit.strategies import ddp, gpipe, gpipe_balance, pipelining, ps, ps_server
 
     for target in STRATEGIES.values():
         module = importlib.import_module(target.partition(":")[0])
         assert read_flags(module.__name__) == tuple(getattr(module, "FLAGS", ()))
     choices = {f["flag"]: f.get("choices") for m in (ddp, gpipe, pipelining) for f in m.FLAGS}
     assert tuple(choices["--allreduce"]) == ddp.ALLREDUCE_MODES
-    assert tuple(choices["--balance-by"]) == gpipe.BALANCE_METHODS
+    assert tuple(choices["--balance-by"]) == gpipe_balance.BALANCE_METHODS
     assert tuple(choices["--checkpoint-mode"]) == gpipe.CHECKPOINT_MODES
     assert tuple(choices["--schedule"]) == tuple(pipelining.SCHEDULES)
     assert tuple(next(f["choices"] for f in ps.FLAGS if f["flag"] == "--ps-mode")) == ps_server.MODES

@@ -20,7 +20,7 @@ from labkit.data import get_dataset, make_loader
 from labkit.meters import ThroughputMeter, memory_lines, peak_memory_gb
 from labkit.models import get_model
 from labkit.results import RunWriter
-from labkit.strategies.gpipe import compute_balance
+from labkit.strategies.gpipe_balance import compute_balance
 
 # LABKIT_QUICK=1 (CI, a first try on a laptop): a small batch, fewer micro-batches and steps
 BATCH_SIZE, CHUNKS = (16, 4) if labkit.quick() else (512, 8)

@@ -81,8 +81,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _mesh(args: argparse.Namespace) -> int:
     """A GPT's mesh search on a named topology: the explanation, the best plans and the frontier."""
+    from labkit.advisor.gpt_shape import gpt_shape
     from labkit.advisor.mesh import explain as why
-    from labkit.advisor.mesh import frontier, gpt_shape, search
+    from labkit.advisor.mesh import frontier, search
     from labkit.advisor.topology import named
     from labkit.errors import ConfigError
 

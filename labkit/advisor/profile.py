@@ -16,10 +16,10 @@ layer's time is scaled by
     scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
 
 so the layers sum to what the loop spends on them. The steps are timed in as many processes at once as fill the
-cores at the profile's thread count (:func:`_copies`), each stepping its own copy, and averaged: a multi-process
-plan's ranks all compute at the same time and share the caches and memory bandwidth (on 2 cores, one thread
-each, LeNet's step at 64 samples took 1.13× as long with a second process stepping beside it; the
-one-process plans' profile, two threads, is timed alone). Besides the layers:
+cores at the profile's thread count (:func:`labkit.advisor.loop_costs.copies`), each stepping its own copy, and
+averaged: a multi-process plan's ranks all compute at the same time and share the caches and memory bandwidth
+(on 2 cores, one thread each, LeNet's step at 64 samples took 1.13× as long with a second process stepping
+beside it; the one-process plans' profile, two threads, is timed alone). Besides the layers:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import os
-import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -43,16 +42,16 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
+from labkit.advisor.loop_costs import WINDOW_S, copies, loop_costs_together
 from labkit.advisor.measure import timed
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
 from labkit.meters import process_memory_gb
 from labkit.results import RunWriter, load_run
-from labkit.strategies.gpipe import SavedActivations
+from labkit.strategies.gpipe_balance import SavedActivations
 from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
-WINDOW_S = 0.05      # the shortest timed window of back-to-back steps
 FORMAT = 6           # profiles of another format are measured again (4: levels timed with the cores filled;
                      # 5: torchgpipe's price per micro-batch and partition; 6: the loop's bookkeeping)
 
@@ -102,84 +101,6 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
     return pairs
 
 
-def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
-                repeats: int) -> tuple[float, float, list[float], float]:
-    """(s per sample of data loading, s per parameter byte of SGD, s per bare training step at each size,
-    s of the training loop's bookkeeping per step).
-
-    The bare step is the next batch from ``labkit train``'s default loader (resident tensors), forward, loss,
-    backward, optimizer step, back to back. The loop's step is :func:`labkit.train.train_step` itself (with the
-    learning-rate scheduler ``labkit train`` steps, the metric sums, and the meter's update): windows of each
-    alternate, and the bookkeeping is the median of the pairs' differences, the mean over both sizes.
-    """
-    from labkit.meters import ThroughputMeter
-    from labkit.tensor_data import load_split
-    from labkit.train import lr_factor, single_strategy, train_step
-
-    train_set = load_split("tensor", dataset, train=True)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 1000, [], 0.1, 0.0, 1.0))
-    strategy, totals = single_strategy(model), torch.zeros(3, dtype=torch.float64)
-    meter = ThroughputMeter(1, 1, 2**62, every=1000, printer=lambda line: None)
-    criterion = nn.CrossEntropyLoss()
-    data, steps, books = 0.0, [], []
-    for b in sizes:
-        batches = _endless(kdata.make_loader(train_set, b, shuffle=True, drop_last=True))
-        data = timed(lambda: next(batches), repeats, window_s=WINDOW_S) / b
-
-        def step():
-            x, y = next(batches)
-            opt.zero_grad(set_to_none=True)
-            criterion(model(x), y).backward()
-            opt.step()
-
-        def loop_step():
-            x, y = next(batches)
-            train_step(model, x, y, opt, strategy, criterion, totals, scheduler=scheduler)
-            meter.update(len(x))
-
-        for fn in (step, loop_step):
-            fn()  # warm-up: allocations
-            timed(fn, 2, window_s=WINDOW_S)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
-        bare, extra = [], []
-        for _ in range(max(9, repeats)):
-            bare.append(timed(step, 1, window_s=WINDOW_S))
-            extra.append(timed(loop_step, 1, window_s=WINDOW_S) - bare[-1])
-        # the lower quartile of 9 or more windows: other programs only ever slow a window down, and this
-        # level sets every layer's time (a median of 5 once caught a slow spell of the machine: lenet 2x)
-        steps.append(sorted(bare)[round(0.25 * (len(bare) - 1))])
-        books.append(statistics.median(extra))
-    update = timed(opt.step, repeats, window_s=WINDOW_S) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
-    return data, update, steps, max(0.0, statistics.fmean(books))
-
-
-def _copies(threads: int) -> int:
-    """Processes that step at once when each has ``threads`` threads and together they fill the cores, as the
-    plans priced with a profile at ``threads`` run: one for two threads on two cores, two for one thread."""
-    return max(1, (os.cpu_count() or 1) // max(1, threads))
-
-
-def _loop_costs_rank(env, model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, threads: int):
-    import torch.distributed as dist
-
-    torch.set_num_threads(threads)
-    dist.barrier()  # every copy starts its windows together
-    return _loop_costs(model, dataset, sizes, repeats)
-
-
-def _loop_costs_together(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int,
-                         copies: int) -> tuple[float, float, list[float], float]:
-    """:func:`_loop_costs` in ``copies`` processes at once, each on its own copy of ``model`` at this process's
-    thread count; each number the mean over the copies (one copy: timed here)."""
-    if copies <= 1:
-        return _loop_costs(model, dataset, sizes, repeats)
-    from labkit.testing import run_ranks
-
-    runs = run_ranks(_loop_costs_rank, copies, model, dataset, sizes, repeats, torch.get_num_threads(), timeout=600)
-    return (statistics.fmean(r[0] for r in runs), statistics.fmean(r[1] for r in runs),
-            [statistics.fmean(r[2][k] for r in runs) for k in range(len(sizes))], statistics.fmean(r[3] for r in runs))
-
-
 GPIPE_PARTITIONS, GPIPE_MICROBATCHES = 2, 4
 
 
@@ -212,11 +133,6 @@ def _gpipe_task_time(repeats: int) -> float:
     return max(0.0, step_time(pipe) - step_time(tiny())) / (m * k)
 
 
-def _endless(loader):
-    while True:
-        yield from loader
-
-
 def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3) -> Profile:
     """Profile ``model`` on ``dataset`` shapes at ``threads`` CPU threads (one rank's share of the cores).
 
@@ -244,8 +160,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole, loop_s = _loop_costs_together(copy.deepcopy(seq).train(), dataset, sizes,
-                                                               max(5, repeats), _copies(threads))
+        data_s, update_s, whole, loop_s = loop_costs_together(copy.deepcopy(seq).train(), dataset, sizes,
+                                                              max(5, repeats), copies(threads))
         gpipe_task = _gpipe_task_time(repeats)
     finally:
         torch.set_num_threads(before)

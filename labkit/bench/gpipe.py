@@ -34,7 +34,8 @@ from torch import nn
 from torchgpipe import GPipe
 
 from labkit.bench.harness import config_of, sync
-from labkit.strategies.gpipe import compute_balance, gpipe_devices, make_gpipe
+from labkit.strategies.gpipe import gpipe_devices, make_gpipe
+from labkit.strategies.gpipe_balance import compute_balance
 
 GB = 1024 ** 3
 TARGET = 0.97

@@ -42,7 +42,8 @@ from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.results import atomic_write_text
 from labkit.strategies.base import Strategy
-from labkit.strategies.gpipe import SavedActivations, check_balance, check_sequential, num_microbatches
+from labkit.strategies.gpipe import check_balance, check_sequential, num_microbatches
+from labkit.strategies.gpipe_balance import SavedActivations
 from labkit.strategies.pipeline_stages import (
     SCHEDULES,
     StageSchedules,
@@ -89,7 +90,7 @@ class Timeline:
     which, e.g. ``fwd_recv``). Times are seconds since the step's origin: every rank passes a barrier, then
     reads its clock, so ranks share the origin up to the barrier's exit skew (microseconds on one node).
     Memory per step: ``saved_peak_bytes`` (peak bytes autograd kept for backward on this stage,
-    :class:`~labkit.strategies.gpipe.SavedActivations`) and ``device_peak_bytes`` (CUDA only). On GPUs the
+    :class:`~labkit.strategies.gpipe_balance.SavedActivations`) and ``device_peak_bytes`` (CUDA only). On GPUs the
     recorded steps synchronise the device around each forward/backward, so a box spans the kernels' real
     run time; a wait then is time the host was blocked on a send/receive handle.
     """

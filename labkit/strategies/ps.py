@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 
 import torch
@@ -53,15 +52,14 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from labkit import dist as kdist
 from labkit.advisor.alphabeta import common_terms, memory_terms, message_time
 from labkit.advisor.plan import Estimate
-from labkit.backends import check as check_backend
-from labkit.backends import key
 from labkit.dist import DistEnv, print0
-from labkit.errors import ConfigError, OutputError
+from labkit.errors import ConfigError
 from labkit.optim import OptimizerSpec
-from labkit.results import atomic_write_text, check_writable
+from labkit.results import atomic_write_text
 from labkit.strategies.base import Strategy
-from labkit.strategies.data_parallel import ShardSampler
-from labkit.strategies.ps_server import MODES, ServerState, shard_tensors, wait
+from labkit.strategies.ps_options import read_options
+from labkit.strategies.ps_server import ServerState, shard_tensors
+from labkit.strategies.ps_worker import push_pull, worker_sampler
 
 FLAGS = [
     {"flag": "--ps-mode", "default": "sync", "choices": ["sync", "async", "ssp"],
@@ -95,30 +93,6 @@ BACKENDS = [
             "--device cpu (or leave --device auto), or --ps-mode sync"},
 ]
 
-#: async workers i draw their order from seed + STREAM · i (worker 0: the sync order on one worker)
-STREAM = 1_000_003
-
-
-class NoSamples(Sampler[int]):
-    """The servers' evaluation sampler: they hold no data."""
-
-    def __iter__(self):
-        return iter(())
-
-    def __len__(self) -> int:
-        return 0
-
-
-def parse_slow_worker(spec: str | None) -> tuple[int, float] | None:
-    """``"2:4"`` -> ``(2, 4.0)``: rank 2 takes 4 times as long per step."""
-    if spec is None:
-        return None
-    match = re.fullmatch(r"\s*(\d+)\s*:\s*([0-9.]+)\s*", str(spec))
-    if not match or float(match[2]) < 1:
-        raise ConfigError(f"--ps-slow-worker {spec!r} is not RANK:FACTOR with FACTOR >= 1; e.g. 2:4")
-    return int(match[1]), float(match[2])
-
-
 class ParameterServerStrategy(Strategy):
     """Servers hold the parameters and apply the optimizer; workers compute gradients (module docstring).
 
@@ -134,37 +108,10 @@ class ParameterServerStrategy(Strategy):
 
     def __init__(self, env: DistEnv, options: dict | None = None):
         super().__init__(env, options)
-        self.mode = self.options.get("ps_mode") or "sync"
-        if self.mode not in MODES:
-            raise ConfigError(f"unknown --ps-mode {self.mode!r}; choose one of: {', '.join(MODES)}")
-        self.num_servers = self.options.get("ps_servers") or 1
-        staleness = self.options.get("max_staleness")
-        if staleness is not None and self.mode != "ssp":
-            raise ConfigError(f"--max-staleness applies to --ps-mode ssp, not {self.mode}")
-        self.max_staleness = 2 if staleness is None else staleness
-        self.momentum = self.options.get("ps_momentum")
-        if self.momentum is not None and (self.mode == "sync" or not 0 <= self.momentum < 1):
-            raise ConfigError(f"--ps-momentum {self.momentum:g}: it applies to --ps-mode async or ssp, in [0, 1); "
-                              "sync mode uses --momentum")
-        if self.max_staleness < 0:
-            raise ConfigError(f"--max-staleness must be >= 0, got {self.max_staleness}")
-        if env.world_size < self.num_servers + 1 or self.num_servers < 1:
-            raise ConfigError(f"--strategy ps with --ps-servers {self.num_servers} needs at least "
-                              f"{self.num_servers + 1} ranks (servers + one worker), got {env.world_size}")
-        self.timeout_s = float(self.options.get("ps_timeout_s") or 300.0)
-        self.slow = parse_slow_worker(self.options.get("ps_slow_worker"))
-        self.workers = list(range(self.num_servers, env.world_size))
-        if self.slow is not None and self.slow[0] not in self.workers:
-            raise ConfigError(f"--ps-slow-worker rank {self.slow[0]} is not a worker; workers are ranks "
-                              f"{self.workers[0]}..{self.workers[-1]}")
-        if env.backend is not None:  # labkit train checked this already; a strategy built by hand is checked here
-            check_backend(key("ps", self.options), env.backend, env.device.type)
-        if self.options.get("ps_record"):  # written after training: an unwritable path fails now instead
-            try:
-                check_writable(self.options["ps_record"])
-            except OutputError as exc:
-                raise OutputError(f"--ps-record {self.options['ps_record']}: {str(exc).split('; ')[0]}; "
-                                  "choose a writable file") from None
+        checked = read_options(env, self.options)
+        self.mode, self.num_servers, self.max_staleness = checked.mode, checked.num_servers, checked.max_staleness
+        self.momentum, self.timeout_s, self.slow = checked.momentum, checked.timeout_s, checked.slow
+        self.workers = checked.workers
         self.is_server = env.rank < self.num_servers
         # one server holds all optimizer state; with several each server checkpoints its own shard's
         self.replicated = self.num_servers == 1
@@ -219,18 +166,9 @@ class ParameterServerStrategy(Strategy):
         return model
 
     def sampler(self, dataset: Dataset, train: bool, seed: int) -> Sampler | None:
-        workers = len(self.workers)
-        if not train:
-            return NoSamples() if self.is_server else ShardSampler(dataset, workers, self.index)
-        if self.mode == "sync":
-            if len(dataset) < workers:
-                raise ConfigError(f"the training set has {len(dataset)} samples for {workers} workers")
-            sampler = DistributedSampler(dataset, num_replicas=workers, rank=self.index, shuffle=True, seed=seed,
-                                         drop_last=True)
-        else:
-            sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True,
-                                         seed=seed + STREAM * self.index, drop_last=True)
-        self._samplers.append(sampler)
+        sampler = worker_sampler(dataset, train, seed, self.mode, len(self.workers), self.index, self.is_server)
+        if train:
+            self._samplers.append(sampler)
         return sampler
 
     def set_epoch(self, epoch: int) -> None:
@@ -267,26 +205,7 @@ class ParameterServerStrategy(Strategy):
     def _push_pull(self) -> None:
         """Push each shard's gradient to its server, wait for the replies, load the pulled parameters."""
         servers = [s for s in range(self.num_servers) if s not in self.stopped_by]
-        sends, replies = [], {}
-        for s in servers:
-            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                               for p in self.shards[s]])
-            sends.append((dist.isend(grads, dst=s), grads))
-            header = torch.empty(2, dtype=torch.int64, device=self.env.device)
-            flat = torch.empty(grads.numel(), dtype=grads.dtype, device=grads.device)
-            replies[s] = (header, flat, dist.irecv(header, src=s), dist.irecv(flat, src=s))
-        for p in self.params:
-            p.grad = None  # the worker's own optimizer step must not move the parameters
-        for s, (_, _, header_work, flat_work) in replies.items():
-            for work in (header_work, flat_work):
-                wait(work, self.timeout_s, f"worker rank {self.env.rank} waiting for server rank {s}'s reply")
-        for work, _ in sends:
-            work.wait()
-        with torch.no_grad():
-            for s, (header, flat, _, _) in replies.items():
-                torch.nn.utils.vector_to_parameters(flat, self.shards[s])
-                if header[1].item():
-                    self.stopped_by.add(s)
+        self.stopped_by |= push_pull(self.shards, self.params, servers, self.env.device, self.timeout_s, self.env.rank)
 
     # ----- end of an epoch ------------------------------------------------------------------------------------
 
