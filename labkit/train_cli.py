@@ -102,6 +102,7 @@ class TrainParser(argparse.ArgumentParser):
             group = _Recording(self.add_argument_group(f"optimizer {optimizer}"))
             add_optimizer_arguments(group, optimizer)
             owned["optim"] = [a.dest for a in group.actions]
+        self.owned = owned  # the strategy's and optimizer's dests (config_from_args)
         self.set_defaults(func=lambda a: _run(a, owned))
 
     def error(self, message: str):
@@ -218,6 +219,16 @@ def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
     cfg.strategy_options = {k: getattr(args, k) for k in owned["strategy"]}
     cfg.optim_options = {k: getattr(args, k) for k in owned["optim"]}
     return cfg
+
+
+def parse_config(argv: list[str]):
+    """The :class:`labkit.train_run.TrainConfig` that ``labkit train ARGV`` runs (``argv`` without ``train``); a bad
+    flag is one ``labkit: error:`` line and exit 2, as on the command line."""
+    root = argparse.ArgumentParser(prog="labkit", allow_abbrev=False)
+    sub = root.add_subparsers()
+    add_parser(sub)
+    args = root.parse_args(["train", *argv])
+    return config_from_args(args, sub.choices["train"].owned)
 
 
 def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
