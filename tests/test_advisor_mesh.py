@@ -19,7 +19,8 @@ def test_one_plan_by_hand():
     t = _topo(CostModel(0.01, 1e-3))
     one = price_mesh(MeshPlan(1, 1, 1, 1), TINY, t, 4)
     # 6 · 536 · 4 · 4 + 12 · 2 · 4 · 16 · 4 = 57600 FLOP at 1e4 · 0.4 FLOP/s
-    assert one.time == {"compute": pytest.approx(14.4), "bubble": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0}
+    assert one.time == {"compute": pytest.approx(14.4), "bubble": 0.0, "tp": 0.0, "cp": 0.0, "pp": 0.0, "dp": 0.0,
+                        "ep": 0.0}
     dp = price_mesh(MeshPlan(2, 1, 1, 1), TINY, t, 4)
     assert dp.time["compute"] == pytest.approx(7.2)
     assert dp.time["dp"] == pytest.approx(1.092)  # (2 − 1)/2 · 2 · 1072 bytes · 1e-3 + 2 · 0.01
@@ -77,3 +78,55 @@ def test_the_explanation_on_one_h100_node():
         text.count("needs") == 3
     small = search(GPT_1_3B, named("h100-nvlink", memory_gb=8), 64)
     assert "needs" in explain(small, GPT_1_3B, named("h100-nvlink", memory_gb=8))  # a plan that does not fit
+
+
+def test_tensor_and_context_parallel_terms_by_hand():
+    t = _topo(CostModel(0.01, 1e-3))
+    tp = price_mesh(MeshPlan(1, 2, 1, 1), TINY, t, 4)
+    # b = 4 sequences, T = 4, C = 4, L = 2, 2 bytes: all-reduces of 2·((4·2 + 2)·64 + 3·16) = 1376 bytes, a ring
+    # of 2 sends 2·(1/2) of them; 10 all-reduces of 2 ring steps at α = 0.01
+    assert tp.time["tp"] == pytest.approx(1.376 + 0.2)
+    cp = price_mesh(MeshPlan(1, 1, 1, 2), TINY, t, 4)
+    # the K/V ring: L·(6·cp − 4)·b·(T/cp)·C·2 = 2·8·4·2·4·2 = 1024 bytes; 4·(cp − 1)·L = 8 messages
+    assert cp.time["cp"] == pytest.approx(1.024 + 0.08)
+
+
+MOE = GPTShape(n_layer=1, n_head=2, n_embd=4, vocab_size=8, seq=4, name="moe", n_expert=2, top_k=1)
+
+
+def test_expert_parallel_terms_by_hand():
+    # an MLP 8·16 + 5·4 = 148; a block 64 + 32 (attention, norms) + 8 (router) + 2·148 = 400; 448 in all, 296 of
+    # them experts; a token passes 448 − 296 + 148 = 300
+    assert (MOE.params, MOE.expert_params, MOE.active_params) == (448, 296, 300)
+    t = _topo(CostModel(0.01, 1e-3))
+    ep = price_mesh(MeshPlan(1, 1, 1, 1, ep=2), MOE, t, 4)
+    # (6·300·4·4 + 12·1·4·16·4) FLOP = 31872 on 2 devices at 1e4 · 0.4
+    assert ep.time["compute"] == pytest.approx(3.984)
+    # 2 sequences = 8 tokens a rank, half of them to the other rank: 4 rows · 4 · 2 bytes, 4 exchanges = 128,
+    # the counts 2·(1/2)·8 = 8; 5 all-to-alls of 1 message each
+    assert ep.time["ep"] == pytest.approx(0.136 + 0.05)
+    # the shared 2·152 = 304 bytes all-reduced over 2 ranks; the experts are one copy each: nothing
+    assert ep.time["dp"] == pytest.approx(0.304 + 0.02)
+    # parameters 304 + 296/2·2 bytes; Adam 12 bytes each; one block's 560 saved elements of 2 bytes
+    assert ep.memory == {"parameters": 600, "gradients": 600, "optimizer": 3600, "activations": 1120}
+    # without ep the experts' 2·296 = 592 bytes join the all-reduce: 304 + 592 = 896 bytes against the
+    # all-to-all's 136 and the shared 304
+    free = _topo(CostModel(0.0, 1e-3), flops=1e12)
+    best = search(MOE, free, 4)[0].plan  # ZeRO moves the same bytes in less memory: ties go to the smaller
+    assert (best.dp, best.ep, best.recompute) == (1, 2, False)
+    assert price_mesh(MeshPlan(2, 1, 1, 1), MOE, free, 4).time["dp"] == pytest.approx(0.896)
+
+
+def test_moe_meshes_are_brute_force_and_the_shapes_count_the_real_models():
+    from labkit.advisor.mesh import gpt_shape
+    from labkit.moe import gpt_moe
+
+    brute = [MeshPlan(d, t, p, c, m, z, sp, rc, e) for d, t, p, c, e in itertools.product(range(1, 5), repeat=5)
+             for m, z, sp, rc in itertools.product((1, 2, 4, 8, 16, 32), range(4), (False, True), (False, True))
+             if d * t * p * c * e == 4]
+    brute = [p for p in brute if _valid(p, MOE, 8)]
+    assert sorted(map(repr, meshes(4, MOE, 8))) == sorted(map(repr, brute))
+    assert len(brute) == 16  # dp=4 and dp=2,ep=2, each ZeRO 0-3 with and without recomputation
+    shape = gpt_shape("gpt-moe-tiny")
+    assert shape.params == 7643136  # 2 blocks of C = 128, 4 experts, vocabulary 50304, 128 positions
+    assert shape.params + 2 * 128 == sum(p.numel() for p in gpt_moe("gpt-moe-tiny", 50304).parameters())  # + ln_f

@@ -1,6 +1,6 @@
 """What the advisor measures on this machine's links: α, β, γ once, from a few message sizes.
 
-Every strategy pays these prices for its messages and bytes (:mod:`labkit.advisor.cost`); nothing is fitted
+Every strategy pays these prices for its messages and bytes (:mod:`labkit.advisor.alphabeta`); nothing is fitted
 per strategy. The fit is :func:`labkit.collectives.cost.fit_cost_model` (point-to-point times of
 :data:`FIT_SIZES`, the lower quartile of 9 rounds per size: on a shared virtual machine the latency has slow
 spells lasting seconds, which only ever slow a round down), run in spawned gloo ranks with the threads a plan's

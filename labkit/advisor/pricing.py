@@ -3,11 +3,11 @@
 The literal lives beside the strategy's ``FLAGS`` and is read without importing the module
 (:func:`labkit.strategies.registered`)::
 
-    ADVISOR = {"price": "labkit.advisor.cost:price_ddp", "plans": "spread", "batch": "split",
+    ADVISOR = {"price": "labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split",
                "grid": {"allreduce": ["ddp", "ring"]}, "keep": "cheapest"}
 
 ``price`` names the pricing function, ``module:function`` with the signature ``(plan, profile, topology) ->
-Estimate`` (its docstring holds the formula; it may live in the strategy's own module); the other keys say
+Estimate`` (its docstring holds the formula; it lives beside the strategy's ``FLAGS``); the other keys say
 which plans the search enumerates (:mod:`labkit.advisor.search`) and how a plan splits the batch
 (:attr:`labkit.advisor.plan.Plan.data_parallel`).
 """
@@ -17,6 +17,7 @@ import functools
 import importlib
 from collections.abc import Callable
 
+from labkit.advisor.alphabeta import cpu_floor
 from labkit.advisor.plan import Estimate, Plan
 from labkit.advisor.profile import Profile
 from labkit.advisor.topology import Topology
@@ -82,7 +83,7 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     if plan.processes == 1:
         alt = _price(plan, serial, topo) if serial is not prof else est
         return alt if alt.applicable and alt.step_s < est.step_s else est
-    short = serial_step(serial, plan.batch_size) / min(plan.processes, topo.cores) - est.step_s
+    short = cpu_floor(serial_step(serial, plan.batch_size), plan.processes, topo.cores) - est.step_s
     if short > 0:
         est.time["compute"] = est.time.get("compute", 0.0) + short
     return est

@@ -71,7 +71,7 @@ def flexflow_comparison(advice: Advice) -> str:
 def _why(advice: Advice) -> str:
     """The two costs FlexFlow traded, priced on this topology: the FC weights' all-reduce (what hybrid saves)
     against rank 0 running the FC layers on the whole batch (what hybrid pays)."""
-    from labkit.advisor.cost import allreduce_time
+    from labkit.advisor.alphabeta import allreduce_time
 
     topo = advice.topology
     prof = advice.profiles.get(topo.threads(2))

@@ -41,6 +41,8 @@ FLAGS = [
      "help": "cp dimension: how a sequence is cut over the cp ranks: zigzag = chunks r and 2cp-1-r of 2cp (every "
              "rank the same causal work), contiguous = chunk r of cp (the last rank does the most)"},
 ]
+#: ``labkit advise --model gpt-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+ADVISOR = {"price": "labkit.parallel.cp:mesh_time"}
 
 
 class RingSelfAttention(nn.Module):
@@ -134,3 +136,15 @@ class ContextParallel(Dimension):
         ring = kv_ring(cp).bytes_sent(batch, seq, cfg.n_embd, bytes_per_element)
         return {"p2p": cfg.n_layer * ring, "all_reduce": bytes_per_element * params}
 
+
+def mesh_time(step) -> float:
+    """A mesh step's ``cp`` term (:class:`labkit.advisor.mesh.MeshStep`), ``c`` ranks of stride ``t``:
+
+    ``cp = m·(r·β + 4·(c − 1)·L_s·α)``: per micro-batch the K/V ring's bytes ``r`` of the stage's ``L_s`` blocks
+    (:meth:`ContextParallel.price`), ``c − 1`` messages per layer each way, forward and backward."""
+    c = step.plan.cp
+    if c == 1:
+        return 0.0
+    link = step.link(c, step.plan.tp)
+    r = ContextParallel.price(step.stage, step.b, step.gpt.seq, c, step.e)["p2p"]
+    return step.plan.microbatches * (r * link.beta + 4 * (c - 1) * step.layers * link.alpha)

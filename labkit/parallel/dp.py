@@ -35,13 +35,13 @@ FLAGS = [
      "help": "dp dimension: none = replicas + bucketed gradient all-reduce; fsdp = FSDP2 fully_shard over the dp "
              "groups; zero3 = refused on a mesh (use fsdp)"},
 ]
-#: the advisor's entry (its mesh search is a later issue): the pricing function below
-ADVISOR = {"price": "labkit.parallel.dp:price"}
+#: ``labkit advise --model gpt-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+ADVISOR = {"price": "labkit.parallel.dp:mesh_time"}
 
 
 def price(param_bytes: float, size: int, shard: str = "none") -> dict[str, float]:
     """Bytes one rank sends per step over its ``dp`` group of ``d`` ranks, for ``P`` bytes of (this rank's)
-    parameters, on ring collectives; a placeholder for the advisor's mesh search:
+    parameters, on ring collectives:
 
     * ``none``: one all-reduce of the gradients, ``2·(d − 1)/d·P``;
     * ``fsdp``: per step a reduce-scatter of the gradients and two all-gathers of the parameters (before
@@ -111,3 +111,17 @@ def _units(model: nn.Module) -> list[nn.Module]:
         for p in m.parameters(recurse=False):
             seen[id(p)] = seen.get(id(p), 0) + 1
     return [m for m in owners if all(seen[id(p)] == 1 for p in m.parameters(recurse=False))]
+
+
+def mesh_time(step) -> float:
+    """A mesh step's ``dp`` term (:class:`labkit.advisor.mesh.MeshStep`): for each group of ``d`` ranks holding
+    the same ``P`` bytes (:attr:`~labkit.advisor.mesh.MeshStep.replicas`), ``n·β + 2(d − 1)·α`` with ``n`` the
+    bytes of :func:`price` (``fsdp`` at ZeRO 3, else ``none``: ZeRO 1-2's reduce-scatter + all-gather move an
+    all-reduce's bytes). Nothing overlaps with backward: an upper bound."""
+    shard = "fsdp" if step.plan.zero == 3 else "none"
+    total = 0.0
+    for nbytes, d, stride in step.replicas:
+        if d > 1:
+            link = step.link(d, stride)
+            total += price(nbytes, d, shard)["bytes"] * link.beta + 2 * (d - 1) * link.alpha
+    return total

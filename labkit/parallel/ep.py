@@ -44,6 +44,8 @@ from labkit.moe import MOE_SIZES, MoE, moe_layers, run_experts
 from labkit.parallel.base import Dimension
 
 FLAGS: list = []
+#: ``labkit advise --model gpt-moe-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+ADVISOR = {"price": "labkit.parallel.ep:mesh_time"}
 
 
 class AllToAll(torch.autograd.Function):
@@ -173,3 +175,16 @@ class ExpertParallel(Dimension):
 def dense_allreduce_bytes(parameters: int, ranks: int, bytes_per_element: int = 4) -> int:
     """Bytes one rank sends per step in a ring all-reduce of ``parameters`` gradients: 2 (N − 1) / N · P · b."""
     return 2 * (ranks - 1) * parameters * bytes_per_element // ranks
+
+
+def mesh_time(step) -> float:
+    """A mesh step's ``ep`` term (:class:`labkit.advisor.mesh.MeshStep`), ``N`` ranks of stride 1, ``n = b·T``
+    tokens per rank: ``ep = (A + K)·β + 5·L·(N − 1)·α`` with ``A`` and ``K`` the all-to-all bytes of the
+    activations and the counts (:meth:`ExpertParallel.price`), per layer 5 all-to-alls (the counts, dispatch and
+    combine forward and backward) of ``N − 1`` messages each."""
+    n, g = step.plan.ep, step.gpt
+    if n == 1:
+        return 0.0
+    link = step.link(n, 1)
+    sent = ExpertParallel.price(step.b * step.tokens, g.n_embd, g.top_k, g.n_expert, g.n_layer, n, step.e)
+    return (sent["all_to_all"] + sent["counts"]) * link.beta + 5 * g.n_layer * (n - 1) * link.alpha

@@ -55,6 +55,8 @@ FLAGS = [
     {"flag": "--balance", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "N",
      "help": "pp dimension, per stage: GPT blocks or Sequential layers, e.g. --balance 3 2 (None: as even as possible)"},
 ]
+#: ``labkit advise --model gpt-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+ADVISOR = {"price": "labkit.parallel.pp:mesh_time"}
 
 
 class PipelineParallel(Dimension):
@@ -218,3 +220,19 @@ def p2p_bytes_sent():
         yield sent
     finally:
         schedules._batch_p2p = original
+
+
+def mesh_time(step) -> float:
+    """A mesh step's ``pp`` term (:class:`labkit.advisor.mesh.MeshStep`), ``P`` stages of stride ``dp·cp·t``:
+
+    ``pp = m·2·(α + β·a) + β·g``: each micro-batch's activation ``a`` at a stage boundary forward and its
+    gradient back (:meth:`PipelineParallel.price`'s ``activations / (2(P − 1))``, ``/t`` with SP), and the
+    tied embedding's gradient ``g`` between the first and last stage."""
+    p, plan = step.plan.pp, step.plan
+    if p == 1:
+        return 0.0
+    link = step.link(p, plan.dp * plan.cp * plan.tp)
+    sent = PipelineParallel.price(step.b, step.tokens, step.gpt.n_embd, step.gpt.vocab_size, p, plan.tp,
+                                  plan.sequence_parallel, True, step.e)
+    return plan.microbatches * 2 * (link.alpha + link.beta * sent["activations"] / (2 * (p - 1))) + \
+        sent["embedding"] * link.beta

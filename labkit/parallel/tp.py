@@ -21,7 +21,7 @@ from labkit.errors import ConfigError
 from labkit.gpt import GPT, GPT_SIZES
 from labkit.parallel.base import Dimension, refuse_moe
 from labkit.parallel.megatron import VocabParallelCrossEntropy, parallelize_gpt, sync_sequence_parallel_grads
-from labkit.parallel.megatron_cost import tp_step_bytes
+from labkit.parallel.megatron_cost import ring_wire_bytes, tp_step_bytes
 from labkit.parallel.megatron_ops import part
 
 #: ``labkit train --mesh ...`` flags of this dimension, plain data read without importing it (labkit.flags)
@@ -30,6 +30,8 @@ FLAGS = [
      "help": "tp dimension: layer norms and dropout on sequence shards, all-gather / reduce-scatter in place of "
              "the all-reduces (Korthikanti et al. 2022)"},
 ]
+#: ``labkit advise --model gpt-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+ADVISOR = {"price": "labkit.parallel.tp:mesh_time"}
 
 
 class TensorParallel(Dimension):
@@ -87,3 +89,17 @@ class TensorParallel(Dimension):
     def price(cfg, batch: int, seq: int, tp: int, sequence_parallel: bool = False) -> dict:
         """Bytes this rank hands to each kind of collective per step (:func:`megatron_cost.tp_step_bytes`)."""
         return tp_step_bytes(cfg, batch, seq, tp, sequence_parallel)
+
+
+def mesh_time(step) -> float:
+    """A mesh step's ``tp`` term (:class:`labkit.advisor.mesh.MeshStep`), ``t`` ranks of stride 1:
+
+    ``tp = m·(w·β + (4·L_s + 2)·2(t − 1)·α)``: per micro-batch the ring's wire bytes ``w`` (:func:`ring_wire_bytes`
+    of :func:`tp_step_bytes` for the stage's ``L_s`` blocks; sequence parallelism moves the same bytes) and
+    ``4·L_s + 2`` collectives of ``2(t − 1)`` ring steps."""
+    t = step.plan.tp
+    if t == 1:
+        return 0.0
+    link = step.link(t, 1)
+    w = ring_wire_bytes(tp_step_bytes(step.stage, step.b, step.tokens, t, step.plan.sequence_parallel, step.e), t)
+    return step.plan.microbatches * (w * link.beta + (4 * step.layers + 2) * 2 * (t - 1) * link.alpha)

@@ -24,6 +24,8 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from labkit import dist as kdist
+from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms
+from labkit.advisor.plan import Estimate
 from labkit.dist import DistEnv
 from labkit.errors import CheckpointError
 
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
 
 #: ``labkit advise`` (labkit.advisor.search): one plan, one process; priced by the function named
-ADVISOR = {"price": "labkit.advisor.cost:price_single", "plans": "one"}
+ADVISOR = {"price": "labkit.strategies.base:price_single", "plans": "one"}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 1, "flags": []}
 
@@ -188,3 +190,10 @@ class Strategy:
 
     def close(self) -> None:
         pass
+
+
+def price_single(plan, prof, topo) -> Estimate:
+    """One device: ``compute = s·T_all(B)``; memory ``3P + M_all(B)``."""
+    B = plan.batch_size
+    time = {"compute": compute_scale(topo, 1) * prof.time(B), **common_terms(prof, topo, prof.param_bytes, B)}
+    return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(B)))

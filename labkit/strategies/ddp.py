@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit.advisor.alphabeta import broadcast_time, bucketed_allreduce, common_terms, compute_scale, memory_terms
+from labkit.advisor.plan import Estimate
 from labkit.collectives import ALGORITHMS
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError, LabkitError
@@ -59,7 +61,7 @@ FLAGS = [
              "run) on torchrun's first attempt only (None: no fault)"},
 ]
 #: ``labkit advise``: ``p`` ranks each on ``B/p`` samples, the cheapest ``--allreduce`` kept (labkit.advisor.search)
-ADVISOR = {"price": "labkit.advisor.cost:price_ddp", "plans": "spread", "batch": "split", "keep": "cheapest",
+ADVISOR = {"price": "labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split", "keep": "cheapest",
            "grid": {"allreduce": ["ddp", "ring", "tree", "butterfly", "rabenseifner", "master-worker", "all-to-all",
                                  "round-robin"]}}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
@@ -205,3 +207,20 @@ def check_against_ddp(env: DistEnv, average: Callable[[nn.Module], None] | str, 
     pairs = zip(model.parameters(), ddp.module.parameters(), strict=True)
     return max((p.grad - q.grad).abs().max().item() for p, q in pairs)
 
+
+def price_ddp(plan, prof, topo) -> Estimate:
+    """Data parallel over ``p`` ranks, each ``b = B/p`` samples:
+
+    ``compute = s·T_all(b)``; ``communication = Σ_buckets AR(bucket, algo, p)`` after backward (no overlap
+    is assumed: small models fit one or two buckets, ready only near the end of backward) ``+ BC(1, n_buf)``
+    under PyTorch's DDP, which broadcasts the model's buffers (``n_buf`` bytes, coalesced) from rank 0 in
+    every forward; memory ``3P + M_all(b) + P`` (the flat gradient bucket).
+    """
+    p, b = plan.processes, plan.batch_size / plan.processes
+    algo = plan.option.get("allreduce", "ddp")
+    count, nbytes = prof.buffers
+    sync = broadcast_time(1, nbytes, p, topo) if algo == "ddp" and count else 0.0
+    time = {"compute": compute_scale(topo, p) * prof.time(b),
+            "communication": bucketed_allreduce(prof.param_bytes, p, algo, topo) + sync,
+            **common_terms(prof, topo, prof.param_bytes, b)}
+    return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(b), prof.param_bytes))

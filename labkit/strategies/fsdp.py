@@ -29,7 +29,7 @@ FLAGS = [
      "help": "keep each unit's gathered parameters from forward to backward (fewer all-gathers, more memory)"},
 ]
 #: ``labkit advise``: ``p`` ranks each on ``B/p`` samples, resharding or not (labkit.advisor.search)
-ADVISOR = {"price": "labkit.advisor.cost_sharded:price_sharded", "plans": "spread", "batch": "split",
+ADVISOR = {"price": "labkit.strategies.zero:price_sharded", "plans": "spread", "batch": "split",
            "grid": {"fsdp_no_reshard": [False, True]}}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 2, "flags": []}

@@ -38,6 +38,8 @@ from torchgpipe import GPipe
 from torchgpipe.balance import balance_cost
 from torchgpipe.balance.profile import profile_sizes, profile_times
 
+from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, message_time, pipeline_terms, stages_of
+from labkit.advisor.plan import Estimate
 from labkit.dist import DistEnv, print0
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.base import Strategy
@@ -61,7 +63,7 @@ FLAGS = [
      "help": "recompute activations in backward"},
 ]
 #: ``labkit advise``: one process drives ``k`` partitions, ``m`` micro-batches (labkit.advisor.search)
-ADVISOR = {"price": "labkit.advisor.cost:price_one_process_pipeline", "plans": "pipeline", "processes": "one",
+ADVISOR = {"price": "labkit.strategies.gpipe:price_one_process_pipeline", "plans": "pipeline", "processes": "one",
            "options": {"microbatches": "num_microbatches", "stages": "partitions", "balance": "balance"}}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 1, "flags": ["--partitions", "2", "--num-microbatches", "4"]}
@@ -348,3 +350,55 @@ class GPipeStrategy(Strategy):
 
     def devices(self) -> list[torch.device]:
         return list(self._devices)
+
+
+def price_one_process_pipeline(plan, prof, topo) -> Estimate:
+    """``gpipe`` (torchgpipe) and ``model-parallel``: one process drives ``k`` partitions, ``m`` micro-batches.
+
+    On separate devices (GPUs) the partitions overlap as in :func:`pipeline_terms` (copies between devices
+    priced as messages). On one CPU they share the cores, so nothing overlaps: ``compute = s·m·T_all(B/m)``
+    and there is no bubble to speak of. GPipe's checkpointing (``except_last``) runs the forward again for
+    all but the last micro-batch: ``recompute = s·(m − 1)·Σ_k fwd_k(B/m)``. GPipe also orders its
+    micro-batches by joining each one's input with the previous one's output, so the first layer computes a
+    gradient for the input of every micro-batch but the first: ``input gradient = s·(m − 1)·g_0(B/m)``
+    (:meth:`labkit.advisor.profile.Profile.input_grad_time`; on separate devices part of stage 0's time).
+    torchgpipe's own work per micro-batch and partition, ``h_g`` (:class:`labkit.advisor.profile.Profile`'s
+    ``gpipe_task``), is ``schedule overhead = m·k·h_g`` on one CPU (one thread runs every task); on separate
+    devices every stage's time per micro-batch includes it and the slowest stage's ``m·h_g`` is the term.
+    Memory ``3P + M_all(B)`` (model-parallel, gpipe without checkpointing), or with checkpointing
+    ``3P + M_all(B/m) + Σ_j m·(B/m)·A_{input of j}`` (each partition keeps only its inputs).
+    """
+    o = plan.option
+    B, k = plan.batch_size, plan.devices
+    m = o.get("num_microbatches") or (B // o["mp_split_size"] if o.get("mp_split_size") else 1)
+    bm = B / m
+    balance = o.get("balance") or _split_balance(o.get("mp_split_points", ()), len(prof.layers))
+    stages = stages_of(balance)
+    s = compute_scale(topo, 1)
+    gpipe = plan.strategy == "gpipe" and m > 1  # torchgpipe, checkpointing except_last (what plans run)
+    input_grad = s * (m - 1) * prof.input_grad_time(bm) if gpipe else 0.0
+    task = prof.gpipe_task if plan.strategy == "gpipe" else 0.0
+    if topo.separate_devices:
+        times = [s * prof.time(bm, st) + (input_grad / m if j == 0 else 0.0) for j, st in enumerate(stages)]
+        comm = [2 * message_time(bm * prof.layers[st[-1]].out_bytes, topo) if j < k - 1 else 0.0
+                for j, st in enumerate(stages)]
+        time = pipeline_terms(times, comm, m, task, critical_path=True)
+    else:
+        time = {"compute": s * m * prof.time(bm)}
+        if input_grad:
+            time["input gradient"] = input_grad
+        if task:
+            time["schedule overhead"] = m * k * task
+    if gpipe:
+        time["recompute"] = s * (m - 1) * sum(layer.forward_time(bm) for layer in prof.layers)
+        inputs = sum(prof.layers[st[0] - 1].out_bytes if st[0] else prof.input_bytes for st in stages)
+        acts = prof.saved_bytes(bm) + B * inputs
+    else:
+        acts = prof.saved_bytes(B)
+    time.update(common_terms(prof, topo, prof.param_bytes, B))
+    return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, acts))
+
+
+def _split_balance(points, n: int) -> list[int]:
+    bounds = [0, *points, n]
+    return [b - a for a, b in zip(bounds, bounds[1:])]

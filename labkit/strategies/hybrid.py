@@ -24,11 +24,13 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from labkit import dist as kdist
+from labkit.advisor.alphabeta import allreduce_time, common_terms, compute_scale, memory_terms, message_time
+from labkit.advisor.plan import Estimate
 from labkit.errors import ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, average_gradients, broadcast_from_rank0
 
 #: ``labkit advise`` (labkit.advisor.search): ``p`` ranks, the features' batch split over them
-ADVISOR = {"price": "labkit.advisor.cost:price_hybrid", "plans": "spread", "batch": "split"}
+ADVISOR = {"price": "labkit.strategies.hybrid:price_hybrid", "plans": "spread", "batch": "split"}
 #: ``labkit bench suite``: a model split into .features/.classifier, so alexnet_small on synthetic-cifar10
 BENCH = {"ranks": 2, "flags": ["--model", "alexnet_small", "--dataset", "synthetic-cifar10", "--base-lr", "0.01"]}
 
@@ -133,3 +135,26 @@ class HybridStrategy(DataParallelStrategy):
             parts = [c.contiguous() for c in parts]
         kdist.scatter(out, parts, src=0)
         return out[:sizes[self.env.rank]]
+
+
+def price_hybrid(plan, prof, topo) -> Estimate:
+    """Seed 000's placement: features ``F`` data parallel on ``p`` ranks (``b = B/p``), classifier ``C`` on rank 0.
+
+    Rank 0's step: ``compute = s·(T_F(b) + T_C(B))``; ``communication = 2(p−1)·msg(b·A_F)`` (gather the
+    features, scatter their gradients) ``+ (p−1)·msg(b·classes·4)`` (logits back) ``+ AR(P_F, ring, p)``;
+    memory ``3P + M_F(b) + M_C(B) + 2·B·A_F + P_F`` (gathered features and their gradient, flat grads).
+    """
+    if prof.feature_layers is None:
+        return Estimate(plan, note="needs a model with .features and .classifier (alexnet_small)")
+    p, B = plan.processes, plan.batch_size
+    b = B / p
+    F, C = range(prof.feature_layers), range(prof.feature_layers, len(prof.layers))
+    feat = prof.layers[prof.feature_layers - 1].out_bytes
+    logits = prof.layers[-1].out_bytes
+    comm = (2 * (p - 1) * message_time(b * feat, topo, p) + (p - 1) * message_time(b * logits, topo, p)
+            + allreduce_time(prof.params(F), p, "ring", topo))
+    time = {"compute": compute_scale(topo, p) * (prof.time(b, F) + prof.time(B, C)), "communication": comm,
+            **common_terms(prof, topo, prof.param_bytes, b)}
+    memory = memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(b, F) + prof.saved_bytes(B, C),
+                     2 * B * feat + prof.params(F))
+    return Estimate(plan, time, memory)

@@ -299,7 +299,7 @@ FLAGS = [
      "help": "pipelined inputs: micro-batches of N samples (None: the whole batch)"},
 ]
 #: ``labkit advise``: one process, ``k`` devices, one batch (labkit.advisor.search)
-ADVISOR = {"price": "labkit.advisor.cost:price_one_process_pipeline", "plans": "pipeline", "processes": "one",
+ADVISOR = {"price": "labkit.strategies.gpipe:price_one_process_pipeline", "plans": "pipeline", "processes": "one",
            "options": {"split_points": "mp_split_points"}}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 1, "flags": ["--mp-devices", "2"]}

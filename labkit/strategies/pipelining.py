@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, pipeline_terms, stages_of
+from labkit.advisor.plan import Estimate
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.results import atomic_write_text
@@ -68,7 +70,7 @@ FLAGS = [
      "help": "steps to record after the first (None: 3 with --pipeline-trace, else 0)"},
 ]
 #: ``labkit advise``: a stage per rank, ``m`` micro-batches, 1f1b where gpipe's does not fit (labkit.advisor.search)
-ADVISOR = {"price": "labkit.advisor.cost:price_pipeline", "plans": "pipeline", "processes": "each",
+ADVISOR = {"price": "labkit.strategies.pipelining:price_pipeline", "plans": "pipeline", "processes": "each",
            "options": {"microbatches": "num_microbatches", "balance": "balance", "schedule": "schedule"}}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 2, "flags": ["--num-microbatches", "4"]}
@@ -251,3 +253,28 @@ class PipelineStrategy(Strategy):
         if trace is not None and self.trace_path:
             atomic_write_text(Path(self.trace_path), json.dumps(trace) + "\n")
             print0(f"pipeline timeline written to {self.trace_path}")
+
+
+def price_pipeline(plan, prof, topo) -> Estimate:
+    """One stage per rank (``torch.distributed.pipelining``), ``m`` micro-batches of ``B/m``:
+
+    ``t_j = s·T_{stage j}(B/m)``, ``c_j = 2·msg((B/m)·A_{last of j})`` (activation forward, gradient
+    backward; 0 for the last stage), terms from :func:`pipeline_terms` along the critical path (the stages a
+    search cuts are seldom equal).
+    Every rank loads the whole batch.
+    Memory of stage ``j``: ``3·P_j + k_j·M_j(B/m)`` with ``k_j = m`` (gpipe schedule) or
+    ``min(p − j, m)`` (1f1b); the fullest stage counts.
+    """
+    o = plan.option
+    p, m, B = plan.processes, o["num_microbatches"], plan.batch_size
+    stages = stages_of(o["balance"])
+    bm = B / m
+    msg = topo.collective_link(p).transfer_time
+    times = [compute_scale(topo, p) * prof.time(bm, s) for s in stages]
+    comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0 for j, s in enumerate(stages)]
+    held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
+    mem = [memory_terms(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
+    full = max(range(p), key=lambda j: sum(mem[j].values()))
+    terms = pipeline_terms(times, comm, m, critical_path=True)
+    terms.update(common_terms(prof, topo, max(prof.params(s) for s in stages), B))
+    return Estimate(plan, terms, mem[full])

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.advisor.alphabeta import allreduce_time, common_terms, compute_scale, memory_terms
+from labkit.advisor.plan import Estimate
 from labkit.errors import ConfigError
 from labkit.strategies.base import Strategy
 from labkit.strategies.tensor_parallel_comm import (
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 #: ``labkit advise`` (labkit.advisor.search) and ``labkit bench suite`` (ranks, extra flags)
-ADVISOR = {"price": "labkit.advisor.cost:price_tensor_parallel", "plans": "spread"}
+ADVISOR = {"price": "labkit.strategies.tensor_parallel:price_tensor_parallel", "plans": "spread"}
 BENCH = {"ranks": 2, "flags": []}
 
 #: modules that act on each feature independently: a column slice can pass through them unchanged
@@ -301,3 +303,30 @@ class TensorParallelStrategy(Strategy):
 
     def metric_owner(self) -> bool:
         return self.env.rank == 0
+
+
+def price_tensor_parallel(plan, prof, topo) -> Estimate:
+    """Column/row pairs of Linears sliced over ``p`` ranks; every rank runs the whole batch ``B``.
+
+    Sliced layers ``S`` (each pair and the elementwise layers between) cost ``T_k(B/p)``, the rest
+    ``T_k(B)``: ``compute = s·(T_rest(B) + Σ_{k∈S} T_k(B/p))``. Per pair (column i, row j):
+    ``communication = AR(B·A_{i−1}, ring, p)`` (backward, input gradient) ``+ AR(B·A_j, ring, p)``
+    (forward, partial sums). Memory ``3·P_dev + M_rest(B) + M_S(B)/p`` with
+    ``P_dev = P − (1 − 1/p)·P_S``.
+    """
+    p, B = plan.processes, plan.batch_size
+    if not prof.tp_pairs:
+        return Estimate(plan, note="no Linear → activation → Linear pair to slice")
+    if any(h % p for h in prof.tp_hidden):
+        return Estimate(plan, note=f"hidden sizes {prof.tp_hidden} not divisible by {p}")
+    sliced = {k for i, j in prof.tp_pairs for k in range(i, j + 1)}
+    rest = [k for k in range(len(prof.layers)) if k not in sliced]
+    compute = sum(prof.layers[k].time(B) for k in rest) + sum(prof.layers[k].time(B / p) for k in sliced)
+    inputs = [prof.layers[i - 1].out_bytes if i else prof.input_bytes for i, _ in prof.tp_pairs]
+    comm = sum(allreduce_time(B * a, p, "ring", topo) + allreduce_time(B * prof.layers[j].out_bytes, p, "ring", topo)
+               for a, (_, j) in zip(inputs, prof.tp_pairs))
+    p_sliced = sum(prof.layers[k].param_bytes for k in sliced)
+    p_dev = prof.param_bytes - (1 - 1 / p) * p_sliced
+    time = {"compute": compute_scale(topo, p) * compute, "communication": comm, **common_terms(prof, topo, p_dev, B)}
+    acts = sum(prof.layers[k].saved_bytes for k in rest) * B + sum(prof.layers[k].saved_bytes for k in sliced) * B / p
+    return Estimate(plan, time, memory_terms(prof, topo, p_dev, acts))

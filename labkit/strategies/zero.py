@@ -38,6 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import dist as kdist
+from labkit.advisor.alphabeta import broadcast_time, common_terms, compute_scale, memory_terms
+from labkit.advisor.plan import Estimate
 from labkit.backends import check as check_backend
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, broadcast_from_rank0
@@ -50,7 +52,7 @@ FLAGS = [
      "help": "stage 3: all-gather the next layer's parameters while this layer computes"},
 ]
 #: ``labkit advise``: ``p`` ranks each on ``B/p`` samples, every stage (labkit.advisor.search)
-ADVISOR = {"price": "labkit.advisor.cost_sharded:price_sharded", "plans": "spread", "batch": "split",
+ADVISOR = {"price": "labkit.strategies.zero:price_sharded", "plans": "spread", "batch": "split",
            "grid": {"zero_stage": [1, 2, 3]}}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 2, "flags": ["--zero-stage", "3"]}
@@ -334,3 +336,60 @@ class ZeroStrategy(DataParallelStrategy):
         if self.stage < 3:
             for unit in self.units:
                 unit.gather(force=True)
+
+
+def reduce_scatter_time(nbytes: float, ranks: int, topo) -> float:
+    """``RS(U) = (p − 1)·(α + (β + γ)·U/p)``."""
+    link = topo.collective_link(ranks)
+    if ranks <= 1:
+        return 0.0
+    return (ranks - 1) * (link.alpha + (link.beta + link.gamma) * nbytes / ranks)
+
+
+def all_gather_time(nbytes: float, ranks: int, topo) -> float:
+    """``AG(U) = (p − 1)·(α + β·U/p)``."""
+    link = topo.collective_link(ranks)
+    return (ranks - 1) * (link.alpha + link.beta * nbytes / ranks) if ranks > 1 else 0.0
+
+
+def _units(prof) -> list[float]:
+    return [layer.param_bytes / layer.units for layer in prof.layers if layer.param_bytes for _ in range(layer.units)]
+
+
+def stage_of(plan) -> int:
+    """ZeRO's stage, or FSDP's equivalent: 3 (reshard after forward) or 2 (``--fsdp-no-reshard``)."""
+    if plan.strategy == "fsdp":
+        return 2 if plan.option.get("fsdp_no_reshard") else 3
+    return plan.option.get("zero_stage", 1)
+
+
+def price_sharded(plan, prof, topo) -> Estimate:
+    """ZeRO (``--zero-stage 1|2|3``) and FSDP (reshard after forward, or ``--fsdp-no-reshard``), ``b = B/p``:
+
+    ``compute = s·T_all(b)``; ``communication = Σ_units RS(U) + g·AG(U)`` with ``g = 1`` (ZeRO 1, 2: gather
+    the stepped parameters; FSDP no-reshard: gather once before forward) or ``g = 2`` (ZeRO 3, FSDP: gather
+    before forward and again before backward), each collective paying its ``(p − 1)·α`` per unit, ``+
+    BC(N_buf, n_buf)`` for ZeRO, which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every
+    forward (:func:`labkit.advisor.alphabeta.broadcast_time`; FSDP leaves buffers alone).
+    Memory (fp32, momentum: optimizer state = P):
+    stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
+    prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
+    plus activations ``M_all(b)``.
+    """
+    p, b, P = plan.processes, plan.batch_size / plan.processes, prof.param_bytes
+    stage = stage_of(plan)
+    units = _units(prof)
+    gathers = 2 if stage == 3 else 1
+    comm = sum(reduce_scatter_time(u, p, topo) + gathers * all_gather_time(u, p, topo) for u in units)
+    if plan.strategy == "zero":
+        comm += broadcast_time(*prof.buffers, p, topo)
+    time = {"compute": compute_scale(topo, p) * prof.time(b), "communication": comm,
+            **common_terms(prof, topo, P / p, b)}
+    memory = memory_terms(prof, topo, P, prof.saved_bytes(b))
+    if stage == 1:
+        memory["optimizer"] = P / p
+    elif stage == 2:
+        memory["gradients"] = memory["optimizer"] = P / p
+    else:
+        memory.update(parameters=P / p, gradients=P / p, optimizer=P / p, buffers=2 * max(units, default=0.0))
+    return Estimate(plan, time, memory)
