@@ -1,4 +1,4 @@
-"""The advisor end to end: `--validate` runs a plan on 2 gloo ranks and records what it measured; the model
+"""The advisor end to end: `--validate` runs a plan on 2 forked gloo ranks and records what it measured; the model
 `parallelize` prepares trains to the same loss as the `labkit train` command it prints; the CLI's table,
 advice.json, FlexFlow comparison and bad input."""
 import json
@@ -68,10 +68,11 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
 
 
 def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_path):
-    """Three plans, three runs each (a fake torchrun with literal rates): the runs alternate between plans, each
-    plan's step is its median with its spread, and the ranking is judged by Spearman's rho and by what the
-    predicted best measured against the measured best."""
-    import labkit.launch
+    """Three plans, three runs each (fake ranks with literal rates): each round starts the ranks once per process
+    count and runs its plans in turn, one plan further on each round; a one-process plan gets both cores as
+    threads, a rank of two processes one; each plan's step is its median with its spread, and the ranking is
+    judged by Spearman's rho and by what the predicted best measured against the measured best."""
+    import labkit.advisor.validate as val
     from labkit.advisor.validate import ranking, spearman
 
     topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
@@ -80,21 +81,22 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
     table = sorted((price(p, prof, topo) for p in plans), key=lambda e: e.step_s)
     advice = Advice("lenet", "mnist-sample", 32, topo, table, table)
     rates = {"single": iter([320, 400, 160]), "ddp": iter([800, 640, 800]), "zero": iter([256, 320, 256])}
-    order = []
+    starts, order = [], []
 
-    class Run:
-        def __init__(self, strategy):
-            self.summary = {"metrics": {"samples_per_sec": next(rates[strategy]), "peak_memory_gb": 0.5,
-                                        "final_train_loss": 2.0}}
+    def fake_ranks(fn, count, jobs, quiet, timeout):
+        starts.append(count)
+        rows = []
+        for label, cfg, threads in jobs:
+            order.append((cfg.strategy, threads))
+            rows.append({"label": label, "samples_per_sec": next(rates[cfg.strategy]), "peak_memory_gb": 0.5,
+                         "final_train_loss": 2.0, "run": cfg.out})
+        return [rows] * count
 
-    def fake(args, nproc, echo=None):
-        order.append(args[args.index("--strategy") + 1])
-        return Run(order[-1])
-
-    monkeypatch.setattr(labkit.launch, "torchrun", fake)
-    measured = validate(advice, repeats=3, out=tmp_path, progress=False)
-    first = [e.plan.strategy for e in table]
-    assert order == first * 3
+    monkeypatch.setattr(val, "run_ranks", fake_ranks)
+    measured = val.validate(advice, repeats=3, out=tmp_path, progress=False)
+    assert starts == [1, 2, 1, 2, 1, 2]
+    assert order == [("single", 2), ("ddp", 1), ("zero", 1), ("single", 2), ("zero", 1), ("ddp", 1),
+                     ("single", 2), ("ddp", 1), ("zero", 1)]
     single = measured["single"]
     assert single["steps_s"] == [0.1, 0.08, 0.2] and single["step_s"] == 0.1
     assert single["spread"] == pytest.approx(1.2)  # (0.2 − 0.08) / 0.1
