@@ -69,16 +69,16 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
 
 def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_path):
     """Three plans, three runs each (fake ranks with literal rates): each round starts the ranks once per process
-    count and runs its plans in turn, one plan further on each round; a one-process plan gets both cores as
-    threads, a rank of two processes one; each plan's step is its median with its spread, and the ranking is
+    count and runs its plans in turn, one plan further on each round; each process runs at the threads of the
+    profile that priced its plan (two for the one-process plan, one per rank of two); each plan's step is its median with its spread, and the ranking is
     judged by Spearman's rho and by what the predicted best measured against the measured best."""
     import labkit.advisor.validate as val
     from labkit.advisor.validate import ranking, spearman
 
     topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
-    prof = _lenet_profile(1)
     plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), Plan("zero", 2, 2, 32, (("zero_stage", 1),))]
-    table = sorted((price(p, prof, topo) for p in plans), key=lambda e: e.step_s)
+    # each priced with the profile at its threads (the same made-up times): it runs at those threads
+    table = sorted((price(p, _lenet_profile(2 // p.processes), topo) for p in plans), key=lambda e: e.step_s)
     advice = Advice("lenet", "mnist-sample", 32, topo, table, table)
     rates = {"single": iter([320, 400, 160]), "ddp": iter([800, 640, 800]), "zero": iter([256, 320, 256])}
     starts, order = [], []

@@ -4,8 +4,10 @@ and judge the prediction by its **ranking**.
 A run is :func:`labkit.train_run.run` (what ``labkit train`` calls, with the plan's command line parsed by the
 same parser) on ranks forked from :func:`labkit.testing.run_ranks`'s forkserver, which imported torch once: a
 torchrun start costs seconds of imports per rank before any step, a forked rank a fraction of one. Each round
-starts the ranks once per process count and trains every plan of that count in turn on them; a one-process plan
-gets the cores as threads (``labkit train`` alone does), a rank of a plan of ``q`` processes ``cores // q``.
+starts the ranks once per process count and trains every plan of that count in turn on them, each process at
+the threads of the profile that priced the plan (:attr:`labkit.advisor.plan.Estimate.threads`): a rank of a plan
+of ``q`` processes ``cores // q``; a one-process plan the cores, or one thread where the one-thread profile
+priced it cheaper (:func:`labkit.advisor.pricing.price`: on a busy machine two threads can cost more than one).
 
 The runs go round-robin (plan 1, 2, …, n, then again, each round starting one plan further on), so that a
 shared machine's slow spell falls on several plans rather than on all the repeats of one. A run's step is ``global batch / samples per second`` of the
@@ -148,7 +150,7 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                 if echo is not None:
                     echo(" ".join(["labkit" if count == 1 else f"torchrun --nproc_per_node {count} -m labkit",
                                    *argv]))
-                jobs.append((label, parse_config(argv[1:]), advice.topology.threads(count)))
+                jobs.append((label, parse_config(argv[1:]), est.threads or advice.topology.threads(count)))
             while jobs:  # after a failed run, the ranks start again for the plans after it
                 try:
                     done = run_ranks(train_runs, count, jobs, echo is None, timeout=timeout)[0]
