@@ -289,12 +289,12 @@ def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(m
     given = [0.0, 0.0031, 0.0, 0.0011]  # warm-up windows, then GPipe (2 partitions, 4 micro-batches), then plain
     ran = []
 
-    def fake_windowed(fn, windows, window_s=profile.WINDOW_S, quantile=0.5):
+    def fake_timed(fn, windows, quantile=0.5, window_s=0.0, setup=None):
         fn()
         ran.append((windows, quantile))
         return given.pop(0)
 
-    monkeypatch.setattr(profile, "_windowed", fake_windowed)
+    monkeypatch.setattr(profile, "timed", fake_timed)
     assert profile._gpipe_task_time(3) == pytest.approx((0.0031 - 0.0011) / 8)
     assert ran == [(2, 0.5), (9, 0.25)] * 2
 
@@ -315,7 +315,7 @@ def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
              4e-4, 4e-4, 1e-4, 5e-4, 4e-4, 6e-4, 3e-4, 4e-4, 0.0]            # median 4e-4
     looped = [b + e for b, e in zip(bare, extra)]
 
-    def fake_windowed(fn, windows, window_s=profile.WINDOW_S, quantile=0.5):
+    def fake_timed(fn, windows, quantile=0.5, window_s=0.0, setup=None):
         fn()  # everything timed really runs
         if fn.__qualname__ == "SGD.step":
             return 1e-6
@@ -330,7 +330,7 @@ def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(train, "train_step", spy)
-    monkeypatch.setattr(profile, "_windowed", fake_windowed)
+    monkeypatch.setattr(profile, "timed", fake_timed)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
     data, update, steps, loop = profile._loop_costs(model, "synthetic-mnist", (2, 8), 5)
@@ -429,3 +429,16 @@ def test_named_topologies_from_public_specifications():
     assert 1 / named("a100-pcie").link.beta == 25e9
     with pytest.raises(ConfigError, match="unknown topology 'dgx'"):
         named("dgx")
+
+
+def test_one_timing_helper_windows_quantile_and_setup(monkeypatch):
+    """``measure.timed``: one untimed call sizes the windows (4 ms, so 3 calls fill 10 ms), then each window's
+    mean per call (10, 4 and 6 ms), the median of them; ``setup`` runs before every window, untimed."""
+    from labkit.advisor import measure
+
+    clock = iter([0.0, 0.004, 1.0, 1.030, 2.0, 2.012, 3.0, 3.018])
+    monkeypatch.setattr(measure, "perf_counter", lambda: next(clock))
+    setups, calls = [], []
+    got = measure.timed(calls.append, 3, 0.5, window_s=0.01, setup=lambda: setups.append(0) or len(setups))
+    assert got == pytest.approx(0.006)
+    assert calls == [1, 2, 2, 2, 3, 3, 3, 4, 4, 4] and len(setups) == 4

@@ -134,7 +134,7 @@ def test_a_new_mesh_dimension_reaches_train_and_the_advisors_reader(tmp_path, mo
     code, _, text = _train(["--strategy", "mesh", "--help"])
     assert code == 0 and "--fake-split" in text and "--dp-shard" in text
     found = parallel.registered("ADVISOR")
-    assert found["fk"] == {"price": "labkit_registry_dim:price"} and found["dp"] == {"price": "labkit.parallel.dp:price"}
+    assert found["fk"] == {"price": "labkit_registry_dim:price"} and found["dp"] == {"price": "labkit.parallel.dp:mesh_time"}
     assert "labkit_registry_dim" not in sys.modules
     from labkit.parallel.dp import price  # the placeholder: bytes one rank sends per step, P = 1000 bytes
 

@@ -12,8 +12,8 @@ import importlib
 _EXPORTS = {
     "advise": "labkit.advisor.advise", "Advice": "labkit.advisor.advise",
     "Plan": "labkit.advisor.plan", "Estimate": "labkit.advisor.plan",
-    "Topology": "labkit.advisor.topology", "Profile": "labkit.advisor.profile",
-    "LayerProfile": "labkit.advisor.profile", "price": "labkit.advisor.pricing",
+    "Topology": "labkit.advisor.topology", "Profile": "labkit.advisor.plan",
+    "LayerProfile": "labkit.advisor.plan", "price": "labkit.advisor.pricing",
     "candidates": "labkit.advisor.search", "validate": "labkit.advisor.validate",
     "parallelize": "labkit.advisor.apply", "Parallelized": "labkit.advisor.apply",
 }

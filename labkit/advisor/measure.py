@@ -1,17 +1,22 @@
-"""What the advisor measures on this machine's links: α, β, γ once, from a few message sizes.
+"""What the advisor measures on this machine, with one timing helper (:func:`timed`): α, β, γ of the links
+here, and (:mod:`labkit.advisor.profile`) the model's layers and steps.
 
-Every strategy pays these prices for its messages and bytes (:mod:`labkit.advisor.alphabeta`); nothing is fitted
-per strategy. The fit is :func:`labkit.collectives.cost.fit_cost_model` (point-to-point times of
-:data:`FIT_SIZES`, the lower quartile of 9 rounds per size: on a shared virtual machine the latency has slow
-spells lasting seconds, which only ever slow a round down), run in spawned gloo ranks with the threads a plan's
-ranks get; ``rounds`` fits give each number's median. The fit is cached as a run in the results schema (one
-``"cost-model"`` record, as ``labkit allreduce bench --out DIR`` writes them).
+Every strategy pays the links' prices for its messages and bytes (:mod:`labkit.advisor.alphabeta`); nothing is
+fitted per strategy. The link fit: every rank sends :data:`FIT_SIZES` bytes to the next while receiving from the
+previous (one ring step, as every schedule's steps run), the lower quartile of 9 rounds per size on the slowest
+rank (on a shared virtual machine the latency has slow spells lasting seconds, which only ever slow a round
+down), α and β the least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`), γ the
+fastest of 5 ``a += b``; run in spawned gloo ranks with the threads a plan's ranks get; ``rounds`` fits give
+each number's median. The fit is cached as a run in the results schema (one ``"cost-model"`` record, as
+``labkit allreduce bench --out DIR`` writes them).
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from pathlib import Path
+from time import perf_counter
 
 from labkit.collectives.cost import CostModel
 from labkit.errors import ConfigError
@@ -43,14 +48,56 @@ def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel |
     return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0))
 
 
+def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=None) -> float:
+    """Seconds per call of ``fn``, the one timing helper of the advisor: ``windows`` windows of back-to-back calls
+    (as a loop makes them), each at least ``window_s`` long (one call when 0: a window shorter than a scheduler
+    time slice is all luck on a shared machine), after one untimed call; the ``quantile`` over the windows (0.5
+    the median, 0.25 the lower quartile: other programs only ever slow a window down; 0 the fastest).
+    ``setup()``, untimed, runs before each window and ``fn`` gets what it returns."""
+    state = setup() if setup else None
+
+    def call():
+        return fn(state) if setup else fn()
+
+    start = perf_counter()
+    call()
+    calls = max(1, math.ceil(window_s / max(perf_counter() - start, 1e-6)))
+    times = []
+    for _ in range(windows):
+        state = setup() if setup else None
+        start = perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((perf_counter() - start) / calls)
+    return sorted(times)[round(quantile * (len(times) - 1))]
+
+
 def _fit_rank(env) -> dict:
     import torch
+    import torch.distributed as dist
 
-    from labkit.collectives.cost import fit_cost_model
+    from labkit.collectives.cost import fit_alpha_beta
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
-    model, points = fit_cost_model(FIT_SIZES, repeats=9, quantile=0.25)
-    return {"alpha": model.alpha, "beta": model.beta, "gamma": model.gamma, "p2p": points}
+    rank, p, points = env.rank, env.world_size, []
+    for nbytes in FIT_SIZES:
+        send = torch.zeros(max(1, nbytes // 4))
+        recv = torch.empty_like(send)
+
+        def ring_step(_):
+            ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % p), dist.P2POp(dist.isend, send, (rank + 1) % p)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+
+        slowest = torch.tensor(timed(ring_step, 9, 0.25, setup=dist.barrier), dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        points.append((send.numel() * 4, slowest.item()))
+    alpha, beta = fit_alpha_beta(*zip(*points))
+    a = torch.zeros(1 << 20)
+    b = torch.ones_like(a)
+    gamma = torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64)
+    dist.all_reduce(gamma)
+    return {"alpha": alpha, "beta": beta, "gamma": gamma.item() / p, "p2p": points}
 
 
 def median_fit(fits: list[dict]) -> dict:

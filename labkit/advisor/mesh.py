@@ -99,8 +99,8 @@ def gpt_shape(model: str, seq: int | None = None) -> GPTShape:
         return GPTShape(**{**GPT_1_3B.__dict__, "seq": seq or GPT_1_3B.seq})
     cfg, moe = MOE_SIZES.get(model, (GPT_SIZES.get(LANGUAGE_MODELS.get(model, "")), None))
     if cfg is None:
-        raise ConfigError(f"the mesh search prices a GPT: gpt-1.3b, {', '.join(GPT_SIZES)} or "
-                          f"{', '.join(MOE_SIZES)}, not {model!r}")
+        raise ConfigError(f"the mesh search prices a dense GPT: gpt-1.3b or {', '.join(GPT_SIZES)}, or a mixture of "
+                          f"experts: {', '.join(MOE_SIZES)}; not {model!r}")
     experts = (moe.n_expert, moe.top_k) if moe else (0, 0)
     return GPTShape(cfg.n_layer, cfg.n_head, cfg.n_embd, 50304, seq or cfg.block_size, model, *experts)
 
@@ -248,14 +248,11 @@ def _valid(plan: MeshPlan, gpt: GPTShape, batch: int) -> bool:
             and (p.zero == 0 or p.dp * p.cp * p.ep > 1) and (not p.sequence_parallel or p.tp > 1))
 
 
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def meshes(devices: int, gpt: GPTShape, batch: int, microbatches=(1, 2, 4, 8, 16, 32)) -> list[MeshPlan]:
     """Every valid plan using all ``devices``: ``dp·tp·pp·cp·ep = N`` over its divisors."""
     out = []
-    for tp, pp, cp, ep in itertools.product(divisors(devices), repeat=4):
+    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
+    for tp, pp, cp, ep in itertools.product(divisors, repeat=4):
         if devices % (tp * pp * cp * ep):
             continue
         dp = devices // (tp * pp * cp * ep)

@@ -1,4 +1,5 @@
-"""A plan (a strategy with its parameters) and its estimate (named cost terms, in seconds and bytes)."""
+"""A plan (a strategy with its parameters), its estimate (named cost terms, in seconds and bytes), and the model's
+profile the pricing functions read (measured by :mod:`labkit.advisor.profile`): plain data, no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -146,3 +147,95 @@ class Estimate:
         return {"plan": self.plan.to_dict(), "label": self.plan.label, "step_s": self.step_s,
                 "samples_per_s": self.samples_per_s, "peak_bytes": self.peak_bytes, "feasible": self.feasible,
                 "note": self.note, "main_term": self.main_term, "time": dict(self.time), "memory": dict(self.memory)}
+
+
+@dataclass
+class LayerProfile:
+    """One layer: ``fwd = (fwd0 s, fwd1 s/sample)``, ``bwd`` alike; bytes are per sample where so named."""
+
+    name: str
+    kind: str
+    fwd: tuple[float, float]
+    bwd: tuple[float, float]
+    param_bytes: int
+    out_bytes: int
+    saved_bytes: int
+    units: int = 1                        # modules owning parameters directly (ZeRO/FSDP shard each one)
+    buffers: int = 0                      # buffer tensors (batch-norm statistics), broadcast every ZeRO step
+    buffer_bytes: int = 0
+
+    def time(self, batch: float) -> float:
+        """Forward + backward seconds on ``batch`` samples: ``fwd0 + bwd0 + (fwd1 + bwd1) · b``."""
+        return self.fwd[0] + self.bwd[0] + (self.fwd[1] + self.bwd[1]) * batch
+
+    def forward_time(self, batch: float) -> float:
+        return self.fwd[0] + self.fwd[1] * batch
+
+
+@dataclass
+class Profile:
+    """Everything the cost model needs about one model on one machine at one thread count.
+
+    ``gpipe_task``, ``h_g``: what torchgpipe itself spends per micro-batch and partition in a training step (its
+    tasks, the fork/join that orders micro-batches, the checkpointing functions, splitting the batch and joining
+    the outputs), beyond the layers' work. Measured at the profile's threads on a model with almost nothing to
+    compute (two Linears of 16 features, 64 samples): ``h_g = (T_gpipe − T_plain) / (m·k)`` with ``k = 2``
+    partitions and ``m = 4`` micro-batches. On 2 cores, 3 rounds: 0.17–0.19 ms at every ``m·k`` from 4 to 16
+    (m = 2, 4, 8 on 2 partitions; m = 4 on 3).
+    """
+
+    model: str
+    dataset: str
+    threads: int
+    sizes: tuple[int, int]
+    layers: list[LayerProfile]
+    input_bytes: int                      # one sample
+    update_s_per_byte: float
+    data_s_per_sample: float
+    base_bytes: int                       # a process's memory before the model (runtime, libraries)
+    feature_layers: int | None = None     # first layers that form ``model.features`` (hybrid)
+    tp_pairs: list[tuple[int, int]] = field(default_factory=list)  # (column, row) Linear indices
+    tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
+    input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): see below
+    gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
+    loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
+
+    def input_grad_time(self, batch: float) -> float:
+        """Seconds the first layer spends on the gradient of its *input* for ``batch`` samples.
+
+        A training step never asks for it (the data needs no gradient), so the first layer's ``bwd`` is timed
+        without it; torchgpipe asks for it on every micro-batch after the first (its fork/join orders the
+        micro-batches by joining each one's input with the previous one's output, which makes the input need
+        a gradient): measured as that layer's backward with an input that needs a gradient, less without.
+        """
+        return self.input_grad[0] + self.input_grad[1] * batch
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def buffers(self) -> tuple[int, int]:
+        """``(N_buf, bytes)``: the model's buffer tensors and their bytes."""
+        return sum(layer.buffers for layer in self.layers), sum(layer.buffer_bytes for layer in self.layers)
+
+    def time(self, batch: float, layers: range | None = None) -> float:
+        """Forward + backward seconds of ``layers`` (default all) on ``batch`` samples."""
+        return sum(self.layers[i].time(batch) for i in (layers if layers is not None else range(len(self.layers))))
+
+    def saved_bytes(self, batch: float, layers: range | None = None) -> float:
+        return batch * sum(self.layers[i].saved_bytes for i in (layers or range(len(self.layers))))
+
+    def params(self, layers: range) -> int:
+        return sum(self.layers[i].param_bytes for i in layers)
+
+
+def profile_from_dict(d: dict) -> Profile:
+    """Inverse of ``dataclasses.asdict`` for a :class:`Profile` read back from JSON."""
+    d = dict(d)
+    d["layers"] = [LayerProfile(**{**layer, "fwd": tuple(layer["fwd"]), "bwd": tuple(layer["bwd"])})
+                   for layer in d["layers"]]
+    d["sizes"] = tuple(d["sizes"])
+    d["tp_pairs"] = [tuple(p) for p in d.get("tp_pairs", [])]
+    d["input_grad"] = tuple(d.get("input_grad", (0.0, 0.0)))
+    return Profile(**d)

@@ -18,8 +18,7 @@ import importlib
 from collections.abc import Callable
 
 from labkit.advisor.alphabeta import cpu_floor
-from labkit.advisor.plan import Estimate, Plan
-from labkit.advisor.profile import Profile
+from labkit.advisor.plan import Estimate, Plan, Profile
 from labkit.advisor.topology import Topology
 from labkit.errors import ConfigError
 

@@ -33,11 +33,9 @@ dataset, sizes, threads, host and torch version match.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import statistics
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -45,6 +43,8 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
+from labkit.advisor.measure import timed
+from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
 from labkit.meters import process_memory_gb
 from labkit.results import RunWriter, load_run
@@ -57,107 +57,11 @@ FORMAT = 6           # profiles of another format are measured again (4: levels 
                      # 5: torchgpipe's price per micro-batch and partition; 6: the loop's bookkeeping)
 
 
-@dataclass
-class LayerProfile:
-    """One layer: ``fwd = (fwd0 s, fwd1 s/sample)``, ``bwd`` alike; bytes are per sample where so named."""
-
-    name: str
-    kind: str
-    fwd: tuple[float, float]
-    bwd: tuple[float, float]
-    param_bytes: int
-    out_bytes: int
-    saved_bytes: int
-    units: int = 1                        # modules owning parameters directly (ZeRO/FSDP shard each one)
-    buffers: int = 0                      # buffer tensors (batch-norm statistics), broadcast every ZeRO step
-    buffer_bytes: int = 0
-
-    def time(self, batch: float) -> float:
-        """Forward + backward seconds on ``batch`` samples: ``fwd0 + bwd0 + (fwd1 + bwd1) · b``."""
-        return self.fwd[0] + self.bwd[0] + (self.fwd[1] + self.bwd[1]) * batch
-
-    def forward_time(self, batch: float) -> float:
-        return self.fwd[0] + self.fwd[1] * batch
-
-
-@dataclass
-class Profile:
-    """Everything the cost model needs about one model on one machine at one thread count.
-
-    ``gpipe_task``, ``h_g``: what torchgpipe itself spends per micro-batch and partition in a training step (its
-    tasks, the fork/join that orders micro-batches, the checkpointing functions, splitting the batch and joining
-    the outputs), beyond the layers' work. Measured at the profile's threads on a model with almost nothing to
-    compute (two Linears of 16 features, 64 samples): ``h_g = (T_gpipe − T_plain) / (m·k)`` with ``k = 2``
-    partitions and ``m = 4`` micro-batches. On 2 cores, 3 rounds: 0.17–0.19 ms at every ``m·k`` from 4 to 16
-    (m = 2, 4, 8 on 2 partitions; m = 4 on 3).
-    """
-
-    model: str
-    dataset: str
-    threads: int
-    sizes: tuple[int, int]
-    layers: list[LayerProfile]
-    input_bytes: int                      # one sample
-    update_s_per_byte: float
-    data_s_per_sample: float
-    base_bytes: int                       # a process's memory before the model (runtime, libraries)
-    feature_layers: int | None = None     # first layers that form ``model.features`` (hybrid)
-    tp_pairs: list[tuple[int, int]] = field(default_factory=list)  # (column, row) Linear indices
-    tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
-    input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): see below
-    gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
-    loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
-
-    def input_grad_time(self, batch: float) -> float:
-        """Seconds the first layer spends on the gradient of its *input* for ``batch`` samples.
-
-        A training step never asks for it (the data needs no gradient), so the first layer's ``bwd`` is timed
-        without it; torchgpipe asks for it on every micro-batch after the first (its fork/join orders the
-        micro-batches by joining each one's input with the previous one's output, which makes the input need
-        a gradient): measured as that layer's backward with an input that needs a gradient, less without.
-        """
-        return self.input_grad[0] + self.input_grad[1] * batch
-
-    @property
-    def param_bytes(self) -> int:
-        return sum(layer.param_bytes for layer in self.layers)
-
-    @property
-    def buffers(self) -> tuple[int, int]:
-        """``(N_buf, bytes)``: the model's buffer tensors and their bytes."""
-        return sum(layer.buffers for layer in self.layers), sum(layer.buffer_bytes for layer in self.layers)
-
-    def time(self, batch: float, layers: range | None = None) -> float:
-        """Forward + backward seconds of ``layers`` (default all) on ``batch`` samples."""
-        return sum(self.layers[i].time(batch) for i in (layers if layers is not None else range(len(self.layers))))
-
-    def saved_bytes(self, batch: float, layers: range | None = None) -> float:
-        return batch * sum(self.layers[i].saved_bytes for i in (layers or range(len(self.layers))))
-
-    def params(self, layers: range) -> int:
-        return sum(self.layers[i].param_bytes for i in layers)
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
+    """The median backward of ``layer`` on ``inp`` (each forward untimed, before it)."""
     y = layer(inp)
     grad = torch.randn_like(y)
-    y.backward(grad)  # warm-up: allocations, kernel choice
-    times = []
-    for _ in range(repeats):
-        y = layer(inp)
-        start = time.perf_counter()
-        y.backward(grad)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return timed(lambda out: out.backward(grad), repeats, setup=lambda: layer(inp))
 
 
 def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> tuple[list[tuple[float, float]], float]:
@@ -167,7 +71,7 @@ def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> tuple[l
     out, input_grad = [], 0.0
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
-        fwd = _median_time(lambda: layer(inp), repeats)
+        fwd = timed(lambda: layer(inp), repeats)
         first = i == 0 and x.is_floating_point()
         bwd = _backward_time(layer, inp, max(7, repeats) if first else repeats)
         if first:  # a difference of two timings: more repeats of both
@@ -198,28 +102,6 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
     return pairs
 
 
-def _windowed(fn, windows: int, window_s: float = WINDOW_S, quantile: float = 0.5) -> float:
-    """Seconds per call of ``fn`` called back to back (as a loop calls it): the ``quantile`` (default the
-    median) over ``windows`` windows of at least ``window_s`` each. A window shorter than a scheduler time slice
-    is all luck on a shared machine (one process more or less on the cores for its whole length); a window this
-    long averages over slices."""
-    start = time.perf_counter()
-    fn()
-    calls = max(1, math.ceil(window_s / max(time.perf_counter() - start, 1e-6)))
-    times = []
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls)
-    return _quantile(times, quantile)
-
-
-def _quantile(times: list[float], quantile: float) -> float:
-    """The ``quantile`` of ``times`` (the nearest one; 0.25: the lower quartile)."""
-    return sorted(times)[round(quantile * (len(times) - 1))]
-
-
 def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
                 repeats: int) -> tuple[float, float, list[float], float]:
     """(s per sample of data loading, s per parameter byte of SGD, s per bare training step at each size,
@@ -243,7 +125,7 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
     data, steps, books = 0.0, [], []
     for b in sizes:
         batches = _endless(kdata.make_loader(train_set, b, shuffle=True, drop_last=True))
-        data = _windowed(lambda: next(batches), repeats) / b
+        data = timed(lambda: next(batches), repeats, window_s=WINDOW_S) / b
 
         def step():
             x, y = next(batches)
@@ -258,16 +140,16 @@ def _loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
 
         for fn in (step, loop_step):
             fn()  # warm-up: allocations
-            _windowed(fn, 2)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
+            timed(fn, 2, window_s=WINDOW_S)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
         bare, extra = [], []
         for _ in range(max(9, repeats)):
-            bare.append(_windowed(step, 1))
-            extra.append(_windowed(loop_step, 1) - bare[-1])
+            bare.append(timed(step, 1, window_s=WINDOW_S))
+            extra.append(timed(loop_step, 1, window_s=WINDOW_S) - bare[-1])
         # the lower quartile of 9 or more windows: other programs only ever slow a window down, and this
         # level sets every layer's time (a median of 5 once caught a slow spell of the machine: lenet 2x)
-        steps.append(_quantile(bare, 0.25))
+        steps.append(sorted(bare)[round(0.25 * (len(bare) - 1))])
         books.append(statistics.median(extra))
-    update = _windowed(opt.step, repeats) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
+    update = timed(opt.step, repeats, window_s=WINDOW_S) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
     return data, update, steps, max(0.0, statistics.fmean(books))
 
 
@@ -313,7 +195,7 @@ def _gpipe_task_time(repeats: int) -> float:
     x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
     criterion = nn.CrossEntropyLoss()
 
-    def timed(model: nn.Module) -> float:
+    def step_time(model: nn.Module) -> float:
         opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
 
         def step():
@@ -322,12 +204,12 @@ def _gpipe_task_time(repeats: int) -> float:
             opt.step()
 
         step()
-        _windowed(step, 2)
-        return _windowed(step, max(9, repeats), quantile=0.25)
+        timed(step, 2, window_s=WINDOW_S)
+        return timed(step, max(9, repeats), 0.25, WINDOW_S)
 
     k, m = GPIPE_PARTITIONS, GPIPE_MICROBATCHES
     pipe = make_gpipe(tiny(), ["cpu"] * k, m, "except_last", [2, 1])
-    return max(0.0, timed(pipe) - timed(tiny())) / (m * k)
+    return max(0.0, step_time(pipe) - step_time(tiny())) / (m * k)
 
 
 def _endless(loader):
@@ -422,14 +304,3 @@ def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Pa
     writer.finish(f"profile {prof.model}", "profile", {"key": _key(prof.model, prof.dataset, batch_size, prof.threads)},
                   {"profile": asdict(prof)})
     return where
-
-
-def profile_from_dict(d: dict) -> Profile:
-    """Inverse of ``dataclasses.asdict`` for a :class:`Profile` read back from JSON."""
-    d = dict(d)
-    d["layers"] = [LayerProfile(**{**layer, "fwd": tuple(layer["fwd"]), "bwd": tuple(layer["bwd"])})
-                   for layer in d["layers"]]
-    d["sizes"] = tuple(d["sizes"])
-    d["tp_pairs"] = [tuple(p) for p in d.get("tp_pairs", [])]
-    d["input_grad"] = tuple(d.get("input_grad", (0.0, 0.0)))
-    return Profile(**d)

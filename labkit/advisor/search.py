@@ -35,9 +35,8 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from labkit.advisor.plan import Estimate, Plan
+from labkit.advisor.plan import Estimate, Plan, Profile
 from labkit.advisor.pricing import advised, price
-from labkit.advisor.profile import Profile
 from labkit.advisor.topology import Topology
 from labkit.errors import ConfigError
 
