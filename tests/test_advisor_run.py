@@ -145,7 +145,7 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
                            r"no plan fits in 0.01 GB per device; the smallest needs 0.0\d+ GB"),
                           (["--model", "gpt-1.3b", "--ranks", "8"], "the mesh search prices a GPU topology"),
                           (["--model", "resnet20", "--ranks", "8", "--topology", "h100-nvlink"],
-                           r"the mesh search prices a GPT: gpt-1\.3b, gpt-tiny, .* not 'resnet20'"),
+                           r"the mesh search prices a dense GPT: gpt-1\.3b or gpt-tiny.*; not 'resnet20'"),
                           (["--model", "gpt-1.3b", "--ranks", "16", "--topology", "h100-nvlink"],
                            "--ranks 16: one H100 node with NVLink has 8 GPUs")]:
         try:
