@@ -3,15 +3,16 @@ and judge the prediction by its **ranking**.
 
 A run is :func:`labkit.train_run.run` (what ``labkit train`` calls, with the plan's command line parsed by the
 same parser) on ranks forked from :func:`labkit.testing.run_ranks`'s forkserver, which imported torch once: a
-torchrun start costs seconds of imports per rank before any step, a forked rank a fraction of one. Each round
-starts the ranks once per process count and trains every plan of that count in turn on them, each process at
-the threads of the profile that priced the plan (:attr:`labkit.advisor.plan.Estimate.threads`): a rank of a plan
-of ``q`` processes ``cores // q``; a one-process plan the cores, or one thread where the one-thread profile
-priced it cheaper (:func:`labkit.advisor.pricing.price`: on a busy machine two threads can cost more than one).
+torchrun start costs seconds of imports per rank before any step, a forked rank a fraction of one. The ranks
+start once per process count (the imports a fresh rank makes are paid once) and train that count's plans on
+them, each process at the threads of the profile that priced the plan
+(:attr:`labkit.advisor.plan.Estimate.threads`): a rank of a plan of ``q`` processes ``cores // q``; a
+one-process plan the cores, or one thread where the one-thread profile priced it cheaper
+(:func:`labkit.advisor.pricing.price`: on a busy machine two threads can cost more than one).
 
 The runs go round-robin (plan 1, 2, …, n, then again, each round starting one plan further on), so that a
-shared machine's slow spell falls on several plans rather than on all the repeats of one. A run's step is ``global batch / samples per second`` of the
-training loop's own meter (it skips the first step: allocation and schedule set-up are not throughput); a
+shared machine's slow spell falls on several plans rather than on all the repeats of one. A run's step is
+``global batch / samples per second`` of the training loop's own meter (it skips the first step: allocation and schedule set-up are not throughput); a
 plan's measured step is the median of its runs, its **spread** ``(max − min) / median``. The figures of merit
 (:func:`ranking`):
 
@@ -137,37 +138,38 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False)
-    for r in range(max(1, repeats)):
-        turn = chosen[r % len(chosen):] + chosen[:r % len(chosen)] if chosen else []
-        for count in sorted({e.plan.processes for e in turn}):
-            jobs = []
+    rounds = [chosen[r % len(chosen):] + chosen[:r % len(chosen)] for r in range(max(1, repeats))] if chosen else []
+    for count in sorted({e.plan.processes for e in chosen}):
+        jobs = []
+        for r, turn in enumerate(rounds):
             for est in turn:
-                label = est.plan.label
-                if est.plan.processes != count or "error" in advice.measured.get(label, {}):
+                if est.plan.processes != count:
                     continue
+                label = est.plan.label
                 run_dir = Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"
                 argv = [*run_args(advice, label, run_dir, steps), *extra]
                 if echo is not None:
                     echo(" ".join(["labkit" if count == 1 else f"torchrun --nproc_per_node {count} -m labkit",
                                    *argv]))
                 jobs.append((label, parse_config(argv[1:]), est.threads or advice.topology.threads(count)))
-            while jobs:  # after a failed run, the ranks start again for the plans after it
-                try:
-                    done = run_ranks(train_runs, count, jobs, echo is None, timeout=timeout)[0]
-                except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
-                    lines = str(exc).strip().splitlines()
-                    done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
-                jobs = jobs[len(done):]
-                for row in done:
-                    label = row.pop("label")
-                    if bar is not None:
-                        bar.update()
-                    if "error" in row:
-                        advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
-                        continue
-                    runs[label].append(row)
-                    if record is not None:
-                        record(label, row)
+        while jobs:  # after a failed run, the ranks start again for the other plans' runs after it
+            try:
+                done = run_ranks(train_runs, count, jobs, echo is None, timeout=timeout)[0]
+            except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
+                lines = str(exc).strip().splitlines()
+                done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
+            jobs = jobs[len(done):]
+            for row in done:
+                label = row.pop("label")
+                if bar is not None:
+                    bar.update()
+                if "error" in row:
+                    advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
+                    jobs = [job for job in jobs if job[0] != label]
+                    continue
+                runs[label].append(row)
+                if record is not None:
+                    record(label, row)
     if bar is not None:
         bar.close()
     for est in chosen:
