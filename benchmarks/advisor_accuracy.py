@@ -3,13 +3,14 @@
 ranking is judged: Spearman's rho between predicted and measured steps, and the measured step of the predicted
 best over the measured best.
 
-    python benchmarks/advisor_accuracy.py                        # lenet, alexnet_small, resnet20 on 2 ranks
+    python benchmarks/advisor_accuracy.py --refresh              # lenet, alexnet_small, resnet20 on 2 ranks
     python benchmarks/advisor_accuracy.py --models lenet --repeats 3
 
 Targets (issue 33): rho >= 0.8 on each model, the predicted best within 10 % of the measured best. The link is
 measured afresh for each model; the profiles come from the cache unless ``--refresh``. Results are written as
-they come: ``<out>/<model>.runs.jsonl`` after each run, ``<out>/<model>/advice.json`` after each model and ``<out>/summary.json`` (one key per model done),
-with the load average before and after (the machine may be shared).
+they come: ``<out>/<model>.runs.jsonl`` after each run (with the plan's predicted terms, to see which one is
+off), ``<out>/<model>/advice.json`` after each model and ``<out>/summary.json`` (one key per model done), with
+the load average before and after (the machine may be shared); the training runs themselves go to ``--runs``.
 """
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(DATASETS))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=20, help="steps per run (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per run (the first is not timed)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per plan (median and spread)")
     parser.add_argument("--refresh", action="store_true", help="profile again")
-    parser.add_argument("--out", default="runs/advisor-accuracy")
+    parser.add_argument("--out", default="runs/advisor-accuracy", help="the results (e.g. results/advisor-accuracy)")
+    parser.add_argument("--runs", default="runs/advisor-accuracy-runs", help="the validation runs' own folders")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -50,11 +52,13 @@ def main() -> None:
 
         def record(label: str, metrics: dict, model=model, advice=advice, log=log) -> None:
             with log.open("a") as f:  # each run as it comes: a benchmark cut short keeps what it measured
-                f.write(json.dumps({"model": model, "plan": label, "predicted_s": advice.find(label).step_s,
-                                    "measured_s": advice.batch_size / metrics["samples_per_sec"]}) + "\n")
+                est = advice.find(label)
+                f.write(json.dumps({"model": model, "plan": label, "predicted_s": est.step_s,
+                                    "measured_s": advice.batch_size / metrics["samples_per_sec"],
+                                    "terms": est.time, "load": os.getloadavg()[0]}) + "\n")
 
-        validate(advice, args.repeats, args.steps, out / model, extra=("--base-lr", "0.005"), progress=False,
-                 record=record)
+        validate(advice, args.repeats, args.steps, Path(args.runs) / model, extra=("--base-lr", "0.005"),
+                 progress=False, record=record)
         advice.write(out / model / "advice.json")
         r = ranking(advice)
         summary[model] = {**r, "predicted_best": advice.best.plan.label, "seconds": time.perf_counter() - start,

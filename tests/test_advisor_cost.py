@@ -247,15 +247,14 @@ def test_buffer_broadcasts_and_ddp_buckets_by_hand():
 
 def test_gpipe_on_one_cpu_terms_by_hand():
     prof = tiny_profile()
-    prof.input_grad = (0.0005, 0.00005)
     est = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, topo())
     # B/m = 4: T_all(4) = l0 0.0042 + l1 0.012 + l2 0.001 = 0.0172, twice; no bubble on one CPU
     assert est.time["compute"] == pytest.approx(0.0344)
     # one micro-batch recomputed (except_last): forwards at 4 samples 0.0014 + 0.004 + 0.0005
     assert est.time["recompute"] == pytest.approx(0.0059)
-    # the second micro-batch's input needs a gradient (torchgpipe's fork/join): 0.0005 + 0.00005·4
-    assert est.time["input gradient"] == pytest.approx(0.0007)
-    assert est.step_s == pytest.approx(0.0344 + 0.0059 + 0.0007 + 0.00444 + 0.0008)
+    # the second micro-batch's input needs a gradient (torchgpipe's fork/join): l0's backward, 0.002 + 0.0002·4
+    assert est.time["input gradient"] == pytest.approx(0.0028)
+    assert est.step_s == pytest.approx(0.0344 + 0.0059 + 0.0028 + 0.00444 + 0.0008)
     # manual model parallelism has no fork/join, no recomputation
     mp = price(Plan("model-parallel", 1, 2, 8, (("mp_split_points", (1,)),)), prof, topo())
     assert "input gradient" not in mp.time and "recompute" not in mp.time
@@ -267,17 +266,17 @@ def test_gpipe_on_one_cpu_terms_by_hand():
     assert "schedule overhead" not in price(Plan("model-parallel", 1, 2, 8, (("mp_split_points", (1,)),)), prof,
                                             topo()).time
     prof.gpipe_task = 0.0
-    # on GPUs the input gradient belongs to stage 0: (0.0042 + 0.0007 / 2) + 2 messages of 4·100 bytes
+    # on GPUs the input gradient belongs to stage 0: (0.0042 + 0.0028 / 2) + 2 messages of 4·100 bytes
     gpus = replace(topo(), separate_devices=True)
     on_gpus = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
     assert on_gpus.time["compute"] == pytest.approx(2 * 0.013)  # stage 1 (0.013) is still the slower
-    prof.input_grad = (0.02, 0.0)
+    prof.layers[0] = replace(prof.layers[0], bwd=(0.0186, 0.0002))  # l0: 0.0014 + 0.0194 at 4 samples
     slow0 = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
-    assert slow0.time["compute"] == pytest.approx(2 * (0.0042 + 0.01))  # now stage 0: 0.0042 + 0.02 / 2
+    assert slow0.time["compute"] == pytest.approx(2 * (0.0208 + 0.0097))  # now stage 0: 0.0208 + 0.0194 / 2
     # on GPUs each stage's time per micro-batch includes h_g; the slowest stage's 2 × h_g is shown apart
     prof.gpipe_task = 0.00025
     tasks = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
-    assert tasks.time["compute"] == pytest.approx(2 * (0.0042 + 0.01))
+    assert tasks.time["compute"] == pytest.approx(2 * (0.0208 + 0.0097))
     assert tasks.time["schedule overhead"] == pytest.approx(2 * 0.00025)
     # stage 0 sets the pace; along the critical path the bubble is stage 1's slot once: 0.013 + h_g
     assert tasks.time["bubble"] == pytest.approx(0.013 + 0.00025)

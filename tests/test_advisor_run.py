@@ -1,4 +1,4 @@
-"""The advisor end to end: `--validate` runs a plan on 2 gloo ranks and records what it measured; the model
+"""The advisor end to end: `--validate` runs a plan on 2 forked gloo ranks and records what it measured; the model
 `parallelize` prepares trains to the same loss as the `labkit train` command it prints; the CLI's table,
 advice.json, FlexFlow comparison and bad input."""
 import json
@@ -68,33 +68,34 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
 
 
 def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_path):
-    """Three plans, three runs each (a fake torchrun with literal rates): the runs alternate between plans, each
-    plan's step is its median with its spread, and the ranking is judged by Spearman's rho and by what the
-    predicted best measured against the measured best."""
-    import labkit.launch
+    """Three plans, three runs each (fake ranks with literal rates): the ranks start once per process count and run
+    its plans round-robin, each round one plan further on; each process runs at the threads of the
+    profile that priced its plan (two for the one-process plan, one per rank of two); each plan's step is its median with its spread, and the ranking is
+    judged by Spearman's rho and by what the predicted best measured against the measured best."""
+    import labkit.advisor.validate as val
     from labkit.advisor.validate import ranking, spearman
 
     topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
-    prof = _lenet_profile(1)
     plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), Plan("zero", 2, 2, 32, (("zero_stage", 1),))]
-    table = sorted((price(p, prof, topo) for p in plans), key=lambda e: e.step_s)
+    # each priced with the profile at its threads (the same made-up times): it runs at those threads
+    table = sorted((price(p, _lenet_profile(2 // p.processes), topo) for p in plans), key=lambda e: e.step_s)
     advice = Advice("lenet", "mnist-sample", 32, topo, table, table)
     rates = {"single": iter([320, 400, 160]), "ddp": iter([800, 640, 800]), "zero": iter([256, 320, 256])}
-    order = []
+    starts, order = [], []
 
-    class Run:
-        def __init__(self, strategy):
-            self.summary = {"metrics": {"samples_per_sec": next(rates[strategy]), "peak_memory_gb": 0.5,
-                                        "final_train_loss": 2.0}}
+    def fake_ranks(fn, count, jobs, quiet, timeout):
+        starts.append(count)
+        rows = []
+        for label, cfg, threads in jobs:
+            order.append((cfg.strategy, threads))
+            rows.append({"label": label, "samples_per_sec": next(rates[cfg.strategy]), "peak_memory_gb": 0.5,
+                         "final_train_loss": 2.0, "run": cfg.out})
+        return [rows] * count
 
-    def fake(args, nproc, echo=None):
-        order.append(args[args.index("--strategy") + 1])
-        return Run(order[-1])
-
-    monkeypatch.setattr(labkit.launch, "torchrun", fake)
-    measured = validate(advice, repeats=3, out=tmp_path, progress=False)
-    first = [e.plan.strategy for e in table]
-    assert order == first * 3
+    monkeypatch.setattr(val, "run_ranks", fake_ranks)
+    measured = val.validate(advice, repeats=3, out=tmp_path, progress=False)
+    assert starts == [1, 2]
+    assert order == [("single", 2)] * 3 + [("ddp", 1), ("zero", 1), ("zero", 1), ("ddp", 1), ("ddp", 1), ("zero", 1)]
     single = measured["single"]
     assert single["steps_s"] == [0.1, 0.08, 0.2] and single["step_s"] == 0.1
     assert single["spread"] == pytest.approx(1.2)  # (0.2 − 0.08) / 0.1
@@ -143,7 +144,7 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
                            r"no plan fits in 0.01 GB per device; the smallest needs 0.0\d+ GB"),
                           (["--model", "gpt-1.3b", "--ranks", "8"], "the mesh search prices a GPU topology"),
                           (["--model", "resnet20", "--ranks", "8", "--topology", "h100-nvlink"],
-                           "prices a dense GPT: gpt-1.3b or gpt-tiny"),
+                           r"the mesh search prices a dense GPT: gpt-1\.3b or gpt-tiny.*; not 'resnet20'"),
                           (["--model", "gpt-1.3b", "--ranks", "16", "--topology", "h100-nvlink"],
                            "--ranks 16: one H100 node with NVLink has 8 GPUs")]:
         try:

@@ -103,13 +103,16 @@ class Plan:
 @dataclass
 class Estimate:
     """A plan's predicted step: ``time`` terms (seconds per optimizer step) and ``memory`` terms (bytes on
-    its fullest device), compared with ``limit_bytes`` per device. ``note`` says why a plan cannot run."""
+    its fullest device), compared with ``limit_bytes`` per device. ``note`` says why a plan cannot run;
+    ``threads``: CPU threads per process of the profile that priced it (0: not a CPU profile), which a
+    validation run of the plan uses."""
 
     plan: Plan
     time: dict[str, float] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
     limit_bytes: float = float("inf")
     note: str = ""
+    threads: int = 0
 
     @property
     def step_s(self) -> float:

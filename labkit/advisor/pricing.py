@@ -58,6 +58,7 @@ def _price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     if est.applicable and prof.loop_s:
         est.time["bookkeeping"] = prof.loop_s  # host Python and tiny ops: not scaled with the device
     est.limit_bytes = topo.memory_bytes
+    est.threads = prof.threads if topo.device == "cpu" else 0
     return est
 
 

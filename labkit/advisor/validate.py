@@ -1,9 +1,18 @@
-"""Validate: run **every** feasible plan of the table through ``labkit train`` (torchrun underneath) at least
-three times, and judge the prediction by its **ranking**.
+"""Validate: run **every** feasible plan of the table through ``labkit train``'s own code at least three times,
+and judge the prediction by its **ranking**.
 
-The runs go round-robin (plan 1, 2, …, n, then again), so that a shared machine's slow spell falls on several
-plans rather than on all the repeats of one. A run's step is ``global batch / samples per second`` of the
-training loop's own meter (it skips the first step: allocation and schedule set-up are not throughput); a
+A run is :func:`labkit.train_run.run` (what ``labkit train`` calls, with the plan's command line parsed by the
+same parser) on ranks forked from :func:`labkit.testing.run_ranks`'s forkserver, which imported torch once: a
+torchrun start costs seconds of imports per rank before any step, a forked rank a fraction of one. The ranks
+start once per process count (the imports a fresh rank makes are paid once) and train that count's plans on
+them, each process at the threads of the profile that priced the plan
+(:attr:`labkit.advisor.plan.Estimate.threads`): a rank of a plan of ``q`` processes ``cores // q``; a
+one-process plan the cores, or one thread where the one-thread profile priced it cheaper
+(:func:`labkit.advisor.pricing.price`: on a busy machine two threads can cost more than one).
+
+The runs go round-robin (plan 1, 2, …, n, then again, each round starting one plan further on), so that a
+shared machine's slow spell falls on several plans rather than on all the repeats of one. A run's step is
+``global batch / samples per second`` of the training loop's own meter (it skips the first step: allocation and schedule set-up are not throughput); a
 plan's measured step is the median of its runs, its **spread** ``(max − min) / median``. The figures of merit
 (:func:`ranking`):
 
@@ -12,11 +21,14 @@ plan's measured step is the median of its runs, its **spread** ``(max − min) /
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import statistics
 from pathlib import Path
 from typing import Callable
 
 from labkit.advisor.advise import Advice
+from labkit.testing import run_ranks
 
 GB = 2**30
 
@@ -71,22 +83,53 @@ def ranking(advice: Advice) -> dict:
             "best_ratio": chosen / min(measured)}
 
 
+def _reset_peak_memory() -> None:
+    """Start this process's peak RSS afresh (Linux), so that a run's peak is its own, not an earlier run's."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> list[dict]:
+    """On one rank: train each ``(label, TrainConfig, threads)`` of ``jobs`` in turn through
+    :func:`labkit.train_run.run` on this rank's process group; ``[{"label", summary metrics…, "run"}, …]``. The
+    first run that fails ends the list with ``{"label", "error"}`` (the other ranks stop there too)."""
+    import torch
+
+    from labkit.train_run import run
+
+    out = []
+    for label, cfg, threads in jobs:
+        torch.set_num_threads(threads)
+        _reset_peak_memory()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+                summary = run(cfg, env=env)
+        except Exception as exc:  # one plan failing (e.g. a diverging loss) must not hide the others'
+            line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            out.append({"label": label, "error": f"labkit: error: {line}"[:300]})
+            break
+        out.append({"label": label, **summary["metrics"], "run": str(cfg.out)})
+    return out
+
+
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              echo: Callable[[str], None] | None = None, progress: bool = True,
              extra: tuple[str, ...] = (), processes: int | None = None,
-             record: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
+             record: Callable[[str, dict], None] | None = None, timeout: float = 600.0) -> dict[str, dict]:
     """Run every feasible plan of ``advice.table`` ``repeats`` times, round-robin; fill ``advice.measured``.
 
     ``processes``: only plans on this many processes. ``extra``: more ``labkit train`` arguments (e.g.
     ``("--base-lr", "0.005")`` for AlexNet). A plan whose run fails gets ``{"error": its line, "run"}``
     instead of numbers, and its other runs are skipped. ``record(label, metrics)`` is called after each run
-    (a benchmark writes them as they come).
+    (a benchmark writes them as they come). ``echo``: called with each run's command (its output is shown
+    too); None: quiet. ``timeout``: seconds for one start of the ranks.
 
     Returns:
         ``{plan label: {"step_s" (median), "steps_s" (each run), "spread", "samples_per_s", "peak_bytes",
         "ratio" (measured / predicted step), "memory_ratio", "final_train_loss", "run"}}``.
     """
-    from labkit.launch import RunFailed, torchrun
+    from labkit.train_cli import config_from_argv
 
     chosen = [e for e in advice.table if e.feasible and processes in (None, e.plan.processes)]
     runs: dict[str, list[dict]] = {e.plan.label: [] for e in chosen}
@@ -95,25 +138,38 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False)
-    for r in range(max(1, repeats)):
-        for i, est in enumerate(chosen):
-            label = est.plan.label
-            if bar is not None:
-                bar.update()
-            if label in advice.measured and "error" in advice.measured[label]:
-                continue
-            run_dir = Path(out) / f"plan{i}-{est.plan.strategy}-{r}"
+    rounds = [chosen[r % len(chosen):] + chosen[:r % len(chosen)] for r in range(max(1, repeats))] if chosen else []
+    for count in sorted({e.plan.processes for e in chosen}):
+        jobs = []
+        for r, turn in enumerate(rounds):
+            for est in turn:
+                if est.plan.processes != count:
+                    continue
+                label = est.plan.label
+                run_dir = Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"
+                argv = [*run_args(advice, label, run_dir, steps), *extra]
+                if echo is not None:
+                    echo(" ".join(["labkit" if count == 1 else f"torchrun --nproc_per_node {count} -m labkit",
+                                   *argv]))
+                jobs.append((label, config_from_argv(argv[1:]), est.threads or advice.topology.threads(count)))
+        while jobs:  # after a failed run, the ranks start again for the other plans' runs after it
             try:
-                run = torchrun([*run_args(advice, label, run_dir, steps), *extra], nproc=est.plan.processes,
-                               echo=echo)
-            except RunFailed as exc:  # one plan failing (e.g. a diverging loss) must not hide the others'
-                lines = str(exc).splitlines()
-                why = next((line for line in lines if line.startswith("labkit: error: ")), lines[-1])
-                advice.measured[label] = {"error": why[:300], "run": str(run_dir)}
-                continue
-            runs[label].append({**run.summary["metrics"], "run": str(run_dir)})
-            if record is not None:
-                record(label, runs[label][-1])
+                done = run_ranks(train_runs, count, jobs, echo is None, timeout=timeout)[0]
+            except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
+                lines = str(exc).strip().splitlines()
+                done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
+            jobs = jobs[len(done):]
+            for row in done:
+                label = row.pop("label")
+                if bar is not None:
+                    bar.update()
+                if "error" in row:
+                    advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
+                    jobs = [job for job in jobs if job[0] != label]
+                    continue
+                runs[label].append(row)
+                if record is not None:
+                    record(label, row)
     if bar is not None:
         bar.close()
     for est in chosen:
