@@ -28,7 +28,7 @@ from labkit.tasks import LanguageModelling, Task
 from labkit.testing import run_ranks
 
 GLOBAL_BATCH, SEED, LR = 8, 5, 0.1
-STEPS = {"cnn": 3, "gpt": 2}  # steps per epoch
+STEPS = {"cnn": 2, "gpt": 2}  # steps per epoch
 EPOCHS = {"cnn": 2, "gpt": 2}
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 
@@ -73,39 +73,42 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def _fit(strategy, model, kind, epochs=None, start_epoch=0, out=None, resume=False):
-    """labkit.train.fit as ``labkit train`` calls it; with ``out``: save (or resume from) a checkpoint there."""
+def _fit(strategy, model, kind, start_epoch=0, out=None, resume=False):
+    """labkit.train.fit as ``labkit train`` calls it; with ``out``: a checkpoint there after the first epoch (the
+    one ``labkit train`` writes at each epoch's end), or with ``resume`` the run resumed from it."""
     from labkit.checkpoint import load_training_state, save_training_state
     from labkit.train import fit
 
     train, test = _data(kind)
-    epochs = EPOCHS[kind] if epochs is None else epochs
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if resume:
         load_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None)
+
+    def save(epoch):
+        if out is not None and not resume and epoch == 0:
+            save_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None,
+                                {"epoch": epoch + 1}, {})
     losses = _recorded(strategy)
     sampler = strategy.sampler(train, True, SEED) or DistributedSampler(train, 1, 0, shuffle=True, seed=SEED)
     task = _task(kind)
     fit(model, DataLoader(train, batch_size=GLOBAL_BATCH // strategy.data_parallel_size, sampler=sampler,
                           drop_last=True),
-        DataLoader(test, batch_size=3, sampler=strategy.sampler(test, False, SEED)), optimizer, epochs=epochs,
+        DataLoader(test, batch_size=3, sampler=strategy.sampler(test, False, SEED)), optimizer, epochs=EPOCHS[kind],
         start_epoch=start_epoch, strategy=strategy, seed=SEED, scheduler=scheduler, criterion=task.criterion(),
-        task=task, printer=lambda line: None)
-    if out is not None and not resume:
-        save_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None,
-                            {"epoch": epochs}, {})
+        task=task, printer=lambda line: None, on_epoch_end=save)
     return losses
 
 
-def _run(env, kind: str, options: dict) -> dict:
-    """One composition through fit: this rank's losses, weights, data shard and metric ownership."""
+def _run(env, kind: str, options: dict, out=None) -> dict:
+    """One composition through fit: this rank's losses, weights, data shard and metric ownership; with ``out``,
+    its checkpoint after the first epoch there."""
     from labkit.strategies.mesh import MeshStrategy
 
     strategy = MeshStrategy(env, options)
     strategy.check_model("gpt-tiny" if kind == "gpt" else "lenet")
     model = strategy.prepare(_model(kind))
-    losses = _fit(strategy, model, kind)
+    losses = _fit(strategy, model, kind, out=out)
     return dict(losses=losses, weights=_weights(model), data=strategy.data_shard(), owner=strategy.metric_owner(),
                 coords={d.name: d.rank for d in strategy.dims}, sizes={d.name: d.size for d in strategy.dims})
 
@@ -136,21 +139,19 @@ EIGHT = {"gpt dp=2,tp=2,pp=2": ("gpt", {"mesh": "dp=2,tp=2,pp=2", "num_microbatc
 
 
 def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict) -> dict:
-    """One epoch, a checkpoint, and the second epoch resumed from it, beside ``straight`` (the weights of the two
-    epochs run without a stop); that checkpoint offered to a run on the mesh ``other``. Returns both runs' weights
-    and the refusal."""
+    """The second epoch resumed from the checkpoint in ``out`` that the run on ``options`` wrote after its first,
+    beside ``straight`` (that run's weights after both epochs, run without a stop); that checkpoint offered to a
+    run on the mesh ``other``. Returns both runs' weights and the refusal."""
     from labkit.strategies.mesh import MeshStrategy
 
     result = {"straight": straight}
-    first = MeshStrategy(env, options)
-    _fit(first, first.prepare(_model(kind)), kind, epochs=1, out=out)
     again = MeshStrategy(env, options)
     model = again.prepare(_model(kind))
-    _fit(again, model, kind, epochs=2, start_epoch=1, out=out, resume=True)
+    _fit(again, model, kind, start_epoch=1, out=out, resume=True)
     result["resumed"] = _weights(model)
     wrong = MeshStrategy(env, other)
     try:
-        _fit(wrong, wrong.prepare(_model(kind)), kind, epochs=2, start_epoch=1, out=out, resume=True)
+        _fit(wrong, wrong.prepare(_model(kind)), kind, start_epoch=1, out=out, resume=True)
     except CheckpointError as exc:
         result["mismatch"] = str(exc)
     return result
@@ -161,7 +162,7 @@ def _two_ranks(env, out):
     offered to dp=2 without sharding; --dp-shard zero3 refused."""
     from labkit.strategies.mesh import MeshStrategy
 
-    result = _runs(env, TWO)
+    result = _runs(env, TWO, "cnn dp=2 fsdp", out)
     result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
                                result["cnn dp=2 fsdp"]["weights"])
     try:
@@ -173,7 +174,7 @@ def _two_ranks(env, out):
 
 def _four_ranks(env, out):
     """On each of 4 ranks: the FOUR compositions; the GPT on dp=2,tp=2 resumed, its checkpoint offered to dp=4."""
-    result = _runs(env, FOUR)
+    result = _runs(env, FOUR, "gpt dp=2,tp=2", out)
     result["resume"] = _resume(env, "gpt", {"mesh": "dp=2,tp=2"}, {"mesh": "dp=4"}, out,
                                result["gpt dp=2,tp=2"]["weights"])
     return result
@@ -184,8 +185,9 @@ def two(tmp_path_factory):
     return run_ranks(_two_ranks, 2, str(tmp_path_factory.mktemp("mesh")), timeout=300)
 
 
-def _runs(env, table):
-    return {key: _run(env, kind, options) for key, (kind, options) in table.items()}
+def _runs(env, table, saved=None, out=None):
+    """Every composition of ``table``; the one named ``saved`` writes its first epoch's checkpoint into ``out``."""
+    return {key: _run(env, kind, options, out if key == saved else None) for key, (kind, options) in table.items()}
 
 
 @pytest.fixture(scope="module")
