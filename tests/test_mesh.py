@@ -4,15 +4,16 @@ refused on resume.
 
 One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce) and on
 ``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0)
-on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone); the CNN on fsdp cut after one epoch and
-resumed, that checkpoint offered to another mesh. One 4-rank spawn: the GPT on ``dp=2,tp=2``, on
-``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP) and on ``tp=2,pp=2``; the GPT on ``dp=2,tp=2`` resumed, its
-checkpoint offered to ``dp=4``. One 8-rank spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and
-``dp=2,pp=2`` is ``tests/test_pp.py``'s.)
+on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone); the CNN on
+fsdp runs two epochs and is resumed from the checkpoint it wrote after the first, that checkpoint offered to
+another mesh. One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP) and on
+``tp=2,pp=2``; the GPT on ``dp=2,tp=2`` resumed the same way, its checkpoint offered to ``dp=4``. One 8-rank
+spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and ``dp=2,pp=2`` is ``tests/test_pp.py``'s.) Each fit is
+one epoch of 2 steps (with evaluation), the two resumed ones two epochs.
 
 The oracle: one process, the global batch, in the ranks' sample order. A step's global loss is the mean of the
 losses of the ranks that own metrics, one per data shard. Tolerances (float32): the loss of every step within
-1e-6 absolute (only the order of the sums changes), the weights after the last step (2 epochs) within 1e-5; a resumed
+1e-6 absolute (only the order of the sums changes), the weights after the last step within 1e-5; a resumed
 run's weights are bit-identical (==) to those of the run that was not interrupted.
 """
 import pytest
@@ -28,8 +29,10 @@ from labkit.tasks import LanguageModelling, Task
 from labkit.testing import run_ranks
 
 GLOBAL_BATCH, SEED, LR = 8, 5, 0.1
-STEPS = {"cnn": 3, "gpt": 2}  # steps per epoch
-EPOCHS = {"cnn": 2, "gpt": 2}
+STEPS = {"cnn": 2, "gpt": 2}  # steps per epoch: the second is the first with momentum
+#: a composition runs one epoch; the two a resume checks run two (a checkpoint at the first epoch's end, the
+#: second resumed from it), so the sampler's second epoch and the restored optimizer state are compared too
+EPOCHS, RESUMED_EPOCHS = 1, 2
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 
 
@@ -73,17 +76,22 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def _fit(strategy, model, kind, epochs=None, start_epoch=0, out=None, resume=False):
-    """labkit.train.fit as ``labkit train`` calls it; with ``out``: save (or resume from) a checkpoint there."""
+def _fit(strategy, model, kind, epochs, start_epoch=0, out=None, resume=False):
+    """labkit.train.fit as ``labkit train`` calls it; with ``out``: a checkpoint there after the first epoch (the
+    one ``labkit train`` writes at each epoch's end), or with ``resume`` the run resumed from it."""
     from labkit.checkpoint import load_training_state, save_training_state
     from labkit.train import fit
 
     train, test = _data(kind)
-    epochs = EPOCHS[kind] if epochs is None else epochs
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if resume:
         load_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None)
+
+    def save(epoch):
+        if out is not None and not resume and epoch == 0:
+            save_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None,
+                                {"epoch": epoch + 1}, {})
     losses = _recorded(strategy)
     sampler = strategy.sampler(train, True, SEED) or DistributedSampler(train, 1, 0, shuffle=True, seed=SEED)
     task = _task(kind)
@@ -91,32 +99,31 @@ def _fit(strategy, model, kind, epochs=None, start_epoch=0, out=None, resume=Fal
                           drop_last=True),
         DataLoader(test, batch_size=3, sampler=strategy.sampler(test, False, SEED)), optimizer, epochs=epochs,
         start_epoch=start_epoch, strategy=strategy, seed=SEED, scheduler=scheduler, criterion=task.criterion(),
-        task=task, printer=lambda line: None)
-    if out is not None and not resume:
-        save_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None,
-                            {"epoch": epochs}, {})
+        task=task, printer=lambda line: None, on_epoch_end=save)
     return losses
 
 
-def _run(env, kind: str, options: dict) -> dict:
-    """One composition through fit: this rank's losses, weights, data shard and metric ownership."""
+def _run(env, kind: str, options: dict, out=None) -> dict:
+    """One composition through fit: this rank's losses, weights, data shard and metric ownership; with ``out``,
+    its checkpoint after the first of its two epochs there."""
     from labkit.strategies.mesh import MeshStrategy
 
     strategy = MeshStrategy(env, options)
     strategy.check_model("gpt-tiny" if kind == "gpt" else "lenet")
     model = strategy.prepare(_model(kind))
-    losses = _fit(strategy, model, kind)
-    return dict(losses=losses, weights=_weights(model), data=strategy.data_shard(), owner=strategy.metric_owner(),
+    epochs = EPOCHS if out is None else RESUMED_EPOCHS
+    losses = _fit(strategy, model, kind, epochs, out=out)
+    return dict(losses=losses, epochs=epochs, weights=_weights(model), data=strategy.data_shard(), owner=strategy.metric_owner(),
                 coords={d.name: d.rank for d in strategy.dims}, sizes={d.name: d.size for d in strategy.dims})
 
 
-def _single(kind: str) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]:
+def _single(kind: str, epochs: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]:
     """The oracle: fit in one process on the global batch, drawn in the ranks' order (a one-replica
     DistributedSampler with the same seed permutes the same way, so global batch s is the ranks' batches s).
     Returns the losses, the weights by every name (state_dict) and the parameters' names."""
     model = _model(kind)
     strategy = Strategy(DistEnv())
-    losses = _fit(strategy, model, kind)
+    losses = _fit(strategy, model, kind, epochs)
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}  # a tied head under both names
     return torch.stack(losses), state, set(_weights(model))
 
@@ -136,21 +143,19 @@ EIGHT = {"gpt dp=2,tp=2,pp=2": ("gpt", {"mesh": "dp=2,tp=2,pp=2", "num_microbatc
 
 
 def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict) -> dict:
-    """One epoch, a checkpoint, and the second epoch resumed from it, beside ``straight`` (the weights of the two
-    epochs run without a stop); that checkpoint offered to a run on the mesh ``other``. Returns both runs' weights
-    and the refusal."""
+    """The second epoch resumed from the checkpoint in ``out`` that the run on ``options`` wrote after its first,
+    beside ``straight`` (that run's weights after both epochs, run without a stop); that checkpoint offered to a
+    run on the mesh ``other``. Returns both runs' weights and the refusal."""
     from labkit.strategies.mesh import MeshStrategy
 
     result = {"straight": straight}
-    first = MeshStrategy(env, options)
-    _fit(first, first.prepare(_model(kind)), kind, epochs=1, out=out)
     again = MeshStrategy(env, options)
     model = again.prepare(_model(kind))
-    _fit(again, model, kind, epochs=2, start_epoch=1, out=out, resume=True)
+    _fit(again, model, kind, RESUMED_EPOCHS, start_epoch=1, out=out, resume=True)
     result["resumed"] = _weights(model)
     wrong = MeshStrategy(env, other)
     try:
-        _fit(wrong, wrong.prepare(_model(kind)), kind, epochs=2, start_epoch=1, out=out, resume=True)
+        _fit(wrong, wrong.prepare(_model(kind)), kind, RESUMED_EPOCHS, start_epoch=1, out=out, resume=True)
     except CheckpointError as exc:
         result["mismatch"] = str(exc)
     return result
@@ -161,7 +166,7 @@ def _two_ranks(env, out):
     offered to dp=2 without sharding; --dp-shard zero3 refused."""
     from labkit.strategies.mesh import MeshStrategy
 
-    result = _runs(env, TWO)
+    result = _runs(env, TWO, "cnn dp=2 fsdp", out)
     result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
                                result["cnn dp=2 fsdp"]["weights"])
     try:
@@ -173,7 +178,7 @@ def _two_ranks(env, out):
 
 def _four_ranks(env, out):
     """On each of 4 ranks: the FOUR compositions; the GPT on dp=2,tp=2 resumed, its checkpoint offered to dp=4."""
-    result = _runs(env, FOUR)
+    result = _runs(env, FOUR, "gpt dp=2,tp=2", out)
     result["resume"] = _resume(env, "gpt", {"mesh": "dp=2,tp=2"}, {"mesh": "dp=4"}, out,
                                result["gpt dp=2,tp=2"]["weights"])
     return result
@@ -184,8 +189,9 @@ def two(tmp_path_factory):
     return run_ranks(_two_ranks, 2, str(tmp_path_factory.mktemp("mesh")), timeout=300)
 
 
-def _runs(env, table):
-    return {key: _run(env, kind, options) for key, (kind, options) in table.items()}
+def _runs(env, table, saved=None, out=None):
+    """Every composition of ``table``; the one named ``saved`` writes its first epoch's checkpoint into ``out``."""
+    return {key: _run(env, kind, options, out if key == saved else None) for key, (kind, options) in table.items()}
 
 
 @pytest.fixture(scope="module")
@@ -200,19 +206,20 @@ def eight():
 
 @pytest.fixture(scope="module")
 def single():
-    return {kind: _single(kind) for kind in ("cnn", "gpt")}
+    return {(kind, epochs): _single(kind, epochs) for kind in ("cnn", "gpt") for epochs in (EPOCHS, RESUMED_EPOCHS)}
 
 
 def _check_equal(ranks: list[dict], kind: str, single) -> None:
     """Each data shard has exactly one metric owner per sequence chunk (cp: each rank's loss is its chunks'); the
     mean of the owners' losses every step and every rank's weights (its part of them) equal the oracle's."""
-    single_losses, single_weights, names = single[kind]
+    epochs = ranks[0]["epochs"]
+    single_losses, single_weights, names = single[kind, epochs]
     owners = [r for r in ranks if r["owner"]]
     shards, chunks = ranks[0]["data"][0], ranks[0]["sizes"].get("cp", 1)
     counted = sorted((r["data"][1], r["coords"].get("cp", 0)) for r in owners)
     assert counted == [(s, c) for s in range(shards) for c in range(chunks)]  # every token counted once
     losses = torch.stack([torch.stack(r["losses"]) for r in owners]).mean(0)
-    assert losses.shape == (EPOCHS[kind] * STEPS[kind],)
+    assert losses.shape == (epochs * STEPS[kind],)
     torch.testing.assert_close(losses, single_losses, rtol=0, atol=1e-6)
     held = set()
     for r in ranks:

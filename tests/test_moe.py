@@ -10,6 +10,7 @@ between the two runs. The ep=2 spawn also counts the exchange's bytes with the r
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -221,9 +222,10 @@ def _fit(strategy, model, rename) -> dict:
     return out
 
 
+@functools.cache
 def _single(case: str) -> dict:
     """The oracle: one process, the global batch (a one-replica DistributedSampler with the same seed draws the
-    global batch s as the ranks' batches s together)."""
+    global batch s as the ranks' batches s together); once per case, whatever compares with it."""
     from labkit.strategies.base import Strategy
 
     strategy = Strategy(DistEnv())

@@ -12,6 +12,8 @@ options. One spawn of 4 ranks: the GPT on ``tp=2,pp=2`` (and with ``--sequence-p
 Tolerances (float32): the loss of every step within 1e-6 (only the order of the micro-batch and shard sums
 changes), the weights after the last step within 1e-5; the tied embedding's two copies equal bit for bit.
 """
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -82,16 +84,21 @@ def _full(local, like, group):
     return torch.cat(parts, dim)
 
 
-def _run(env, mesh, kind, dp=1, build=None, **options):
+@functools.cache
+def _oracle(kind, dp=1, n_layer=2):
+    """One process through fit (its results and model), once per model and data: every mesh reads it."""
+    reference = _gpt(n_layer) if kind == "lm" else _lenet()
+    return _fit(Strategy(DistEnv()), reference, kind, dp), reference
+
+
+def _run(env, mesh, kind, dp=1, n_layer=2, **options):
     """Train on ``mesh`` and in one process; this rank's results beside the single process's."""
     from labkit.strategies.mesh import MeshStrategy
 
-    build = build or (_gpt if kind == "lm" else _lenet)
     strategy = MeshStrategy(env, {"mesh": mesh, "num_microbatches": 2, **options})
-    stage = strategy.prepare(build())
+    stage = strategy.prepare(_gpt(n_layer) if kind == "lm" else _lenet())
     got = _fit(strategy, stage, kind)
-    reference = build()
-    ref = _fit(Strategy(DistEnv()), reference, kind, dp)
+    ref, reference = _oracle(kind, dp, n_layer)
     pp, tp = strategy.pipeline, strategy.mesh.get_group("tp")
     if kind == "lm":  # parameter names are the whole model's; tp shards gathered back
         ref_state = reference.state_dict()
@@ -132,7 +139,7 @@ def _four_ranks(env):
     return {"refused": refused, "tp": _run(env, "tp=2,pp=2", "lm", schedule="gpipe"),
             "tp_sp": _run(env, "tp=2,pp=2", "lm", schedule="1f1b", sequence_parallel=True),
             "cnn": _run(env, "dp=2,pp=2", "classification", dp=2, schedule="gpipe"),
-            "pp4": _run(env, "pp=4", "lm", build=lambda: _gpt(n_layer=4), schedule="1f1b", num_microbatches=4)}
+            "pp4": _run(env, "pp=4", "lm", n_layer=4, schedule="1f1b", num_microbatches=4)}
 
 
 @pytest.fixture(scope="module")

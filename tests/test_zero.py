@@ -123,27 +123,26 @@ def test_sharded_strategies_equal_ddp_and_one_process_with_the_formulas_bytes_an
 
 
 def _resume(env, tmp, name, options):
-    """2 epochs straight vs 1 epoch, checkpoint, fresh start, resume: identical; then a corrupt shard."""
-    def run(epochs, start, path, resume_from=None):
+    """2 epochs straight, a checkpoint after each (in a folder per epoch); a fresh start resumed from the first:
+    identical; then a corrupt shard."""
+    def run(epochs, path, resume_from=None):
         strategy, model, opt, loader = _setup(env, name, options, "adam")
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        if resume_from:
-            start = load_training_state(resume_from, strategy, model, opt, sched, None)["epoch"]
-        ckpt = strategy.checkpoint_file(path)
+        start = load_training_state(resume_from, strategy, model, opt, sched, None)["epoch"] if resume_from else 0
         fit(model, loader, None, opt, epochs=epochs, strategy=strategy, start_epoch=start, scheduler=sched,
             printer=lambda s: None, on_epoch_end=lambda e: save_training_state(
-                ckpt, strategy, model, opt, sched, None, {"epoch": e + 1}, {}))
-        return _full(strategy, model), ckpt
+                strategy.checkpoint_file(path / f"epoch{e + 1}"), strategy, model, opt, sched, None,
+                {"epoch": e + 1}, {}))
+        return _full(strategy, model), strategy.checkpoint_file(path / "epoch1")
 
-    straight, _ = run(2, 0, tmp / "straight")
-    _, ckpt = run(1, 0, tmp / "half")
-    resumed, _ = run(2, 0, tmp / "resumed", resume_from=ckpt)
+    straight, ckpt = run(2, tmp / "straight")
+    resumed, _ = run(2, tmp / "resumed", resume_from=ckpt)
     identical = all(torch.equal(p, q) for p, q in zip(straight, resumed, strict=True))
     if env.rank == 1:
         ckpt.write_bytes(b"not a checkpoint")
     torch.distributed.barrier()
     try:
-        run(2, 0, tmp / "again", resume_from=ckpt)
+        run(2, tmp / "again", resume_from=ckpt)
         message = None
     except CheckpointError as exc:
         message = str(exc)
