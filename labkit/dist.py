@@ -113,20 +113,32 @@ def resolve_device(device: str | torch.device = "auto", local_rank: int = 0) -> 
 
 #: set to 1 where the installed NCCL lets several ranks share one GPU (newer releases); else NCCL stops them
 MULTI_RANK_GPU = "NCCL_MULTI_RANK_GPU_ENABLE"
+#: the first NCCL release that honours MULTI_RANK_GPU; older ones stop shared ranks with "Duplicate GPU detected"
+MULTI_RANK_GPU_NCCL = (2, 30)
 
 
 def check_gpu_per_rank(backend: str, device: torch.device, local_world_size: int,
-                       environ: Mapping[str, str] = os.environ) -> None:
+                       environ: Mapping[str, str] = os.environ, nccl_version: tuple | None = None) -> None:
     """NCCL gives each rank its own GPU: more ranks on a node than visible GPUs would put two ranks on one GPU
     (``local_rank % device_count``), and NCCL stops them with "Duplicate GPU detected". Refuse that up front.
 
+    ``NCCL_MULTI_RANK_GPU_ENABLE=1`` lets them share where the installed NCCL honours it (2.30 and later);
+    ``nccl_version`` (None: ``torch.cuda.nccl.version()``) is the installed one.
+
     Raises:
-        DeviceError: nccl, GPUs chosen by local rank, and more ranks on this node than GPUs it sees.
+        DeviceError: nccl, GPUs chosen by local rank, and more ranks on this node than GPUs it sees, unless
+            sharing is asked for and the installed NCCL supports it.
     """
-    if backend != "nccl" or device.type != "cuda" or environ.get(MULTI_RANK_GPU) == "1":
+    if backend != "nccl" or device.type != "cuda":
         return
     count = torch.cuda.device_count()
-    if local_world_size > count:
+    if local_world_size > count and environ.get(MULTI_RANK_GPU) == "1":
+        installed = tuple(nccl_version or torch.cuda.nccl.version())
+        if installed < MULTI_RANK_GPU_NCCL:
+            raise DeviceError(f"{MULTI_RANK_GPU}=1 is set, but the installed NCCL {'.'.join(map(str, installed))} "
+                              f"lets ranks share a GPU only from {'.'.join(map(str, MULTI_RANK_GPU_NCCL))}: start at "
+                              f"most {count} rank(s) per node, or use --backend gloo")
+    elif local_world_size > count:
         raise DeviceError(f"{local_world_size} ranks on this node but {count} GPU(s) visible: NCCL needs one GPU "
                           f"per rank; start at most {count} rank(s) per node, set {MULTI_RANK_GPU}=1 where the "
                           "installed NCCL supports sharing a GPU, or use --backend gloo (--device cpu)")
@@ -136,6 +148,15 @@ def seed_everything(seed: int) -> None:
     """Seed Python, torch (CPU and all GPUs)."""
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+def deterministic_kernels() -> None:
+    """Make GPU runs repeatable (``--deterministic``): cuDNN and cuBLAS pick their deterministic algorithms (cuBLAS
+    needs a fixed workspace, set before its first matrix product) and an operation without one warns. CPU kernels
+    already are; some GPU kernels (atomic adds in convolution backward) otherwise differ from run to run."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
 
 
 def print0(*args, **kwargs) -> None:

@@ -188,6 +188,9 @@ def add_parser(sub) -> None:
     g.add_argument("--seed", type=_number("seed"), default=0, help="seed of weights, shuffling and augmentation")
     g.add_argument("--amp", default=None, choices=("bf16",),
                    help="mixed precision: forward passes under bfloat16 autocast (CPU and CUDA); None: float32")
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic GPU kernels (cuDNN, cuBLAS; slower), so a run and its resumed copy give the "
+                        "same weights on a GPU as they do on a CPU")
     g.add_argument("--channels-last", action="store_true",
                    help="NHWC memory layout for conv models and their input batches (faster conv kernels)")
     g = p.add_argument_group("where and how")

@@ -81,6 +81,7 @@ class TrainConfig:
     loader: str = "tensor"
     amp: str | None = None
     channels_last: bool = False
+    deterministic: bool = False
     log_every: int = 20
     timeout_s: float = 1800.0
     step_delay_s: float = 0.0
@@ -148,6 +149,8 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
     with (distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
                       strategy=backends.key(cfg.strategy, cfg.strategy_options))
           if env is None else _given(env, cfg.seed)) as env:
+        if cfg.deterministic:
+            kdist.deterministic_kernels()
         strategy = strategy_cls(env, cfg.strategy_options)
         strategy.check_model(cfg.model)  # e.g. a mesh dimension the model cannot take: one line, before any work
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran

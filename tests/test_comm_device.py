@@ -184,4 +184,10 @@ def test_more_nccl_ranks_than_gpus_is_refused_before_the_group_starts(monkeypatc
     # as many ranks as GPUs, gloo, or NCCL told to share a GPU: allowed
     kdist.check_gpu_per_rank("nccl", torch.device("cuda", 0), 2, {})
     kdist.check_gpu_per_rank("gloo", torch.device("cuda", 0), 4, {})
-    kdist.check_gpu_per_rank("nccl", torch.device("cuda", 0), 4, {"NCCL_MULTI_RANK_GPU_ENABLE": "1"})
+    share = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+    kdist.check_gpu_per_rank("nccl", torch.device("cuda", 0), 4, share, nccl_version=(2, 30, 3))
+    # ... but an NCCL older than 2.30 ignores the variable and stops the ranks later: refused here, in one line
+    with pytest.raises(DeviceError) as err:
+        kdist.check_gpu_per_rank("nccl", torch.device("cuda", 0), 4, share, nccl_version=(2, 28, 9))
+    assert str(err.value) == ("NCCL_MULTI_RANK_GPU_ENABLE=1 is set, but the installed NCCL 2.28.9 lets ranks share "
+                              "a GPU only from 2.30: start at most 2 rank(s) per node, or use --backend gloo")

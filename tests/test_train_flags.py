@@ -2,10 +2,12 @@
 owner, every flag shows help and default, and none of this imports torch."""
 import argparse
 import importlib
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from labkit.cli import main
 from labkit.flags import read_flags
@@ -124,3 +126,18 @@ assert "torch" not in sys.modules, "torch was imported"
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_deterministic_reaches_the_config_and_selects_repeatable_kernels(monkeypatch):
+    from labkit import dist as kdist
+    from labkit.train_cli import config_from_argv
+
+    assert config_from_argv(["--deterministic"]).deterministic and not config_from_argv([]).deterministic
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda mode, warn_only=False: calls.append((mode,
+                                                                                                         warn_only)))
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    kdist.deterministic_kernels()
+    assert calls == [(True, True)] and torch.backends.cudnn.benchmark is False
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"

@@ -4,6 +4,7 @@ Skipped without a GPU (tests/gpu/conftest.py). Each test is one short run: on on
 minute. Comparisons use float tolerances: cuDNN and TF32 reassociate sums, so CUDA and CPU agree to ~1e-3.
 """
 import copy
+import math
 import re
 import subprocess
 import sys
@@ -53,9 +54,11 @@ def test_single_device_trains_every_model_on_cuda_like_on_cpu(name, tmp_path):
     info = data.dataset_info(dataset)
     batches = list(TensorLoader(tensor_dataset(dataset, size=96), 32, shuffle=False))
     torch.manual_seed(0)
-    model = models.get_model(name, info.num_classes, info.in_channels, info.image_size).eval()  # BN: running stats
+    # training mode, as fit runs it: in eval mode (running stats 0 and 1) resnet32's unnormalised residual sums
+    # start at a loss of 22.8 and reach NaN by the third step on both devices, which compares nothing
+    model = models.get_model(name, info.num_classes, info.in_channels, info.image_size).train()
     cpu, gpu = _steps(copy.deepcopy(model), batches, "cpu"), _steps(copy.deepcopy(model), batches, CUDA)
-    assert gpu == pytest.approx(cpu, rel=2e-3)
+    assert all(math.isfinite(loss) for loss in cpu) and gpu == pytest.approx(cpu, rel=2e-3)
     summary = run(TrainConfig(model=name, dataset=dataset, device="cuda", epochs=1, max_steps=4, train_size=256,
                               test_size=128, batch_size=32, out=str(tmp_path)))
     assert summary["metrics"]["samples_per_sec"] > 0 and summary["metrics"]["peak_memory_gb"] > 0
