@@ -212,7 +212,9 @@ def distributed(device: str = "auto", backend: str | None = None, seed: int | No
     dist.init_process_group(
         backend=backend, rank=info["rank"], world_size=info["world_size"],
         timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=dev if dev.type == "cuda" else None,
+        # NCCL binds its communicator to this GPU up front; gloo binds nothing (a gloo group given a device_id makes
+        # DeviceMesh split it, which deep-copies gloo's options and fails: "cannot pickle ... _Options")
+        device_id=dev if dev.type == "cuda" and backend == "nccl" else None,
     )
     env = DistEnv(rank=info["rank"], local_rank=local_rank, world_size=info["world_size"],
                   local_world_size=info["local_world_size"], backend=backend, device=dev, distributed=True)
