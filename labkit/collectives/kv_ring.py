@@ -162,11 +162,30 @@ def kv_ring(world_size: int, causal: bool = True, layout: str = "zigzag") -> KVR
     return KVRing(world_size, causal, layout)
 
 
+class _CopiedBack:
+    """The requests of a ring step staged through the CPU; ``wait()`` waits on them all, then copies the CPU
+    buffer that received into the caller's tensor."""
+
+    def __init__(self, requests: list, staged: torch.Tensor, recv: torch.Tensor) -> None:
+        self.requests, self.staged, self.recv = requests, staged, recv
+
+    def wait(self) -> None:
+        for request in self.requests:
+            request.wait()
+        self.recv.copy_(self.staged)
+
+
 def pass_on(send: torch.Tensor, recv: torch.Tensor, step: tuple[KVTransfer, ...], rank: int, group=None) -> list:
     """Post ``rank``'s part of one ring step (group ranks): send ``send`` where the step says, receive into
-    ``recv`` what the step brings. Returns the requests; wait on them before reading ``recv``."""
+    ``recv`` what the step brings. Returns the requests; wait on them before reading ``recv``.
+
+    gloo sends CPU tensors only: GPU tensors under gloo travel through CPU copies (one request then stands for
+    the step, and its ``wait()`` copies the message into ``recv``)."""
     out = next(t for t in step if t.src == rank)
     into = next(t for t in step if t.dst == rank)
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-    ops = [dist.P2POp(dist.irecv, recv, peer(into.src), group), dist.P2POp(dist.isend, send, peer(out.dst), group)]
-    return dist.batch_isend_irecv(ops)
+    staged = send.is_cuda and dist.get_backend(group) != "nccl"
+    inbox, outbox = (torch.empty_like(recv, device="cpu"), send.cpu()) if staged else (recv, send)
+    ops = [dist.P2POp(dist.irecv, inbox, peer(into.src), group), dist.P2POp(dist.isend, outbox, peer(out.dst), group)]
+    requests = dist.batch_isend_irecv(ops)
+    return [_CopiedBack(requests, inbox, recv)] if staged else requests
