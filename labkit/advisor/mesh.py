@@ -31,13 +31,13 @@ saved bytes of its fullest stage.
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 from dataclasses import dataclass
 
 from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, stages_of
 from labkit.advisor.gpt_shape import GPTShape
 from labkit.advisor.plan import Estimate, Profile
+from labkit.advisor.search import load
 from labkit.advisor.topology import Topology
 
 E = 2                #: bytes per element of a GPT's weights, activations and messages (bf16)
@@ -139,11 +139,7 @@ def pricers() -> dict:
     """``{dimension: its pricing function}`` from the ``ADVISOR`` literals beside the dimensions' ``FLAGS``."""
     from labkit.parallel import registered
 
-    out = {}
-    for dim, entry in registered("ADVISOR").items():
-        module, _, attr = entry["price"].partition(":")
-        out[dim] = getattr(importlib.import_module(module), attr)
-    return out
+    return {dim: load(entry["price"]) for dim, entry in registered("ADVISOR").items()}
 
 
 def _weights(plan: MeshPlan, replicas, optimizer: float) -> dict[str, float]:
