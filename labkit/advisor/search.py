@@ -175,11 +175,26 @@ def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
 
 
 def pipeline_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
-    """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer), each micro-batch count."""
-    out = []
-    for p in range(2, min(space.ranks, space.layers) + 1):
-        out += _pipelines(name, entry, p, space)
-    return out
+    """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer), each micro-batch count, the best
+    balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit."""
+    roles, batch, found = entry["options"], space.batch, []
+    for p, m in itertools.product(range(2, min(space.ranks, space.layers) + 1), MICROBATCHES):
+        if batch % m or m > batch or (m == 1) != ("microbatches" not in roles):
+            continue
+        procs = 1 if entry.get("processes") == "one" else p
+
+        def make(balance, schedule="gpipe"):
+            values = {"microbatches": m, "stages": p, "balance": balance, "schedule": schedule,
+                      "split_points": tuple(itertools.accumulate(balance[:-1]))}
+            opts = tuple((dest, values[role]) for role, dest in roles.items()
+                         if role != "schedule" or schedule != "gpipe")
+            return space.add(Plan(name, procs, p, batch, opts))
+
+        est = best_balance(make, space.prof_for(procs), p, batch / m)
+        if "schedule" in roles and not est.feasible and m >= p:
+            est = min(est, best_balance(lambda b: make(b, "1f1b"), space.prof_for(procs), p, batch / m), key=_rank_key)
+        found.append(est)
+    return found
 
 
 #: the enumerators an ``ADVISOR`` literal's ``"plans"`` names
@@ -209,29 +224,6 @@ def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
     if not out:
         raise ConfigError("no strategy to search: give at least one of " + ", ".join(entries))
     return sorted(out, key=_rank_key)
-
-
-def _pipelines(name: str, entry: dict, p: int, space: Space) -> list[Estimate]:
-    roles = entry["options"]
-    procs = 1 if entry.get("processes") == "one" else p
-    prof, batch = space.prof_for(procs), space.batch
-    found = []
-    for m in MICROBATCHES:
-        if batch % m or m > batch or (m == 1) != ("microbatches" not in roles):
-            continue
-
-        def make(balance, schedule="gpipe"):
-            values = {"microbatches": m, "stages": p, "balance": balance, "schedule": schedule,
-                      "split_points": tuple(itertools.accumulate(balance[:-1]))}
-            opts = tuple((dest, values[role]) for role, dest in roles.items()
-                         if role != "schedule" or schedule != "gpipe")
-            return space.add(Plan(name, procs, p, batch, opts))
-
-        est = best_balance(make, prof, p, batch / m)
-        if "schedule" in roles and not est.feasible and m >= p:
-            est = min(est, best_balance(lambda b: make(b, "1f1b"), prof, p, batch / m), key=_rank_key)
-        found.append(est)
-    return found
 
 
 def best_per_strategy(estimates: list[Estimate]) -> list[Estimate]:
