@@ -185,7 +185,7 @@ class Profile:
     tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
     input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): not priced
     gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
-    loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
+    loop_s: float = 0.0                   # the training loop's bookkeeping per step (advisor.loop_costs)
 
     @property
     def param_bytes(self) -> int:
