@@ -6,9 +6,8 @@ import pytest
 
 from labkit.advisor.alphabeta import bubble_fraction, pipeline_terms
 from labkit.advisor.plan import Plan
-from labkit.advisor.pricing import price
 from labkit.advisor.profile import LayerProfile, Profile
-from labkit.advisor.search import candidates, check_fits
+from labkit.advisor.search import candidates, check_fits, price
 from labkit.advisor.topology import Topology
 from labkit.collectives.cost import CostModel
 from labkit.errors import ConfigError

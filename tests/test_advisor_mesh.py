@@ -1,11 +1,12 @@
-"""The GPT mesh search: one plan's terms by hand, the search against brute force on a small space, a synthetic
-topology whose best plan is known, and the explanation on a named GPU node."""
+"""The mesh search, GPT and CNN: one plan's terms by hand, the search against brute force on a small space, a
+synthetic topology whose best plan is known, and the explanation on a named GPU node. Pure pricing: no process."""
 import itertools
 
 import pytest
 
 from labkit.advisor.gpt_shape import GPT_1_3B, GPTShape
 from labkit.advisor.mesh import MeshPlan, _valid, explain, frontier, meshes, price_mesh, search
+from labkit.advisor.plan import LayerProfile, Profile
 from labkit.advisor.topology import Topology, named
 from labkit.collectives.cost import CostModel
 
@@ -131,3 +132,52 @@ def test_moe_meshes_are_brute_force_and_the_shapes_count_the_real_models():
     shape = gpt_shape("gpt-moe-tiny")
     assert shape.params == 7643136  # 2 blocks of C = 128, 4 experts, vocabulary 50304, 128 positions
     assert shape.params + 2 * 128 == sum(p.numel() for p in gpt_moe("gpt-moe-tiny", 50304).parameters())  # + ln_f
+
+
+def _cnn() -> Profile:
+    """Four layers of 3 µs per sample each; a tiny cut after the second (8 bytes a sample) and most of the weights
+    (44000 of 44800 bytes) in the last two; 50 saved bytes a sample per layer; no optimizer or loading time."""
+    layers = [LayerProfile(f"l{i}", "Linear", (0.0, 1e-6), (0.0, 2e-6), params, out, 50)
+              for i, (params, out) in enumerate([(400, 100), (400, 8), (40000, 40), (4000, 40)])]
+    return Profile("cnn", "synthetic-mnist", 1, (2, 8), layers, 16, 0.0, 0.0, 0)
+
+
+def test_cnn_meshes_are_brute_force_dp_and_pp_with_zero_stages():
+    prof, devices, batch = _cnn(), 4, 8
+    brute = [MeshPlan(d, 1, p, 1, m, z) for d, p in ((4, 1), (2, 2), (1, 4)) for m in (1, 2, 4, 8, 16, 32)
+             for z in range(4) if batch % (d * m) == 0 and (m >= p if p > 1 else m == 1) and (z == 0 or d > 1)]
+    assert len(brute) == 14  # dp=4: ZeRO 0-3; dp=2,pp=2: m 2, 4 × ZeRO 0-3; pp=4: m 4, 8
+    assert sorted(map(repr, meshes(devices, prof, batch))) == sorted(map(repr, brute))
+    t = _topo(CostModel(1e-3, 1e-6), ranks=4, memory=60000)
+    found = search(prof, t, batch)
+    best = min((price_mesh(p, prof, t, batch) for p in brute), key=lambda e: (not e.feasible, e.step_s))
+    assert found[0].step_s == best.step_s and found[0].feasible
+    assert 0 < sum(e.feasible for e in found) < len(found) and not found[-1].feasible  # the limit prunes plans
+    dp = price_mesh(MeshPlan(2, 1, 1, 1), prof, t, batch)
+    # 4 samples a rank: 4 layers · 3 µs · 4; one ring all-reduce of 44800 bytes between 2: 44800 · 1e-6 + 2 · 1e-3
+    assert dp.time["compute"] == pytest.approx(48e-6) and dp.time["dp"] == pytest.approx(0.0468)
+    assert dp.memory["parameters"] == dp.memory["optimizer"] == 44800 and dp.memory["activations"] == 800
+
+
+def test_a_synthetic_topology_with_a_known_best_cnn_mesh():
+    """Two nodes of two devices, free links inside a node, 1 ms per byte between them. Ranks are laid out pp, dp
+    (dp innermost): dp=2 all-reduces its 44000 bytes inside a node for nothing, and pp=2 sends only the 8-byte cut
+    across the nodes; dp=4 all-reduces the weights across nodes, pp=4 sends the 100-byte cut. So dp=2,pp=2, the
+    most micro-batches (m = 4: the smallest bubble), ZeRO 3 (the same time, the least memory)."""
+    prof = _cnn()
+    t = _topo(CostModel(0.0, 0.0), CostModel(0.0, 1e-3), nodes=2, ranks=4, flops=1e12)
+    found = search(prof, t, 8)
+    best = found[0]
+    assert best.plan == MeshPlan(dp=2, tp=1, pp=2, cp=1, microbatches=4, zero=3)
+    # 4 micro-batches of 1 sample, the 8-byte activation forward and its gradient back at 1 ms a byte
+    assert best.time["pp"] == pytest.approx(4 * 2 * 8e-3) and best.time["dp"] == 0.0
+    assert best.time["compute"] == pytest.approx(4 * 6e-6) and best.time["bubble"] == pytest.approx(6e-6)
+    # the second stage's 44000 bytes sharded over dp=2, three times; 2 micro-batches in flight of 2 layers · 50
+    assert best.memory == {"parameters": 22000, "gradients": 22000, "optimizer": 22000, "activations": 200,
+                           "buffers": 0.0, "runtime": 0.0}
+    text = explain(found, prof, t)
+    # pp=4: 8 micro-batches of 1 sample, 100 bytes each way; dp=4: a ring all-reduce of 44800 bytes over 4 ranks,
+    # 2 · 3/4 · 44800 bytes at 1 ms (ZeRO 2: the same bytes as ZeRO 0-1 in less memory, ZeRO 3's are 1.5×)
+    assert text == ("on test, cnn on synthetic-mnist: dp=2,pp=2 m=4 zero3 (64 ms/step, 0.1 MB per device) because "
+                    "pp=4 m=8 is 2399% slower (pp 1600 ms against 64 ms); dp=4 zero2 is 104851% slower (dp 67200 ms "
+                    "against 0 ms)")

@@ -12,10 +12,9 @@ from labkit.advisor.advise import Advice
 from labkit.advisor.apply import parallelize
 from labkit.advisor.check import STARTER, check, reference
 from labkit.advisor.plan import Plan
-from labkit.advisor.pricing import price
 from labkit.advisor.profile import LayerProfile, Profile, save_profile
 from labkit.advisor.report import flexflow_comparison
-from labkit.advisor.search import best_per_strategy, candidates
+from labkit.advisor.search import best_per_strategy, candidates, price
 from labkit.advisor.topology import Topology
 from labkit.advisor.validate import validate
 from labkit.cli import main
@@ -143,8 +142,8 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
                           (["--model", "lenet", "--ranks", "2", "--memory-limit", "0.01"],
                            r"no plan fits in 0.01 GB per device; the smallest needs 0.0\d+ GB"),
                           (["--model", "gpt-1.3b", "--ranks", "8"], "the mesh search prices a GPU topology"),
-                          (["--model", "resnet20", "--ranks", "8", "--topology", "h100-nvlink"],
-                           r"the mesh search prices a dense GPT: gpt-1\.3b or gpt-tiny.*; not 'resnet20'"),
+                          (["--model", "gpt-nope", "--ranks", "8", "--topology", "h100-nvlink"],
+                           r"the mesh search prices a dense GPT: gpt-1\.3b or gpt-tiny.*; not 'gpt-nope'"),
                           (["--model", "gpt-1.3b", "--ranks", "16", "--topology", "h100-nvlink"],
                            "--ranks 16: one H100 node with NVLink has 8 GPUs")]:
         try:
@@ -158,6 +157,11 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
     assert main(["advise", "--model", "gpt-1.3b", "--topology", "h100-nvlink", "--ranks", "8"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("on one H100 node with NVLink, a 1.3B GPT at sequence 4096: ") and "frontier" in text
+    # a CNN's dp×pp meshes from its profile (cached here) on the same node
+    assert main(["advise", "--model", "lenet", "--topology", "h100-nvlink", "--ranks", "8", "--cache", str(cache)]) == 0
+    text = capsys.readouterr().out
+    # dp=8: ZeRO 0-3; dp=4,pp=2 and dp=2,pp=4: 4 micro-batch counts × ZeRO 0-3; pp=8: m = 8, 16, 32
+    assert text.startswith("on one H100 node with NVLink, lenet on mnist-sample: ") and "\n39 plans, 39 fit" in text
 
 
 def test_flexflow_comparison_names_the_terms():

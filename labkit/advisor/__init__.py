@@ -13,7 +13,7 @@ _EXPORTS = {
     "advise": "labkit.advisor.advise", "Advice": "labkit.advisor.advise",
     "Plan": "labkit.advisor.plan", "Estimate": "labkit.advisor.plan",
     "Topology": "labkit.advisor.topology", "Profile": "labkit.advisor.plan",
-    "LayerProfile": "labkit.advisor.plan", "price": "labkit.advisor.pricing",
+    "LayerProfile": "labkit.advisor.plan", "price": "labkit.advisor.search",
     "candidates": "labkit.advisor.search", "validate": "labkit.advisor.validate",
     "parallelize": "labkit.advisor.apply", "Parallelized": "labkit.advisor.apply",
 }

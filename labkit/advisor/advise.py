@@ -66,8 +66,7 @@ class Advice:
 
 def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64,
            memory_limit_gb: float | None = None, topology: Topology | None = None, links: str | None = None,
-           cache: str | Path = CACHE, refresh: bool = False, strategies: tuple[str, ...] | None = None,
-           profile_topology: Topology | None = None) -> Advice:
+           cache: str | Path = CACHE, refresh: bool = False, profile_topology: Topology | None = None) -> Advice:
     """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``).
 
     Args:
@@ -98,7 +97,7 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     def prof_for(processes: int) -> Profile:
         return load_or_measure(model, dataset, batch_size, measure_on.threads(processes), cache, refresh)
 
-    estimates = candidates(prof_for, topo, batch_size, strategies)
+    estimates = candidates(prof_for, topo, batch_size)
     if memory_limit_gb is not None:
         check_fits(estimates, memory_limit_gb)
     table = [e for e in best_per_strategy(estimates) if e.applicable]

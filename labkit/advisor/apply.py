@@ -31,20 +31,17 @@ class Parallelized:
 
 
 def _plan(plan, model_name: str | None, dataset: str, ranks: int, batch_size: int) -> Plan:
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, Estimate):
-        return plan.plan
-    if isinstance(plan, dict):
-        return Plan.from_dict(plan)
-    if isinstance(plan, str):
-        if model_name is None:
-            raise ConfigError("plan='auto' needs the model's name (model_name=...): the advisor profiles a kit model")
-        from labkit.advisor.advise import advise
+    """``plan`` as a :class:`Plan`: given, an estimate's, read from a dict, or the advice's (``"auto"``: the best)."""
+    if isinstance(plan, (Plan, Estimate, dict)):
+        return Plan.from_dict(plan) if isinstance(plan, dict) else getattr(plan, "plan", plan)
+    if not isinstance(plan, str):
+        raise ConfigError(f"plan must be 'auto', a plan label, a Plan, an Estimate or a dict, got {type(plan).__name__}")
+    if model_name is None:
+        raise ConfigError("plan='auto' needs the model's name (model_name=...): the advisor profiles a kit model")
+    from labkit.advisor.advise import advise
 
-        advice = advise(model_name, dataset, ranks, batch_size)
-        return advice.best.plan if plan == "auto" else advice.find(plan).plan
-    raise ConfigError(f"plan must be 'auto', a plan label, a Plan, an Estimate or a dict, got {type(plan).__name__}")
+    advice = advise(model_name, dataset, ranks, batch_size)
+    return advice.best.plan if plan == "auto" else advice.find(plan).plan
 
 
 def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "auto", *, model_name: str | None = None,

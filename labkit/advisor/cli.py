@@ -4,6 +4,7 @@
     labkit advise --model lenet --ranks 2 --validate --repeats 3
     labkit advise --model resnet20 --dataset synthetic-cifar10 --ranks 2 --memory-limit 0.5
     labkit advise --model gpt-1.3b --topology h100-nvlink --ranks 8 --seq-len 4096   # the mesh search
+    labkit advise --model resnet20 --dataset synthetic-cifar10 --topology a100-pcie --ranks 8   # dp×pp meshes
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def add_parser(sub) -> None:
                    help="run every plan through labkit train and compare the ranking")
     p.add_argument("--steps", type=within("int", "[4, inf)"), default=8, help="training steps per validation run")
     p.add_argument("--topology", default="local", choices=["local", "h100-nvlink", "a100-pcie", "h100-2x-ib"],
-                   help="this machine's gloo ranks, or a GPU node from public specs (a GPT's mesh search)")
+                   help="this machine's gloo ranks, or a GPU node from public specs (the mesh search)")
     p.add_argument("--seq-len", type=within("int", "[2, inf)"), default=None,
                    help="a GPT's sequence length for the mesh search (default its block size)")
     p.add_argument("--links", default=None, metavar="DIR",
@@ -80,25 +81,34 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _mesh(args: argparse.Namespace) -> int:
-    """A GPT's mesh search on a named topology: the explanation, the best plans and the frontier."""
-    from labkit.advisor.gpt_shape import gpt_shape
-    from labkit.advisor.mesh import explain as why
-    from labkit.advisor.mesh import frontier, search
+    """The mesh search on a named topology (a GPT's shape, or a CNN's profile measured here at all the cores,
+    scaled by the topology's ``compute_scale``): the explanation, the count, and the frontier of memory vs time."""
+    import os
+
+    from labkit.advisor.mesh import explain, frontier, ms, search, size
     from labkit.advisor.topology import named
     from labkit.errors import ConfigError
 
     if args.topology == "local":
         raise ConfigError("the mesh search prices a GPU topology: give --topology h100-nvlink, a100-pcie or "
                           "h100-2x-ib")
-    gpt = gpt_shape(args.model, args.seq_len)
     topo = named(args.topology).with_memory(args.memory_limit)
     if args.ranks > topo.ranks:
         raise ConfigError(f"--ranks {args.ranks}: {topo.name} has {topo.ranks} GPUs")
-    found = search(gpt, topo, args.batch_size, args.ranks)
+    if args.model.startswith("gpt"):
+        from labkit.advisor.gpt_shape import gpt_shape
+
+        model = gpt_shape(args.model, args.seq_len)
+    else:
+        from labkit.advisor.profile import load_or_measure
+
+        model = load_or_measure(args.model, args.dataset, args.batch_size, os.cpu_count() or 1, args.cache,
+                                args.refresh)
+    found = search(model, topo, args.batch_size, args.ranks)
     if not found:
         raise ConfigError(f"no mesh of {args.ranks} GPUs divides a batch of {args.batch_size}")
-    print(why(found, gpt, topo))
+    print(explain(found, model, topo))
     print(f"{len(found)} plans, {sum(e.feasible for e in found)} fit; the frontier of memory vs time:")
     for e in frontier(found):
-        print(f"  {e.plan.label:34s} {e.step_s * 1e3:9.1f} ms/step {e.peak_bytes / 2**30:7.1f} GB/GPU")
+        print(f"  {e.plan.label:34s} {ms(e.step_s):>10s}/step {size(e.peak_bytes):>9s} per GPU")
     return 0

@@ -47,26 +47,13 @@ class Plan:
     def label(self) -> str:
         """A short name, e.g. ``pipeline×2 m=4 [5,7]`` or ``ddp×2 ring``."""
         o = self.option
-        parts = [f"{self.strategy}×{self.devices}" if self.devices > 1 else self.strategy]
-        if "allreduce" in o:
-            parts.append(o["allreduce"])
-        if "zero_stage" in o:
-            parts.append(f"stage {o['zero_stage']}")
-        if "ps_servers" in o:
-            parts.append(f"S={o['ps_servers']}")
-        if o.get("fsdp_no_reshard"):
-            parts.append("no-reshard")
-        if "schedule" in o:
-            parts.append(o["schedule"])
-        for key in ("num_microbatches",):
-            if key in o:
-                parts.append(f"m={o[key]}")
-        if o.get("mp_split_size"):
-            parts.append(f"split={o['mp_split_size']}")
-        for key in ("balance", "mp_split_points"):
-            if key in o:
-                parts.append("[" + ",".join(map(str, o[key])) + "]")
-        return " ".join(parts)
+        words = [o.get("allreduce"), "zero_stage" in o and f"stage {o['zero_stage']}",
+                 "ps_servers" in o and f"S={o['ps_servers']}", o.get("fsdp_no_reshard") and "no-reshard",
+                 o.get("schedule"), "num_microbatches" in o and f"m={o['num_microbatches']}",
+                 o.get("mp_split_size") and f"split={o['mp_split_size']}",
+                 *("[" + ",".join(map(str, o[key])) + "]" for key in ("balance", "mp_split_points") if key in o)]
+        head = f"{self.strategy}×{self.devices}" if self.devices > 1 else self.strategy
+        return " ".join([head, *filter(None, words)])
 
     def train_args(self, model: str, dataset: str) -> list[str]:
         """``labkit train`` arguments (without ``labkit``) that run this plan."""
@@ -196,19 +183,9 @@ class Profile:
     feature_layers: int | None = None     # first layers that form ``model.features`` (hybrid)
     tp_pairs: list[tuple[int, int]] = field(default_factory=list)  # (column, row) Linear indices
     tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
-    input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): see below
+    input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): not priced
     gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
-    loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
-
-    def input_grad_time(self, batch: float) -> float:
-        """Seconds the first layer spends on the gradient of its *input* for ``batch`` samples.
-
-        A training step never asks for it (the data needs no gradient), so the first layer's ``bwd`` is timed
-        without it; torchgpipe asks for it on every micro-batch after the first (its fork/join orders the
-        micro-batches by joining each one's input with the previous one's output, which makes the input need
-        a gradient): measured as that layer's backward with an input that needs a gradient, less without.
-        """
-        return self.input_grad[0] + self.input_grad[1] * batch
+    loop_s: float = 0.0                   # the training loop's bookkeeping per step (advisor.loop_costs)
 
     @property
     def param_bytes(self) -> int:

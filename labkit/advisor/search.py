@@ -1,7 +1,15 @@
-"""Search: enumerate every strategy with its parameters, price each plan, rank by predicted step time.
+"""The strategy search: every strategy with its parameters, each plan priced, ranked by predicted step time.
 
-The strategies searched are those whose module declares an ``ADVISOR`` literal (:mod:`labkit.advisor.pricing`);
-its ``"plans"`` says which plans to enumerate for ``N`` ranks and global batch ``B``:
+A strategy is searched when its module declares an ``ADVISOR`` literal beside its ``FLAGS``, read without
+importing the module (:func:`labkit.strategies.registered`)::
+
+    ADVISOR = {"price": "labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split",
+               "grid": {"allreduce": ["ddp", "ring"]}, "keep": "cheapest"}
+
+``price`` names its pricing function, ``(plan, profile, topology) -> Estimate``, pure, its formula in its
+docstring (:func:`price` adds what every plan pays); ``batch`` how a plan splits the global batch
+(:attr:`labkit.advisor.plan.Plan.data_parallel`); ``plans`` which plans to enumerate for ``N`` ranks and global
+batch ``B``:
 
 * ``"one"``: one plan on one process (``single``);
 * ``"spread"``: ``p = 2..N`` ranks with ``p`` dividing ``B``, one plan per combination of its ``"grid"``
@@ -15,33 +23,97 @@ its ``"plans"`` says which plans to enumerate for ``N`` ranks and global batch `
   ``"microbatches"`` option, else ``m = 1`` (``model-parallel``) — the gpipe schedule (and 1f1b where gpipe's
   does not fit in memory, where they name a ``"schedule"`` option); its ``"options"`` map the pipeline's
   quantities (``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule``) to the strategy's
-  option names (``pipeline``, ``gpipe``, ``model-parallel``);
-* ``"module:function"``: the strategy's own enumerator, ``function(name, entry, space) -> [Estimate]``
-  (:class:`Space`).
+  option names (``pipeline``, ``gpipe``, ``model-parallel``).
 
 The split points (balance) of each pipeline: **exhaustive** over all ``C(L − 1, p − 1)`` contiguous
 splits when there are at most :data:`EXHAUSTIVE_SPLITS`, each priced whole (compute, messages at the cut,
 memory); beyond that a **heuristic**: the exact min-max dynamic programme over layer groups on stage
 times ``T_{stage}(B/m)`` (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's
-message size.
-
-Infeasible plans (too much memory per device) stay in the list, marked, below the feasible ones.
+message size. Infeasible plans (too much memory per device) stay in the list, marked, below the feasible ones.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from labkit.advisor.alphabeta import cpu_floor
 from labkit.advisor.plan import Estimate, Plan, Profile
-from labkit.advisor.pricing import advised, price
 from labkit.advisor.topology import Topology
 from labkit.errors import ConfigError
 
 EXHAUSTIVE_SPLITS = 2000
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def advised() -> dict[str, dict]:
+    """``{strategy: its ADVISOR literal}`` for every registered strategy that has one, in registry order."""
+    from labkit.strategies import registered
+
+    return registered("ADVISOR")
+
+
+@functools.lru_cache(maxsize=None)
+def load(target: str) -> Callable:
+    """The function ``"module:function"`` names."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def pricer(strategy: str) -> Callable[[Plan, Profile, Topology], Estimate]:
+    """The pricing function strategy ``strategy``'s ``ADVISOR`` literal names."""
+    from labkit.strategies import STRATEGIES, strategy_literal
+
+    entry = strategy_literal(strategy, "ADVISOR") if strategy in STRATEGIES else None
+    if entry is None or "price" not in entry:
+        raise ConfigError(f"strategy {strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
+                          f"prices: {', '.join(advised())}")
+    return load(entry["price"])
+
+
+def serial_step(prof: Profile, batch: int) -> float:
+    """One process's step on ``batch`` samples with ``prof``: compute, update, data and bookkeeping."""
+    return (prof.time(batch) + prof.update_s_per_byte * prof.param_bytes + prof.data_s_per_sample * batch
+            + prof.loop_s)
+
+
+def _price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
+    est = pricer(plan.strategy)(plan, prof, topo)
+    if est.applicable and prof.loop_s:
+        est.time["bookkeeping"] = prof.loop_s  # host Python and tiny ops: not scaled with the device
+    est.limit_bytes = topo.memory_bytes
+    est.threads = prof.threads if topo.device == "cpu" else 0
+    return est
+
+
+def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
+    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process. Every plan also pays
+    the training loop's own work per step, ``bookkeeping = loop_s`` (:class:`labkit.advisor.profile.Profile`,
+    where measured). The loop's stop check is not priced: it is one tiny non-blocking all-reduce every few tenths
+    of a second (:class:`labkit.preempt.StopCheck`), nothing measurable per step.
+
+    On a CPU, with ``serial`` (the profile at one thread per process), work is conserved both ways:
+
+    * a plan of ``q > 1`` processes on ``c`` cores takes at least ``serial_step(B) / min(q, c)`` (the compute
+      term makes up any difference): ``q`` ranks never do one thread's work more than ``c`` times faster;
+    * a one-process plan is priced at the cheaper of its ``c``-thread and one-thread profiles: a process given
+      more threads can do at least what it does on one (a profile at ``c`` threads taken while other programs
+      hold the cores can be ten times slower than at one; that is the load, not the plan).
+
+    So ``q`` ranks on ``c`` cores are never priced more than ``c`` times faster than one process."""
+    est = _price(plan, prof, topo)
+    if serial is None or topo.device != "cpu" or not est.applicable:
+        return est
+    if plan.processes == 1:
+        alt = _price(plan, serial, topo) if serial is not prof else est
+        return alt if alt.applicable and alt.step_s < est.step_s else est
+    short = cpu_floor(serial_step(serial, plan.batch_size), plan.processes, topo.cores) - est.step_s
+    if short > 0:
+        est.time["compute"] = est.time.get("compute", 0.0) + short
+    return est
 
 
 def splits(layers: int, stages: int) -> Iterator[tuple[int, ...]]:
@@ -103,11 +175,26 @@ def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
 
 
 def pipeline_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
-    """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer), each micro-batch count."""
-    out = []
-    for p in range(2, min(space.ranks, space.layers) + 1):
-        out += _pipelines(name, entry, p, space)
-    return out
+    """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer), each micro-batch count, the best
+    balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit."""
+    roles, batch, found = entry["options"], space.batch, []
+    for p, m in itertools.product(range(2, min(space.ranks, space.layers) + 1), MICROBATCHES):
+        if batch % m or m > batch or (m == 1) != ("microbatches" not in roles):
+            continue
+        procs = 1 if entry.get("processes") == "one" else p
+
+        def make(balance, schedule="gpipe"):
+            values = {"microbatches": m, "stages": p, "balance": balance, "schedule": schedule,
+                      "split_points": tuple(itertools.accumulate(balance[:-1]))}
+            opts = tuple((dest, values[role]) for role, dest in roles.items()
+                         if role != "schedule" or schedule != "gpipe")
+            return space.add(Plan(name, procs, p, batch, opts))
+
+        est = best_balance(make, space.prof_for(procs), p, batch / m)
+        if "schedule" in roles and not est.feasible and m >= p:
+            est = min(est, best_balance(lambda b: make(b, "1f1b"), space.prof_for(procs), p, batch / m), key=_rank_key)
+        found.append(est)
+    return found
 
 
 #: the enumerators an ``ADVISOR`` literal's ``"plans"`` names
@@ -116,13 +203,9 @@ PLANS = {"one": one_plan, "spread": spread_plans, "servers": server_plans, "pipe
 
 def _enumerator(name: str, entry: dict) -> Callable[[str, dict, Space], list[Estimate]]:
     kind = entry.get("plans", "one")
-    if kind in PLANS:
-        return PLANS[kind]
-    if ":" in kind:
-        module, _, attr = kind.partition(":")
-        return getattr(importlib.import_module(module), attr)
-    raise ConfigError(f"strategy {name!r}: ADVISOR's 'plans' is {kind!r}; use one of {', '.join(PLANS)} or "
-                      "'module:function'")
+    if kind not in PLANS:
+        raise ConfigError(f"strategy {name!r}: ADVISOR's 'plans' is {kind!r}; use one of {', '.join(PLANS)}")
+    return PLANS[kind]
 
 
 def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
@@ -141,29 +224,6 @@ def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
     if not out:
         raise ConfigError("no strategy to search: give at least one of " + ", ".join(entries))
     return sorted(out, key=_rank_key)
-
-
-def _pipelines(name: str, entry: dict, p: int, space: Space) -> list[Estimate]:
-    roles = entry["options"]
-    procs = 1 if entry.get("processes") == "one" else p
-    prof, batch = space.prof_for(procs), space.batch
-    found = []
-    for m in MICROBATCHES:
-        if batch % m or m > batch or (m == 1) != ("microbatches" not in roles):
-            continue
-
-        def make(balance, schedule="gpipe"):
-            values = {"microbatches": m, "stages": p, "balance": balance, "schedule": schedule,
-                      "split_points": tuple(itertools.accumulate(balance[:-1]))}
-            opts = tuple((dest, values[role]) for role, dest in roles.items()
-                         if role != "schedule" or schedule != "gpipe")
-            return space.add(Plan(name, procs, p, batch, opts))
-
-        est = best_balance(make, prof, p, batch / m)
-        if "schedule" in roles and not est.feasible and m >= p:
-            est = min(est, best_balance(lambda b: make(b, "1f1b"), prof, p, batch / m), key=_rank_key)
-        found.append(est)
-    return found
 
 
 def best_per_strategy(estimates: list[Estimate]) -> list[Estimate]:

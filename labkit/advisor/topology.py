@@ -50,10 +50,6 @@ class Topology:
     compute_scale: float = 1.0
     flops: float = 0.0
 
-    def __post_init__(self):
-        if self.ranks < 1:
-            raise ConfigError(f"--ranks must be >= 1, got {self.ranks}")
-
     @property
     def per_node(self) -> int:
         return -(-self.ranks // self.nodes)
@@ -75,9 +71,9 @@ class Topology:
 
     @classmethod
     def local(cls, ranks: int, link: CostModel | None = None, links_from: str | Path | None = None,
-              cache: str | Path = Path("runs") / "advisor", refresh: bool = False, rounds: int = 1) -> Topology:
+              cache: str | Path = Path("runs") / "advisor", refresh: bool = False) -> Topology:
         """``ranks`` gloo ranks on this machine; the link from ``link``, a bench run dir, a cache, or measured now
-        (``refresh``: measured now even if cached; ``rounds``: the median of that many fits)."""
+        (``refresh``: measured now even if cached)."""
         from labkit.advisor.measure import measure_link, read_fit
 
         if ranks < 1:
@@ -87,7 +83,7 @@ class Topology:
         elif link is None and not refresh:
             link = read_fit(Path(cache) / f"links-{ranks}", ranks, required=False)
         if link is None:
-            link = measure_link(ranks, Path(cache) / f"links-{ranks}", rounds)
+            link = measure_link(ranks, Path(cache) / f"links-{ranks}")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1)
 
