@@ -9,7 +9,7 @@ cores. Only the jobs of selected tests are submitted (``-k`` honoured); the pre-
 
 Scripts that run the same training several times (one per strategy or schedule) run a lean subset that still
 takes every path of the script (``LEAN``); what the other runs train is tested elsewhere.
-``LABKIT_SYSTEM_JOBS_TIMEOUT`` (seconds, default 600) bounds the batch.
+``LABKIT_SYSTEM_JOBS_TIMEOUT`` (seconds, default 900) bounds the batch; ``--time`` bounds each job.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .jobs import JOB_MEMORY, JOBS, job_env, script_id
 from .provision import REPO, free_port
 from .slurm_cluster import TERMINAL, Job, SlurmCluster
 
-BATCH_TIMEOUT_S = float(os.environ.get("LABKIT_SYSTEM_JOBS_TIMEOUT", "600"))
+BATCH_TIMEOUT_S = float(os.environ.get("LABKIT_SYSTEM_JOBS_TIMEOUT", "900"))
 # Per job (sbatch --time, minutes): a hung job ends as TIMEOUT and the queue moves on.
 JOB_TIME_LIMIT_MIN = 8
 
