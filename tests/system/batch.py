@@ -52,9 +52,9 @@ WARNED_END = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
 DDP = JOBS / "job_ddp.sh"
 
 # Submitted first (SLURM starts jobs in submission order): the warned job, which sleeps through its slowed steps
-# and its requeue while the others compute; the job that launches its ranks twice; the multi-node ones, which wait
-# for room on both nodes.
-FIRST = ("job_allreduce",)
+# and its requeue while the others compute; the longest ones (two launches of ranks, or ranks and then a summary);
+# the multi-node ones, which wait for room on both nodes; so that the batch does not end with one long job alone.
+FIRST = ("job_allreduce", "job_kfac", "job_zero")
 
 
 @dataclass
@@ -81,7 +81,7 @@ def selected_scripts(items: list[pytest.Item]) -> tuple[list[Path], list[Path], 
             preempt = True
     if preempt and DDP not in single:
         single.append(DDP)
-    single.sort(key=lambda script: script_id(script) not in FIRST)  # stable: the rest keep their order
+    single.sort(key=lambda script: FIRST.index(script_id(script)) if script_id(script) in FIRST else len(FIRST))
     return single, multi, preempt
 
 
@@ -100,11 +100,12 @@ def run_batch(slurm: SlurmCluster, root: Path, items: list[pytest.Item]) -> Batc
     ddp_env = {"NPROC": "2", "EXTRA_ARGS": PREEMPT_ARGS}
     if preempt:
         submit(DDP, WARNED, ddp_env | {"EXTRA_ARGS": f"{PREEMPT_ARGS} --step-delay-s 0.6"}, "--open-mode=append")
-    for script in single[:len(FIRST)]:
+    first = sum(script_id(script) in FIRST for script in single)
+    for script in single[:first]:
         submit(script, script_id(script), LEAN.get(script_id(script), {}))
     for script in multi:  # a port of its own for the rendezvous (the default derives from the job id)
         submit(script, script_id(script), {"RDZV_PORT": str(free_port())}, "--nodes=2")
-    for script in single[len(FIRST):]:
+    for script in single[first:]:
         submit(script, script_id(script), ddp_env if script == DDP else LEAN.get(script_id(script), {}))
 
     warned = jobs[WARNED][0] if preempt else None
