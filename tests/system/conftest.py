@@ -12,13 +12,13 @@ import contextlib
 import os
 import secrets
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from .batch import Batch, run_batch
 from .jupyter_browser import JupyterLab
 from .provision import REPO, apt_install, pip_install, python_env, unavailable
 from .slurm_cluster import SlurmCluster, hosts_entry
@@ -62,19 +62,20 @@ def _slurm_cluster(nodes: list[str]) -> Iterator[SlurmCluster]:
 
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[SlurmCluster]:
-    """A one-node SLURM cluster named after this host."""
-    with _slurm_cluster([socket.gethostname().split(".")[0]]) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def slurm_two_nodes() -> Iterator[SlurmCluster]:
-    """Two emulated nodes, ``node1`` and ``node2``: two slurmd on this host, named in /etc/hosts."""
+    """The test cluster: two emulated nodes, ``node1`` and ``node2`` (two slurmd on this host, named in
+    /etc/hosts). A one-node job runs on either, a multi-node job on both."""
     hosts = Path("/etc/hosts")
     if not os.access(hosts, os.W_OK):
         unavailable("/etc/hosts is not writable, so node1/node2 cannot be made to resolve")
     with hosts_entry(["node1", "node2"], hosts), _slurm_cluster(["node1", "node2"]) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def slurm_batch(slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory,
+                request: pytest.FixtureRequest) -> Batch:
+    """Every selected test's SLURM job, submitted at once and finished (``tests/system/batch.py``)."""
+    return run_batch(slurm, tmp_path_factory.mktemp("jobs"), request.session.items)
 
 
 @pytest.fixture(scope="session")

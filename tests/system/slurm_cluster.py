@@ -10,7 +10,7 @@ No systemd here, so the daemons are started by hand; no cgroups either, hence
 ``proctrack/linuxproc`` and ``task/none``. The nodes advertise the size of a GPU node
 (``SlurmdParameters=config_overrides`` lets that exceed the real machine) so job scripts' real
 ``#SBATCH`` requests are accepted unchanged; tests ask for 8 of the 16 CPUs and a share of the memory,
-so two jobs run at a time on the real cores (``--exclusive``: one).
+so two jobs run at a time on each node.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class SlurmCluster:
             f"SlurmctldPort={free_port()}",
             # cred_expire: also how long a requeued job waits before it may start again (default 120 s; 5 is
             # SLURM's minimum); a step's credential is used within a second of being issued here
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=10",
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=5",
             "SlurmUser=root", "SlurmdUser=root",
             f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}/%n",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r}/slurmd-%n.pid",

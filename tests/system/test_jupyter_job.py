@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from .jobs import JUPYTER_JOB
+from .jobs import JOB_MEMORY, JUPYTER_JOB
 from .provision import REPO, python_env, wait_for
 from .slurm_cluster import TERMINAL, SlurmCluster
 
@@ -62,7 +62,7 @@ def check_token_only(port: int, token: str) -> None:
 def test_jupyter_job_under_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
     env = python_env(LABKIT_QUICK="1", SBATCH_GRES="none")
     job = slurm.submit(JUPYTER_JOB, name="jupyter", output=tmp_path / "jupyter.log", env=env,
-                       args=("--exclusive",), cwd=REPO)
+                       args=(JOB_MEMORY,), cwd=REPO)
     try:
         def url_printed() -> re.Match[str] | None:
             assert slurm.refresh(job).state not in TERMINAL, job.describe()

@@ -1,9 +1,10 @@
 """Multi-node jobs on two emulated nodes: two ``slurmd -N node1|node2`` on this host.
 
-``node1`` and ``node2`` resolve to 127.0.0.1 through a line added to /etc/hosts for the module
+``node1`` and ``node2`` resolve to 127.0.0.1 through a line added to /etc/hosts for the session
 and removed afterwards, so the job's rendezvous host (the first node of the allocation) is
 reachable; the ranks talk over gloo. Every script whose ``#SBATCH`` asks for more than one node
-runs here, and ``jobs/job_ddp_multinode.sh`` always does.
+runs here (one rank per node), and ``jobs/job_ddp_multinode.sh`` always does. The jobs run in the
+session's batch (``tests/system/batch.py``), each on 8 of the 16 CPUs of both nodes.
 """
 
 from __future__ import annotations
@@ -12,26 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from .jobs import check_finished_job, job_env, multinode_scripts, script_id
-from .provision import REPO, unavailable
-from .slurm_cluster import SlurmCluster, hosts_entry
+from .batch import BATCH_TIMEOUT_S, Batch
+from .jobs import check_finished_job, multinode_scripts, script_id
+from .provision import unavailable
+from .slurm_cluster import hosts_entry
 
 pytestmark = pytest.mark.system
 
-JOB_TIMEOUT_S = 300
 
-
+@pytest.mark.timeout(BATCH_TIMEOUT_S + 120)  # the first test may wait for the whole batch
 @pytest.mark.parametrize("script", multinode_scripts(), ids=script_id)
-def test_job_runs_on_two_nodes(script: Path, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+def test_job_runs_on_two_nodes(script: Path, request: pytest.FixtureRequest) -> None:
     if not script.exists():
         unavailable(f"jobs/{script.name} does not exist (yet): the multi-node DDP job script")
-    slurm_two_nodes: SlurmCluster = request.getfixturevalue("slurm_two_nodes")
-    out_dir = tmp_path / "out"
-    job = slurm_two_nodes.submit(script, name=script_id(script), output=tmp_path / "job.log",
-                                 env=job_env(out_dir), args=("--exclusive", "--nodes=2"), cwd=REPO)
-    if not slurm_two_nodes.wait([job], JOB_TIMEOUT_S):
-        slurm_two_nodes.cancel(job)
-        slurm_two_nodes.wait([job], 30)
+    slurm_batch: Batch = request.getfixturevalue("slurm_batch")
+    job, out_dir = slurm_batch[script_id(script)]
     assert job.info.get("NumNodes") == "2" and job.info.get("NodeList") == "node[1-2]", job.describe()
     for summary in check_finished_job(script, job, out_dir):
         world_size = summary.get("environment", {}).get("world_size", 0)
