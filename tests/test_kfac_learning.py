@@ -15,6 +15,7 @@ from torch.utils.data import TensorDataset
 
 from labkit import data, models
 from labkit.optim.kfac import from_options
+from labkit.tensor_data import load_split
 from labkit.train import fit
 
 TARGET = 0.70
@@ -22,9 +23,9 @@ EPOCHS = 3
 
 
 def tensors(train: bool, size: int | None = None) -> TensorDataset:
-    dataset = data.get_dataset("mnist-sample", train=train)
-    items = [dataset[i] for i in range(size or len(dataset))]
-    return TensorDataset(torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items]))
+    """The first ``size`` digits, normalised: torchvision's images, read whole (tests/test_tensor_data.py)."""
+    resident = load_split("tensor", "mnist-sample", train, limit=size)
+    return TensorDataset(resident.data, resident.targets)
 
 
 def accuracy_until_target(optimizer_name: str, train_set, test_set, epochs: int) -> list[float]:
