@@ -1,6 +1,9 @@
 """labkit.bench: the shared harness, the plain baselines, the suite and the report from the committed references."""
 import json
 import statistics
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,7 @@ from labkit.bench.contenders import PlainLoop
 from labkit.bench.report import PLOTS, load_suite, load_suites, render
 from labkit.cli import main
 from labkit.errors import ConfigError
+from labkit.testing import run_cli_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REFERENCE = Path(__file__).resolve().parents[1] / "results" / "reference"
@@ -70,7 +74,20 @@ def test_bench_single_and_datapath_run_through_fit(tmp_path, capsys):
     assert "tensor loader" in out and "torch loader" in out and "model only" in out
 
 
-def test_suite_records_a_strategy_and_rejects_unknown_parts(tmp_path, capsys):
+def _labkit_on_a_forked_rank(monkeypatch):
+    """The suite's ``python -m labkit ARGS`` on one forked rank (:func:`run_cli_ranks`): the same CLI entry point,
+    exit code and output, without a fresh interpreter importing torch (what the suite runs is the point here)."""
+    def run(cmd, capture_output, text, check, env):
+        assert cmd[:3] == [sys.executable, "-m", "labkit"] and capture_output and text and not check
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        [(code, out, err)] = run_cli_ranks(cmd[3:], 1, timeout=300)
+        return subprocess.CompletedProcess(cmd, code, out, err)
+    monkeypatch.setattr("labkit.bench.suite.subprocess", types.SimpleNamespace(run=run))
+
+
+def test_suite_records_a_strategy_and_rejects_unknown_parts(tmp_path, capsys, monkeypatch):
+    _labkit_on_a_forked_rank(monkeypatch)
     assert main(["bench", "suite", "--quick", "--only", "single", "--device", "cpu", "--out", str(tmp_path)]) == 0
     suite = load_suite(tmp_path)
     single = suite["strategies"]["single"]

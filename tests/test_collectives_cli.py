@@ -70,9 +70,9 @@ def test_bench_writes_results_and_prints_the_table(tmp_path, capsys):
 
 def test_animate_writes_html_and_gif(tmp_path, capsys):
     html, gif = tmp_path / "ring.html", tmp_path / "tree.gif"
-    assert run_cli(["allreduce", "animate", "--algo", "ring", "--ranks", "4", "--out", str(html)]) == 0
+    assert run_cli(["allreduce", "animate", "--algo", "ring", "--ranks", "3", "--out", str(html)]) == 0
     text = html.read_text()
-    assert text.count("data:image/png;base64") == 2 * (4 - 1) + 1    # one frame per step + the start
+    assert text.count("data:image/png;base64") == 2 * (3 - 1) + 1    # one frame per step + the start
     assert run_cli(["allreduce", "animate", "--algo", "tree", "--ranks", "3", "--out", str(gif)]) == 0
     with Image.open(gif) as im:
         assert im.format == "GIF" and im.n_frames == 4 + 1

@@ -48,15 +48,15 @@ def test_sequential_computes_the_same_function(name, in_channels, image_size):
     assert isinstance(seq, nn.Sequential)
     assert [p.data_ptr() for p in seq.parameters()] == [p.data_ptr() for p in model.parameters()]  # same order
     assert any(isinstance(layer, nn.Flatten) for layer in seq)
-    x = torch.randn(3, in_channels, image_size, image_size)
+    x = torch.randn(2, in_channels, image_size, image_size)
 
     model.eval()
     seq.eval()
     with torch.no_grad():
         expected = model(x)
-        assert expected.shape == (3, 7) and torch.isfinite(expected).all() and expected.std() > 0
-        torch.testing.assert_close(seq(x), expected, rtol=0, atol=0)
-        # cut the flat model at every boundary: each entry maps one tensor to one tensor
+        assert expected.shape == (2, 7) and torch.isfinite(expected).all() and expected.std() > 0
+        # seq(x), one entry at a time (what nn.Sequential's forward does): the flat model cut at every boundary,
+        # each entry mapping one tensor to one tensor
         h = x
         for layer in seq:
             h = layer(h)

@@ -31,12 +31,12 @@ def _same(a, b):
 @pytest.mark.parametrize("name", ["mnist-sample", "synthetic-cifar10"])
 def test_tensor_path_yields_the_torchvision_batches(name):
     """Same seed, same epoch, same sampler: the same normalised images and labels, batch for batch."""
-    reference, resident = load_split("torch", name, True, limit=1024), load_split("tensor", name, True, limit=1024)
+    reference, resident = load_split("torch", name, True, limit=192), load_split("tensor", name, True, limit=192)
     assert resident.data.dtype == torch.float32  # small: normalised once at load time
     assert torch.equal(resident[7][0], reference[7][0]) and resident[7][1] == reference[7][1]
-    assert len(reference) == len(resident) == 1024
-    torch_loader = data.make_loader(reference, 256, shuffle=True, seed=3)
-    tensor_loader = data.make_loader(resident, 256, shuffle=True, seed=3)
+    assert len(reference) == len(resident) == 192
+    torch_loader = data.make_loader(reference, 48, shuffle=True, seed=3)
+    tensor_loader = data.make_loader(resident, 48, shuffle=True, seed=3)
     assert isinstance(tensor_loader, TensorLoader)
     for epoch in (0, 1):  # reseeded per epoch, as fit does
         data.set_loader_epoch(torch_loader, epoch, seed=3)
@@ -46,10 +46,10 @@ def test_tensor_path_yields_the_torchvision_batches(name):
                 for ds in (reference, resident)]
     for s in samplers:
         s.set_epoch(4)
-    _same(_batches(data.make_loader(reference, 100, True, samplers[0], drop_last=True)),
-          _batches(data.make_loader(resident, 100, True, samplers[1], drop_last=True)))
-    _same(_batches(data.make_loader(load_split("torch", name, train=False, limit=300), 128, shuffle=False)),
-          _batches(data.make_loader(load_split("tensor", name, train=False, limit=300), 128, shuffle=False)))
+    _same(_batches(data.make_loader(reference, 20, True, samplers[0], drop_last=True)),
+          _batches(data.make_loader(resident, 20, True, samplers[1], drop_last=True)))
+    _same(_batches(data.make_loader(load_split("torch", name, train=False, limit=100), 32, shuffle=False)),
+          _batches(data.make_loader(load_split("tensor", name, train=False, limit=100), 32, shuffle=False)))
 
 
 def test_large_uint8_splits_stay_uint8_and_normalise_per_batch(monkeypatch):
