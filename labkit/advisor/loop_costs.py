@@ -1,7 +1,8 @@
 """The level a profile's layer times are scaled to: the bare training step timed back to back at two batch
-sizes, with the loop's own costs beside it (data loading per sample, the optimizer step per parameter byte,
-and ``labkit train``'s bookkeeping per step), in as many processes at once as fill the cores
-(:func:`copies`). :mod:`labkit.advisor.profile` explains how the two fit together.
+sizes in one process alone, with the loop's own costs beside it (data loading per sample, the optimizer step
+per parameter byte, and ``labkit train``'s bookkeeping per step); and :func:`concurrency`, how much slower
+each of as many processes as fill the cores (:func:`copies`) steps when they all step at once.
+:mod:`labkit.advisor.profile` explains how they fit together.
 """
 from __future__ import annotations
 
@@ -74,25 +75,54 @@ def copies(threads: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, threads))
 
 
-def _loop_costs_rank(env, model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, threads: int):
+def _concurrency_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: int, threads: int) -> float:
     import torch.distributed as dist
 
+    from labkit.tensor_data import load_split
+
     torch.set_num_threads(threads)
-    dist.barrier()  # every copy starts its windows together
-    return loop_costs(model, dataset, sizes, repeats)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+    batches = endless(kdata.make_loader(load_split("tensor", dataset, train=True), batch, shuffle=True,
+                                        drop_last=True))
+
+    def step():
+        x, y = next(batches)
+        opt.zero_grad(set_to_none=True)
+        criterion(model(x), y).backward()
+        opt.step()
+
+    step()
+    timed(step, 2, window_s=WINDOW_S)  # the thread pool and caches warm
+    ratios = []
+    for _ in range(rounds):
+        alone = 0.0
+        for turn in range(env.world_size):  # each rank alone while the others sleep in the barrier
+            dist.barrier()
+            if env.rank == turn:
+                alone = timed(step, 1, window_s=WINDOW_S)
+        dist.barrier()
+        ratios.append(timed(step, 1, window_s=WINDOW_S) / alone)  # then all at once
+    return statistics.median(ratios)
 
 
-def loop_costs_together(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int,
-                        processes: int) -> tuple[float, float, list[float], float]:
-    """:func:`loop_costs` in ``processes`` processes at once, each on its own copy of ``model`` at this process's
-    thread count; each number the mean over the copies (one copy: timed here)."""
+def concurrency(model: nn.Sequential, dataset: str, batch: int, rounds: int, processes: int) -> float:
+    """``κ``: how much slower each of ``processes`` processes steps ``model`` on ``batch`` samples (the bare step,
+    each on its own copy at this process's threads) when they all step at once than when each steps alone, what
+    every plan of several processes pays on its compute (:func:`labkit.advisor.alphabeta.compute_scale`).
+
+    In ``processes`` spawned ranks, ``rounds`` rounds of one window per rank alone (the others asleep in a
+    barrier) and one window of all at once; each rank's ratio of the two is paired within its round, so a slow
+    spell of the machine falls on both; ``κ`` is the mean over the ranks of each one's median ratio, at least 1
+    (1: the cores are free and nothing is shared; 2: the processes share what one would get, as under a busy
+    machine's fair share per session). One process: 1."""
     if processes <= 1:
-        return loop_costs(model, dataset, sizes, repeats)
+        return 1.0
     from labkit.testing import run_ranks
 
-    runs = run_ranks(_loop_costs_rank, processes, model, dataset, sizes, repeats, torch.get_num_threads(), timeout=600)
-    return (statistics.fmean(r[0] for r in runs), statistics.fmean(r[1] for r in runs),
-            [statistics.fmean(r[2][k] for r in runs) for k in range(len(sizes))], statistics.fmean(r[3] for r in runs))
+    ratios = run_ranks(_concurrency_rank, processes, model, dataset, batch, rounds, torch.get_num_threads(),
+                       timeout=600)
+    return max(1.0, statistics.fmean(ratios))
 
 
 def endless(loader):

@@ -199,6 +199,7 @@ class Profile:
     input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): see below
     gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
     loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
+    concurrency: float = 1.0              # each of cores // threads processes' step at once ÷ one alone
 
     def input_grad_time(self, batch: float) -> float:
         """Seconds the first layer spends on the gradient of its *input* for ``batch`` samples.

@@ -15,11 +15,16 @@ layer's time is scaled by
 
     scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
 
-so the layers sum to what the loop spends on them. The steps are timed in as many processes at once as fill the
-cores at the profile's thread count (:func:`labkit.advisor.loop_costs.copies`), each stepping its own copy, and
-averaged: a multi-process plan's ranks all compute at the same time and share the caches and memory bandwidth
-(on 2 cores, one thread each, LeNet's step at 64 samples took 1.13× as long with a second process stepping
-beside it; the one-process plans' profile, two threads, is timed alone). Besides the layers:
+so the layers sum to what the loop spends on them, in one process alone. A plan's ranks compute at the same
+time and share the cores' caches and memory bandwidth, and on a shared machine the cores' time itself (the
+scheduler's fair share goes to each session, not to each process): the profile measures that once,
+
+    κ = step of each of n processes stepping at once / its step alone      (n = cores // threads)
+
+(:func:`labkit.advisor.loop_costs.concurrency`, paired windows of the bare step at the larger size), and every
+plan of several processes pays it on its compute (:func:`labkit.advisor.alphabeta.compute_scale`). On 2 cores
+at one thread: κ = 1.13 for LeNet at 64 samples on an idle machine, about 2 with other sessions busy (two
+processes then get what one alone gets). Besides the layers:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
@@ -42,7 +47,7 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
-from labkit.advisor.loop_costs import WINDOW_S, copies, loop_costs_together
+from labkit.advisor.loop_costs import WINDOW_S, concurrency, copies, loop_costs
 from labkit.advisor.measure import timed
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
@@ -52,8 +57,8 @@ from labkit.strategies.gpipe_balance import SavedActivations
 from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
-FORMAT = 6           # profiles of another format are measured again (4: levels timed with the cores filled;
-                     # 5: torchgpipe's price per micro-batch and partition; 6: the loop's bookkeeping)
+FORMAT = 7           # profiles of another format are measured again (5: torchgpipe's price per micro-batch and
+                     # partition; 6: the loop's bookkeeping; 7: levels alone, and the concurrency apart)
 
 
 def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
@@ -160,8 +165,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole, loop_s = loop_costs_together(copy.deepcopy(seq).train(), dataset, sizes,
-                                                              max(5, repeats), copies(threads))
+        data_s, update_s, whole, loop_s = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats))
+        kappa = concurrency(copy.deepcopy(seq).train(), dataset, sizes[1], max(9, repeats), copies(threads))
         gpipe_task = _gpipe_task_time(repeats)
     finally:
         torch.set_num_threads(before)
@@ -180,7 +185,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     pairs = _tp_pairs(seq)
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task, loop_s)
+                   [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task, loop_s, kappa)
     return prof
 
 

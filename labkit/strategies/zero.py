@@ -277,7 +277,7 @@ def price_sharded(plan, prof, topo) -> Estimate:
     comm = sum(reduce_scatter_time(u, p, topo) + gathers * all_gather_time(u, p, topo) for u in units)
     if plan.strategy == "zero":
         comm += broadcast_time(*prof.buffers, p, topo)
-    time = {"compute": compute_scale(topo, p) * prof.time(b), "communication": comm,
+    time = {"compute": compute_scale(topo, p, prof) * prof.time(b), "communication": comm,
             **common_terms(prof, topo, P / p, b)}
     memory = memory_terms(prof, topo, P, prof.saved_bytes(b))
     if stage == 1:
