@@ -1,7 +1,8 @@
 """The level a profile's layer times are scaled to: the bare training step timed back to back at two batch
 sizes in one process alone, with the loop's own costs beside it (data loading per sample, the optimizer step
-per parameter byte, and ``labkit train``'s bookkeeping per step); and :func:`concurrency`, how much slower
-each of as many processes as fill the cores (:func:`copies`) steps when they all step at once.
+per parameter byte, and ``labkit train``'s bookkeeping per step); and :func:`together`, how much slower each
+of as many processes as fill the cores (:func:`copies`) steps when they all step at once, and FSDP2's own work
+per unit.
 :mod:`labkit.advisor.profile` explains how they fit together.
 """
 from __future__ import annotations
@@ -75,7 +76,54 @@ def copies(threads: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, threads))
 
 
-def _concurrency_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: int, threads: int) -> float:
+FSDP_UNITS, FSDP_STEPS = 2, 10
+
+
+def _fsdp_unit_time(env, rounds: int) -> float:
+    """``h_f`` on this rank: FSDP2's own seconds per unit and step beyond its collectives (see :func:`together`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def tiny() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10))
+
+    p, criterion = env.world_size, nn.CrossEntropyLoss()
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    sharded, plain = tiny(), tiny()
+    mesh = init_device_mesh("cpu", (p,))
+    for unit in (sharded[0], sharded[2], sharded):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    sizes = [-(-sum(q.numel() for q in unit.parameters()) // p) * p for unit in (plain[0], plain[2])]
+    flats, shards = [torch.zeros(n) for n in sizes], [torch.zeros(n // p) for n in sizes]
+
+    def stepper(model, gather, scatter):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+
+        def steps():
+            for _ in range(FSDP_STEPS):  # a fixed count: every rank makes the same collectives
+                for flat, shard in zip(flats, shards) if gather else ():
+                    dist.all_gather_single(flat, shard)
+                opt.zero_grad(set_to_none=True)
+                criterion(model(x), y).backward()
+                for flat, shard in zip(flats, shards) if scatter else ():
+                    dist.reduce_scatter_single(shard, flat)
+                opt.step()
+        return steps
+
+    fsdp, hand = stepper(sharded, False, False), stepper(plain, True, True)
+    extra = []
+    for _ in range(rounds):
+        dist.barrier()
+        t_fsdp = timed(fsdp, 1)
+        dist.barrier()
+        extra.append((t_fsdp - timed(hand, 1)) / (FSDP_STEPS * FSDP_UNITS))
+    return max(0.0, statistics.median(extra))
+
+
+def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: int,
+                   threads: int) -> tuple[float, float]:
     import torch.distributed as dist
 
     from labkit.tensor_data import load_split
@@ -103,26 +151,32 @@ def _concurrency_rank(env, model: nn.Sequential, dataset: str, batch: int, round
                 alone = timed(step, 1, window_s=WINDOW_S)
         dist.barrier()
         ratios.append(timed(step, 1, window_s=WINDOW_S) / alone)  # then all at once
-    return statistics.median(ratios)
+    return statistics.median(ratios), _fsdp_unit_time(env, rounds)
 
 
-def concurrency(model: nn.Sequential, dataset: str, batch: int, rounds: int, processes: int) -> float:
-    """``κ``: how much slower each of ``processes`` processes steps ``model`` on ``batch`` samples (the bare step,
-    each on its own copy at this process's threads) when they all step at once than when each steps alone, what
-    every plan of several processes pays on its compute (:func:`labkit.advisor.alphabeta.compute_scale`).
+def together(model: nn.Sequential, dataset: str, batch: int, rounds: int, processes: int) -> tuple[float, float]:
+    """``(κ, h_f)``, what ``processes`` processes pay for running at once, measured in as many spawned ranks at
+    this process's threads (one process: ``(1, 0)``); each number the mean over the ranks.
 
-    In ``processes`` spawned ranks, ``rounds`` rounds of one window per rank alone (the others asleep in a
-    barrier) and one window of all at once; each rank's ratio of the two is paired within its round, so a slow
-    spell of the machine falls on both; ``κ`` is the mean over the ranks of each one's median ratio, at least 1
-    (1: the cores are free and nothing is shared; 2: the processes share what one would get, as under a busy
-    machine's fair share per session). One process: 1."""
+    ``κ``: how much slower each process steps ``model`` on ``batch`` samples (the bare step, each on its own
+    copy) when they all step at once than when each steps alone, what every plan of several processes pays on
+    its compute (:func:`labkit.advisor.alphabeta.compute_scale`). ``rounds`` rounds of one window per rank alone
+    (the others asleep in a barrier) and one window of all at once; each rank's ratio of the two is paired within
+    its round, so a slow spell of the machine falls on both; the median ratio, at least 1 (1: the cores are free
+    and nothing is shared; 2: the processes share what one would get, as under a busy machine's fair share
+    per session).
+
+    ``h_f``: FSDP2's own work per unit and step (its hooks, the copies into and out of the flat buffers, the
+    optimizer's step over DTensors), beyond the collectives it makes: on a model with almost nothing to compute
+    (two Linears, 64 samples), ``h_f = (T_fsdp − T_hand) / (2 units)`` with ``T_hand`` the same step unsharded
+    making the same collectives by hand (an all-gather per unit before forward, a reduce-scatter after
+    backward), paired windows of 10 steps, the median of ``rounds``."""
     if processes <= 1:
-        return 1.0
+        return 1.0, 0.0
     from labkit.testing import run_ranks
 
-    ratios = run_ranks(_concurrency_rank, processes, model, dataset, batch, rounds, torch.get_num_threads(),
-                       timeout=600)
-    return max(1.0, statistics.fmean(ratios))
+    runs = run_ranks(_together_rank, processes, model, dataset, batch, rounds, torch.get_num_threads(), timeout=600)
+    return max(1.0, statistics.fmean(r[0] for r in runs)), statistics.fmean(r[1] for r in runs)
 
 
 def endless(loader):

@@ -200,6 +200,7 @@ class Profile:
     gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
     loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
     concurrency: float = 1.0              # each of cores // threads processes' step at once ÷ one alone
+    fsdp_unit: float = 0.0                # FSDP2's own seconds per unit and step (labkit.advisor.loop_costs)
 
     def input_grad_time(self, batch: float) -> float:
         """Seconds the first layer spends on the gradient of its *input* for ``batch`` samples.

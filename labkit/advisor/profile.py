@@ -21,7 +21,7 @@ scheduler's fair share goes to each session, not to each process): the profile m
 
     κ = step of each of n processes stepping at once / its step alone      (n = cores // threads)
 
-(:func:`labkit.advisor.loop_costs.concurrency`, paired windows of the bare step at the larger size), and every
+(:func:`labkit.advisor.loop_costs.together`, paired windows of the bare step at the larger size), and every
 plan of several processes pays it on its compute (:func:`labkit.advisor.alphabeta.compute_scale`). On 2 cores
 at one thread: κ = 1.13 for LeNet at 64 samples on an idle machine, about 2 with other sessions busy (two
 processes then get what one alone gets). Besides the layers:
@@ -29,6 +29,7 @@ processes then get what one alone gets). Besides the layers:
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
     loop       = loop_s                     the training loop's own bookkeeping per step (scheduler, metric sums)
+    h_f        = fsdp_unit                  FSDP2's own work per unit and step (measured beside κ)
 
 Memory per layer: parameter bytes, output bytes per sample (what crosses a cut) and saved bytes per
 sample (what autograd keeps for backward). A profile is cached as a run in the results schema
@@ -47,7 +48,7 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
-from labkit.advisor.loop_costs import WINDOW_S, concurrency, copies, loop_costs
+from labkit.advisor.loop_costs import WINDOW_S, copies, loop_costs, together
 from labkit.advisor.measure import timed
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
@@ -166,7 +167,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
         data_s, update_s, whole, loop_s = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats))
-        kappa = concurrency(copy.deepcopy(seq).train(), dataset, sizes[1], max(9, repeats), copies(threads))
+        kappa, fsdp_unit = together(copy.deepcopy(seq).train(), dataset, sizes[1], max(9, repeats), copies(threads))
         gpipe_task = _gpipe_task_time(repeats)
     finally:
         torch.set_num_threads(before)
@@ -185,7 +186,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     pairs = _tp_pairs(seq)
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task, loop_s, kappa)
+                   [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task, loop_s, kappa, fsdp_unit)
     return prof
 
 
