@@ -7,6 +7,7 @@ per unit.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 
@@ -140,17 +141,23 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
         criterion(model(x), y).backward()
         opt.step()
 
+    def synced():  # a step of a plan of several processes ends when the last of them is done
+        step()
+        dist.barrier()
+
     step()
-    timed(step, 2, window_s=WINDOW_S)  # the thread pool and caches warm
+    slowest = torch.tensor([timed(step, 2, window_s=WINDOW_S)])  # and the thread pool and caches warm
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    calls = max(1, math.ceil(WINDOW_S / max(slowest.item(), 1e-6)))  # the same on every rank
     ratios = []
     for _ in range(rounds):
         alone = 0.0
-        for turn in range(env.world_size):  # each rank alone while the others sleep in the barrier
-            dist.barrier()
+        for turn in range(env.world_size):  # each rank alone, the others asleep in its barriers
             if env.rank == turn:
-                alone = timed(step, 1, window_s=WINDOW_S)
-        dist.barrier()
-        ratios.append(timed(step, 1, window_s=WINDOW_S) / alone)  # then all at once
+                alone = timed(synced, 1, calls=calls)
+            else:
+                timed(dist.barrier, 1, calls=calls)
+        ratios.append(timed(synced, 1, calls=calls) / alone)  # then all at once
     return statistics.median(ratios), _fsdp_unit_time(env, rounds)
 
 
@@ -159,12 +166,14 @@ def together(model: nn.Sequential, dataset: str, batch: int, rounds: int, proces
     this process's threads (one process: ``(1, 0)``); each number the mean over the ranks.
 
     ``κ``: how much slower each process steps ``model`` on ``batch`` samples (the bare step, each on its own
-    copy) when they all step at once than when each steps alone, what every plan of several processes pays on
-    its compute (:func:`labkit.advisor.alphabeta.compute_scale`). ``rounds`` rounds of one window per rank alone
-    (the others asleep in a barrier) and one window of all at once; each rank's ratio of the two is paired within
-    its round, so a slow spell of the machine falls on both; the median ratio, at least 1 (1: the cores are free
-    and nothing is shared; 2: the processes share what one would get, as under a busy machine's fair share
-    per session).
+    copy, then a barrier: a step of several processes ends when the slowest is done) when they all step at once
+    than when each steps alone, what every plan of several processes pays on its compute
+    (:func:`labkit.advisor.alphabeta.compute_scale`). ``rounds`` rounds of one window per rank alone (the others
+    asleep in its barriers) and one window of all at once, the same number of steps in each; each rank's ratio
+    of the two is paired within its round, so a slow spell of the machine falls on both; the median ratio, at
+    least 1 (1: the cores are free and nothing is shared; 2: the processes share what one would get, as under a
+    busy machine's fair share per session; more: the others' programs also hold one process up while the other
+    waits for it).
 
     ``h_f``: FSDP2's own work per unit and step (its hooks, the copies into and out of the flat buffers, the
     optimizer's step over DTensors), beyond the collectives it makes: on a model with almost nothing to compute

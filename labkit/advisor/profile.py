@@ -58,8 +58,8 @@ from labkit.strategies.gpipe_balance import SavedActivations
 from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
-FORMAT = 7           # profiles of another format are measured again (5: torchgpipe's price per micro-batch and
-                     # partition; 6: the loop's bookkeeping; 7: levels alone, and the concurrency apart)
+FORMAT = 8           # profiles of another format are measured again (5: torchgpipe's price per micro-batch and
+                     # partition; 6: the loop's bookkeeping; 7: levels alone, κ apart; 8: κ of synchronised steps, h_f)
 
 
 def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
