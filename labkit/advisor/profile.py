@@ -69,21 +69,15 @@ def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
     return timed(lambda out: out.backward(grad), repeats, setup=lambda: layer(inp))
 
 
-def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> tuple[list[tuple[float, float]], float]:
-    """((forward s, backward s) per layer on ``x``, each the median of ``repeats`` after one warm-up; the first
-    layer's input-gradient seconds). Every layer's input needs a gradient, as in training, except the first's
-    (the data); the first is also timed with one, and the difference returned."""
-    out, input_grad = [], 0.0
+def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float]]:
+    """(forward s, backward s) per layer on ``x``, each the median of ``repeats`` after one warm-up. Every layer's
+    input needs a gradient, as in training, except the first's (the data)."""
+    out = []
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
-        fwd = timed(lambda: layer(inp), repeats)
-        first = i == 0 and x.is_floating_point()
-        bwd = _backward_time(layer, inp, max(7, repeats) if first else repeats)
-        if first:  # a difference of two timings: more repeats of both
-            input_grad = max(0.0, _backward_time(layer, x.detach().requires_grad_(), max(7, repeats)) - bwd)
-        out.append((fwd, bwd))
+        out.append((timed(lambda: layer(inp), repeats), _backward_time(layer, inp, repeats)))
         x = layer(inp).detach()
-    return out, input_grad
+    return out
 
 
 def _line(b0: int, t0: float, b1: int, t1: float) -> tuple[float, float]:
@@ -158,8 +152,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
         base = int(process_memory_gb()[0] * 2**30)
         torch.manual_seed(0)
         shape = (info.in_channels, info.image_size, info.image_size)
-        timed, input_grad = zip(*(_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats)
-                                  for b in sizes))
+        timed = [_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats) for b in sizes]
         outs, saved, x = [], [], torch.randn(sizes[0], *shape)
         for layer in copy.deepcopy(seq).train():
             with SavedActivations(exclude=list(layer.parameters())) as meter:
@@ -175,7 +168,6 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     scale = [max(0.0, whole[k] - update_s * param_bytes - data_s * sizes[k]) /
              max(1e-12, sum(f + b for f, b in timed[k])) for k in range(2)]
     timed = [[(f * scale[k], b * scale[k]) for f, b in timed[k]] for k in range(2)]
-    input_grad = _line(sizes[0], input_grad[0] * scale[0], sizes[1], input_grad[1] * scale[1])
     layers = [LayerProfile(name, type(layer).__name__,
                            _line(sizes[0], timed[0][i][0], sizes[1], timed[1][i][0]),
                            _line(sizes[0], timed[0][i][1], sizes[1], timed[1][i][1]),
@@ -186,7 +178,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     pairs = _tp_pairs(seq)
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task, loop_s, kappa, fsdp_unit)
+                   [seq[i].out_features for i, _ in pairs], gpipe_task, loop_s, kappa, fsdp_unit)
     return prof
 
 
