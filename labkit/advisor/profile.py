@@ -23,8 +23,8 @@ scheduler's fair share goes to each session, not to each process): the profile m
 
 (:func:`labkit.advisor.loop_costs.together`, paired windows of the bare step at the larger size), and every
 plan of several processes pays it on its compute (:func:`labkit.advisor.alphabeta.compute_scale`). On 2 cores
-at one thread: κ = 1.13 for LeNet at 64 samples on an idle machine, about 2 with other sessions busy (two
-processes then get what one alone gets). Besides the layers:
+at one thread, with other sessions busy (load 5 to 13): κ = 1.5 to 2.2 for LeNet and AlexNet-small at 64
+samples (two processes then get little more than what one alone gets). Besides the layers:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
