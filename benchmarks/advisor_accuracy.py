@@ -10,13 +10,15 @@ Targets (issue 33): rho >= 0.8 on each model, the predicted best within 10 % of 
 measured afresh for each model; the profiles come from the cache unless ``--refresh``. Results are written as
 they come: ``<out>/<model>.runs.jsonl`` after each run (with the plan's predicted terms, to see which one is
 off), ``<out>/<model>/advice.json`` after each model and ``<out>/summary.json`` (one key per model done), with
-the load average before and after (the machine may be shared); the training runs themselves go to ``--runs``.
+the command, the load average before and after (the machine may be shared) and the measured prices every plan
+pays (κ, h_f, α); the training runs themselves go to ``--runs``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -61,7 +63,10 @@ def main() -> None:
                  progress=False, record=record)
         advice.write(out / model / "advice.json")
         r = ranking(advice)
+        shared = advice.profiles[topo.threads(args.ranks)]  # the profile the plans of several processes use
         summary[model] = {**r, "predicted_best": advice.best.plan.label, "seconds": time.perf_counter() - start,
+                          "command": " ".join(["python", *sys.argv]), "kappa": shared.concurrency,
+                          "fsdp_unit_s": shared.fsdp_unit, "alpha_s": topo.link.alpha,
                           "load_before": load, "load_after": os.getloadavg()[0],
                           "failed": [e.plan.label for e in advice.table if "error" in advice.measured.get(
                               e.plan.label, {})]}
