@@ -5,19 +5,23 @@ best over the measured best.
 
     python benchmarks/advisor_accuracy.py --refresh              # lenet, alexnet_small, resnet20 on 2 ranks
     python benchmarks/advisor_accuracy.py --models lenet --repeats 3
+    python benchmarks/advisor_accuracy.py --models resnet20 --steps 3 --one-thread   # a busy machine
 
 Targets (issue 33): rho >= 0.8 on each model, the predicted best within 10 % of the measured best. The link is
 measured afresh for each model; the profiles come from the cache unless ``--refresh``. Results are written as
 they come: ``<out>/<model>.runs.jsonl`` after each run (with the plan's predicted terms, to see which one is
 off), ``<out>/<model>/advice.json`` after each model and ``<out>/summary.json`` (one key per model done), with
-the load average before and after (the machine may be shared); the training runs themselves go to ``--runs``.
+the command, the load average before and after (the machine may be shared) and the measured prices every plan
+pays (κ, h_f, α); the training runs themselves go to ``--runs``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from labkit.advisor.advise import advise
@@ -36,6 +40,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="steps per run (the first is not timed)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per plan (median and spread)")
     parser.add_argument("--refresh", action="store_true", help="profile again")
+    parser.add_argument("--one-thread", action="store_true",
+                        help="profile at one thread per process only, as notebook 08's quick mode (a one-process "
+                             "plan is then priced, and run, on one thread; a 2-thread profile is the slowest to "
+                             "time on a busy machine)")
     parser.add_argument("--out", default="runs/advisor-accuracy", help="the results (e.g. results/advisor-accuracy)")
     parser.add_argument("--runs", default="runs/advisor-accuracy-runs", help="the validation runs' own folders")
     args = parser.parse_args()
@@ -46,7 +54,8 @@ def main() -> None:
         start, load = time.perf_counter(), os.getloadavg()[0]
         topo = Topology.local(args.ranks, refresh=True)
         advice = advise(model, DATASETS.get(model, "synthetic-cifar10"), args.ranks, args.batch_size,
-                        refresh=args.refresh, topology=topo)
+                        refresh=args.refresh, topology=topo,
+                        profile_topology=replace(topo, cores=1) if args.one_thread else None)
         # the learning rate changes no timing; AlexNet without BatchNorm needs a small one not to diverge
         log = (out / model).with_suffix(".runs.jsonl")
 
@@ -61,7 +70,10 @@ def main() -> None:
                  progress=False, record=record)
         advice.write(out / model / "advice.json")
         r = ranking(advice)
+        shared = advice.profiles[topo.threads(args.ranks)]  # the profile the plans of several processes use
         summary[model] = {**r, "predicted_best": advice.best.plan.label, "seconds": time.perf_counter() - start,
+                          "command": " ".join(["python", *sys.argv]), "kappa": shared.concurrency,
+                          "fsdp_unit_s": shared.fsdp_unit, "alpha_s": topo.link.alpha,
                           "load_before": load, "load_after": os.getloadavg()[0],
                           "failed": [e.plan.label for e in advice.table if "error" in advice.measured.get(
                               e.plan.label, {})]}

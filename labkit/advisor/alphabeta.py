@@ -4,7 +4,8 @@ Notation of every pricing function (each lives beside its strategy's ``FLAGS``, 
 ``labkit/parallel/``), per optimizer step, global batch ``B``:
 
 * ``T_k(b)`` forward + backward seconds of layer ``k`` on ``b`` samples (profile, fitted ``a + c·b``);
-  ``T_S(b) = Σ_{k∈S} T_k(b)``; ``s`` = oversubscription × device speed of the topology;
+  ``T_S(b) = Σ_{k∈S} T_k(b)``; ``s`` = oversubscription × device speed × the measured slowdown of processes computing at once
+  (:func:`compute_scale`), the same for every plan of as many processes;
 * ``P`` parameter bytes (``P_S`` of layers ``S``); ``A_k`` output bytes of layer ``k`` per sample;
   ``M_S(b)`` bytes autograd saves in layers ``S`` for ``b`` samples;
 * ``AR(n, algo, p)`` the all-reduce of ``n`` bytes over ``p`` ranks priced from the kit's schedule counts:
@@ -59,9 +60,16 @@ def broadcast_time(count: int, nbytes: float, ranks: int, topo) -> float:
     return (ranks - 1) * (count * link.alpha + link.beta * nbytes)
 
 
-def compute_scale(topo, processes: int) -> float:
-    """``s``: how much slower each of ``processes`` computes than the profile (oversubscription × device)."""
-    return topo.oversubscription(processes) * topo.compute_scale
+def compute_scale(topo, processes: int, prof=None) -> float:
+    """``s = over(q) · device · κ_q``: how much slower each of ``q = processes`` computes than the profile's one
+    process alone: oversubscription (``q / c`` where processes outnumber cores), device speed, and on a CPU
+    ``κ_q = 1 + (κ − 1)·(min(q, n) − 1)/(n − 1)``, the measured slowdown of each of ``n = c // threads``
+    processes computing at once (``prof.concurrency``; κ_1 = 1: one process computes alone)."""
+    s = topo.oversubscription(processes) * topo.compute_scale
+    n = topo.cores // prof.threads if prof is not None and topo.device == "cpu" else 1
+    if n > 1 and processes > 1:
+        s *= 1 + (prof.concurrency - 1) * (min(processes, n) - 1) / (n - 1)
+    return s
 
 
 def cpu_floor(serial_s: float, processes: int, cores: int) -> float:

@@ -1,10 +1,13 @@
 """The level a profile's layer times are scaled to: the bare training step timed back to back at two batch
-sizes, with the loop's own costs beside it (data loading per sample, the optimizer step per parameter byte,
-and ``labkit train``'s bookkeeping per step), in as many processes at once as fill the cores
-(:func:`copies`). :mod:`labkit.advisor.profile` explains how the two fit together.
+sizes in one process alone, with the loop's own costs beside it (data loading per sample, the optimizer step
+per parameter byte, and ``labkit train``'s bookkeeping per step); and :func:`together`, how much slower each
+of as many processes as fill the cores (:func:`copies`) steps when they all step at once, and FSDP2's own work
+per unit.
+:mod:`labkit.advisor.profile` explains how they fit together.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 
@@ -74,25 +77,115 @@ def copies(threads: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, threads))
 
 
-def _loop_costs_rank(env, model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, threads: int):
+FSDP_UNITS, FSDP_STEPS = 2, 10
+
+
+def _fsdp_unit_time(env, rounds: int) -> float:
+    """``h_f`` on this rank: FSDP2's own seconds per unit and step beyond its collectives (see :func:`together`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def tiny() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10))
+
+    p, criterion = env.world_size, nn.CrossEntropyLoss()
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    sharded, plain = tiny(), tiny()
+    mesh = init_device_mesh("cpu", (p,))
+    for unit in (sharded[0], sharded[2], sharded):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    sizes = [-(-sum(q.numel() for q in unit.parameters()) // p) * p for unit in (plain[0], plain[2])]
+    flats, shards = [torch.zeros(n) for n in sizes], [torch.zeros(n // p) for n in sizes]
+
+    def stepper(model, gather, scatter):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+
+        def steps():
+            for _ in range(FSDP_STEPS):  # a fixed count: every rank makes the same collectives
+                for flat, shard in zip(flats, shards) if gather else ():
+                    dist.all_gather_single(flat, shard)
+                opt.zero_grad(set_to_none=True)
+                criterion(model(x), y).backward()
+                for flat, shard in zip(flats, shards) if scatter else ():
+                    dist.reduce_scatter_single(shard, flat)
+                opt.step()
+        return steps
+
+    fsdp, hand = stepper(sharded, False, False), stepper(plain, True, True)
+    extra = []
+    for _ in range(rounds):
+        dist.barrier()
+        t_fsdp = timed(fsdp, 1)
+        dist.barrier()
+        extra.append((t_fsdp - timed(hand, 1)) / (FSDP_STEPS * FSDP_UNITS))
+    return max(0.0, statistics.median(extra))
+
+
+def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: int,
+                   threads: int) -> tuple[float, float]:
     import torch.distributed as dist
 
+    from labkit.tensor_data import load_split
+
     torch.set_num_threads(threads)
-    dist.barrier()  # every copy starts its windows together
-    return loop_costs(model, dataset, sizes, repeats)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    criterion = nn.CrossEntropyLoss()
+    batches = endless(kdata.make_loader(load_split("tensor", dataset, train=True), batch, shuffle=True,
+                                        drop_last=True))
+
+    def step():
+        x, y = next(batches)
+        opt.zero_grad(set_to_none=True)
+        criterion(model(x), y).backward()
+        opt.step()
+
+    def synced():  # a step of a plan of several processes ends when the last of them is done
+        step()
+        dist.barrier()
+
+    step()
+    slowest = torch.tensor([timed(step, 2, window_s=WINDOW_S)])  # and the thread pool and caches warm
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    calls = max(1, math.ceil(WINDOW_S / max(slowest.item(), 1e-6)))  # the same on every rank
+    ratios = []
+    for _ in range(rounds):
+        alone = 0.0
+        for turn in range(env.world_size):  # each rank alone, the others asleep in its barriers
+            if env.rank == turn:
+                alone = timed(synced, 1, calls=calls)
+            else:
+                timed(dist.barrier, 1, calls=calls)
+        ratios.append(timed(synced, 1, calls=calls) / alone)  # then all at once
+    return statistics.median(ratios), _fsdp_unit_time(env, rounds)
 
 
-def loop_costs_together(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int,
-                        processes: int) -> tuple[float, float, list[float], float]:
-    """:func:`loop_costs` in ``processes`` processes at once, each on its own copy of ``model`` at this process's
-    thread count; each number the mean over the copies (one copy: timed here)."""
+def together(model: nn.Sequential, dataset: str, batch: int, rounds: int, processes: int) -> tuple[float, float]:
+    """``(κ, h_f)``, what ``processes`` processes pay for running at once, measured in as many spawned ranks at
+    this process's threads (one process: ``(1, 0)``); each number the mean over the ranks.
+
+    ``κ``: how much slower each process steps ``model`` on ``batch`` samples (the bare step, each on its own
+    copy, then a barrier: a step of several processes ends when the slowest is done) when they all step at once
+    than when each steps alone, what every plan of several processes pays on its compute
+    (:func:`labkit.advisor.alphabeta.compute_scale`). ``rounds`` rounds of one window per rank alone (the others
+    asleep in its barriers) and one window of all at once, the same number of steps in each; each rank's ratio
+    of the two is paired within its round, so a slow spell of the machine falls on both; the median ratio, at
+    least 1 (1: the cores are free and nothing is shared; 2: the processes share what one would get, as under a
+    busy machine's fair share per session; more: the others' programs also hold one process up while the other
+    waits for it).
+
+    ``h_f``: FSDP2's own work per unit and step (its hooks, the copies into and out of the flat buffers, the
+    optimizer's step over DTensors), beyond the collectives it makes: on a model with almost nothing to compute
+    (two Linears, 64 samples), ``h_f = (T_fsdp − T_hand) / (2 units)`` with ``T_hand`` the same step unsharded
+    making the same collectives by hand (an all-gather per unit before forward, a reduce-scatter after
+    backward), paired windows of 10 steps, the median of ``rounds``."""
     if processes <= 1:
-        return loop_costs(model, dataset, sizes, repeats)
+        return 1.0, 0.0
     from labkit.testing import run_ranks
 
-    runs = run_ranks(_loop_costs_rank, processes, model, dataset, sizes, repeats, torch.get_num_threads(), timeout=600)
-    return (statistics.fmean(r[0] for r in runs), statistics.fmean(r[1] for r in runs),
-            [statistics.fmean(r[2][k] for r in runs) for k in range(len(sizes))], statistics.fmean(r[3] for r in runs))
+    runs = run_ranks(_together_rank, processes, model, dataset, batch, rounds, torch.get_num_threads(), timeout=600)
+    return max(1.0, statistics.fmean(r[0] for r in runs)), statistics.fmean(r[1] for r in runs)
 
 
 def endless(loader):

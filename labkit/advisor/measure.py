@@ -48,20 +48,23 @@ def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel |
     return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0))
 
 
-def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=None) -> float:
+def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=None, calls: int = 0) -> float:
     """Seconds per call of ``fn``, the one timing helper of the advisor: ``windows`` windows of back-to-back calls
     (as a loop makes them), each at least ``window_s`` long (one call when 0: a window shorter than a scheduler
-    time slice is all luck on a shared machine), after one untimed call; the ``quantile`` over the windows (0.5
-    the median, 0.25 the lower quartile: other programs only ever slow a window down; 0 the fastest).
+    time slice is all luck on a shared machine), after one untimed call; or, with ``calls``, that many calls per
+    window and no untimed call (what ranks timing a function that makes collectives need: the same calls on
+    every rank); the ``quantile`` over the windows (0.5 the median, 0.25 the lower quartile: other programs only
+    ever slow a window down; 0 the fastest).
     ``setup()``, untimed, runs before each window and ``fn`` gets what it returns."""
     state = setup() if setup else None
 
     def call():
         return fn(state) if setup else fn()
 
-    start = perf_counter()
-    call()
-    calls = max(1, math.ceil(window_s / max(perf_counter() - start, 1e-6)))
+    if not calls:
+        start = perf_counter()
+        call()
+        calls = max(1, math.ceil(window_s / max(perf_counter() - start, 1e-6)))
     times = []
     for _ in range(windows):
         state = setup() if setup else None

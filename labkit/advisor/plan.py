@@ -183,9 +183,10 @@ class Profile:
     feature_layers: int | None = None     # first layers that form ``model.features`` (hybrid)
     tp_pairs: list[tuple[int, int]] = field(default_factory=list)  # (column, row) Linear indices
     tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
-    input_grad: tuple[float, float] = (0.0, 0.0)  # the first layer's input gradient (s, s/sample): not priced
     gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
-    loop_s: float = 0.0                   # the training loop's bookkeeping per step (advisor.loop_costs)
+    loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
+    concurrency: float = 1.0              # each of cores // threads processes' step at once ÷ one alone
+    fsdp_unit: float = 0.0                # FSDP2's own seconds per unit and step (labkit.advisor.loop_costs)
 
     @property
     def param_bytes(self) -> int:
@@ -214,5 +215,5 @@ def profile_from_dict(d: dict) -> Profile:
                    for layer in d["layers"]]
     d["sizes"] = tuple(d["sizes"])
     d["tp_pairs"] = [tuple(p) for p in d.get("tp_pairs", [])]
-    d["input_grad"] = tuple(d.get("input_grad", (0.0, 0.0)))
+    d.pop("input_grad", None)  # older profiles timed it; nothing prices it
     return Profile(**d)

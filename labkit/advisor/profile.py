@@ -15,15 +15,21 @@ layer's time is scaled by
 
     scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
 
-so the layers sum to what the loop spends on them. The steps are timed in as many processes at once as fill the
-cores at the profile's thread count (:func:`labkit.advisor.loop_costs.copies`), each stepping its own copy, and
-averaged: a multi-process plan's ranks all compute at the same time and share the caches and memory bandwidth
-(on 2 cores, one thread each, LeNet's step at 64 samples took 1.13× as long with a second process stepping
-beside it; the one-process plans' profile, two threads, is timed alone). Besides the layers:
+so the layers sum to what the loop spends on them, in one process alone. A plan's ranks compute at the same
+time and share the cores' caches and memory bandwidth, and on a shared machine the cores' time itself (the
+scheduler's fair share goes to each session, not to each process): the profile measures that once,
+
+    κ = step of each of n processes stepping at once / its step alone      (n = cores // threads)
+
+(:func:`labkit.advisor.loop_costs.together`, paired windows of the bare step at the larger size), and every
+plan of several processes pays it on its compute (:func:`labkit.advisor.alphabeta.compute_scale`). On 2 cores
+at one thread, with other sessions busy (load 5 to 13): κ = 1.5 to 2.2 for LeNet and AlexNet-small at 64
+samples (two processes then get little more than what one alone gets). Besides the layers:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
     loop       = loop_s                     the training loop's own bookkeeping per step (scheduler, metric sums)
+    h_f        = fsdp_unit                  FSDP2's own work per unit and step (measured beside κ)
 
 Memory per layer: parameter bytes, output bytes per sample (what crosses a cut) and saved bytes per
 sample (what autograd keeps for backward). A profile is cached as a run in the results schema
@@ -42,7 +48,7 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
-from labkit.advisor.loop_costs import WINDOW_S, copies, loop_costs_together
+from labkit.advisor.loop_costs import WINDOW_S, copies, loop_costs, together
 from labkit.advisor.measure import timed
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
@@ -52,8 +58,8 @@ from labkit.strategies.gpipe_balance import SavedActivations
 from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
-FORMAT = 6           # profiles of another format are measured again (4: levels timed with the cores filled;
-                     # 5: torchgpipe's price per micro-batch and partition; 6: the loop's bookkeeping)
+FORMAT = 8           # profiles of another format are measured again (5: torchgpipe's price per micro-batch and
+                     # partition; 6: the loop's bookkeeping; 7: levels alone, κ apart; 8: κ of synchronised steps, h_f)
 
 
 def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
@@ -63,21 +69,15 @@ def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
     return timed(lambda out: out.backward(grad), repeats, setup=lambda: layer(inp))
 
 
-def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> tuple[list[tuple[float, float]], float]:
-    """((forward s, backward s) per layer on ``x``, each the median of ``repeats`` after one warm-up; the first
-    layer's input-gradient seconds). Every layer's input needs a gradient, as in training, except the first's
-    (the data); the first is also timed with one, and the difference returned."""
-    out, input_grad = [], 0.0
+def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float]]:
+    """(forward s, backward s) per layer on ``x``, each the median of ``repeats`` after one warm-up. Every layer's
+    input needs a gradient, as in training, except the first's (the data)."""
+    out = []
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
-        fwd = timed(lambda: layer(inp), repeats)
-        first = i == 0 and x.is_floating_point()
-        bwd = _backward_time(layer, inp, max(7, repeats) if first else repeats)
-        if first:  # a difference of two timings: more repeats of both
-            input_grad = max(0.0, _backward_time(layer, x.detach().requires_grad_(), max(7, repeats)) - bwd)
-        out.append((fwd, bwd))
+        out.append((timed(lambda: layer(inp), repeats), _backward_time(layer, inp, repeats)))
         x = layer(inp).detach()
-    return out, input_grad
+    return out
 
 
 def _line(b0: int, t0: float, b1: int, t1: float) -> tuple[float, float]:
@@ -152,16 +152,15 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
         base = int(process_memory_gb()[0] * 2**30)
         torch.manual_seed(0)
         shape = (info.in_channels, info.image_size, info.image_size)
-        timed, input_grad = zip(*(_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats)
-                                  for b in sizes))
+        timed = [_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats) for b in sizes]
         outs, saved, x = [], [], torch.randn(sizes[0], *shape)
         for layer in copy.deepcopy(seq).train():
             with SavedActivations(exclude=list(layer.parameters())) as meter:
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole, loop_s = loop_costs_together(copy.deepcopy(seq).train(), dataset, sizes,
-                                                              max(5, repeats), copies(threads))
+        data_s, update_s, whole, loop_s = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats))
+        kappa, fsdp_unit = together(copy.deepcopy(seq).train(), dataset, sizes[1], max(9, repeats), copies(threads))
         gpipe_task = _gpipe_task_time(repeats)
     finally:
         torch.set_num_threads(before)
@@ -169,7 +168,6 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     scale = [max(0.0, whole[k] - update_s * param_bytes - data_s * sizes[k]) /
              max(1e-12, sum(f + b for f, b in timed[k])) for k in range(2)]
     timed = [[(f * scale[k], b * scale[k]) for f, b in timed[k]] for k in range(2)]
-    input_grad = _line(sizes[0], input_grad[0] * scale[0], sizes[1], input_grad[1] * scale[1])
     layers = [LayerProfile(name, type(layer).__name__,
                            _line(sizes[0], timed[0][i][0], sizes[1], timed[1][i][0]),
                            _line(sizes[0], timed[0][i][1], sizes[1], timed[1][i][1]),
@@ -180,7 +178,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     pairs = _tp_pairs(seq)
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs], input_grad, gpipe_task, loop_s)
+                   [seq[i].out_features for i, _ in pairs], gpipe_task, loop_s, kappa, fsdp_unit)
     return prof
 
 

@@ -195,5 +195,5 @@ class Strategy:
 def price_single(plan, prof, topo) -> Estimate:
     """One device: ``compute = s·T_all(B)``; memory ``3P + M_all(B)``."""
     B = plan.batch_size
-    time = {"compute": compute_scale(topo, 1) * prof.time(B), **common_terms(prof, topo, prof.param_bytes, B)}
+    time = {"compute": compute_scale(topo, 1, prof) * prof.time(B), **common_terms(prof, topo, prof.param_bytes, B)}
     return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(B)))

@@ -220,7 +220,7 @@ def price_ddp(plan, prof, topo) -> Estimate:
     algo = plan.option.get("allreduce", "ddp")
     count, nbytes = prof.buffers
     sync = broadcast_time(1, nbytes, p, topo) if algo == "ddp" and count else 0.0
-    time = {"compute": compute_scale(topo, p) * prof.time(b),
+    time = {"compute": compute_scale(topo, p, prof) * prof.time(b),
             "communication": bucketed_allreduce(prof.param_bytes, p, algo, topo) + sync,
             **common_terms(prof, topo, prof.param_bytes, b)}
     return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(b), prof.param_bytes))

@@ -270,7 +270,7 @@ def price_one_process_pipeline(plan, prof, topo) -> Estimate:
     bm = B / m
     balance = o.get("balance") or _split_balance(o.get("mp_split_points", ()), len(prof.layers))
     stages = stages_of(balance)
-    s = compute_scale(topo, 1)
+    s = compute_scale(topo, 1, prof)
     gpipe = plan.strategy == "gpipe" and m > 1  # torchgpipe, checkpointing except_last (what plans run)
     first = prof.layers[0]
     input_grad = s * (m - 1) * (first.bwd[0] + first.bwd[1] * bm) if gpipe else 0.0

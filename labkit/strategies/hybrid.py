@@ -153,7 +153,7 @@ def price_hybrid(plan, prof, topo) -> Estimate:
     logits = prof.layers[-1].out_bytes
     comm = (2 * (p - 1) * message_time(b * feat, topo, p) + (p - 1) * message_time(b * logits, topo, p)
             + allreduce_time(prof.params(F), p, "ring", topo))
-    time = {"compute": compute_scale(topo, p) * (prof.time(b, F) + prof.time(B, C)), "communication": comm,
+    time = {"compute": compute_scale(topo, p, prof) * (prof.time(b, F) + prof.time(B, C)), "communication": comm,
             **common_terms(prof, topo, prof.param_bytes, b)}
     memory = memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(b, F) + prof.saved_bytes(B, C),
                      2 * B * feat + prof.params(F))

@@ -271,7 +271,7 @@ def price_pipeline(plan, prof, topo) -> Estimate:
     stages = stages_of(o["balance"])
     bm = B / m
     msg = topo.collective_link(p).transfer_time
-    times = [compute_scale(topo, p) * prof.time(bm, s) for s in stages]
+    times = [compute_scale(topo, p, prof) * prof.time(bm, s) for s in stages]
     comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0 for j, s in enumerate(stages)]
     held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
     mem = [memory_terms(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]

@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from labkit import dist as kdist
-from labkit.advisor.alphabeta import common_terms, memory_terms, message_time
+from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, message_time
 from labkit.advisor.plan import Estimate
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
@@ -271,8 +271,8 @@ def shard_bytes(prof, servers: int) -> list[float]:
 def price_ps(plan, prof, topo) -> Estimate:
     """One synchronous update: every worker computes, pushes, waits; each server sums, steps, replies.
 
-    ``compute = s_W·T_all(b)`` with ``s_W`` the oversubscription of the ``W`` workers alone (the servers sleep
-    in their receive while the workers compute); ``communication = W·(2·msg(P_max) + msg(16)) + γ·W·P_max``
+    ``compute = s_W·T_all(b)`` with ``s_W`` the compute scale of the ``W`` workers computing at once
+    (:func:`labkit.advisor.alphabeta.compute_scale`; the servers sleep in their receive while the workers compute); ``communication = W·(2·msg(P_max) + msg(16)) + γ·W·P_max``
     (the fullest server takes ``W`` pushes, sums them, and sends each worker a header and its parameters);
     ``update = u·P_max`` (the server's optimizer over its shard; a worker's step has no gradient to apply);
     ``data = d·b``. Memory, the fuller of a worker ``P + P + 2P + M_all(b)`` (parameters, gradients, the flat
@@ -290,7 +290,7 @@ def price_ps(plan, prof, topo) -> Estimate:
     link = topo.collective_link(plan.processes)
     comm = workers * (2 * message_time(fullest, topo, plan.processes) + message_time(HEADER_BYTES, topo, plan.processes)
                       ) + link.gamma * workers * fullest
-    terms = {"compute": topo.oversubscription(workers) * topo.compute_scale * prof.time(b), "communication": comm,
+    terms = {"compute": compute_scale(topo, workers, prof) * prof.time(b), "communication": comm,
             **common_terms(prof, topo, fullest, b)}
     worker = memory_terms(prof, topo, P, prof.saved_bytes(b), 2 * P)
     worker["optimizer"] = 0.0

@@ -261,6 +261,6 @@ def price_tensor_parallel(plan, prof, topo) -> Estimate:
                for a, (_, j) in zip(inputs, prof.tp_pairs))
     p_sliced = sum(prof.layers[k].param_bytes for k in sliced)
     p_dev = prof.param_bytes - (1 - 1 / p) * p_sliced
-    time = {"compute": compute_scale(topo, p) * compute, "communication": comm, **common_terms(prof, topo, p_dev, B)}
+    time = {"compute": compute_scale(topo, p, prof) * compute, "communication": comm, **common_terms(prof, topo, p_dev, B)}
     acts = sum(prof.layers[k].saved_bytes for k in rest) * B + sum(prof.layers[k].saved_bytes for k in sliced) * B / p
     return Estimate(plan, time, memory_terms(prof, topo, p_dev, acts))

@@ -264,7 +264,9 @@ def price_sharded(plan, prof, topo) -> Estimate:
     the stepped parameters; FSDP no-reshard: gather once before forward) or ``g = 2`` (ZeRO 3, FSDP: gather
     before forward and again before backward), each collective paying its ``(p − 1)·α`` per unit, ``+
     BC(N_buf, n_buf)`` for ZeRO, which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every
-    forward (:func:`labkit.advisor.alphabeta.broadcast_time`; FSDP leaves buffers alone).
+    forward (:func:`labkit.advisor.alphabeta.broadcast_time`; FSDP leaves buffers alone). FSDP2's own work per
+    unit and step beyond its collectives (hooks, flat-buffer copies, the optimizer over DTensors), ``h_f`` as the
+    profile measures it (:func:`labkit.advisor.loop_costs.together`): ``schedule overhead = N_units·h_f``.
     Memory (fp32, momentum: optimizer state = P):
     stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
     prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
@@ -277,8 +279,10 @@ def price_sharded(plan, prof, topo) -> Estimate:
     comm = sum(reduce_scatter_time(u, p, topo) + gathers * all_gather_time(u, p, topo) for u in units)
     if plan.strategy == "zero":
         comm += broadcast_time(*prof.buffers, p, topo)
-    time = {"compute": compute_scale(topo, p) * prof.time(b), "communication": comm,
+    time = {"compute": compute_scale(topo, p, prof) * prof.time(b), "communication": comm,
             **common_terms(prof, topo, P / p, b)}
+    if plan.strategy == "fsdp" and prof.fsdp_unit:
+        time["schedule overhead"] = len(units) * prof.fsdp_unit
     memory = memory_terms(prof, topo, P, prof.saved_bytes(b))
     if stage == 1:
         memory["optimizer"] = P / p
