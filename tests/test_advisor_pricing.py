@@ -7,8 +7,7 @@ import pytest
 
 from labkit.advisor.alphabeta import compute_scale
 from labkit.advisor.plan import LayerProfile, Plan, Profile
-from labkit.advisor.pricing import price
-from labkit.advisor.search import candidates
+from labkit.advisor.search import candidates, price
 from labkit.advisor.topology import Topology
 from labkit.collectives.cost import CostModel
 

@@ -8,7 +8,7 @@ start once per process count (the imports a fresh rank makes are paid once) and 
 them, each process at the threads of the profile that priced the plan
 (:attr:`labkit.advisor.plan.Estimate.threads`): a rank of a plan of ``q`` processes ``cores // q``; a
 one-process plan the cores, or one thread where the one-thread profile priced it cheaper
-(:func:`labkit.advisor.pricing.price`: on a busy machine two threads can cost more than one).
+(:func:`labkit.advisor.search.price`: on a busy machine two threads can cost more than one).
 
 The runs go round-robin (plan 1, 2, …, n, then again, each round starting one plan further on), so that a
 shared machine's slow spell falls on several plans rather than on all the repeats of one. A run's step is
