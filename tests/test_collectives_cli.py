@@ -45,12 +45,15 @@ def test_verify_report_flags_a_mismatch():
     assert format_verify(rows, 3).splitlines()[0].startswith("ring           FAIL  p=3: MISMATCH")
 
 
-def test_bench_writes_results_and_prints_the_table(tmp_path, capsys):
+def test_bench_verifies_then_writes_results_and_prints_the_table(tmp_path, capsys):
     out = tmp_path / "bench"
     code = run_cli(["allreduce", "bench", "--algo", "ring,tree", "--ranks", "2", "--sizes", "1KiB,64KiB",
-                    "--repeats", "2", "--out", str(out)])
+                    "--repeats", "2", "--out", str(out), "--verify"])
     assert code == 0
     printed = capsys.readouterr().out
+    # --verify: verify's lines first (one per algorithm, from the same ranks), then the timings
+    checked = printed.splitlines()[:2]
+    assert [line.split()[:3] for line in checked] == [["ring", "ok", "p=2:"], ["tree", "ok", "p=2:"]], printed
     assert "measured ms" in printed and "predicted ms" in printed and "busbw GB/s" in printed
     assert "p=2, 64KiB: native busbw " in printed
     run = load_run(out)
