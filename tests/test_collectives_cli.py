@@ -95,3 +95,20 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert run_cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("labkit: error: ") and message in err and "\n" not in err
+
+
+def test_verify_and_bench_times_nothing_after_a_mismatch(monkeypatch):
+    """bench --verify on each rank: a mismatch in the check means no timing (the rows are the same on every
+    rank, so all ranks skip it together)."""
+    import labkit.collectives.bench as bench_module
+    import labkit.collectives.verify as verify_module
+    from labkit.collectives.cli import _verify_and_bench
+
+    timed = []
+    monkeypatch.setattr(bench_module, "bench_rank", lambda env, *args: timed.append(args) or {"records": []})
+    good, bad = VerifyRow("ring", 5, "float32", 0.0, True, True), VerifyRow("tree", 5, "float32", 0.5, False, True)
+    monkeypatch.setattr(verify_module, "verify_rank", lambda env, algorithms: [good, bad])
+    assert _verify_and_bench(None, ["ring", "tree"], [1024], 2, "float32") == ([good, bad], None) and timed == []
+    monkeypatch.setattr(verify_module, "verify_rank", lambda env, algorithms: [good])
+    assert _verify_and_bench(None, ["ring"], [1024], 2, "float32") == ([good], {"records": []})
+    assert timed == [(["ring"], [1024], 2, "float32")]
