@@ -1,6 +1,7 @@
 #!/bin/bash
 # All-reduce on one node: check every labkit algorithm against the backend's own all-reduce, then time them
-# all (NCCL on GPUs, one rank per GPU; gloo on CPU) next to the fitted alpha-beta cost model.
+# all on the same ranks, in one launch (NCCL on GPUs, one rank per GPU; gloo on CPU) next to the fitted
+# alpha-beta cost model.
 #
 # Usage (from the repository root):
 #   sbatch jobs/job_allreduce.sh                                  # all GPUs of the node (4 requested), NCCL
@@ -35,9 +36,10 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 python="${PYTHON:-python3}"
 quick="${LABKIT_QUICK:-0}"
 
+source jobs/lib/gpus.sh  # visible_gpus: the GPUs torch in this job will see, without starting Python
 gpus=0
 if [[ "$quick" == 0 ]]; then
-    gpus="$("$python" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+    gpus="$(visible_gpus)"
 fi
 if (( gpus >= 2 )); then
     device=cuda; ranks="${ALLREDUCE_RANKS:-$gpus}"
@@ -54,11 +56,9 @@ algo="${ALLREDUCE_ALGO:-all}"
 out="${LABKIT_OUT:-runs/allreduce-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
 
 echo "labkit all-reduce job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $ranks ranks on $device"
-launch=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$ranks" -m labkit allreduce)
-verify=("${launch[@]}" verify --algo "$algo" --device "$device")
-bench=("${launch[@]}" bench --algo "$algo" --sizes "$sizes" --repeats "$repeats" --device "$device" --out "$out")
-echo "+ ${verify[*]}"
-"${verify[@]}"
+# one launch: --verify checks every algorithm first (a mismatch: exit 1, nothing timed), then the same ranks time them
+bench=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$ranks" -m labkit allreduce
+       bench --verify --algo "$algo" --sizes "$sizes" --repeats "$repeats" --device "$device" --out "$out")
 echo "+ ${bench[*]}"
 "${bench[@]}"
 echo "results: $out/summary.json"

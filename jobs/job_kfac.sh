@@ -76,7 +76,7 @@ done
 "$python" - "$out" "$nproc" "${runs[@]}" <<'EOF'
 import sys
 
-from labkit.results import RunWriter, load_run
+from labkit.results import RunWriter, host_environment, load_run
 
 out, nproc, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 runs = {name: load_run(f"{out}/{name}") for name in names}
@@ -90,6 +90,7 @@ top = "kfac" if "kfac" in runs else names[-1]
 config = {"world_size": nproc, "runs": {name: f"{out}/{name}" for name in runs},
           "train": runs[top].summary["config"]}
 # top level: the K-FAC run's numbers (what a single-run summary holds); per run below
-RunWriter(out, append=True).finish("kfac-vs-sgd", "comparison", config, {**metrics[top], **metrics})
+RunWriter(out, append=True).finish("kfac-vs-sgd", "comparison", config, {**metrics[top], **metrics},
+                                   host=host_environment(runs[top]))  # the ranks' host: no torch to import here
 EOF
 echo "results: $out/summary.json (${runs[*]/#/$out/})"

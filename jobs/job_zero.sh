@@ -70,15 +70,17 @@ done
 "$python" - "$out" "$nproc" "${runs[@]}" <<'PY'
 import sys
 
-from labkit.results import RunWriter, load_run
+from labkit.results import RunWriter, host_environment, load_run
 
 out, nproc, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-runs = {name: load_run(f"{out}/{name}").summary["metrics"] for name in names}
+loaded = [load_run(f"{out}/{name}") for name in names]
+runs = {name: run.summary["metrics"] for name, run in zip(names, loaded)}
 print(f"{'run':<8}{'samples/s':>12}{'peak memory per rank (MB)':>28}{'test acc':>10}")
 for name, m in runs.items():
     print(f"{name:<8}{m['samples_per_sec']:>12.1f}{m['peak_memory_gb'] * 1000:>28.1f}{m['final_test_acc']:>10.3f}")
 RunWriter(out).finish("zero-job", "bench", {"ranks": nproc, "runs": names},
                       {name: {k: m[k] for k in ("samples_per_sec", "peak_memory_gb", "final_test_acc")}
-                       for name, m in runs.items()})
+                       for name, m in runs.items()},
+                      host=host_environment(loaded[0]))  # the ranks' host: no torch to import here
 PY
 echo "results: $out/summary.json"

@@ -14,12 +14,11 @@ import json
 import os
 import platform
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
-
-import torch
 
 from labkit.errors import OutputError
 
@@ -29,13 +28,16 @@ SUMMARY_FILE = "summary.json"
 
 
 def _jsonable(value: Any) -> Any:
+    # torch only where it is loaded already: without it there is no tensor or device to convert (reading and
+    # summarising runs stays free of torch's import)
+    torch = sys.modules.get("torch")
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
-    if isinstance(value, torch.Tensor):
+    if torch is not None and isinstance(value, torch.Tensor):
         return value.tolist()
-    if isinstance(value, (torch.device, Path)):
+    if isinstance(value, Path) or (torch is not None and isinstance(value, torch.device)):
         return str(value)
     if isinstance(value, float) and value != value:
         return None
@@ -126,6 +128,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def environment(env=None) -> dict:
     """Where a run happened: versions, host, devices, world size, backend."""
+    import torch
+
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -138,6 +142,13 @@ def environment(env=None) -> dict:
     if env is not None:
         info.update(world_size=env.world_size, backend=env.backend, device=str(env.device))
     return info
+
+
+def host_environment(run: Run) -> dict:
+    """``run``'s environment without what its ranks added (world size, backend, device): what
+    :func:`environment` gives on the host it ran on. A summary of runs made on this host passes it to
+    :meth:`RunWriter.finish` (``host=``), so that writing it needs no torch."""
+    return {k: v for k, v in run.summary["environment"].items() if k not in ("world_size", "backend", "device")}
 
 
 class RunWriter:
@@ -161,10 +172,13 @@ class RunWriter:
             with output_errors(self.out_dir / METRICS_FILE), open(self.out_dir / METRICS_FILE, "a") as f:
                 f.write(json.dumps(_jsonable(record)) + "\n")
 
-    def finish(self, name: str, kind: str, config: dict, metrics: dict, env=None, **extra) -> dict:
-        """Write ``summary.json`` and return it."""
+    def finish(self, name: str, kind: str, config: dict, metrics: dict, env=None, *, host: dict | None = None,
+               **extra) -> dict:
+        """Write ``summary.json`` and return it. ``host``: the environment to write, known already (see
+        :func:`host_environment`), instead of :func:`environment` of ``env``."""
         summary = {"schema": SCHEMA, "name": name, "kind": kind, "config": config,
-                   "environment": environment(env), "metrics": metrics, **extra}
+                   "environment": dict(host) if host is not None else environment(env), "metrics": metrics,
+                   **extra}
         summary = _jsonable(summary)
         if self.enabled:
             atomic_write_text(self.out_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")

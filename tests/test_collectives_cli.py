@@ -45,12 +45,15 @@ def test_verify_report_flags_a_mismatch():
     assert format_verify(rows, 3).splitlines()[0].startswith("ring           FAIL  p=3: MISMATCH")
 
 
-def test_bench_writes_results_and_prints_the_table(tmp_path, capsys):
+def test_bench_verifies_then_writes_results_and_prints_the_table(tmp_path, capsys):
     out = tmp_path / "bench"
     code = run_cli(["allreduce", "bench", "--algo", "ring,tree", "--ranks", "2", "--sizes", "1KiB,64KiB",
-                    "--repeats", "2", "--out", str(out)])
+                    "--repeats", "2", "--out", str(out), "--verify"])
     assert code == 0
     printed = capsys.readouterr().out
+    # --verify: verify's lines first (one per algorithm, from the same ranks), then the timings
+    checked = printed.splitlines()[:2]
+    assert [line.split()[:3] for line in checked] == [["ring", "ok", "p=2:"], ["tree", "ok", "p=2:"]], printed
     assert "measured ms" in printed and "predicted ms" in printed and "busbw GB/s" in printed
     assert "p=2, 64KiB: native busbw " in printed
     run = load_run(out)
@@ -92,3 +95,20 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     assert run_cli(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("labkit: error: ") and message in err and "\n" not in err
+
+
+def test_verify_and_bench_times_nothing_after_a_mismatch(monkeypatch):
+    """bench --verify on each rank: a mismatch in the check means no timing (the rows are the same on every
+    rank, so all ranks skip it together)."""
+    import labkit.collectives.bench as bench_module
+    import labkit.collectives.verify as verify_module
+    from labkit.collectives.cli import _verify_and_bench
+
+    timed = []
+    monkeypatch.setattr(bench_module, "bench_rank", lambda env, *args: timed.append(args) or {"records": []})
+    good, bad = VerifyRow("ring", 5, "float32", 0.0, True, True), VerifyRow("tree", 5, "float32", 0.5, False, True)
+    monkeypatch.setattr(verify_module, "verify_rank", lambda env, algorithms: [good, bad])
+    assert _verify_and_bench(None, ["ring", "tree"], [1024], 2, "float32") == ([good, bad], None) and timed == []
+    monkeypatch.setattr(verify_module, "verify_rank", lambda env, algorithms: [good])
+    assert _verify_and_bench(None, ["ring"], [1024], 2, "float32") == ([good], {"records": []})
+    assert timed == [(["ring"], [1024], 2, "float32")]

@@ -1,10 +1,14 @@
 """labkit.results: one schema, written and read back."""
 import json
+import subprocess
+import sys
 
 import matplotlib
 import pytest
+import torch
 
-from labkit.results import SCHEMA, RunWriter, load_run, plot_metric
+from labkit.dist import DistEnv
+from labkit.results import SCHEMA, RunWriter, environment, host_environment, load_run, plot_metric
 
 matplotlib.use("Agg")
 
@@ -22,6 +26,21 @@ def test_round_trip(tmp_path):
     assert len(run.records_of("bench")) == 1
     ax = plot_metric([run, run], y="test_acc", labels=["a", "b"])
     assert len(ax.lines) == 2 and list(ax.lines[0].get_xdata()) == [1, 2, 3]
+
+
+def test_a_summary_of_runs_is_written_without_torch(tmp_path):
+    """What the job scripts' summary steps do: read runs, write a summary with their host's environment; a
+    fresh interpreter (the step's) that never imports torch, and the same environment torch would give."""
+    RunWriter(tmp_path / "a").finish("a", "train", {}, {"acc": 0.5}, DistEnv(device=torch.device("cpu")))
+    assert load_run(tmp_path / "a").summary["environment"]["world_size"] == 1
+    assert host_environment(load_run(tmp_path / "a")) == json.loads(json.dumps(environment()))
+    step = ("import sys\nfrom labkit.results import RunWriter, host_environment, load_run\n"
+            f"run = load_run({str(tmp_path / 'a')!r})\n"
+            f"RunWriter({str(tmp_path)!r}).finish('both', 'comparison', {{}}, {{'acc': 0.5}}, host=host_environment(run))\n"
+            "print('torch' in sys.modules)")
+    printed = subprocess.run([sys.executable, "-c", step], capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == "False"
+    assert load_run(tmp_path).summary["environment"] == json.loads(json.dumps(environment()))
 
 
 def test_disabled_writer_writes_nothing(tmp_path):

@@ -4,6 +4,7 @@
     labkit allreduce animate --algo ring --ranks 4 --out ring.html        # or ring.gif
     labkit allreduce bench --algo all --ranks 2,4 --sizes 1KiB,64KiB,1MiB,16MiB
     torchrun --nproc-per-node 4 -m labkit allreduce bench --algo all     # inside a launched job (NCCL on GPUs)
+    labkit allreduce bench --verify ...    # verify's check first, on the same ranks; nothing timed after a mismatch
 
 ``verify`` and ``bench`` spawn gloo ranks on this machine, unless the command already runs under
 torchrun (RANK and WORLD_SIZE set): then they use that job's ranks and devices.
@@ -76,8 +77,20 @@ def animate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_and_bench(env, algorithms: list[str], sizes: list[int], repeats: int, dtype: str):
+    """``verify``'s check, then (when every algorithm matched) ``bench_rank`` on the same ranks: (rows, out or
+    None). The rows are the same on every rank, so all ranks skip the timing together."""
+    from labkit.collectives.bench import bench_rank
+    from labkit.collectives.verify import summarize, verify_rank
+
+    rows = verify_rank(env, algorithms)
+    ok = all(good for good, _ in summarize(rows).values())
+    return rows, (bench_rank(env, algorithms, sizes, repeats, dtype) if ok else None)
+
+
 def bench(args: argparse.Namespace) -> int:
     from labkit.collectives.bench import bench_rank, format_size, format_table, parse_size
+    from labkit.collectives.verify import format_verify
     from labkit.results import RunWriter
 
     algorithms = parse_algorithms(args.algo)
@@ -85,17 +98,24 @@ def bench(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     config = {"algorithms": algorithms, "sizes": sizes, "repeats": args.repeats, "dtype": args.dtype}
+    rank_fn = _verify_and_bench if args.verify else bench_rank
     if _launched():
-        env, out = _in_job(bench_rank, args.device, algorithms, sizes, args.repeats, args.dtype)
+        env, out = _in_job(rank_fn, args.device, algorithms, sizes, args.repeats, args.dtype)
         outs, main = ([(env.world_size, out)] if env.is_main else []), env.is_main
     else:
         from labkit.testing import run_ranks
 
         env, main = None, True
-        outs = [(p, run_ranks(bench_rank, p, algorithms, sizes, args.repeats, args.dtype, timeout=args.timeout)[0])
+        outs = [(p, run_ranks(rank_fn, p, algorithms, sizes, args.repeats, args.dtype, timeout=args.timeout)[0])
                 for p in _ranks(args.ranks)]
     if not main:
         return 0
+    if args.verify:
+        for p, (rows, _) in outs:
+            print(format_verify(rows, p), flush=True)
+        if any(out is None for _, (_, out) in outs):
+            return 1  # a mismatch: nothing was timed
+        outs = [(p, out) for p, (_, out) in outs]
     writer = RunWriter(args.out)
     records, metrics = [], {}
     for p, out in outs:
@@ -157,6 +177,9 @@ def add_parser(subparsers) -> None:
                    default=5, help="timed runs per contender and size (default 5)")
     b.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     b.add_argument("--out", default="runs/allreduce-bench", help="results directory (labkit run schema)")
+    b.add_argument("--verify", action="store_true",
+                   help="first check every algorithm against dist.all_reduce (as verify does) on the same ranks; "
+                        "a mismatch ends with exit 1 and nothing timed")
     b.set_defaults(func=bench)
     p.set_defaults(func=lambda args: _no_action(p))
 
