@@ -153,8 +153,12 @@ def _signal_when(cmd, line_start, sig, only_rank=None, lines=1):
         log += proc.stdout.readlines()
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # a test that failed or timed out: its ranks too, not only torchrun
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    child.kill()
             proc.kill()
+            proc.wait()
     return proc.returncode, "".join(log), [p.pid for p in ranks]
 
 
