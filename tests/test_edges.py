@@ -90,11 +90,11 @@ def test_atomic_write_syncs_the_file_before_the_rename_and_the_folder_after(tmp_
     assert (tmp_path / "summary.json").read_text() == "{}"
 
 
-@pytest.mark.parametrize("argv", [["data", "list"]])
-def test_a_closed_pipe_ends_a_listing_quietly(tmp_path, argv):
-    """``labkit data list | head -3``: the reader leaves before the list is printed."""
-    proc = subprocess.Popen([sys.executable, "-m", "labkit", *argv, "--root", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+@pytest.mark.parametrize("argv", [["faults", "list"]])
+def test_a_closed_pipe_ends_a_listing_quietly(argv):
+    """``labkit faults list | head -3``: the reader leaves before the list is printed. The console script's own
+    process, with a listing that does not import torch (``data list`` does: seconds more for the same path)."""
+    proc = subprocess.Popen([sys.executable, "-m", "labkit", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the command has started to print
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 128 + 13 and err == "", err
