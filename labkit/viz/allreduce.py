@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from pathlib import Path
 
 from matplotlib.animation import FuncAnimation, PillowWriter
@@ -29,6 +30,7 @@ RANK_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
                "#bcbd22", "#17becf"]
 OP_COLORS = {Op.REDUCE: "#c0392b", Op.COPY: "#2471a3"}
 BOX_W, BOX_H = 1.6, 0.5
+CAPTION_CHARS = 90  # characters of the 9-point caption per line: what fits beside the narrowest (square) drawing
 
 
 class FrameCanvas(FigureCanvasAgg):
@@ -174,8 +176,9 @@ class AllReduceView:
         ax.set_xlim(min(xs) - 1.4, max(xs) + 1.4)
         ax.set_ylim(min(ys) - 1.0, max(ys) + 1.0)
         ax.set_aspect("equal")
-        # y given: matplotlib need not lay out the (hidden) axis to find the title's place
-        ax.set_title(self.caption(index), fontsize=9, wrap=True, loc="left", y=1.0)
+        # Wrapped by characters (about what fits across the figure at this size): matplotlib's wrap=True measures
+        # the line word by word, a quarter of a frame's time. y given: no (hidden) axis to lay out to place it.
+        ax.set_title(textwrap.fill(self.caption(index), CAPTION_CHARS), fontsize=9, loc="left", y=1.0)
         ax.text(0.0, -0.02, "chunk colours: ranks whose data it holds; thick border: the full sum; "
                 "arrows: red = add (reduce), blue = store (copy)", transform=ax.transAxes, fontsize=7.5,
                 color="#444444", va="top")
