@@ -15,11 +15,13 @@ def last_epoch_loss(outcome: Outcome, steps: int) -> float:
     return sum(losses) / len(losses)
 
 
-def versus(name: str, outcome: Outcome, **kwargs) -> list[str]:
+def versus(name: str, outcome: Outcome, fixed: Outcome | None = None, **kwargs) -> list[str]:
+    """The lines above for ``outcome`` of fault ``name``; ``fixed``: a run of the fixed version already made
+    (lr-not-scaled), else it runs with ``kwargs`` (those of :func:`labkit.faults.runner.run_fault`)."""
     if outcome.status != "finished":
         return []
     if name == "lr-not-scaled":
-        fixed = run_fault(name, fixed=True, **kwargs)
+        fixed = fixed or run_fault(name, fixed=True, **kwargs)
         steps = len(outcome.ranks[0]["record"]["orders"][-1]) // 32 if outcome.ranks[0]["record"]["orders"] else 8
         mine, right = last_epoch_loss(outcome, steps), last_epoch_loss(fixed, steps)
         lr, scaled = outcome.ranks[0]["record"]["lr"], fixed.ranks[0]["record"]["lr"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from pathlib import Path
 
 from matplotlib.animation import FuncAnimation, PillowWriter
@@ -29,6 +30,7 @@ RANK_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
                "#bcbd22", "#17becf"]
 OP_COLORS = {Op.REDUCE: "#c0392b", Op.COPY: "#2471a3"}
 BOX_W, BOX_H = 1.6, 0.5
+CAPTION_CHARS = 90  # characters of the 9-point caption per line: what fits beside the narrowest (square) drawing
 
 
 class FrameCanvas(FigureCanvasAgg):
@@ -119,6 +121,8 @@ class AllReduceView:
         return text
 
     def _box(self, rank: int, index: int) -> None:
+        # add_artist, not add_patch: draw() sets the limits itself, and widening them patch by patch took a
+        # third of a frame's time
         x, y = self.positions[rank]
         held_by_chunk = self.frames[index][rank]
         k = self.schedule.num_chunks
@@ -128,11 +132,11 @@ class AllReduceView:
         for c, held in enumerate(held_by_chunk):
             parts = sorted(held) or [None]
             for j, owner in enumerate(parts):
-                self.ax.add_patch(Rectangle((left + c * cell + j * cell / len(parts), y - BOX_H / 2),
+                self.ax.add_artist(Rectangle((left + c * cell + j * cell / len(parts), y - BOX_H / 2),
                                             cell / len(parts), BOX_H, linewidth=0,
                                             facecolor="white" if owner is None else rank_color(owner)))
             done = held == want
-            self.ax.add_patch(Rectangle((left + c * cell, y - BOX_H / 2), cell, BOX_H, fill=False,
+            self.ax.add_artist(Rectangle((left + c * cell, y - BOX_H / 2), cell, BOX_H, fill=False,
                                         linewidth=2.6 if done else 0.8, edgecolor="black"))
             if k > 1:
                 self.ax.text(left + (c + 0.5) * cell, y - BOX_H / 2 - 0.12, str(c), ha="center", va="top",
@@ -140,7 +144,7 @@ class AllReduceView:
         role = "server " if rank in self.schedule.servers else "rank "
         self.ax.text(x, y + BOX_H / 2 + 0.08, f"{role}{rank}", ha="center", va="bottom", fontsize=10,
                      fontweight="bold", color=rank_color(rank))
-        self.ax.add_patch(Rectangle((x - BOX_W / 2, y - BOX_H / 2), BOX_W, BOX_H, fill=False, linewidth=1.4))
+        self.ax.add_artist(Rectangle((x - BOX_W / 2, y - BOX_H / 2), BOX_W, BOX_H, fill=False, linewidth=1.4))
 
     def draw(self, index: int) -> None:
         """Draw the state after step ``index`` (0 = start) and that step's messages."""
@@ -160,7 +164,7 @@ class AllReduceView:
             a, b = self.positions[t.src], self.positions[t.dst]
             arrow = FancyArrowPatch(_edge(a, b), _edge(b, a), arrowstyle="-|>", mutation_scale=14, linewidth=1.6,
                                     connectionstyle="arc3,rad=0.18", color=OP_COLORS[t.op], alpha=0.85)
-            ax.add_patch(arrow)
+            ax.add_artist(arrow)
             if len(transfers) <= 2 * self.schedule.world_size and self.schedule.num_chunks > 1:
                 (x0, y0), (x1, y1) = self.positions[t.src], self.positions[t.dst]
                 # Label on the side the arc bends to, so the two directions of a pair do not overlap.
@@ -172,7 +176,9 @@ class AllReduceView:
         ax.set_xlim(min(xs) - 1.4, max(xs) + 1.4)
         ax.set_ylim(min(ys) - 1.0, max(ys) + 1.0)
         ax.set_aspect("equal")
-        ax.set_title(self.caption(index), fontsize=9, wrap=True, loc="left")
+        # Wrapped by characters (about what fits across the figure at this size): matplotlib's wrap=True measures
+        # the line word by word, a quarter of a frame's time. y given: no (hidden) axis to lay out to place it.
+        ax.set_title(textwrap.fill(self.caption(index), CAPTION_CHARS), fontsize=9, loc="left", y=1.0)
         ax.text(0.0, -0.02, "chunk colours: ranks whose data it holds; thick border: the full sum; "
                 "arrows: red = add (reduce), blue = store (copy)", transform=ax.transAxes, fontsize=7.5,
                 color="#444444", va="top")
