@@ -43,4 +43,4 @@ def test_every_job_script_counts_gpus_through_visible_gpus():
     scripts = [p for p in (ROOT / "jobs").rglob("*.sh") if p.name != "gpus.sh"]
     assert [p.name for p in scripts if "nvidia-smi -L" in p.read_text()] == []
     users = sorted(p.name for p in scripts if "visible_gpus" in p.read_text())
-    assert users == ["job_gpipe.sh", "job_model_parallel.sh", "ranks.sh"]
+    assert users == ["job_allreduce.sh", "job_gpipe.sh", "job_model_parallel.sh", "ranks.sh"]
