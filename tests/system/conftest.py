@@ -47,7 +47,9 @@ def _slurm_cluster(nodes: list[str]) -> Iterator[SlurmCluster]:
     apt_install(["slurm-wlm", "munge"], ["slurmctld", "slurmd", "sbatch", "munged"])
     # Not under pytest's tmp dir: munged refuses a socket below a directory others cannot search.
     root = Path(tempfile.mkdtemp(prefix="labkit-slurm-"))
-    cluster = SlurmCluster(root, nodes)
+    # 8 CPUs a node: every job asks for 8, so one job runs on each node at a time (two at once in all); four
+    # at once oversubscribe two cores and slow the rest of the test run
+    cluster = SlurmCluster(root, nodes, node_cpus=8)
     try:
         cluster.start()
     except RuntimeError as err:

@@ -27,8 +27,8 @@ NO_RESULTS = re.compile(r"^#\s*results:\s*none\b", re.MULTILINE)
 PREEMPTION_NONE = re.compile(r"^#\s*pre-emption:\s*none\b", re.MULTILINE)
 
 
-# A script names no memory, which SLURM reads as the whole node's: tests ask for a share, so that two jobs
-# (8 of the 16 CPUs the test node advertises each) run at once.
+# A script names no memory, which SLURM reads as the whole node's: tests ask for a share, so that jobs are
+# placed by their CPUs (8, all that each test node advertises: one job per node at a time).
 JOB_MEMORY = "--mem=8G"
 
 
