@@ -31,6 +31,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
+from labkit.dist import comm_device
 from labkit.errors import ConfigError
 
 LAYOUTS = ("zigzag", "contiguous")
@@ -184,8 +185,9 @@ def pass_on(send: torch.Tensor, recv: torch.Tensor, step: tuple[KVTransfer, ...]
     out = next(t for t in step if t.src == rank)
     into = next(t for t in step if t.dst == rank)
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-    staged = send.is_cuda and dist.get_backend(group) != "nccl"
-    inbox, outbox = (torch.empty_like(recv, device="cpu"), send.cpu()) if staged else (recv, send)
+    device = comm_device(group)
+    staged = send.device != device
+    inbox, outbox = (torch.empty_like(recv, device=device), send.to(device)) if staged else (recv, send)
     ops = [dist.P2POp(dist.irecv, inbox, peer(into.src), group), dist.P2POp(dist.isend, outbox, peer(out.dst), group)]
     requests = dist.batch_isend_irecv(ops)
     return [_CopiedBack(requests, inbox, recv)] if staged else requests
