@@ -6,15 +6,13 @@ fitted per strategy. The link fit: every rank sends :data:`FIT_SIZES` bytes to t
 previous (one ring step, as every schedule's steps run), the lower quartile of 9 rounds per size on the slowest
 rank (on a shared virtual machine the latency has slow spells lasting seconds, which only ever slow a round
 down), α and β the least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`), γ the
-fastest of 5 ``a += b``; run in spawned gloo ranks with the threads a plan's ranks get; ``rounds`` fits give
-each number's median. The fit is cached as a run in the results schema (one ``"cost-model"`` record, as
+fastest of 5 ``a += b``; run in spawned gloo ranks with the threads a plan's ranks get. The fit is cached as a run in the results schema (one ``"cost-model"`` record, as
 ``labkit allreduce bench --out DIR`` writes them).
 """
 from __future__ import annotations
 
 import math
 import os
-import statistics
 from pathlib import Path
 from time import perf_counter
 
@@ -111,21 +109,14 @@ def _fit_rank(env) -> dict:
     return {"alpha": alpha, "beta": beta, "gamma": gamma.item() / p, "p2p": points}
 
 
-def median_fit(fits: list[dict]) -> dict:
-    """One fit from several rounds: the median of α, β and γ; the first round's measured points."""
-    out = {key: statistics.median(f[key] for f in fits) for key in ("alpha", "beta", "gamma")}
-    return {**out, "p2p": fits[0]["p2p"], "rounds": len(fits)}
-
-
-def measure_link(ranks: int, out: Path, rounds: int = 1) -> CostModel:
-    """Fit α-β-γ on ``ranks`` spawned gloo ranks now (``rounds`` times, the median: :func:`median_fit`);
-    cache it at ``out`` (the bench's record format)."""
+def measure_link(ranks: int, out: Path) -> CostModel:
+    """Fit α-β-γ on ``ranks`` spawned gloo ranks now; cache it at ``out`` (the bench's record format)."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0)
     from labkit.results import RunWriter
     from labkit.testing import run_ranks
 
-    fit = median_fit([run_ranks(_fit_rank, ranks, timeout=300)[0] for _ in range(max(1, rounds))])
+    fit = run_ranks(_fit_rank, ranks, timeout=300)[0]
     writer = RunWriter(out)
     writer.log({"kind": "cost-model", "world_size": ranks, **fit})
     writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks},

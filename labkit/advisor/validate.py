@@ -27,6 +27,8 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
+from scipy.stats import spearmanr
+
 from labkit.advisor.advise import Advice
 from labkit.testing import run_ranks
 
@@ -43,44 +45,18 @@ def run_args(advice: Advice, label: str, out: Path, steps: int) -> list[str]:
             "--log-every", "1000", "--out", str(out)]
 
 
-def ranks_of(values: list[float]) -> list[float]:
-    """Ranks from 1, ties sharing their mean rank: ``[3, 1, 3] -> [2.5, 1, 2.5]``."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in order[i:j + 1]:
-            out[k] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's ρ: the Pearson correlation of the ranks (nan for fewer than 2 values or a constant list)."""
-    rx, ry = ranks_of(x), ranks_of(y)
-    n = len(x)
-    if n < 2:
-        return float("nan")
-    mx, my = sum(rx) / n, sum(ry) / n
-    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
-    return sxy / (sxx * syy) ** 0.5 if sxx and syy else float("nan")
-
-
 def ranking(advice: Advice) -> dict:
-    """``{"plans", "spearman", "best_ratio"}`` over the plans of the table with a measured step:
-    ``best_ratio`` = measured step of the predicted best / the best measured step."""
+    """``{"plans", "spearman", "best_ratio"}`` over the plans of the table with a measured step: Spearman's ρ
+    (SciPy's: ties share their mean rank; nan for one plan or equal measurements), and ``best_ratio`` = measured
+    step of the predicted best / the best measured step."""
     rows = [(e.step_s, advice.measured[e.plan.label]["step_s"]) for e in advice.table
             if "step_s" in advice.measured.get(e.plan.label, {})]
     if not rows:
         return {"plans": 0, "spearman": float("nan"), "best_ratio": float("nan")}
     predicted, measured = zip(*rows)
     chosen = measured[min(range(len(rows)), key=predicted.__getitem__)]
-    return {"plans": len(rows), "spearman": spearman(list(predicted), list(measured)),
-            "best_ratio": chosen / min(measured)}
+    rho = spearmanr(predicted, measured).statistic if len(rows) > 1 and len(set(measured)) > 1 else float("nan")
+    return {"plans": len(rows), "spearman": float(rho), "best_ratio": chosen / min(measured)}
 
 
 def _reset_peak_memory() -> None:
