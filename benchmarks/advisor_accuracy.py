@@ -24,8 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from labkit.advisor.advise import advise
-from labkit.advisor.report import table
+from labkit.advisor.advise import advise, table
 from labkit.advisor.topology import Topology
 from labkit.advisor.validate import ranking, validate
 

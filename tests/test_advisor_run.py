@@ -8,12 +8,11 @@ import re
 import pytest
 from torch import nn
 
-from labkit.advisor.advise import Advice
+from labkit.advisor.advise import Advice, flexflow_comparison
 from labkit.advisor.apply import parallelize
 from labkit.advisor.check import STARTER, check, reference
 from labkit.advisor.plan import Plan
 from labkit.advisor.profile import LayerProfile, Profile, save_profile
-from labkit.advisor.report import flexflow_comparison
 from labkit.advisor.search import best_per_strategy, candidates, price
 from labkit.advisor.topology import Topology
 from labkit.advisor.validate import validate

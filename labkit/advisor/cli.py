@@ -47,8 +47,7 @@ def add_parser(sub) -> None:
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from labkit.advisor.advise import advise
-    from labkit.advisor.report import flexflow_comparison, table
+    from labkit.advisor.advise import advise, flexflow_comparison, table
     from labkit.errors import ConfigError
     from labkit.results import RunWriter
 
