@@ -27,8 +27,6 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-from scipy.stats import spearmanr
-
 from labkit.advisor.advise import Advice
 from labkit.testing import run_ranks
 
@@ -53,6 +51,8 @@ def ranking(advice: Advice) -> dict:
             if "step_s" in advice.measured.get(e.plan.label, {})]
     if not rows:
         return {"plans": 0, "spearman": float("nan"), "best_ratio": float("nan")}
+    from scipy.stats import spearmanr  # a second's import: only where a table was measured
+
     predicted, measured = zip(*rows)
     chosen = measured[min(range(len(rows)), key=predicted.__getitem__)]
     rho = spearmanr(predicted, measured).statistic if len(rows) > 1 and len(set(measured)) > 1 else float("nan")
