@@ -294,7 +294,7 @@ def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(m
         return given.pop(0)
 
     monkeypatch.setattr(profile, "timed", fake_timed)
-    assert profile._gpipe_task_time(3) == pytest.approx((0.0031 - 0.0011) / 8)
+    assert profile._gpipe_task_time() == pytest.approx((0.0031 - 0.0011) / 8)
     assert ran == [(2, 0.5), (9, 0.25)] * 2
 
 

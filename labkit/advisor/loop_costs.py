@@ -18,10 +18,11 @@ from labkit import data as kdata
 from labkit.advisor.measure import timed
 
 WINDOW_S = 0.05      # the shortest timed window of back-to-back steps
+WINDOWS = 9          # timed windows (or paired rounds) behind each level, κ and h_f
 
 
-def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
-                repeats: int) -> tuple[float, float, list[float], float]:
+def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, windows: int = WINDOWS,
+               window_s: float = WINDOW_S) -> tuple[float, float, list[float], float]:
     """(s per sample of data loading, s per parameter byte of SGD, s per bare training step at each size,
     s of the training loop's bookkeeping per step).
 
@@ -43,7 +44,7 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
     data, steps, books = 0.0, [], []
     for b in sizes:
         batches = endless(kdata.make_loader(train_set, b, shuffle=True, drop_last=True))
-        data = timed(lambda: next(batches), repeats, window_s=WINDOW_S) / b
+        data = timed(lambda: next(batches), repeats, window_s=window_s) / b
 
         def step():
             x, y = next(batches)
@@ -58,16 +59,16 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int],
 
         for fn in (step, loop_step):
             fn()  # warm-up: allocations
-            timed(fn, 2, window_s=WINDOW_S)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
+            timed(fn, 2, window_s=window_s)  # and the thread pool and caches: a process's first windows run up to 1.4x slower
         bare, extra = [], []
-        for _ in range(max(9, repeats)):
-            bare.append(timed(step, 1, window_s=WINDOW_S))
-            extra.append(timed(loop_step, 1, window_s=WINDOW_S) - bare[-1])
+        for _ in range(windows):
+            bare.append(timed(step, 1, window_s=window_s))
+            extra.append(timed(loop_step, 1, window_s=window_s) - bare[-1])
         # the lower quartile of 9 or more windows: other programs only ever slow a window down, and this
         # level sets every layer's time (a median of 5 once caught a slow spell of the machine: lenet 2x)
         steps.append(sorted(bare)[round(0.25 * (len(bare) - 1))])
         books.append(statistics.median(extra))
-    update = timed(opt.step, repeats, window_s=WINDOW_S) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
+    update = timed(opt.step, repeats, window_s=window_s) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
     return data, update, steps, max(0.0, statistics.fmean(books))
 
 
@@ -123,8 +124,8 @@ def _fsdp_unit_time(env, rounds: int) -> float:
     return max(0.0, statistics.median(extra))
 
 
-def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: int,
-                   threads: int) -> tuple[float, float]:
+def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: int, threads: int,
+                   window_s: float) -> tuple[float, float]:
     import torch.distributed as dist
 
     from labkit.tensor_data import load_split
@@ -146,9 +147,9 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
         dist.barrier()
 
     step()
-    slowest = torch.tensor([timed(step, 2, window_s=WINDOW_S)])  # and the thread pool and caches warm
+    slowest = torch.tensor([timed(step, 2, window_s=window_s)])  # and the thread pool and caches warm
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    calls = max(1, math.ceil(WINDOW_S / max(slowest.item(), 1e-6)))  # the same on every rank
+    calls = max(1, math.ceil(window_s / max(slowest.item(), 1e-6)))  # the same on every rank
     ratios = []
     for _ in range(rounds):
         alone = 0.0
@@ -161,7 +162,8 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
     return statistics.median(ratios), _fsdp_unit_time(env, rounds)
 
 
-def together(model: nn.Sequential, dataset: str, batch: int, rounds: int, processes: int) -> tuple[float, float]:
+def together(model: nn.Sequential, dataset: str, batch: int, rounds: int, processes: int,
+             window_s: float = WINDOW_S) -> tuple[float, float]:
     """``(κ, h_f)``, what ``processes`` processes pay for running at once, measured in as many spawned ranks at
     this process's threads (one process: ``(1, 0)``); each number the mean over the ranks.
 
@@ -184,7 +186,8 @@ def together(model: nn.Sequential, dataset: str, batch: int, rounds: int, proces
         return 1.0, 0.0
     from labkit.testing import run_ranks
 
-    runs = run_ranks(_together_rank, processes, model, dataset, batch, rounds, torch.get_num_threads(), timeout=600)
+    runs = run_ranks(_together_rank, processes, model, dataset, batch, rounds, torch.get_num_threads(), window_s,
+                     timeout=600)
     return max(1.0, statistics.fmean(r[0] for r in runs)), statistics.fmean(r[1] for r in runs)
 
 

@@ -48,7 +48,7 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
-from labkit.advisor.loop_costs import WINDOW_S, copies, loop_costs, together
+from labkit.advisor.loop_costs import WINDOW_S, WINDOWS, copies, loop_costs, together
 from labkit.advisor.measure import timed
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
@@ -104,7 +104,7 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
 GPIPE_PARTITIONS, GPIPE_MICROBATCHES = 2, 4
 
 
-def _gpipe_task_time(repeats: int) -> float:
+def _gpipe_task_time(windows: int = WINDOWS, window_s: float = WINDOW_S) -> float:
     """``h_g`` (see :class:`Profile`): torchgpipe's seconds per micro-batch and partition, at this process's
     threads."""
     from labkit.strategies.gpipe import make_gpipe
@@ -125,20 +125,23 @@ def _gpipe_task_time(repeats: int) -> float:
             opt.step()
 
         step()
-        timed(step, 2, window_s=WINDOW_S)
-        return timed(step, max(9, repeats), 0.25, WINDOW_S)
+        timed(step, 2, window_s=window_s)
+        return timed(step, windows, 0.25, window_s)
 
     k, m = GPIPE_PARTITIONS, GPIPE_MICROBATCHES
     pipe = make_gpipe(tiny(), ["cpu"] * k, m, "except_last", [2, 1])
     return max(0.0, step_time(pipe) - step_time(tiny())) / (m * k)
 
 
-def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3) -> Profile:
+def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3,
+                    windows: int = WINDOWS, window_s: float = WINDOW_S) -> Profile:
     """Profile ``model`` on ``dataset`` shapes at ``threads`` CPU threads (one rank's share of the cores).
 
     Args:
         batch_size: the largest batch a plan gives one device; layers are also timed at ``batch_size // 8``.
         threads: ``torch.set_num_threads`` during the measurement (restored after).
+        windows, window_s: how many windows of at least how many seconds time each level, κ and h_f (fewer and
+            shorter: a quicker, noisier profile, as notebook 08's quick mode takes).
     """
     info = kdata.dataset_info(dataset)
     seq = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size, sequential=True)
@@ -159,9 +162,10 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole, loop_s = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats))
-        kappa, fsdp_unit = together(copy.deepcopy(seq).train(), dataset, sizes[1], max(9, repeats), copies(threads))
-        gpipe_task = _gpipe_task_time(repeats)
+        data_s, update_s, whole, loop_s = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats),
+                                                     windows, window_s)
+        kappa, fsdp_unit = together(copy.deepcopy(seq).train(), dataset, sizes[1], windows, copies(threads), window_s)
+        gpipe_task = _gpipe_task_time(windows, window_s)
     finally:
         torch.set_num_threads(before)
     param_bytes = sum(p.numel() * p.element_size() for p in seq.parameters())
@@ -187,8 +191,9 @@ def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Pa
 
 
 def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
-                    refresh: bool = False, repeats: int = 3) -> Profile:
-    """The cached profile if it was measured here with these settings, else a fresh one (then cached)."""
+                    refresh: bool = False, repeats: int = 3, **timing) -> Profile:
+    """The cached profile if it was measured here with these settings, else a fresh one (then cached; ``timing``:
+    :func:`measure_profile`'s ``windows`` and ``window_s``)."""
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     where = _cache_dir(model, dataset, batch_size, threads, Path(root))
@@ -199,7 +204,7 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
                 return profile_from_dict(run.summary["metrics"]["profile"])
         except (ValueError, KeyError, TypeError):
             pass  # an old or damaged cache is measured again
-    prof = measure_profile(model, dataset, batch_size, threads, repeats)
+    prof = measure_profile(model, dataset, batch_size, threads, repeats, **timing)
     save_profile(prof, batch_size, root)
     return prof
 
