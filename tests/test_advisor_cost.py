@@ -283,7 +283,7 @@ def test_gpipe_on_one_cpu_terms_by_hand():
 
 def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(monkeypatch):
     """``h_g = (T_gpipe − T_plain) / (m·k)``: both steps really run (GPipe first); their times are given."""
-    from labkit.advisor import profile
+    from labkit.advisor import loop_costs
 
     given = [0.0, 0.0031, 0.0, 0.0011]  # warm-up windows, then GPipe (2 partitions, 4 micro-batches), then plain
     ran = []
@@ -293,8 +293,8 @@ def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(m
         ran.append((windows, quantile))
         return given.pop(0)
 
-    monkeypatch.setattr(profile, "timed", fake_timed)
-    assert profile._gpipe_task_time() == pytest.approx((0.0031 - 0.0011) / 8)
+    monkeypatch.setattr(loop_costs, "timed", fake_timed)
+    assert loop_costs.gpipe_task_time() == pytest.approx((0.0031 - 0.0011) / 8)
     assert ran == [(2, 0.5), (9, 0.25)] * 2
 
 

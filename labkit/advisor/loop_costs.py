@@ -2,7 +2,7 @@
 sizes in one process alone, with the loop's own costs beside it (data loading per sample, the optimizer step
 per parameter byte, and ``labkit train``'s bookkeeping per step); and :func:`together`, how much slower each
 of as many processes as fill the cores (:func:`copies`) steps when they all step at once, and FSDP2's own work
-per unit.
+per unit; and torchgpipe's own work per micro-batch and partition (:func:`gpipe_task_time`).
 :mod:`labkit.advisor.profile` explains how they fit together.
 """
 from __future__ import annotations
@@ -18,7 +18,30 @@ from labkit import data as kdata
 from labkit.advisor.measure import timed
 
 WINDOW_S = 0.05      # the shortest timed window of back-to-back steps
-WINDOWS = 9          # timed windows (or paired rounds) behind each level, κ and h_f
+WINDOWS = 9          # timed windows (or paired rounds) behind each level, κ, h_f and h_g
+
+
+def tiny() -> nn.Sequential:
+    """Two Linears of 16 features: a model with almost nothing to compute, whose step is all a wrapper's own work."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10))
+
+
+def sgd_step(model: nn.Module, batch, before=None, after=None):
+    """``(step, optimizer)``: the bare training step on ``batch()``'s ``(x, y)``: forward, loss, backward, SGD with
+    momentum (``before()`` and ``after()`` around forward and backward, where given)."""
+    opt, criterion = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9), nn.CrossEntropyLoss()
+
+    def step():
+        x, y = batch()
+        opt.zero_grad(set_to_none=True)
+        if before:
+            before()
+        criterion(model(x), y).backward()
+        if after:
+            after()
+        opt.step()
+    return step, opt
 
 
 def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, windows: int = WINDOWS,
@@ -36,7 +59,7 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
     from labkit.train import lr_factor, single_strategy, train_step
 
     train_set = load_split("tensor", dataset, train=True)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    step, opt = sgd_step(model, lambda: next(batches))
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 1000, [], 0.1, 0.0, 1.0))
     strategy, totals = single_strategy(model), torch.zeros(3, dtype=torch.float64)
     meter = ThroughputMeter(1, 1, 2**62, every=1000, printer=lambda line: None)
@@ -45,12 +68,6 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
     for b in sizes:
         batches = endless(kdata.make_loader(train_set, b, shuffle=True, drop_last=True))
         data = timed(lambda: next(batches), repeats, window_s=window_s) / b
-
-        def step():
-            x, y = next(batches)
-            opt.zero_grad(set_to_none=True)
-            criterion(model(x), y).backward()
-            opt.step()
 
         def loop_step():
             x, y = next(batches)
@@ -87,34 +104,25 @@ def _fsdp_unit_time(env, rounds: int) -> float:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    def tiny() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10))
-
-    p, criterion = env.world_size, nn.CrossEntropyLoss()
-    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    p, x, y = env.world_size, torch.randn(64, 16), torch.randint(0, 10, (64,))
     sharded, plain = tiny(), tiny()
     mesh = init_device_mesh("cpu", (p,))
     for unit in (sharded[0], sharded[2], sharded):
         fully_shard(unit, mesh=mesh, reshard_after_forward=False)
     sizes = [-(-sum(q.numel() for q in unit.parameters()) // p) * p for unit in (plain[0], plain[2])]
     flats, shards = [torch.zeros(n) for n in sizes], [torch.zeros(n // p) for n in sizes]
+    fsdp_step, _ = sgd_step(sharded, lambda: (x, y))
+    hand_step, _ = sgd_step(plain, lambda: (x, y), lambda: [dist.all_gather_single(f, s) for f, s in zip(flats, shards)],
+                            lambda: [dist.reduce_scatter_single(s, f) for f, s in zip(flats, shards)])
 
-    def stepper(model, gather, scatter):
-        opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
+    def fsdp():  # a fixed count: every rank makes the same collectives
+        for _ in range(FSDP_STEPS):
+            fsdp_step()
 
-        def steps():
-            for _ in range(FSDP_STEPS):  # a fixed count: every rank makes the same collectives
-                for flat, shard in zip(flats, shards) if gather else ():
-                    dist.all_gather_single(flat, shard)
-                opt.zero_grad(set_to_none=True)
-                criterion(model(x), y).backward()
-                for flat, shard in zip(flats, shards) if scatter else ():
-                    dist.reduce_scatter_single(shard, flat)
-                opt.step()
-        return steps
+    def hand():
+        for _ in range(FSDP_STEPS):
+            hand_step()
 
-    fsdp, hand = stepper(sharded, False, False), stepper(plain, True, True)
     extra = []
     for _ in range(rounds):
         dist.barrier()
@@ -131,16 +139,9 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
     from labkit.tensor_data import load_split
 
     torch.set_num_threads(threads)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
-    criterion = nn.CrossEntropyLoss()
     batches = endless(kdata.make_loader(load_split("tensor", dataset, train=True), batch, shuffle=True,
                                         drop_last=True))
-
-    def step():
-        x, y = next(batches)
-        opt.zero_grad(set_to_none=True)
-        criterion(model(x), y).backward()
-        opt.step()
+    step, _ = sgd_step(model, lambda: next(batches))
 
     def synced():  # a step of a plan of several processes ends when the last of them is done
         step()
@@ -189,6 +190,27 @@ def together(model: nn.Sequential, dataset: str, batch: int, rounds: int, proces
     runs = run_ranks(_together_rank, processes, model, dataset, batch, rounds, torch.get_num_threads(), window_s,
                      timeout=600)
     return max(1.0, statistics.fmean(r[0] for r in runs)), statistics.fmean(r[1] for r in runs)
+
+
+GPIPE_PARTITIONS, GPIPE_MICROBATCHES = 2, 4
+
+
+def gpipe_task_time(windows: int = WINDOWS, window_s: float = WINDOW_S) -> float:
+    """``h_g`` (:class:`labkit.advisor.plan.Profile`): torchgpipe's seconds per micro-batch and partition at this
+    process's threads, ``(T_gpipe − T_plain) / (m·k)`` on :func:`tiny`, the lower quartiles of ``windows``."""
+    from labkit.strategies.gpipe import make_gpipe
+
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+
+    def step_time(model: nn.Module) -> float:
+        step, _ = sgd_step(model, lambda: (x, y))
+        step()
+        timed(step, 2, window_s=window_s)
+        return timed(step, windows, 0.25, window_s)
+
+    k, m = GPIPE_PARTITIONS, GPIPE_MICROBATCHES
+    pipe = make_gpipe(tiny(), ["cpu"] * k, m, "except_last", [2, 1])
+    return max(0.0, step_time(pipe) - step_time(tiny())) / (m * k)
 
 
 def endless(loader):

@@ -48,7 +48,7 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
-from labkit.advisor.loop_costs import WINDOW_S, WINDOWS, copies, loop_costs, together
+from labkit.advisor.loop_costs import WINDOW_S, WINDOWS, copies, gpipe_task_time, loop_costs, together
 from labkit.advisor.measure import timed
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
@@ -101,38 +101,6 @@ def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
     return pairs
 
 
-GPIPE_PARTITIONS, GPIPE_MICROBATCHES = 2, 4
-
-
-def _gpipe_task_time(windows: int = WINDOWS, window_s: float = WINDOW_S) -> float:
-    """``h_g`` (see :class:`Profile`): torchgpipe's seconds per micro-batch and partition, at this process's
-    threads."""
-    from labkit.strategies.gpipe import make_gpipe
-
-    def tiny() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 10))
-
-    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
-    criterion = nn.CrossEntropyLoss()
-
-    def step_time(model: nn.Module) -> float:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            criterion(model(x), y).backward()
-            opt.step()
-
-        step()
-        timed(step, 2, window_s=window_s)
-        return timed(step, windows, 0.25, window_s)
-
-    k, m = GPIPE_PARTITIONS, GPIPE_MICROBATCHES
-    pipe = make_gpipe(tiny(), ["cpu"] * k, m, "except_last", [2, 1])
-    return max(0.0, step_time(pipe) - step_time(tiny())) / (m * k)
-
-
 def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3,
                     windows: int = WINDOWS, window_s: float = WINDOW_S) -> Profile:
     """Profile ``model`` on ``dataset`` shapes at ``threads`` CPU threads (one rank's share of the cores).
@@ -165,7 +133,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
         data_s, update_s, whole, loop_s = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats),
                                                      windows, window_s)
         kappa, fsdp_unit = together(copy.deepcopy(seq).train(), dataset, sizes[1], windows, copies(threads), window_s)
-        gpipe_task = _gpipe_task_time(windows, window_s)
+        gpipe_task = gpipe_task_time(windows, window_s)
     finally:
         torch.set_num_threads(before)
     param_bytes = sum(p.numel() * p.element_size() for p in seq.parameters())
