@@ -4,9 +4,8 @@ import itertools
 
 import pytest
 
-from labkit.advisor.gpt_shape import GPT_1_3B, GPTShape
 from labkit.advisor.mesh import MeshPlan, _valid, explain, frontier, meshes, price_mesh, search
-from labkit.advisor.plan import LayerProfile, Profile
+from labkit.advisor.plan import GPT_1_3B, GPTShape, LayerProfile, Profile
 from labkit.advisor.topology import Topology, named
 from labkit.collectives.cost import CostModel
 
@@ -120,7 +119,7 @@ def test_expert_parallel_terms_by_hand():
 
 
 def test_moe_meshes_are_brute_force_and_the_shapes_count_the_real_models():
-    from labkit.advisor.gpt_shape import gpt_shape
+    from labkit.advisor.plan import gpt_shape
     from labkit.moe import gpt_moe
 
     brute = [MeshPlan(d, t, p, c, m, z, sp, rc, e) for d, t, p, c, e in itertools.product(range(1, 5), repeat=5)

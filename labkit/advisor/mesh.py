@@ -35,8 +35,7 @@ import itertools
 from dataclasses import dataclass
 
 from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, stages_of
-from labkit.advisor.gpt_shape import GPTShape
-from labkit.advisor.plan import Estimate, Profile
+from labkit.advisor.plan import Estimate, GPTShape, Profile
 from labkit.advisor.search import load
 from labkit.advisor.topology import Topology
 
