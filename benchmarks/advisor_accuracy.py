@@ -56,6 +56,7 @@ def main() -> None:
                         refresh=args.refresh, topology=topo,
                         profile_topology=replace(topo, cores=1) if args.one_thread else None)
         # the learning rate changes no timing; AlexNet without BatchNorm needs a small one not to diverge
+        advice.train_args = ("--base-lr", "0.005")
         log = (out / model).with_suffix(".runs.jsonl")
 
         def record(label: str, metrics: dict, model=model, advice=advice, log=log) -> None:
@@ -65,8 +66,7 @@ def main() -> None:
                                     "measured_s": advice.batch_size / metrics["samples_per_sec"],
                                     "terms": est.time, "load": os.getloadavg()[0]}) + "\n")
 
-        validate(advice, args.repeats, args.steps, Path(args.runs) / model, extra=("--base-lr", "0.005"),
-                 progress=False, record=record)
+        validate(advice, args.repeats, args.steps, Path(args.runs) / model, progress=False, record=record)
         advice.write(out / model / "advice.json")
         r = ranking(advice)
         shared = advice.profiles[topo.threads(args.ranks)]  # the profile the plans of several processes use

@@ -33,16 +33,6 @@ from labkit.testing import run_ranks
 GB = 2**30
 
 
-def run_args(advice: Advice, label: str, out: Path, steps: int) -> list[str]:
-    """The ``labkit train`` arguments a validation run of plan ``label`` uses: the plan's command, with its
-    checkpoint as the command has it (the training loop's stop check comes with it), for ``steps``
-    steps, a small test set, its own ``--out``."""
-    plan = advice.find(label).plan
-    return [*plan.train_args(advice.model, advice.dataset), *advice.train_args, "--epochs", "1",
-            "--max-steps", str(steps), "--test-size", "64", "--device", advice.topology.device,
-            "--log-every", "1000", "--out", str(out)]
-
-
 def ranking(advice: Advice) -> dict:
     """``{"plans", "spearman", "best_ratio"}`` over the plans of the table with a measured step: Spearman's ρ
     (SciPy's: ties share their mean rank; nan for one plan or equal measurements), and ``best_ratio`` = measured
@@ -91,54 +81,50 @@ def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> 
 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              echo: Callable[[str], None] | None = None, progress: bool = True,
-             extra: tuple[str, ...] = (), processes: int | None = None,
-             record: Callable[[str, dict], None] | None = None, timeout: float = 600.0) -> dict[str, dict]:
+             record: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
     """Run every feasible plan of ``advice.table`` ``repeats`` times, round-robin; fill ``advice.measured``.
 
-    ``processes``: only plans on this many processes. ``extra``: more ``labkit train`` arguments (e.g.
-    ``("--base-lr", "0.005")`` for AlexNet). A plan whose run fails gets ``{"error": its line, "run"}``
-    instead of numbers, and its other runs are skipped. ``record(label, metrics)`` is called after each run
-    (a benchmark writes them as they come). ``echo``: called with each run's command (its output is shown
-    too); None: quiet. ``timeout``: seconds for one start of the ranks.
+    A run is the plan's command (:meth:`Advice.command`: its ``train_args`` included, e.g. ``--base-lr``) with its
+    checkpoint as the command has it (the training loop's stop check comes with it), for ``steps`` steps, a small
+    test set, its own ``--out``. A plan whose run fails gets ``{"error": its line, "run"}`` instead of numbers,
+    and its other runs are skipped. ``record(label, metrics)`` is called after each run (a benchmark writes them
+    as they come). ``echo``: called with each run's command (its output is shown too); None: quiet.
 
     Returns:
         ``{plan label: {"step_s" (median), "steps_s" (each run), "spread", "samples_per_s", "peak_bytes",
         "ratio" (measured / predicted step), "memory_ratio", "final_train_loss", "run"}}``.
     """
+    from tqdm.auto import tqdm
+
     from labkit.train_cli import config_from_argv
 
-    chosen = [e for e in advice.table if e.feasible and processes in (None, e.plan.processes)]
+    chosen = [e for e in advice.table if e.feasible]
     runs: dict[str, list[dict]] = {e.plan.label: [] for e in chosen}
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False)
+    bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
     rounds = [chosen[r % len(chosen):] + chosen[:r % len(chosen)] for r in range(max(1, repeats))] if chosen else []
     for count in sorted({e.plan.processes for e in chosen}):
         jobs = []
         for r, turn in enumerate(rounds):
-            for est in turn:
-                if est.plan.processes != count:
-                    continue
-                label = est.plan.label
+            for est in (e for e in turn if e.plan.processes == count):
                 run_dir = Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"
-                argv = [*run_args(advice, label, run_dir, steps), *extra]
+                argv = [*est.plan.train_args(advice.model, advice.dataset), *advice.train_args, "--epochs", "1",
+                        "--max-steps", str(steps), "--test-size", "64", "--device", advice.topology.device,
+                        "--log-every", "1000", "--out", str(run_dir)]
                 if echo is not None:
                     echo(" ".join(["labkit" if count == 1 else f"torchrun --nproc_per_node {count} -m labkit",
                                    *argv]))
-                jobs.append((label, config_from_argv(argv[1:]), est.threads or advice.topology.threads(count)))
+                jobs.append((est.plan.label, config_from_argv(argv[1:]),
+                             est.threads or advice.topology.threads(count)))
         while jobs:  # after a failed run, the ranks start again for the other plans' runs after it
             try:
-                done = run_ranks(train_runs, count, jobs, echo is None, timeout=timeout)[0]
+                done = run_ranks(train_runs, count, jobs, echo is None, timeout=600)[0]
             except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
                 lines = str(exc).strip().splitlines()
                 done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
             jobs = jobs[len(done):]
             for row in done:
                 label = row.pop("label")
-                if bar is not None:
-                    bar.update()
+                bar.update()
                 if "error" in row:
                     advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
                     jobs = [job for job in jobs if job[0] != label]
@@ -146,8 +132,7 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                 runs[label].append(row)
                 if record is not None:
                     record(label, row)
-    if bar is not None:
-        bar.close()
+    bar.close()
     for est in chosen:
         done = runs[est.plan.label]
         if not done or "error" in advice.measured.get(est.plan.label, {}):
