@@ -36,13 +36,12 @@ from dataclasses import dataclass
 
 from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, stages_of
 from labkit.advisor.plan import Estimate, GPTShape, Profile
-from labkit.advisor.search import load
+from labkit.advisor.search import MICROBATCHES, load
 from labkit.advisor.topology import Topology
 
 E = 2                #: bytes per element of a GPT's weights, activations and messages (bf16)
 ADAM = 12            #: bytes per parameter of a GPT's optimizer: fp32 master copy, momentum, variance
 EFFICIENCY = 0.4     #: share of the peak FLOP/s a training step reaches (an assumption, not measured)
-MICROBATCHES = (1, 2, 4, 8, 16, 32)
 GB, MB = 2**30, 2**20
 
 
@@ -212,7 +211,7 @@ def _valid(plan: MeshPlan, model: GPTShape | Profile, batch: int) -> bool:
             and (p.microbatches >= p.pp if p.pp > 1 else p.microbatches == 1) and (p.zero == 0 or p.dp * p.cp * p.ep > 1))
 
 
-def meshes(devices: int, model: GPTShape | Profile, batch: int, microbatches=MICROBATCHES) -> list[MeshPlan]:
+def meshes(devices: int, model: GPTShape | Profile, batch: int) -> list[MeshPlan]:
     """Every valid plan using all ``devices``: ``dp·tp·pp·cp·ep = N`` over its divisors."""
     out = []
     divisors = [k for k in range(1, devices + 1) if devices % k == 0]
@@ -220,7 +219,7 @@ def meshes(devices: int, model: GPTShape | Profile, batch: int, microbatches=MIC
         if devices % (tp * pp * cp * ep):
             continue
         dp = devices // (tp * pp * cp * ep)
-        for m, zero, sp, rc in itertools.product(microbatches, range(4), (False, True), (False, True)):
+        for m, zero, sp, rc in itertools.product(MICROBATCHES, range(4), (False, True), (False, True)):
             plan = MeshPlan(dp, tp, pp, cp, m, zero, sp, rc, ep)
             if _valid(plan, model, batch):
                 out.append(plan)
