@@ -48,11 +48,8 @@ def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from labkit.advisor.advise import advise, flexflow_comparison, table
-    from labkit.errors import ConfigError
     from labkit.results import RunWriter
 
-    if args.steps < 4:
-        raise ConfigError(f"--steps must be >= 4 (the first step is not timed), got {args.steps}")
     if args.model.startswith("gpt") or args.topology != "local":
         return _mesh(args)
     out = Path(args.out or f"runs/advise-{args.model}-{args.ranks}")

@@ -216,7 +216,6 @@ def profile_from_dict(d: dict) -> Profile:
                    for layer in d["layers"]]
     d["sizes"] = tuple(d["sizes"])
     d["tp_pairs"] = [tuple(p) for p in d.get("tp_pairs", [])]
-    d.pop("input_grad", None)  # older profiles timed it; nothing prices it
     return Profile(**d)
 
 

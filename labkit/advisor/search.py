@@ -49,13 +49,6 @@ EXHAUSTIVE_SPLITS = 2000
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 
 
-def advised() -> dict[str, dict]:
-    """``{strategy: its ADVISOR literal}`` for every registered strategy that has one, in registry order."""
-    from labkit.strategies import registered
-
-    return registered("ADVISOR")
-
-
 @functools.lru_cache(maxsize=None)
 def load(target: str) -> Callable:
     """The function ``"module:function"`` names."""
@@ -65,12 +58,12 @@ def load(target: str) -> Callable:
 
 def pricer(strategy: str) -> Callable[[Plan, Profile, Topology], Estimate]:
     """The pricing function strategy ``strategy``'s ``ADVISOR`` literal names."""
-    from labkit.strategies import STRATEGIES, strategy_literal
+    from labkit.strategies import STRATEGIES, registered, strategy_literal
 
     entry = strategy_literal(strategy, "ADVISOR") if strategy in STRATEGIES else None
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
-                          f"prices: {', '.join(advised())}")
+                          f"prices: {', '.join(registered('ADVISOR'))}")
     return load(entry["price"])
 
 
@@ -211,7 +204,9 @@ def _enumerator(name: str, entry: dict) -> Callable[[str, dict, Space], list[Est
 def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
                strategies: tuple[str, ...] | None = None) -> list[Estimate]:
     """Every plan priced, best first. ``prof_for(processes)`` gives the profile at that many processes' threads."""
-    entries = advised()
+    from labkit.strategies import registered
+
+    entries = registered("ADVISOR")  # {strategy: its ADVISOR literal}, in registry order
     names = [s for s in (strategies or entries) if s in entries]
 
     def add(plan: Plan) -> Estimate:
