@@ -81,7 +81,7 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
         for _ in range(windows):
             bare.append(timed(step, 1, window_s=window_s))
             extra.append(timed(loop_step, 1, window_s=window_s) - bare[-1])
-        # the lower quartile of 9 or more windows: other programs only ever slow a window down, and this
+        # the lower quartile of the windows (9 by default): other programs only ever slow a window down, and this
         # level sets every layer's time (a median of 5 once caught a slow spell of the machine: lenet 2x)
         steps.append(sorted(bare)[round(0.25 * (len(bare) - 1))])
         books.append(statistics.median(extra))
