@@ -9,8 +9,8 @@ fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a pri
 as the training loop runs it: between two timed calls the CPU's worker threads go to sleep, and on a busy
 machine waking them costs more than a small layer's work. So the layers give the *shape* and whole steps
 give the *level*: at each size ``b`` the bare training step (the next batch from the loader, forward, loss,
-backward, optimizer) is timed back to back, the lower quartile of at least 9 windows of at least 50 ms
-(shorter windows are all luck on a shared machine; other programs only ever slow a window down), and every
+backward, optimizer) is timed back to back, the lower quartile of 9 windows of at least 50 ms (``windows``,
+``window_s``; shorter windows are all luck on a shared machine; other programs only ever slow a window down), and every
 layer's time is scaled by
 
     scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
