@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -35,17 +36,17 @@ GB = 2**30
 
 def ranking(advice: Advice) -> dict:
     """``{"plans", "spearman", "best_ratio"}`` over the plans of the table with a measured step: Spearman's ρ
-    (SciPy's: ties share their mean rank; nan for one plan or equal measurements), and ``best_ratio`` = measured
-    step of the predicted best / the best measured step."""
+    (SciPy's: ties share their mean rank; nan where all predictions or all measurements are equal), and
+    ``best_ratio`` = measured step of the predicted best / the best measured step."""
     rows = [(e.step_s, advice.measured[e.plan.label]["step_s"]) for e in advice.table
             if "step_s" in advice.measured.get(e.plan.label, {})]
     if not rows:
-        return {"plans": 0, "spearman": float("nan"), "best_ratio": float("nan")}
+        return {"plans": 0, "spearman": math.nan, "best_ratio": math.nan}
     from scipy.stats import spearmanr  # a second's import: only where a table was measured
 
     predicted, measured = zip(*rows)
     chosen = measured[min(range(len(rows)), key=predicted.__getitem__)]
-    rho = spearmanr(predicted, measured).statistic if len(rows) > 1 and len(set(measured)) > 1 else float("nan")
+    rho = spearmanr(predicted, measured).statistic if min(len(set(predicted)), len(set(measured))) > 1 else math.nan
     return {"plans": len(rows), "spearman": float(rho), "best_ratio": chosen / min(measured)}
 
 
