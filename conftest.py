@@ -55,12 +55,16 @@ def pytest_xdist_make_scheduler(config, log):
     return ByUnit(config, log)
 
 
-# Units that took 40 s or more on two cores (pytest --durations), sent out right after the system layer. The
-# order only balances the two workers; a name missing here or a file renamed changes no result.
-LONGEST = ("notebooks/08_strategy_advisor.ipynb", "notebooks/06_cifar10_resnet32_multi_gpu.ipynb",
-           "notebooks/03_model_parallel.ipynb", "tests/test_preempt.py", "notebooks/04_pipeline.ipynb",
-           "notebooks/02_data_parallel.ipynb", "notebooks/10_long_context_and_experts.ipynb",
-           "notebooks/09_transformer_parallelism.ipynb", "notebooks/01_allreduce.ipynb")
+# Units that took 10 s or more in a CI run (pytest --durations on two cores), longest first, sent out right after
+# the system layer. The order only balances the two workers; a name missing here or a file renamed changes no result.
+LONGEST = ("notebooks/06_cifar10_resnet32_multi_gpu.ipynb", "notebooks/03_model_parallel.ipynb",
+           "tests/test_preempt.py", "notebooks/08_strategy_advisor.ipynb", "notebooks/04_pipeline.ipynb",
+           "notebooks/09_transformer_parallelism.ipynb", "tests/test_faults.py", "notebooks/02_data_parallel.ipynb",
+           "notebooks/11_when_it_breaks.ipynb", "tests/test_launch.py", "notebooks/01_allreduce.ipynb",
+           "notebooks/10_long_context_and_experts.ipynb", "notebooks/07_sharded_data_parallel.ipynb",
+           "tests/test_resume_placement.py", "notebooks/01b_synchronisation.ipynb", "notebooks/00_single_device.ipynb",
+           "notebooks/05_kfac.ipynb", "tests/test_defaults.py", "tests/test_exercises.py", "tests/test_bad_input.py",
+           "tests/test_bench.py", "tests/test_ps.py")
 
 
 def pytest_collection_modifyitems(config, items):
