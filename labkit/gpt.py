@@ -4,7 +4,9 @@
     count_parameters(model)                                          # 425,472 (gpt-tiny, vocab 96)
 
 Token and learned position embeddings, ``n_layer`` pre-norm blocks ``x + attn(ln1(x))``, ``x + mlp(ln2(x))``,
-a final layer norm and a head tied to the token embedding (``head.weight is tok_emb.weight``).
+a final layer norm and a head tied to the token embedding (``head.weight is tok_emb.weight``). Dropout
+(``GPTConfig.dropout``, 0 unless ``labkit train --dropout P``) after the embedding, on the attention weights and
+on each residual branch.
 
 The layer names are the ones the parallel forms address (:mod:`labkit.parallel`): ``attn.q``, ``attn.k``,
 ``attn.v`` (separate projections, so each can be split by heads on its own), ``attn.proj``, ``mlp.fc``,
