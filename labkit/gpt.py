@@ -4,7 +4,9 @@
     count_parameters(model)                                          # 425,472 (gpt-tiny, vocab 96)
 
 Token and learned position embeddings, ``n_layer`` pre-norm blocks ``x + attn(ln1(x))``, ``x + mlp(ln2(x))``,
-a final layer norm and a head tied to the token embedding (``head.weight is tok_emb.weight``).
+a final layer norm and a head tied to the token embedding (``head.weight is tok_emb.weight``). Dropout
+(``GPTConfig.dropout``, 0 unless ``labkit train --dropout P``) after the embedding, on the attention weights and
+on each residual branch.
 
 The layer names are the ones the parallel forms address (:mod:`labkit.parallel`): ``attn.q``, ``attn.k``,
 ``attn.v`` (separate projections, so each can be split by heads on its own), ``attn.proj``, ``mlp.fc``,
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +75,17 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        #: the random stream of the attention dropout: the default one here; a tensor-parallel rank's own for its
+        #: heads (:mod:`labkit.parallel.tp_rng`), given a ``device -> context manager``
+        self.dropout_stream = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape                                                    # (B, T, C)
         q, k, v = (layer(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H, T, D)
                    for layer in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)  # (B, H, T, D)
+        p = self.dropout if self.training else 0.0
+        with self.dropout_stream(x.device) if p and self.dropout_stream else nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, -1)                               # (B, T, H*D)
         return self.proj(y)                                                   # (B, T, C)
 

@@ -256,13 +256,14 @@ def default_lr(name: str, optimizer: str = "sgd") -> float:
 
 
 def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size: int = 28,
-              sequential: bool = False, seq_len: int | None = None) -> nn.Module:
+              sequential: bool = False, seq_len: int | None = None, dropout: float = 0.0) -> nn.Module:
     """Build model ``name`` for (B, in_channels, image_size, image_size) inputs and ``num_classes`` logits; a
     language model (:data:`LANGUAGE_MODELS`) for (B, T <= seq_len) tokens of a ``num_classes``-token vocabulary.
 
     Args:
         sequential: return the flat ``nn.Sequential`` form (see :func:`to_sequential`).
         seq_len: a GPT's longest sequence (its position table; default: the size's own).
+        dropout: a GPT's dropout probability (other models have none).
 
     Raises:
         ConfigError: unknown name, or sizes the model cannot take.
@@ -274,7 +275,7 @@ def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size
         from labkit.moe import MOE_SIZES, gpt_moe
 
         build = gpt_moe if LANGUAGE_MODELS[name] in MOE_SIZES else gpt
-        model = build(LANGUAGE_MODELS[name], vocab_size=num_classes, block_size=seq_len)
+        model = build(LANGUAGE_MODELS[name], vocab_size=num_classes, block_size=seq_len, dropout=dropout)
         return to_sequential(model) if sequential else model
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join([*MODELS, *LANGUAGE_MODELS])}")

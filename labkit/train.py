@@ -126,7 +126,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         printer(f"note: --max-steps {max_steps} is more than the {len(train_loader)} steps of an epoch; "
                 f"each epoch runs its {len(train_loader)} steps")
     for epoch in range(start_epoch, epochs):
-        torch.manual_seed(seed * 100_003 + epoch * 1_009 + rank)  # dropout/augmentation: reproducible per epoch
+        # dropout/augmentation: reproducible per epoch; one stream per rank, shared by a tp group's ranks
+        torch.manual_seed(seed * 100_003 + epoch * 1_009 + strategy.seed_rank(rank))
         if isinstance(train_loader, (DataLoader, TensorLoader)):
             kdata.set_loader_epoch(train_loader, epoch, seed)  # same shuffle on every rank, fresh or resumed
         strategy.set_epoch(epoch)

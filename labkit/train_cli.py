@@ -30,6 +30,7 @@ NUMBERS = {
     "lr_decay": ("int", "[1, inf)"), "lr_decay_factor": ("float", "(0, 1]"), "warmup_epochs": ("float", "[0, inf)"),
     "max_steps": ("int", "[1, inf)"), "seed": ("int", "[0, 4294967295]"), "timeout_s": ("float", "(0, 1e7]"),
     "log_every": ("int", "[1, inf)"), "step_delay_s": ("float", "[0, 3600]"), "seq_len": ("int", "[1, 65536]"),
+    "dropout": ("float", "[0, 1)"),
 }
 
 
@@ -151,6 +152,8 @@ def add_parser(sub) -> None:
                         "(offline), tinyshakespeare, tinyshakespeare-bpe")
     g.add_argument("--seq-len", type=_number("seq_len"), default=None,
                    help="tokens per example of a text dataset (the GPT's context); None: 128")
+    g.add_argument("--dropout", type=_number("dropout"), default=0.0,
+                   help="a GPT's dropout probability (embedding, attention, residual)")
     g.add_argument("--data-root", default=None, help=ROOT_HELP)
     g.add_argument("--download", action="store_true", help="download the dataset if missing (needs internet)")
     g.add_argument("--augment", action="store_true", help="random crop + flip (CIFAR10)")

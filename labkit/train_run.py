@@ -86,6 +86,7 @@ class TrainConfig:
     timeout_s: float = 1800.0
     step_delay_s: float = 0.0
     seq_len: int | None = None  # text datasets: tokens per example (None: labkit.text_data.DEFAULT_SEQ_LEN)
+    dropout: float = 0.0  # a GPT's dropout probability
     strategy_options: dict = field(default_factory=dict)
     optim_options: dict = field(default_factory=dict)
 
@@ -121,6 +122,9 @@ class TrainConfig:
                               f"--model {' | '.join(kmodels.LANGUAGE_MODELS)}")
         if self.seq_len is not None and not text:
             raise ConfigError(f"--seq-len applies to text datasets ({', '.join(TEXT_NAMES)}), not {self.dataset}")
+        if self.dropout and self.model not in kmodels.LANGUAGE_MODELS:
+            raise ConfigError(f"--dropout applies to the GPT models (--model {' | '.join(kmodels.LANGUAGE_MODELS)}), "
+                              f"not {self.model}")
         if text:
             check_available(self.dataset)
 
@@ -167,7 +171,7 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
                               f"({dp} ranks × --batch-size {cfg.batch_size}); use fewer ranks or a smaller batch")
         model = kmodels.get_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels,
                                   image_size=info.image_size, sequential=strategy.sequential_model,
-                                  seq_len=cfg.seq_len or DEFAULT_SEQ_LEN)
+                                  seq_len=cfg.seq_len or DEFAULT_SEQ_LEN, dropout=cfg.dropout)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)  # before DDP/partitioning take views of the weights
         model = strategy.prepare(model)

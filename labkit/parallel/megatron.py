@@ -26,6 +26,9 @@ all-gather. The parameters used on a sequence shard (layer norms, the row layers
 get only their shard's gradient: :func:`sync_sequence_parallel_grads` sums them over the group, in one
 all-reduce. The modules keep the names of :class:`labkit.gpt.GPT`'s (``blocks.0.attn.q.weight`` ...), so a
 checkpoint's keys and an optimiser's parameter order match the single-process model's.
+
+Dropout (``GPTConfig.dropout`` > 0): a mask on a rank's own heads or sequence slice comes from the rank's own
+stream, a mask on the replicated (B, T, C) from the stream shared by the group (:mod:`.tp_rng`).
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ from labkit.parallel.megatron_ops import (
     sequence_shard,
     split_range,
 )
+from labkit.parallel.tp_rng import ShardDropout, TensorParallelRNG
 
 
 def _rows(w: torch.Tensor, group) -> torch.Tensor:
@@ -188,11 +192,25 @@ def parallelize_gpt(model: GPT, group, sequence_parallel: bool = False) -> GPT:
         block.mlp.fc = ColumnParallelLinear(block.mlp.fc, group)
         block.mlp.proj = RowParallelLinear(block.mlp.proj, group, sp)
     model.ln_f = ParallelInputLayerNorm(model.ln_f, group, sp)
+    if cfg.dropout and t > 1:
+        _shard_dropouts(model, TensorParallelRNG(group), sp)
     head = ColumnParallelLinear(model.head, group)                                       # (B, T, V/t) logits
     head.weight = model.tok_emb.weight                                                   # still tied
     model.head = head
     model.tp_group, model.sequence_parallel = group, sp
     return model
+
+
+def _shard_dropouts(model: GPT, rng: TensorParallelRNG, sequence_parallel: bool) -> None:
+    """The dropouts on sharded activations draw from this rank's stream (:mod:`.tp_rng`): attention, on its
+    heads; with SP the embedding and residual dropouts, on its slice of the sequence. The others (without SP,
+    on the replicated (B, T, C)) keep the default stream, the same on every rank of the group."""
+    if sequence_parallel:
+        model.drop = ShardDropout(model.drop.p, rng)
+    for block in model.blocks:
+        block.attn.dropout_stream = rng.fork
+        if sequence_parallel:
+            block.drop = ShardDropout(block.drop.p, rng)
 
 
 def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:

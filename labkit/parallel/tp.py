@@ -8,7 +8,8 @@ each a ``1/tp`` of every block's matrices (:func:`labkit.parallel.megatron.paral
 MLP columns, vocabulary rows. The model's output is this rank's slice of the logits, so the loss is the
 vocabulary-parallel cross-entropy; evaluation gathers the slices. ``--sequence-parallel`` also cuts the
 activations between the layers along the sequence and sums the layer norms' gradients over the group after
-backward. Bytes per step and activation memory: :mod:`labkit.parallel.megatron_cost`.
+backward. Bytes per step and activation memory: :mod:`labkit.parallel.megatron_cost`. With ``--dropout`` the
+masks on a rank's own heads or sequence slice come from its own stream (:mod:`labkit.parallel.tp_rng`).
 """
 from __future__ import annotations
 

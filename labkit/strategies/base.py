@@ -94,6 +94,11 @@ class Strategy:
     def set_epoch(self, epoch: int) -> None:
         pass
 
+    def seed_rank(self, rank: int) -> int:
+        """The number ``fit`` adds to the default random stream's seed for global ``rank``: ranks with the same
+        number draw the same dropout masks (the mesh: the ranks of one tp group, :mod:`labkit.parallel.tp_rng`)."""
+        return rank
+
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return model(x)
 

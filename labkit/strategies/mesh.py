@@ -189,6 +189,12 @@ class MeshStrategy(DataParallelStrategy):
             out = d.full_output(out)
         return out
 
+    def seed_rank(self, rank: int) -> int:
+        """The first rank of this rank's tp group (tp is innermost: its ranks are neighbours), so the replicated
+        dropouts of a tp group draw the same masks (:mod:`labkit.parallel.tp_rng`); dp, pp, ... differ as before."""
+        tp = next((d for d in self.dims if d.name == "tp"), None)
+        return rank if tp is None else rank - tp.rank
+
     def metric_owner(self) -> bool:
         return all(d.owns_metrics() for d in self.dims)
 
