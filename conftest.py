@@ -1,5 +1,6 @@
 """Test-run settings shared by tests/ and the notebooks nbval executes."""
 import os
+import sys
 
 import pytest
 
@@ -11,6 +12,12 @@ os.environ.setdefault("LABKIT_PLAIN", "1")
 # One compute thread per process (workers, notebook kernels, launched ranks): the two pytest workers already fill
 # the cores, and a second OpenMP thread per process only spins against the other worker's processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Python's bytecode cache on, for this process and every one it starts (workers, kernels, ranks, SLURM jobs): the
+# run starts a few hundred interpreters, and where PYTHONDONTWRITEBYTECODE is set (some images set it) each of them
+# would compile torch from source again (12.6 CPU-s to import torch and torch._dynamo instead of 5.1). The first
+# process to import a module writes its .pyc; the install need not compile all 14,000 modules beforehand.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 # The system layer is two units of work, one per xdist worker at the start: everything on the session's SLURM
