@@ -60,6 +60,26 @@ def unguarded(procs) -> bool:
     return any(p.exitcode == _NO_GUARD_EXIT for p in procs)
 
 
+def start(procs) -> None:
+    """Start ``procs``; where the forkserver itself ran the caller's script (Pythons whose forkserver imports
+    ``__main__`` to preload it) and ended there, raise :data:`NO_GUARD_MESSAGE` instead of its broken pipe."""
+    try:
+        for p in procs:
+            p.start()
+    except (EOFError, OSError):
+        from multiprocessing import forkserver
+
+        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        for _ in range(20) if pid is not None else ():  # its connection broke as it ended: wait for its code
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # peek, leave it to reap
+            if ended is not None:
+                if ended.si_code == os.CLD_EXITED and ended.si_status == _NO_GUARD_EXIT:
+                    raise RuntimeError(NO_GUARD_MESSAGE) from None
+                break
+            time.sleep(0.1)
+        raise
+
+
 def _caller() -> dict:
     """The state a spawned process would inherit from the caller now (a forked rank starts from the server's)."""
     return {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
@@ -114,8 +134,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     payload = pickle.dumps((fn, args, kwargs))
     procs = [ctx.Process(target=_rank_main, args=(payload, r, world_size, port, timeout, results, _caller()),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    start(procs)
     collected: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -205,8 +224,7 @@ def run_cli_ranks(argv: list[str], world_size: int, timeout: float = 120.0) -> l
         paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world_size)]
         procs = [ctx.Process(target=_cli_rank_main, args=(list(argv), r, world_size, port, _caller(), *paths[r]),
                              daemon=True) for r in range(world_size)]
-        for p in procs:
-            p.start()
+        start(procs)
         deadline = time.monotonic() + timeout
         try:
             for p in procs:

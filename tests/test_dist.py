@@ -86,6 +86,19 @@ def test_run_ranks_reports_failing_rank_without_hanging():
         run_ranks(_rank1_fails, 2, timeout=60)
 
 
+def _rank1_vanishes(env):
+    import os
+
+    if env.rank == 1:
+        os._exit(3)  # as a rank the kernel kills: no traceback, no result
+    dist.barrier()
+
+
+def test_run_ranks_reports_a_rank_that_ends_without_a_word():
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed.*rank 1 ended \(exit code 3\) without returning"):
+        run_ranks(_rank1_vanishes, 2, timeout=60)
+
+
 def _callers_state(env):
     import os
 

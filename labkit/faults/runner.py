@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from labkit.faults import findings, fixed_source, get
-from labkit.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, unguarded
+from labkit.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, start, unguarded
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labkit.faults.common", "labkit.faults.recorder",
             "labkit.faults.watchdog"]
@@ -118,8 +118,7 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(str(Path(path).resolve()), r, ranks, port, launcher, watchdog, tmp, env or {},
                                    dict(os.environ), results)) for r in range(ranks)]
-        for p in procs:
-            p.start()
+        start(procs)
         done, failed = _gather(procs, results, ranks, time.monotonic() + timeout)
         logs = {r: (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
                 for r in range(ranks) if (Path(tmp) / f"rank{r}.log").exists()}
