@@ -120,7 +120,7 @@ def test_run_ranks_at_the_top_of_a_script_without_main_guard_fails_fast(tmp_path
     script = tmp_path / "unguarded.py"
     script.write_text("from labkit.testing import run_ranks\n\n\ndef rank_of(env):\n    return env.rank\n\n\n"
                       "print(run_ranks(rank_of, 2, timeout=600))\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.count("Traceback") == 1, proc.stderr  # the caller's own: no rank printed one
     assert proc.stderr.strip().splitlines()[-1].startswith("RuntimeError: the script that starts ranks runs again")
