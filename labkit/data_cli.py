@@ -1,7 +1,6 @@
 """``labkit data fetch|list``: fetch datasets once on a machine with internet; list what is on disk.
 
-The parser stays free of torch so ``labkit data --help`` answers at once; :mod:`labkit.data` loads when a
-command runs.
+The parser and ``list`` stay free of torch so they answer at once; :mod:`labkit.data` loads for ``fetch``.
 """
 from __future__ import annotations
 
@@ -38,10 +37,10 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from labkit.data import DATASETS, _present, data_root
+    from labkit.data_disk import data_root, present
 
     base = data_root(args.root)
     print(f"data root: {base}")
-    for name in DATASETS:
-        print(f"  {name:<18} {_present(name, base)}")
+    for name in DATASET_NAMES:
+        print(f"  {name:<18} {present(name, base)}")
     return 0

@@ -41,6 +41,45 @@ def free_port() -> int:
 _PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "labkit.dist", "labkit.train_run"]
 
 
+#: the exit code of a rank that found itself re-running a script without a ``__main__`` guard
+_NO_GUARD_EXIT = 71
+NO_GUARD_MESSAGE = ("the script that starts ranks runs again in every rank (to find its functions), so it must "
+                    "start them under `if __name__ == \"__main__\":`; move the call into that block")
+
+
+def exit_if_bootstrapping() -> None:
+    """In a rank that is still importing the caller's script (which called us at its top level): end the rank
+    at once, quietly, with the code the parent reads as :data:`NO_GUARD_MESSAGE` (Python's own start method
+    would raise there, in every rank, and leave the parent waiting for their results)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        os._exit(_NO_GUARD_EXIT)
+
+
+def unguarded(procs) -> bool:
+    """Whether a rank ended because the caller's script has no ``__main__`` guard."""
+    return any(p.exitcode == _NO_GUARD_EXIT for p in procs)
+
+
+def start(procs) -> None:
+    """Start ``procs``; where the forkserver itself ran the caller's script (Pythons whose forkserver imports
+    ``__main__`` to preload it) and ended there, raise :data:`NO_GUARD_MESSAGE` instead of its broken pipe."""
+    try:
+        for p in procs:
+            p.start()
+    except (EOFError, OSError):
+        from multiprocessing import forkserver
+
+        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        for _ in range(20) if pid is not None else ():  # its connection broke as it ended: wait for its code
+            ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # peek, leave it to reap
+            if ended is not None:
+                if ended.si_code == os.CLD_EXITED and ended.si_status == _NO_GUARD_EXIT:
+                    raise RuntimeError(NO_GUARD_MESSAGE) from None
+                break
+            time.sleep(0.1)
+        raise
+
+
 def _caller() -> dict:
     """The state a spawned process would inherit from the caller now (a forked rank starts from the server's)."""
     return {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
@@ -85,6 +124,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
         RuntimeError: a rank raised; the message holds its traceback.
         TimeoutError: the ranks did not finish within ``timeout`` (they are killed).
     """
+    exit_if_bootstrapping()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("forkserver")
@@ -94,22 +134,32 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     payload = pickle.dumps((fn, args, kwargs))
     procs = [ctx.Process(target=_rank_main, args=(payload, r, world_size, port, timeout, results, _caller()),
                          daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
+    start(procs)
     collected: dict[int, Any] = {}
     failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
+    last = time.monotonic()
+    ended: set[int] = set()
     try:
         while len(collected) + len(failures) < world_size:
-            wait = deadline - time.monotonic()
-            if failures:  # peers of a failed rank fail next (connection reset): gather them briefly
-                wait = min(wait, 3.0)
             try:
-                rank, ok, out = results.get(timeout=max(0.1, wait))
+                rank, ok, out = results.get(timeout=0.5)
             except queue.Empty:
-                if failures:
+                if unguarded(procs):
+                    raise RuntimeError(NO_GUARD_MESSAGE) from None
+                for r in ended:  # ended before the last wait began, without a word: killed
+                    if r not in collected and r not in failures:
+                        failures[r] = f"rank {r} ended (exit code {procs[r].exitcode}) without returning\n"
+                        last = time.monotonic()
+                ended = {r for r, p in enumerate(procs) if p.exitcode is not None}
+                now = time.monotonic()
+                if failures and now - last > 3.0:  # peers of a failed rank fail next (connection reset)
                     break
-                raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in {timeout:.0f} s")
+                if now > deadline:
+                    raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish in "
+                                       f"{timeout:.0f} s")
+                continue
+            last = time.monotonic()
             if ok:
                 collected[rank] = pickle.loads(out)
             else:
@@ -164,6 +214,7 @@ def run_cli_ranks(argv: list[str], world_size: int, timeout: float = 120.0) -> l
     Raises:
         TimeoutError: a rank still ran after ``timeout`` seconds (every rank is killed).
     """
+    exit_if_bootstrapping()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("forkserver")
@@ -173,8 +224,7 @@ def run_cli_ranks(argv: list[str], world_size: int, timeout: float = 120.0) -> l
         paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world_size)]
         procs = [ctx.Process(target=_cli_rank_main, args=(list(argv), r, world_size, port, _caller(), *paths[r]),
                              daemon=True) for r in range(world_size)]
-        for p in procs:
-            p.start()
+        start(procs)
         deadline = time.monotonic() + timeout
         try:
             for p in procs:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from labkit.data_disk import text_file
 from labkit.errors import ConfigError, DatasetMissing
 from labkit.results import file_mode
 
@@ -52,11 +53,6 @@ def check_available(name: str) -> None:
 
         if importlib.util.find_spec("tiktoken") is None:
             raise DatasetMissing(_BPE_NEEDS)
-
-
-def text_file(base: Path) -> Path:
-    """Where ``labkit data fetch tinyshakespeare`` puts the text under the data root ``base``."""
-    return Path(base) / "tinyshakespeare" / "input.txt"
 
 
 def read_text(name: str, base: Path) -> str:
@@ -225,15 +221,3 @@ def fetch(name: str, base: Path) -> None:
             raise DatasetMissing(f"could not download {name} into {base} ({reason}); run labkit data fetch {name} "
                                  f"on a machine with internet, e.g. a cluster login node") from err
     print(f"{name}: ready in {base} ({math.ceil(path.stat().st_size / 1024)} KB)")
-
-
-def present(name: str, base: Path) -> str:
-    """One word on whether ``name`` can be loaded offline from ``base`` (``labkit data list``)."""
-    if name == "text-sample":
-        return "offline"
-    try:
-        check_available(name)
-    except DatasetMissing:
-        return "missing (pip install tiktoken; it downloads its encoding once)"
-    return "present" if text_file(base).exists() else "missing (labkit data fetch tinyshakespeare)"
-

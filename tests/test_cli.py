@@ -49,16 +49,17 @@ def test_gpu_flag_on_cpu_node_exits_2_from_the_real_command(tmp_path):
     assert "no usable GPU" in err and "--device cpu" in err
 
 
-def test_help_and_argument_errors_do_not_import_torch():
+def test_help_and_argument_errors_do_not_import_torch(tmp_path):
     """Every sub-command's help (and its argument errors) is answered before torch is imported, every
-    benchmark's too."""
+    benchmark's too, and so are ``data list`` and ``check allreduce --init``."""
     from labkit.bench import BENCHMARKS
 
     argvs = [["--help"], ["tour", "--help"], ["data", "--help"], ["data", "fetch", "--help"], ["allreduce", "--help"],
              ["allreduce", "verify", "--help"], ["allreduce", "animate", "--ranks", "x"], ["bench", "--help"],
              ["bench", "nosuch"], ["check", "--help"], ["train", "--help"], ["train", "--epochs", "x"], ["nosuch"],
              *(["bench", name, "--help"] for name in BENCHMARKS), ["bench", "single", "--steps", "x"],
-             ["bench", "gpipe", "sweep", "--checkpoint", "sometimes"]]
+             ["bench", "gpipe", "sweep", "--checkpoint", "sometimes"], ["data", "list", "--root", str(tmp_path)],
+             ["check", "allreduce", "--init", str(tmp_path / "ring.py")]]
     probe = ("import sys\nfrom labkit.cli import main\n"
              f"for argv in {argvs!r}:\n"
              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
@@ -69,6 +70,8 @@ def test_help_and_argument_errors_do_not_import_torch():
     assert "labkit: error: argument --checkpoint: invalid choice: 'sometimes'" in proc.stderr.splitlines()[-1]
     for name in BENCHMARKS:
         assert f"usage: labkit bench {name} [-h]" in proc.stdout, name
+    assert f"data root: {tmp_path}" in proc.stdout and "synthetic-mnist    generated" in proc.stdout
+    assert (tmp_path / "ring.py").read_text() == __import__("labkit.collectives.check").collectives.check.STARTER
 
 
 def test_bench_flags_agree_with_the_code_they_feed():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets
 
-from labkit import data, data_cli
+from labkit import data, data_check, data_cli, data_disk
 from labkit.errors import ConfigError, DatasetMissing
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -59,11 +59,22 @@ def test_data_root_precedence(tmp_path, monkeypatch):
     monkeypatch.delenv("LABKIT_DATA", raising=False)
     # from a checkout: the kit's own data/ folder, wherever the notebook or job runs
     assert data.data_root() == Path(data.__file__).resolve().parents[1] / "data"
-    monkeypatch.setattr(data, "_CHECKOUT_DATA", tmp_path / "not-a-checkout")
+    monkeypatch.setattr(data_disk, "_CHECKOUT_DATA", tmp_path / "not-a-checkout")
     assert data.data_root() == tmp_path / "data"
     monkeypatch.setenv("LABKIT_DATA", str(tmp_path / "env"))
     assert data.data_root() == tmp_path / "env"
     assert data.data_root(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_the_data_check_looks_in_torchvisions_folders():
+    """``labkit data list`` calls a dataset missing without importing torchvision when its folder is absent."""
+    from torchvision import datasets
+
+    class MNIST:
+        root = "ROOT"
+
+    assert data_check._FOLDERS["cifar10"] == datasets.CIFAR10.base_folder
+    assert "ROOT/" + data_check._FOLDERS["mnist"] == datasets.MNIST.raw_folder.fget(MNIST())
 
 
 @pytest.mark.parametrize("name", ["mnist", "cifar10"])
@@ -236,6 +247,7 @@ def test_data_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "mnist              missing (labkit data fetch mnist)" in out
     assert "mnist-sample       offline" in out and "synthetic-cifar10  generated" in out
+    assert "text-sample        offline" in out and "tinyshakespeare    missing (labkit data fetch tinyshakespeare)" in out
     args = parser.parse_args(["data", "fetch", "mnist-sample", "--root", str(tmp_path)])
     assert args.func(args) == 0 and "nothing to download" in capsys.readouterr().out
     from labkit.cli import main

@@ -1,5 +1,8 @@
 """labkit.dist: launch-variable parsing, device choice, and real process groups via run_ranks."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,6 +86,19 @@ def test_run_ranks_reports_failing_rank_without_hanging():
         run_ranks(_rank1_fails, 2, timeout=60)
 
 
+def _rank1_vanishes(env):
+    import os
+
+    if env.rank == 1:
+        os._exit(3)  # as a rank the kernel kills: no traceback, no result
+    dist.barrier()
+
+
+def test_run_ranks_reports_a_rank_that_ends_without_a_word():
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 failed.*rank 1 ended \(exit code 3\) without returning"):
+        run_ranks(_rank1_vanishes, 2, timeout=60)
+
+
 def _callers_state(env):
     import os
 
@@ -96,3 +112,16 @@ def test_run_ranks_see_the_callers_environment_and_folder_of_now(tmp_path, monke
     monkeypatch.setenv("LABKIT_RANKS_MARK", "after")
     monkeypatch.chdir(tmp_path)
     assert run_ranks(_callers_state, 2) == [("after", str(tmp_path))] * 2
+
+
+def test_run_ranks_at_the_top_of_a_script_without_main_guard_fails_fast(tmp_path):
+    """Every rank imports the caller's script again; one that starts ranks at its top level would start them in
+    each rank too: the ranks end at once and the caller gets one error naming the guard (not a timeout)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from labkit.testing import run_ranks\n\n\ndef rank_of(env):\n    return env.rank\n\n\n"
+                      "print(run_ranks(rank_of, 2, timeout=600))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("Traceback") == 1, proc.stderr  # the caller's own: no rank printed one
+    assert proc.stderr.strip().splitlines()[-1].startswith("RuntimeError: the script that starts ranks runs again")
+    assert 'under `if __name__ == "__main__":`' in proc.stderr

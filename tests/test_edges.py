@@ -93,7 +93,7 @@ def test_atomic_write_syncs_the_file_before_the_rename_and_the_folder_after(tmp_
 @pytest.mark.parametrize("argv", [["faults", "list"]])
 def test_a_closed_pipe_ends_a_listing_quietly(argv):
     """``labkit faults list | head -3``: the reader leaves before the list is printed. The console script's own
-    process, with a listing that does not import torch (``data list`` does: seconds more for the same path)."""
+    process, with a listing that does not import torch."""
     proc = subprocess.Popen([sys.executable, "-m", "labkit", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # before the command has started to print
     err = proc.stderr.read().decode()

@@ -365,3 +365,11 @@ def test_untouched_exercise_cell_fails_its_checker(tmp_path, capsys, notebook, c
     assert "not yet" in out or "WRONG" in out or "missing" in out.lower(), out
     if check == "average-gradients":
         assert "p.grad is still this rank's own gradient: call dist.all_reduce(p.grad)" in out
+
+
+def test_every_starting_file_read_from_source_is_the_modules_own():
+    """``--init`` reads a starting file from its module's source (no torch); it is the module's attribute."""
+    from labkit.checks import _starter_text, _target
+
+    for name, spec in STARTERS.items():
+        assert _starter_text(spec) == _target(spec), name

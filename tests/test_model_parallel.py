@@ -229,7 +229,7 @@ def test_fit_with_model_parallel_equals_single_process_fit(split_size):
 def test_layer_times_are_measured_after_an_uncounted_warm_up(monkeypatch):
     """Cold passes put 60-90 % of alexnet_small's step on its first layer and the cut after it ([1, 18]):
     balance_by_time profiles only after a warm-up as long as the measurement, which is not counted."""
-    from labkit.strategies import model_parallel
+    from labkit.strategies import stage_balance
 
     calls = []
 
@@ -237,8 +237,8 @@ def test_layer_times_are_measured_after_an_uncounted_warm_up(monkeypatch):
         calls.append(timeout)
         return [len(calls)] * len(model)
 
-    monkeypatch.setattr(model_parallel, "profile_times", fake_profile)
+    monkeypatch.setattr(stage_balance, "profile_times", fake_profile)
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    assert model_parallel.layer_times(net, torch.zeros(2, 4), timeout_s=0.5) == [2, 2, 2]
+    assert stage_balance.layer_times(net, torch.zeros(2, 4), timeout_s=0.5) == [2, 2, 2]
     assert calls == [0.5, 0.5]
-    assert model_parallel.balance_by_time(net, torch.zeros(2, 4), 2) in ([1, 2], [2, 1])
+    assert stage_balance.balance_by_time(net, torch.zeros(2, 4), 2) in ([1, 2], [2, 1])

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from labkit.faults import findings, fixed_source, get
-from labkit.testing import free_port
+from labkit.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, start, unguarded
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labkit.faults.common", "labkit.faults.recorder",
             "labkit.faults.watchdog"]
@@ -109,6 +109,7 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
         timeout: a last resort for what the watchdog cannot see (a rank stuck outside any collective).
         echo: called with each line the ranks printed, ``[rank N] ...`` (after the run).
     """
+    exit_if_bootstrapping()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
@@ -117,13 +118,14 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(str(Path(path).resolve()), r, ranks, port, launcher, watchdog, tmp, env or {},
                                    dict(os.environ), results)) for r in range(ranks)]
-        for p in procs:
-            p.start()
+        start(procs)
         done, failed = _gather(procs, results, ranks, time.monotonic() + timeout)
         logs = {r: (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
                 for r in range(ranks) if (Path(tmp) / f"rank{r}.log").exists()}
         hang_file = Path(tmp) / "hang.json"
         hang = json.loads(hang_file.read_text()) if hang_file.exists() else None
+    if unguarded(procs):
+        raise RuntimeError(NO_GUARD_MESSAGE)
     if echo is not None:
         for r, text in logs.items():
             for line in text.splitlines():
