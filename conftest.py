@@ -9,8 +9,8 @@ os.environ.setdefault("LABKIT_QUICK", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 # Plain log lines instead of progress bars in captured output.
 os.environ.setdefault("LABKIT_PLAIN", "1")
-# One compute thread per process (workers, notebook kernels, launched ranks): the two pytest workers already fill
-# the cores, and a second OpenMP thread per process only spins against the other worker's processes.
+# One compute thread per process (workers, notebook kernels, launched ranks): the pytest workers already fill
+# the cores, and a second OpenMP thread per process only spins against the other workers' processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Python's bytecode cache on, for this process and every one it starts (workers, kernels, ranks, SLURM jobs): the
 # run starts a few hundred interpreters, and where PYTHONDONTWRITEBYTECODE is set (some images set it) each of them
@@ -63,7 +63,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 # Units that took 10 s or more in a CI run (pytest --durations on two cores), longest first, sent out right after
-# the system layer. The order only balances the two workers; a name missing here or a file renamed changes no result.
+# the system layer. The order only balances the workers; a name missing here or a file renamed changes no result.
 LONGEST = ("notebooks/06_cifar10_resnet32_multi_gpu.ipynb", "notebooks/03_model_parallel.ipynb",
            "tests/test_preempt.py", "notebooks/08_strategy_advisor.ipynb", "notebooks/04_pipeline.ipynb",
            "notebooks/09_transformer_parallelism.ipynb", "tests/test_faults.py", "notebooks/02_data_parallel.ipynb",
@@ -75,7 +75,7 @@ LONGEST = ("notebooks/06_cifar10_resnet32_multi_gpu.ipynb", "notebooks/03_model_
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest work first, so that two workers end together: the system layer's SLURM unit, then its browser unit,
+    """Longest work first, so that the workers end together: the system layer's SLURM unit, then its browser unit,
     the :data:`LONGEST` units, the other notebooks (a unit each), then the test files (many short units that fill
     the gaps)."""
     def rank(item) -> tuple[int, int]:
