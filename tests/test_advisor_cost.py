@@ -75,9 +75,6 @@ def test_textbook_bubble_and_the_critical_path():
     path = pipeline_terms([0.002, 0.005, 0.003], [0.001, 0.001, 0.0], 4, critical_path=True)
     assert book["bubble"] == pytest.approx(0.012) and path["bubble"] == pytest.approx(0.006)
     assert path["compute"] == book["compute"] == pytest.approx(0.02)
-    # with h = 0.5 ms per micro-batch and stage: every slot grows by h, the slowest stage's 4 h a term of their own
-    path = pipeline_terms([0.002, 0.005, 0.003], [0.001, 0.001, 0.0], 4, 0.0005, critical_path=True)
-    assert path["bubble"] == pytest.approx(0.007) and path["schedule overhead"] == pytest.approx(0.002)
     # equal stages: the critical path is the textbook's
     equal = [0.004] * 3 + [0.005], [0.001] * 3 + [0.0]  # every slot 5 ms, the last stage's without a message
     assert pipeline_terms(*equal, 8, critical_path=True)["bubble"] == pytest.approx(3 * 0.005)
@@ -157,7 +154,7 @@ def test_two_level_topology_prices_collectives_across_nodes_with_the_slower_link
     fast, slow = CostModel(1e-5, 1e-10), CostModel(1e-3, 1e-8)
     two_nodes = Topology.gpu_node(2, nodes=2, link=fast, inter=slow, compute_scale=1.0)
     assert two_nodes.ranks == 4
-    assert two_nodes.collective_link(2) is fast and two_nodes.collective_link(4) is slow
+    assert two_nodes.link_of("p2p", 2) is fast and two_nodes.link_of("p2p", 4) is slow
     prof = tiny_profile()
     inside = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
     across = price(Plan("ddp", 4, 4, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
@@ -257,14 +254,6 @@ def test_gpipe_on_one_cpu_terms_by_hand():
     # manual model parallelism has no fork/join, no recomputation
     mp = price(Plan("model-parallel", 1, 2, 8, (("mp_split_points", (1,)),)), prof, topo())
     assert "input gradient" not in mp.time and "recompute" not in mp.time
-    # torchgpipe's own work, 0.25 ms per micro-batch and partition: 2 micro-batches × 2 partitions on one CPU
-    prof.gpipe_task = 0.00025
-    tasks = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, topo())
-    assert tasks.time["schedule overhead"] == pytest.approx(0.001)
-    assert tasks.step_s == pytest.approx(est.step_s + 0.001)
-    assert "schedule overhead" not in price(Plan("model-parallel", 1, 2, 8, (("mp_split_points", (1,)),)), prof,
-                                            topo()).time
-    prof.gpipe_task = 0.0
     # on GPUs the input gradient belongs to stage 0: (0.0042 + 0.0028 / 2) + 2 messages of 4·100 bytes
     gpus = replace(topo(), separate_devices=True)
     on_gpus = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
@@ -272,55 +261,31 @@ def test_gpipe_on_one_cpu_terms_by_hand():
     prof.layers[0] = replace(prof.layers[0], bwd=(0.0186, 0.0002))  # l0: 0.0014 + 0.0194 at 4 samples
     slow0 = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
     assert slow0.time["compute"] == pytest.approx(2 * (0.0208 + 0.0097))  # now stage 0: 0.0208 + 0.0194 / 2
-    # on GPUs each stage's time per micro-batch includes h_g; the slowest stage's 2 × h_g is shown apart
-    prof.gpipe_task = 0.00025
-    tasks = price(Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))), prof, gpus)
-    assert tasks.time["compute"] == pytest.approx(2 * (0.0208 + 0.0097))
-    assert tasks.time["schedule overhead"] == pytest.approx(2 * 0.00025)
-    # stage 0 sets the pace; along the critical path the bubble is stage 1's slot once: 0.013 + h_g
-    assert tasks.time["bubble"] == pytest.approx(0.013 + 0.00025)
+    # along the critical path the bubble is stage 1's slot once
+    assert slow0.time["bubble"] == pytest.approx(0.013)
+    assert not any("overhead" in term for term in slow0.time)  # torchgpipe's own work is not priced
 
 
-def test_profile_prices_torchgpipes_tasks_from_a_model_with_nothing_to_compute(monkeypatch):
-    """``h_g = (T_gpipe − T_plain) / (m·k)``: both steps really run (GPipe first); their times are given."""
-    from labkit.advisor import loop_costs
-
-    given = [0.0, 0.0031, 0.0, 0.0011]  # warm-up windows, then GPipe (2 partitions, 4 micro-batches), then plain
-    ran = []
-
-    def fake_timed(fn, windows, quantile=0.5, window_s=0.0, setup=None):
-        fn()
-        ran.append((windows, quantile))
-        return given.pop(0)
-
-    monkeypatch.setattr(loop_costs, "timed", fake_timed)
-    assert loop_costs.gpipe_task_time() == pytest.approx((0.0031 - 0.0011) / 8)
-    assert ran == [(2, 0.5), (9, 0.25)] * 2
-
-
-def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
-    """The level is the bare step's lower quartile; the bookkeeping is the median of the differences between
-    alternating windows of :func:`labkit.train.train_step` (really run, with ``labkit train``'s scheduler) and
-    of the bare step, the mean over both sizes."""
+def test_profile_levels_are_the_loops_own_step(monkeypatch):
+    """The level at each size is the lower quartile of 9 windows of :func:`labkit.train.train_step` itself
+    (really run, with ``labkit train``'s scheduler); the optimizer's price per parameter byte beside it."""
     import torch
     from torch import nn
 
     from labkit import train
     from labkit.advisor import loop_costs
 
-    bare = [0.010, 0.012, 0.011, 0.030, 0.010, 0.013, 0.011, 0.012, 0.010,   # 2 samples: 9 windows
-            0.020, 0.021, 0.022, 0.020, 0.025, 0.021, 0.020, 0.050, 0.023]   # 8 samples
-    extra = [1e-4, 2e-4, 3e-4, -5e-4, 2e-4, 9e-3, 2e-4, 1e-4, 3e-4,          # median 2e-4
-             4e-4, 4e-4, 1e-4, 5e-4, 4e-4, 6e-4, 3e-4, 4e-4, 0.0]            # median 4e-4
-    looped = [b + e for b, e in zip(bare, extra)]
+    windows = [0.010, 0.012, 0.011, 0.030, 0.010, 0.013, 0.011, 0.012, 0.010,   # 2 samples: 9 windows
+               0.020, 0.021, 0.022, 0.020, 0.025, 0.021, 0.020, 0.050, 0.023]   # 8 samples
 
-    def fake_timed(fn, windows, quantile=0.5, window_s=0.0, setup=None):
+    def fake_timed(fn, n, quantile=0.5, window_s=0.0, setup=None):
         fn()  # everything timed really runs
         if fn.__qualname__ == "SGD.step":
             return 1e-6
-        if windows != 1:  # the loader, the warm-up windows
+        if n != 9:  # the loader, the warm-up windows
             return 0.0
-        return (bare if fn.__qualname__.endswith("<locals>.step") else looped).pop(0)  # they alternate
+        got = [windows.pop(0) for _ in range(n)]
+        return sorted(got)[round(quantile * (n - 1))]
 
     schedulers, real = [], train.train_step
 
@@ -332,23 +297,11 @@ def test_profile_times_the_loops_own_step_beside_the_bare_step(monkeypatch):
     monkeypatch.setattr(loop_costs, "timed", fake_timed)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
-    data, update, steps, loop = loop_costs.loop_costs(model, "synthetic-mnist", (2, 8), 5)
-    assert steps == [0.010, 0.020]  # the lower quartile of each size's 9 bare windows
-    assert loop == pytest.approx((2e-4 + 4e-4) / 2)
-    assert not bare and not looped
-    assert set(schedulers) == {"LambdaLR"} and len(schedulers) >= 18  # train_step itself, with a scheduler
+    data, update, steps = loop_costs.loop_costs(model, "synthetic-mnist", (2, 8), 5)
+    assert steps == [0.010, 0.020]  # the lower quartile of each size's 9 windows
+    assert not windows
+    assert set(schedulers) == {"LambdaLR"} and len(schedulers) >= 4  # train_step itself, with a scheduler
     assert update == pytest.approx(1e-6 / (784 * 10 * 4 + 40))
-
-
-def test_bookkeeping_is_one_term_per_step_whatever_the_plan():
-    prof, t = tiny_profile(), topo()
-    prof.loop_s = 1.5e-4
-    for plan in (Plan("single", 1, 1, 8), Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)),
-                 Plan("pipeline", 2, 2, 8, (("num_microbatches", 4), ("balance", (1, 2)))),
-                 Plan("gpipe", 1, 2, 8, (("num_microbatches", 4), ("balance", (1, 2))))):
-        est = price(plan, prof, t)
-        assert est.time["bookkeeping"] == 1.5e-4  # once per step, not once per micro-batch
-        assert est.step_s == pytest.approx(price(plan, tiny_profile(), t).step_s + 1.5e-4)
 
 
 def test_profile_times_the_first_layer_as_training_runs_it(monkeypatch):
@@ -422,7 +375,7 @@ def test_named_topologies_from_public_specifications():
     h100 = named("h100-nvlink")
     assert (h100.ranks, h100.memory_bytes, h100.flops, 1 / h100.link.beta) == (8, 80 * GB, 989e12, 450e9)
     two = named("h100-2x-ib")
-    assert two.ranks == 16 and two.collective_link(8) is two.link and 1 / two.collective_link(9).beta == 50e9
+    assert two.ranks == 16 and two.link_of("p2p", 8) is two.link and 1 / two.link_of("p2p", 9).beta == 50e9
     assert 1 / named("a100-pcie").link.beta == 25e9
     with pytest.raises(ConfigError, match="unknown topology 'dgx'"):
         named("dgx")

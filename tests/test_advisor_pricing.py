@@ -1,6 +1,7 @@
 """What every plan pays for sharing the machine, in literal numbers: the measured slowdown ``κ`` of processes
-computing at once (on the compute of every plan of several processes, none of one), FSDP2's own work per unit,
-and work conservation (2 ranks on 2 cores never priced more than twice as fast as one process)."""
+computing at once (on the compute of every plan of several processes, none of one), the measured price of each
+kind of collective (the same for every strategy that makes it), and work conservation (2 ranks on 2 cores never
+priced more than twice as fast as one process)."""
 from dataclasses import replace
 
 import pytest
@@ -12,11 +13,11 @@ from labkit.advisor.topology import Topology
 from labkit.collectives.cost import CostModel
 
 
-def profile(concurrency=2.0, fsdp_unit=0.0) -> Profile:
+def profile(concurrency=2.0) -> Profile:
     """Two layers of 1 ms per sample (fwd + bwd), 1,000 parameter bytes each, one thread; no other cost."""
     layers = [LayerProfile(f"fc{i}", "Linear", (0.0, 0.0004), (0.0, 0.0006), 1000, 40, 20) for i in range(2)]
     return Profile("m", "d", 1, (2, 8), layers, 16, 0.0, 0.0, 0, tp_pairs=[(0, 1)], tp_hidden=[10],
-                   concurrency=concurrency, fsdp_unit=fsdp_unit)
+                   concurrency=concurrency)
 
 
 def cpu(cores=2, ranks=2) -> Topology:
@@ -48,13 +49,33 @@ def test_kappa_scales_the_compute_of_every_plan_of_several_processes_and_of_none
     assert compute_scale(cpu(cores=2, ranks=4), 4, prof) == pytest.approx(3.6)  # 2 oversubscribed · 1.8
 
 
-def test_fsdp_pays_its_own_work_per_unit_and_zero_does_not():
-    prof = profile(concurrency=1.0, fsdp_unit=0.004)
-    fsdp = price(Plan("fsdp", 2, 2, 16, (("fsdp_no_reshard", True),)), prof, cpu())
-    zero = price(Plan("zero", 2, 2, 16, (("zero_stage", 2),)), prof, cpu())
-    assert fsdp.time["schedule overhead"] == pytest.approx(0.008)  # 2 units · 4 ms
-    assert "schedule overhead" not in zero.time
-    assert fsdp.step_s == pytest.approx(zero.step_s + 0.008)
+def test_each_kind_of_collective_pays_its_measured_price_whatever_the_strategy():
+    """p2p α 1 ms, β 1 ns/B; PyTorch's all-reduce α 2 ms, β 10 ns/B; reduce-scatter α 3 ms, β 20 ns/B;
+    all-gather α 4 ms, β 30 ns/B. Two layers of 1,000 bytes, 2 ranks: every message of a ring counts."""
+    kinds = {"all_reduce": CostModel(2e-3, 1e-8), "reduce_scatter": CostModel(3e-3, 2e-8),
+             "all_gather": CostModel(4e-3, 3e-8)}
+    t = replace(cpu(), link=CostModel(1e-3, 1e-9), kinds=kinds)
+    prof = profile(concurrency=1.0)
+    comm = {label: price(plan, prof, t).time["communication"] for label, plan in {
+        "ddp": Plan("ddp", 2, 2, 16, (("allreduce", "ddp"),)),
+        "ring": Plan("ddp", 2, 2, 16, (("allreduce", "ring"),)),
+        "zero2": Plan("zero", 2, 2, 16, (("zero_stage", 2),)),
+        "zero3": Plan("zero", 2, 2, 16, (("zero_stage", 3),)),
+        "fsdp-no-reshard": Plan("fsdp", 2, 2, 16, (("fsdp_no_reshard", True),)),
+        "tp": Plan("tensor-parallel", 2, 2, 16),
+    }.items()}
+    # PyTorch's all-reduce of 2,000 bytes: 2 messages of α 2 ms, 2,000 bytes of 10 ns
+    assert comm["ddp"] == pytest.approx(2 * 2e-3 + 2000 * 1e-8)
+    # the kit's ring: 2 point-to-point steps of 1,000 bytes each
+    assert comm["ring"] == pytest.approx(2 * 1e-3 + 2000 * 1e-9)
+    # per unit (2 of 1,000 bytes): a reduce-scatter (3 ms + 500 · 20 ns) and one all-gather (4 ms + 500 · 30 ns)
+    one = 3e-3 + 500 * 2e-8 + 4e-3 + 500 * 3e-8
+    assert comm["zero2"] == pytest.approx(2 * one)
+    assert comm["fsdp-no-reshard"] == pytest.approx(2 * one)  # FSDP pays what ZeRO pays for the same collectives
+    assert comm["zero3"] == pytest.approx(2 * (one + 4e-3 + 500 * 3e-8))  # gathers again before backward
+    # tensor parallelism all-reduces 16 samples · 40 bytes forward and 16 · 16 input bytes backward
+    assert comm["tp"] == pytest.approx(2 * 2e-3 + 640 * 1e-8 + 2 * 2e-3 + 256 * 1e-8)
+    assert not any("overhead" in term for plan in comm for term in price(Plan("fsdp", 2, 2, 16), prof, t).time)
 
 
 def test_two_ranks_on_two_cores_are_never_priced_more_than_twice_as_fast_as_one_process():

@@ -24,7 +24,7 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "al
 #: backend/device table keeps right, and the stop check, which launches its all-reduce without waiting
 #: (``async_op``) on a tensor it keeps on the rank's device itself, sequence parallelism's reduce-scatter, for
 #: which labkit.dist has no helper (it moves the tensor to the communication device itself), and the advisor's link
-#: fit, whose ring step is the point-to-point exchange it times (its buffers are made on the communication device)
+#: fit, whose collectives are what it times (its buffers are made on the communication device)
 ALLOWED_FILES = {"dist.py", "collectives", "exercises", "faults"}
 ALLOWED_FUNCTIONS = {("strategies/zero_units.py", "Comm.all_gather"), ("strategies/zero_units.py", "Comm.reduce_scatter"),
                      ("strategies/ps_worker.py", "push_pull"),
@@ -32,9 +32,8 @@ ALLOWED_FUNCTIONS = {("strategies/zero_units.py", "Comm.all_gather"), ("strategi
                      ("strategies/ps_server.py", "ServerState.reply"),
                      ("preempt.py", "StopCheck._launch"),
                      ("parallel/megatron_ops.py", "reduce_scatter_sequence"),
-                     ("advisor/measure.py", "_fit_rank.ring_step"),
+                     ("advisor/measure.py", "_fit_rank"), ("advisor/measure.py", "_fit_rank.ring_step"),
                      # the advisor's own measurement ranks: CPU tensors on a gloo group they start themselves
-                     ("advisor/loop_costs.py", "_fsdp_unit_time"),
                      ("advisor/loop_costs.py", "_together_rank")}
 
 

@@ -10,7 +10,8 @@ Notation of every pricing function (each lives beside its strategy's ``FLAGS``, 
   ``M_S(b)`` bytes autograd saves in layers ``S`` for ``b`` samples;
 * ``AR(n, algo, p)`` the all-reduce of ``n`` bytes over ``p`` ranks priced from the kit's schedule counts:
   ``Σ_steps α·m_s + β·b_s + γ·r_s`` (:meth:`labkit.collectives.cost.CostModel.predict`);
-  ``msg(n) = α + β·n`` one point-to-point message; α, β and γ are the topology's, measured once
+  ``msg(n) = α + β·n`` one point-to-point message; ``C_kind(n, p)`` one of PyTorch's collectives
+  (:func:`collective_time`); α, β and γ are the topology's, per kind of collective, measured once
   (:mod:`labkit.advisor.measure`) or from a public specification;
 * ``u`` optimizer seconds per parameter byte, ``d`` loading seconds per sample (measured by the profile).
 
@@ -29,18 +30,45 @@ BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, al
 FIRST_BUCKET_BYTES = 2**20  # DistributedDataParallel's first bucket (the last layers' gradients) is capped lower
 
 
+#: the kinds of collective the link fit prices apart (:mod:`labkit.advisor.measure`): one point-to-point ring
+#: step (the kit's own schedules, pipeline and parameter-server messages) and PyTorch's own collectives
+KINDS = ("p2p", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def ring_counts(kind: str, ranks: int) -> tuple[float, float]:
+    """``(messages, share)``: the messages one rank sends in a collective of ``kind`` over ``p`` ranks and the
+    bytes it sends per byte of the buffer, as the ring algorithm (a flat broadcast: the root sends to each rank)
+    makes them: ``p2p`` ``(1, 1)``; ``all_reduce`` ``(2(p − 1), 2(p − 1)/p)``; ``reduce_scatter`` and
+    ``all_gather`` ``(p − 1, (p − 1)/p)``; ``broadcast`` ``(p − 1, p − 1)``."""
+    p = ranks
+    return {"p2p": (1, 1), "all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "reduce_scatter": (p - 1, (p - 1) / p),
+            "all_gather": (p - 1, (p - 1) / p), "broadcast": (p - 1, p - 1)}[kind]
+
+
+def collective_time(kind: str, nbytes: float, ranks: int, topo, count: int = 1) -> float:
+    """``k·C_kind(n, p) = k·(m·α + s·n·β)``: ``count = k`` collectives of ``kind``, each of an ``n``-byte buffer
+    over ``p`` ranks, ``(m, s)`` = :func:`ring_counts`, α and β that kind's (:meth:`Topology.link_of`); 0 on one
+    rank."""
+    if ranks <= 1 or count == 0:
+        return 0.0
+    link = topo.link_of(kind, ranks)
+    messages, share = ring_counts(kind, ranks)
+    return count * (messages * link.alpha + share * nbytes * link.beta)
+
+
 def allreduce_time(nbytes: float, ranks: int, algorithm: str, topo) -> float:
-    """``AR(n, algo, p)``: the schedule's per-step counts priced by the α-β-γ link (0 for one rank).
-    ``ddp`` and ``native`` (PyTorch's, over gloo/NCCL) are priced as the ring, their large-message algorithm."""
+    """``AR(n, algo, p)``: PyTorch's (``ddp``, ``native``) is ``C_all_reduce(n, p)``; the kit's own algorithms
+    are their schedule's per-step counts priced by the point-to-point link (0 for one rank)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    name = "ring" if algorithm in ("ddp", "native") else algorithm
-    return topo.collective_link(ranks).predict(get_schedule(name, ranks), math.ceil(nbytes / 4), 4)
+    if algorithm in ("ddp", "native"):
+        return collective_time("all_reduce", nbytes, ranks, topo)
+    return topo.link_of("p2p", ranks).predict(get_schedule(algorithm, ranks), math.ceil(nbytes / 4), 4)
 
 
 def message_time(nbytes: float, topo, ranks: int = 2) -> float:
     """``msg(n) = α + β·n``: one point-to-point message."""
-    return topo.collective_link(ranks).transfer_time(nbytes)
+    return topo.link_of("p2p", ranks).transfer_time(nbytes)
 
 
 def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo) -> float:
@@ -53,11 +81,9 @@ def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo) -> float
 
 
 def broadcast_time(count: int, nbytes: float, ranks: int, topo) -> float:
-    """``BC(k, n) = (p − 1)·(k·α + β·n)``: ``k`` broadcasts of ``n`` bytes in all, the root sending to each rank."""
-    if ranks <= 1 or count == 0:
-        return 0.0
-    link = topo.collective_link(ranks)
-    return (ranks - 1) * (count * link.alpha + link.beta * nbytes)
+    """``BC(k, n) = (p − 1)·(k·α + β·n)``: ``k`` broadcasts of ``n`` bytes in all, the root sending to each rank
+    (``k·C_broadcast(n/k, p)``)."""
+    return collective_time("broadcast", nbytes / count, ranks, topo, count) if count else 0.0
 
 
 def compute_scale(topo, processes: int, prof=None) -> float:
@@ -104,20 +130,16 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 
 def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatches: int,
-                   overhead: float = 0.0, critical_path: bool = False) -> dict[str, float]:
+                   critical_path: bool = False) -> dict[str, float]:
     """A fill-and-drain step over ``p`` stages of times ``t_j`` (per micro-batch) and outgoing messages ``c_j``.
-    A stage's slot is ``τ_j = t_j + h + c_j``; the slowest, ``τ = τ_{j*}``, sets the pace:
+    A stage's slot is ``τ_j = t_j + c_j``; the slowest, ``τ = τ_{j*}``, sets the pace:
     ``compute = m·t_{j*}``, ``communication = m·c_{j*}``, ``bubble = (p − 1)·τ`` (the textbook count: the
     bubble is ``(p − 1)/(m + p − 1)`` of the step), or with ``critical_path`` ``bubble = Σ_{j≠j*} τ_j`` (the
     first micro-batch crosses each other stage once each way at its own pace; equal stages give the textbook's
-    count, a light stage beside a heavy one costs its own time). With ``h`` (``overhead``, the pipeline
-    runtime's own work per micro-batch) ``schedule overhead = m·h``.
+    count, a light stage beside a heavy one costs its own time).
     """
     p, m = len(stage_times), microbatches
-    slots = [t + overhead + c for t, c in zip(stage_times, stage_comm)]
+    slots = [t + c for t, c in zip(stage_times, stage_comm)]
     j = max(range(p), key=lambda k: slots[k])
     bubble = sum(slots[k] for k in range(p) if k != j) if critical_path else (p - 1) * slots[j]
-    terms = {"compute": m * stage_times[j], "communication": m * stage_comm[j], "bubble": bubble}
-    if overhead:
-        terms["schedule overhead"] = m * overhead
-    return terms
+    return {"compute": m * stage_times[j], "communication": m * stage_comm[j], "bubble": bubble}

@@ -1,13 +1,18 @@
 """What the advisor measures on this machine, with one timing helper (:func:`timed`): α, β, γ of the links
-here, and (:mod:`labkit.advisor.profile`) the model's layers and steps.
+here, per kind of collective, and (:mod:`labkit.advisor.profile`) the model's layers and steps.
 
-Every strategy pays the links' prices for its messages and bytes (:mod:`labkit.advisor.alphabeta`); nothing is
-fitted per strategy. The link fit: every rank sends :data:`FIT_SIZES` bytes to the next while receiving from the
-previous (one ring step, as every schedule's steps run), the lower quartile of 9 rounds per size on the slowest
-rank (on a shared virtual machine the latency has slow spells lasting seconds, which only ever slow a round
-down), α and β the least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`), γ the
-fastest of 5 ``a += b``; run in spawned gloo ranks with the threads a plan's ranks get. The fit is cached as a run in the results schema (one ``"cost-model"`` record, as
-``labkit allreduce bench --out DIR`` writes them).
+Every strategy pays the same prices for its messages and bytes (:mod:`labkit.advisor.alphabeta`); nothing is
+fitted per strategy. The link fit runs in spawned gloo ranks with the threads a plan's ranks get. For each kind
+of collective a plan makes (:data:`labkit.advisor.alphabeta.KINDS`: one ring step of point-to-point messages, as
+the kit's own schedules run them, and PyTorch's ``all_reduce``, ``reduce_scatter``, ``all_gather`` and
+``broadcast``), every rank times it at each of :data:`FIT_SIZES` bytes, the lower quartile of 9 rounds per size
+on the slowest rank (on a shared virtual machine the latency has slow spells lasting seconds, which only ever
+slow a round down); the least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`),
+``T(n) = a + c·n``, divided by the collective's ring counts (:func:`labkit.advisor.alphabeta.ring_counts`: messages
+and the share of ``n`` a rank sends), gives that kind's α and β per message and byte. γ is the fastest of 5
+``a += b``. Measured kinds differ: on 2 gloo ranks of a 2-core machine a 512 KB reduce-scatter took 2.6 ms and
+one ring step of as many bytes 0.4 ms. The fit is cached as a run in the results schema (one ``"cost-model"``
+record, as ``labkit allreduce bench --out DIR`` writes them, with the kinds beside).
 """
 from __future__ import annotations
 
@@ -23,13 +28,14 @@ from labkit.errors import ConfigError
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
 
 
-def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel | None:
-    """The α-β-γ fit for ``ranks`` ranks from a run with ``"cost-model"`` records (None if absent and not
-    ``required``; one rank has no link: all zero)."""
+def read_fit(path: str | Path, ranks: int, required: bool = True) -> tuple[CostModel, dict] | None:
+    """``(link, kinds)``: the α-β-γ fit for ``ranks`` ranks from a run with ``"cost-model"`` records and the fits
+    per kind of collective where the record has them (None if absent and not ``required``; one rank has no link:
+    all zero)."""
     from labkit.results import load_run
 
     if ranks == 1:
-        return CostModel(0.0, 0.0, 0.0)
+        return CostModel(0.0, 0.0, 0.0), {}
     try:
         run = load_run(path)
     except (FileNotFoundError, ValueError) as exc:
@@ -43,7 +49,8 @@ def read_fit(path: str | Path, ranks: int, required: bool = True) -> CostModel |
                               f"run `labkit allreduce bench --ranks {ranks} --out {path}`")
         return None
     fit = fits[ranks]
-    return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0))
+    kinds = {k: CostModel(v["alpha"], v["beta"]) for k, v in fit.get("kinds", {}).items()}
+    return CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)), kinds
 
 
 def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=None, calls: int = 0) -> float:
@@ -78,41 +85,57 @@ def _fit_rank(env) -> dict:
     import torch.distributed as dist
 
     from labkit import dist as kdist
+    from labkit.advisor.alphabeta import KINDS, ring_counts
     from labkit.collectives.cost import fit_alpha_beta
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
-    rank, p, points = env.rank, env.world_size, []
+    rank, p = env.rank, env.world_size
     device = kdist.comm_device()  # NCCL takes CUDA tensors only
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    points: dict[str, list] = {kind: [] for kind in KINDS}
     for nbytes in FIT_SIZES:
-        send = torch.zeros(max(1, nbytes // 4), device=device)
-        recv = torch.empty_like(send)
+        n = max(p, nbytes // 4 // p * p)  # elements, divisible by p
+        full, send, recv = torch.zeros(n, device=device), torch.zeros(n, device=device), torch.empty(n, device=device)
+        shard = torch.zeros(n // p, device=device)
 
-        def ring_step(_):
+        def ring_step():
             ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % p), dist.P2POp(dist.isend, send, (rank + 1) % p)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-            sync()
 
-        slowest = torch.tensor(timed(ring_step, 9, 0.25, setup=dist.barrier), dtype=torch.float64)
-        kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        points.append((send.numel() * 4, slowest.item()))
-    alpha, beta = fit_alpha_beta(*zip(*points))
+        calls = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
+                 "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+                 "all_gather": lambda: dist.all_gather_single(full, shard), "broadcast": lambda: dist.broadcast(full, 0)}
+        for kind in KINDS:
+            def once(_, call=calls[kind]):
+                call()
+                sync()
+
+            slowest = torch.tensor(timed(once, 9, 0.25, setup=dist.barrier), dtype=torch.float64)
+            kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            points[kind].append((n * 4, slowest.item()))
+    fitted = {}
+    for kind in KINDS:
+        a, c = fit_alpha_beta(*zip(*points[kind]))
+        messages, share = ring_counts(kind, p)
+        fitted[kind] = {"alpha": a / messages, "beta": c / share}
     a = torch.zeros(1 << 20)
     b = torch.ones_like(a)
     gamma = torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64)
     kdist.all_reduce(gamma)
-    return {"alpha": alpha, "beta": beta, "gamma": gamma.item() / p, "p2p": points}
+    return {**fitted["p2p"], "gamma": gamma.item() / p, "p2p": points["p2p"],
+            "kinds": {k: v for k, v in fitted.items() if k != "p2p"}}
 
 
-def measure_link(ranks: int, out: Path) -> CostModel:
-    """Fit α-β-γ on ``ranks`` spawned gloo ranks now; cache it at ``out`` (the bench's record format)."""
+def measure_link(ranks: int, out: Path) -> tuple[CostModel, dict]:
+    """Fit α-β-γ and the kinds' α-β on ``ranks`` spawned gloo ranks now; cache it at ``out`` (the bench's
+    record format)."""
     if ranks == 1:
-        return CostModel(0.0, 0.0, 0.0)
+        return CostModel(0.0, 0.0, 0.0), {}
     from labkit.results import RunWriter
     from labkit.testing import run_ranks
 
@@ -120,5 +143,6 @@ def measure_link(ranks: int, out: Path) -> CostModel:
     writer = RunWriter(out)
     writer.log({"kind": "cost-model", "world_size": ranks, **fit})
     writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks},
-                  {"alpha": fit["alpha"], "beta": fit["beta"], "gamma": fit["gamma"]})
-    return CostModel(fit["alpha"], fit["beta"], fit["gamma"])
+                  {"alpha": fit["alpha"], "beta": fit["beta"], "gamma": fit["gamma"], "kinds": fit["kinds"]})
+    return CostModel(fit["alpha"], fit["beta"], fit["gamma"]), {k: CostModel(v["alpha"], v["beta"])
+                                                               for k, v in fit["kinds"].items()}

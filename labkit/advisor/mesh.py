@@ -18,7 +18,7 @@ samples per pipeline column, terms in this order:
   widest cut's activation and which ties no embedding (:class:`CNNStep`). Nothing overlaps with compute;
 * a CNN also pays :func:`~labkit.advisor.alphabeta.common_terms` (``update`` of its shard, ``data``).
 
-Each collective uses the link its group spans (:meth:`labkit.advisor.topology.Topology.collective_link`): ranks
+Each collective uses the link its group spans (:meth:`labkit.advisor.topology.Topology.link_of`): ranks
 are laid out ``pp, dp, cp, tp`` (``dp, ep`` for a MoE) with the last innermost, so a group of size ``g`` and
 stride ``s`` spans ``g·s`` ranks. Memory per device: ``parameters``, ``gradients``, ``optimizer`` (a GPT in
 mixed precision with Adam, 2 + 2 + 12 bytes per parameter, Rajbhandari et al. 2020; a CNN in fp32 with
@@ -104,7 +104,7 @@ class MeshStep:
 
     def link(self, size: int, stride: int):
         """The link a group of ``size`` ranks ``stride`` apart spans."""
-        return self.topo.collective_link(size * stride)
+        return self.topo.link_of("p2p", size * stride)
 
     @property
     def replicas(self) -> list[tuple[float, int, int]]:

@@ -162,15 +162,8 @@ class LayerProfile:
 
 @dataclass
 class Profile:
-    """Everything the cost model needs about one model on one machine at one thread count.
-
-    ``gpipe_task``, ``h_g``: what torchgpipe itself spends per micro-batch and partition in a training step (its
-    tasks, the fork/join that orders micro-batches, the checkpointing functions, splitting the batch and joining
-    the outputs), beyond the layers' work. Measured at the profile's threads on a model with almost nothing to
-    compute (two Linears of 16 features, 64 samples): ``h_g = (T_gpipe − T_plain) / (m·k)`` with ``k = 2``
-    partitions and ``m = 4`` micro-batches. On 2 cores, 3 rounds: 0.17–0.19 ms at every ``m·k`` from 4 to 16
-    (m = 2, 4, 8 on 2 partitions; m = 4 on 3).
-    """
+    """Everything the cost model needs about one model on one machine at one thread count
+    (:mod:`labkit.advisor.profile` measures it)."""
 
     model: str
     dataset: str
@@ -184,10 +177,7 @@ class Profile:
     feature_layers: int | None = None     # first layers that form ``model.features`` (hybrid)
     tp_pairs: list[tuple[int, int]] = field(default_factory=list)  # (column, row) Linear indices
     tp_hidden: list[int] = field(default_factory=list)             # out_features of each column layer
-    gpipe_task: float = 0.0               # torchgpipe's own seconds per micro-batch and partition: see above
-    loop_s: float = 0.0                   # the training loop's bookkeeping per step: see above
-    concurrency: float = 1.0              # each of cores // threads processes' step at once ÷ one alone
-    fsdp_unit: float = 0.0                # FSDP2's own seconds per unit and step (labkit.advisor.loop_costs)
+    concurrency: float = 1.0              # κ: each of cores // threads processes' step at once ÷ one alone
 
     @property
     def param_bytes(self) -> int:

@@ -8,10 +8,10 @@ fitted to a line, so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a pri
 (``fwd0`` is the per-call cost a micro-batch pays however small it is). A layer timed alone is not timed
 as the training loop runs it: between two timed calls the CPU's worker threads go to sleep, and on a busy
 machine waking them costs more than a small layer's work. So the layers give the *shape* and whole steps
-give the *level*: at each size ``b`` the bare training step (the next batch from the loader, forward, loss,
-backward, optimizer) is timed back to back, the lower quartile of 9 windows of at least 50 ms (``windows``,
-``window_s``; shorter windows are all luck on a shared machine; other programs only ever slow a window down), and every
-layer's time is scaled by
+give the *level*: at each size ``b`` ``labkit train``'s own step (the next batch from the loader, forward, loss,
+backward, optimizer, scheduler, metric sums) is timed back to back, the lower quartile of 9 windows of at least
+50 ms (``windows``, ``window_s``; shorter windows are all luck on a shared machine; other programs only ever slow
+a window down), and every layer's time is scaled by
 
     scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
 
@@ -21,15 +21,13 @@ scheduler's fair share goes to each session, not to each process): the profile m
 
     κ = step of each of n processes stepping at once / its step alone      (n = cores // threads)
 
-(:func:`labkit.advisor.loop_costs.together`, paired windows of the bare step at the larger size), and every
+(:func:`labkit.advisor.loop_costs.together`, paired windows of the step at the larger size), and every
 plan of several processes pays it on its compute (:func:`labkit.advisor.alphabeta.compute_scale`). On 2 cores
 at one thread, with other sessions busy (load 5 to 13): κ = 1.5 to 2.2 for LeNet and AlexNet-small at 64
 samples (two processes then get little more than what one alone gets). Besides the layers:
 
     update(P)  = update_s_per_byte · P      optimizer step over P parameter bytes (SGD with momentum)
     data(b)    = data_s_per_sample · b      fetching b samples (``labkit train``'s default resident-tensor loader)
-    loop       = loop_s                     the training loop's own bookkeeping per step (scheduler, metric sums)
-    h_f        = fsdp_unit                  FSDP2's own work per unit and step (measured beside κ)
 
 Memory per layer: parameter bytes, output bytes per sample (what crosses a cut) and saved bytes per
 sample (what autograd keeps for backward). A profile is cached as a run in the results schema
@@ -48,7 +46,7 @@ from torch import nn
 
 from labkit import data as kdata
 from labkit import models as kmodels
-from labkit.advisor.loop_costs import WINDOW_S, WINDOWS, copies, gpipe_task_time, loop_costs, together
+from labkit.advisor.loop_costs import WINDOW_S, WINDOWS, copies, loop_costs, together
 from labkit.advisor.measure import timed
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.errors import ConfigError
@@ -58,8 +56,8 @@ from labkit.strategies.gpipe_balance import SavedActivations
 from labkit.strategies.tensor_parallel import ELEMENTWISE
 
 CACHE = Path("runs") / "advisor"
-FORMAT = 8           # profiles of another format are measured again (5: torchgpipe's price per micro-batch and
-                     # partition; 6: the loop's bookkeeping; 7: levels alone, κ apart; 8: κ of synchronised steps, h_f)
+FORMAT = 9           # profiles of another format are measured again (7: levels alone, κ apart; 8: κ of
+                     # synchronised steps; 9: the level is labkit train's own step, no per-strategy terms)
 
 
 def _backward_time(layer: nn.Module, inp: torch.Tensor, repeats: int) -> float:
@@ -108,7 +106,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     Args:
         batch_size: the largest batch a plan gives one device; layers are also timed at ``batch_size // 8``.
         threads: ``torch.set_num_threads`` during the measurement (restored after).
-        windows, window_s: how many windows of at least how many seconds time each level, κ and h_f (fewer and
+        windows, window_s: how many windows of at least how many seconds time each level and κ (fewer and
             shorter: a quicker, noisier profile, as notebook 08's quick mode takes).
     """
     info = kdata.dataset_info(dataset)
@@ -130,10 +128,9 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                 x = layer(x.detach().requires_grad_())
             outs.append(x[0].numel() * x.element_size())
             saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole, loop_s = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats),
-                                                     windows, window_s)
-        kappa, fsdp_unit = together(copy.deepcopy(seq).train(), dataset, sizes[1], windows, copies(threads), window_s)
-        gpipe_task = gpipe_task_time(windows, window_s)
+        data_s, update_s, whole = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats), windows,
+                                             window_s)
+        kappa = together(copy.deepcopy(seq).train(), dataset, sizes[1], windows, copies(threads), window_s)
     finally:
         torch.set_num_threads(before)
     param_bytes = sum(p.numel() * p.element_size() for p in seq.parameters())
@@ -150,7 +147,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     pairs = _tp_pairs(seq)
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs], gpipe_task, loop_s, kappa, fsdp_unit)
+                   [seq[i].out_features for i, _ in pairs], kappa)
     return prof
 
 

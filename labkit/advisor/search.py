@@ -68,25 +68,22 @@ def pricer(strategy: str) -> Callable[[Plan, Profile, Topology], Estimate]:
 
 
 def serial_step(prof: Profile, batch: int) -> float:
-    """One process's step on ``batch`` samples with ``prof``: compute, update, data and bookkeeping."""
-    return (prof.time(batch) + prof.update_s_per_byte * prof.param_bytes + prof.data_s_per_sample * batch
-            + prof.loop_s)
+    """One process's step on ``batch`` samples with ``prof``: compute, update and data."""
+    return prof.time(batch) + prof.update_s_per_byte * prof.param_bytes + prof.data_s_per_sample * batch
 
 
 def _price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
     est = pricer(plan.strategy)(plan, prof, topo)
-    if est.applicable and prof.loop_s:
-        est.time["bookkeeping"] = prof.loop_s  # host Python and tiny ops: not scaled with the device
     est.limit_bytes = topo.memory_bytes
     est.threads = prof.threads if topo.device == "cpu" else 0
     return est
 
 
 def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
-    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process. Every plan also pays
-    the training loop's own work per step, ``bookkeeping = loop_s`` (:class:`labkit.advisor.profile.Profile`,
-    where measured). The loop's stop check is not priced: it is one tiny non-blocking all-reduce every few tenths
-    of a second (:class:`labkit.preempt.StopCheck`), nothing measurable per step.
+    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process (the profile's level is
+    ``labkit train``'s own step, its bookkeeping included). The loop's stop check is not priced: it is one tiny
+    non-blocking all-reduce every few tenths of a second (:class:`labkit.preempt.StopCheck`), nothing measurable
+    per step.
 
     On a CPU, with ``serial`` (the profile at one thread per process), work is conserved both ways:
 

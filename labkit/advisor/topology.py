@@ -4,9 +4,10 @@ A message of ``n`` bytes over a link costs ``alpha + beta · n``; reducing ``n``
 (:class:`labkit.collectives.cost.CostModel`). Every strategy pays the same prices for its bytes and messages:
 there is no per-strategy correction. Two kinds of topology:
 
-* :meth:`Topology.local` — N gloo ranks on this machine, the link measured once (:mod:`labkit.advisor.measure`)
-  or read from ``labkit allreduce bench --out DIR``'s ``"cost-model"`` records. Every rank is a process on the
-  same cores, so a plan with ``q`` processes gives each ``cores // q`` threads.
+* :meth:`Topology.local` — N gloo ranks on this machine, the link measured once per kind of collective
+  (:mod:`labkit.advisor.measure`: gloo's reduce-scatter is not priced like its point-to-point messages), or read
+  from ``labkit allreduce bench --out DIR``'s ``"cost-model"`` records (the point-to-point link for every kind).
+  Every rank is a process on the same cores, so a plan with ``q`` processes gives each ``cores // q`` threads.
 * :data:`NAMED` — hardware a learner will meet, written from the vendors' public specifications (the link's
   bandwidth per direction and per GPU, the memory, the dense bf16 peak); α is NCCL's typical small-message
   latency on such links, not a spec. ``nodes > 1`` has two levels: ``link`` inside a node, ``inter`` between
@@ -15,7 +16,7 @@ there is no per-strategy correction. Two kinds of topology:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from labkit.collectives.cost import CostModel
@@ -36,6 +37,8 @@ class Topology:
         separate_devices: the devices one process drives really run at once (GPUs); False on one CPU.
         compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
         flops: dense bf16 peak per device, FLOP/s (named GPU topologies; 0 where unknown).
+        kinds: α-β per kind of collective inside a node where measured (``{"reduce_scatter": CostModel, ...}``);
+            a kind not there pays ``link``.
     """
 
     name: str
@@ -49,6 +52,7 @@ class Topology:
     separate_devices: bool = False
     compute_scale: float = 1.0
     flops: float = 0.0
+    kinds: dict = field(default_factory=dict)
 
     @property
     def per_node(self) -> int:
@@ -62,9 +66,12 @@ class Topology:
         """How much slower each process computes because processes outnumber cores (1 if they fit)."""
         return max(1.0, processes / self.cores) if self.device == "cpu" else 1.0
 
-    def collective_link(self, ranks: int) -> CostModel:
-        """The link a collective over ``ranks`` consecutive ranks is limited by (the slowest level it crosses)."""
-        return self.inter if self.inter is not None and ranks > self.per_node else self.link
+    def link_of(self, kind: str, ranks: int) -> CostModel:
+        """The α-β a collective of ``kind`` over ``ranks`` consecutive ranks pays: between nodes the slower
+        ``inter``; inside a node the kind's measured prices, or ``link``."""
+        if self.inter is not None and ranks > self.per_node:
+            return self.inter
+        return self.kinds.get(kind, self.link)
 
     def with_memory(self, gigabytes: float | None) -> Topology:
         return self if gigabytes is None else replace(self, memory_bytes=gigabytes * GB)
@@ -78,14 +85,16 @@ class Topology:
 
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        if link is None and links_from:
-            link = read_fit(links_from, ranks)
-        elif link is None and not refresh:
-            link = read_fit(Path(cache) / f"links-{ranks}", ranks, required=False)
-        if link is None:
-            link = measure_link(ranks, Path(cache) / f"links-{ranks}")
+        fit = (link, {}) if link is not None else None
+        if fit is None and links_from:
+            fit = read_fit(links_from, ranks)
+        elif fit is None and not refresh:
+            fit = read_fit(Path(cache) / f"links-{ranks}", ranks, required=False)
+        if fit is None:
+            fit = measure_link(ranks, Path(cache) / f"links-{ranks}")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory / ranks, "cpu", os.cpu_count() or 1)
+        return cls(f"{ranks} gloo rank(s) on this host", ranks, fit[0], memory / ranks, "cpu", os.cpu_count() or 1,
+                   kinds=fit[1])
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,

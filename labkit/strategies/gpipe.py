@@ -258,9 +258,8 @@ def price_one_process_pipeline(plan, prof, topo) -> Estimate:
     as a difference of two backward passes instead, it came out at 190 ms for LeNet's first convolution on 32
     samples on a busy 2-core machine, where the two passes, each timed at its fastest, differ by 1.3 ms and
     ``bwd_0`` is 1.4 ms.
-    torchgpipe's own work per micro-batch and partition, ``h_g`` (:class:`labkit.advisor.profile.Profile`'s
-    ``gpipe_task``), is ``schedule overhead = m·k·h_g`` on one CPU (one thread runs every task); on separate
-    devices every stage's time per micro-batch includes it and the slowest stage's ``m·h_g`` is the term.
+    torchgpipe's own work per micro-batch and partition (its tasks, fork/join, the checkpoint functions) is not
+    priced.
     Memory ``3P + M_all(B)`` (model-parallel, gpipe without checkpointing), or with checkpointing
     ``3P + M_all(B/m) + Σ_j m·(B/m)·A_{input of j}`` (each partition keeps only its inputs).
     """
@@ -274,18 +273,15 @@ def price_one_process_pipeline(plan, prof, topo) -> Estimate:
     gpipe = plan.strategy == "gpipe" and m > 1  # torchgpipe, checkpointing except_last (what plans run)
     first = prof.layers[0]
     input_grad = s * (m - 1) * (first.bwd[0] + first.bwd[1] * bm) if gpipe else 0.0
-    task = prof.gpipe_task if plan.strategy == "gpipe" else 0.0
     if topo.separate_devices:
         times = [s * prof.time(bm, st) + (input_grad / m if j == 0 else 0.0) for j, st in enumerate(stages)]
         comm = [2 * message_time(bm * prof.layers[st[-1]].out_bytes, topo) if j < k - 1 else 0.0
                 for j, st in enumerate(stages)]
-        time = pipeline_terms(times, comm, m, task, critical_path=True)
+        time = pipeline_terms(times, comm, m, critical_path=True)
     else:
         time = {"compute": s * m * prof.time(bm)}
         if input_grad:
             time["input gradient"] = input_grad
-        if task:
-            time["schedule overhead"] = m * k * task
     if gpipe:
         time["recompute"] = s * (m - 1) * sum(layer.forward_time(bm) for layer in prof.layers)
         inputs = sum(prof.layers[st[0] - 1].out_bytes if st[0] else prof.input_bytes for st in stages)

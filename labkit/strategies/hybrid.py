@@ -141,7 +141,7 @@ def price_hybrid(plan, prof, topo) -> Estimate:
     """Seed 000's placement: features ``F`` data parallel on ``p`` ranks (``b = B/p``), classifier ``C`` on rank 0.
 
     Rank 0's step: ``compute = s·(T_F(b) + T_C(B))``; ``communication = 2(p−1)·msg(b·A_F)`` (gather the
-    features, scatter their gradients) ``+ (p−1)·msg(b·classes·4)`` (logits back) ``+ AR(P_F, ring, p)``;
+    features, scatter their gradients) ``+ (p−1)·msg(b·classes·4)`` (logits back) ``+ AR(P_F, native, p)``;
     memory ``3P + M_F(b) + M_C(B) + 2·B·A_F + P_F`` (gathered features and their gradient, flat grads).
     """
     if prof.feature_layers is None:
@@ -152,7 +152,7 @@ def price_hybrid(plan, prof, topo) -> Estimate:
     feat = prof.layers[prof.feature_layers - 1].out_bytes
     logits = prof.layers[-1].out_bytes
     comm = (2 * (p - 1) * message_time(b * feat, topo, p) + (p - 1) * message_time(b * logits, topo, p)
-            + allreduce_time(prof.params(F), p, "ring", topo))
+            + allreduce_time(prof.params(F), p, "native", topo))
     time = {"compute": compute_scale(topo, p, prof) * (prof.time(b, F) + prof.time(B, C)), "communication": comm,
             **common_terms(prof, topo, prof.param_bytes, b)}
     memory = memory_terms(prof, topo, prof.param_bytes, prof.saved_bytes(b, F) + prof.saved_bytes(B, C),

@@ -270,7 +270,7 @@ def price_pipeline(plan, prof, topo) -> Estimate:
     p, m, B = plan.processes, o["num_microbatches"], plan.batch_size
     stages = stages_of(o["balance"])
     bm = B / m
-    msg = topo.collective_link(p).transfer_time
+    msg = topo.link_of("p2p", p).transfer_time
     times = [compute_scale(topo, p, prof) * prof.time(bm, s) for s in stages]
     comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0 for j, s in enumerate(stages)]
     held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]

@@ -287,7 +287,7 @@ def price_ps(plan, prof, topo) -> Estimate:
         return Estimate(plan, note=f"fewer layers with parameters than --ps-servers {servers}")
     b, P = plan.batch_size / workers, prof.param_bytes
     fullest = max(shard_bytes(prof, servers))
-    link = topo.collective_link(plan.processes)
+    link = topo.link_of("p2p", plan.processes)
     comm = workers * (2 * message_time(fullest, topo, plan.processes) + message_time(HEADER_BYTES, topo, plan.processes)
                       ) + link.gamma * workers * fullest
     terms = {"compute": compute_scale(topo, workers, prof) * prof.time(b), "communication": comm,

@@ -244,7 +244,7 @@ def price_tensor_parallel(plan, prof, topo) -> Estimate:
 
     Sliced layers ``S`` (each pair and the elementwise layers between) cost ``T_k(B/p)``, the rest
     ``T_k(B)``: ``compute = s·(T_rest(B) + Σ_{k∈S} T_k(B/p))``. Per pair (column i, row j):
-    ``communication = AR(B·A_{i−1}, ring, p)`` (backward, input gradient) ``+ AR(B·A_j, ring, p)``
+    ``communication = AR(B·A_{i−1}, native, p)`` (backward, input gradient) ``+ AR(B·A_j, native, p)``
     (forward, partial sums). Memory ``3·P_dev + M_rest(B) + M_S(B)/p`` with
     ``P_dev = P − (1 − 1/p)·P_S``.
     """
@@ -257,7 +257,8 @@ def price_tensor_parallel(plan, prof, topo) -> Estimate:
     rest = [k for k in range(len(prof.layers)) if k not in sliced]
     compute = sum(prof.layers[k].time(B) for k in rest) + sum(prof.layers[k].time(B / p) for k in sliced)
     inputs = [prof.layers[i - 1].out_bytes if i else prof.input_bytes for i, _ in prof.tp_pairs]
-    comm = sum(allreduce_time(B * a, p, "ring", topo) + allreduce_time(B * prof.layers[j].out_bytes, p, "ring", topo)
+    comm = sum(allreduce_time(B * a, p, "native", topo) + allreduce_time(B * prof.layers[j].out_bytes, p, "native",
+                                                                          topo)
                for a, (_, j) in zip(inputs, prof.tp_pairs))
     p_sliced = sum(prof.layers[k].param_bytes for k in sliced)
     p_dev = prof.param_bytes - (1 - 1 / p) * p_sliced

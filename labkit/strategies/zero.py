@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from labkit import dist as kdist
-from labkit.advisor.alphabeta import broadcast_time, common_terms, compute_scale, memory_terms
+from labkit.advisor.alphabeta import broadcast_time, collective_time, common_terms, compute_scale, memory_terms
 from labkit.advisor.plan import Estimate
 from labkit.backends import check as check_backend
 from labkit.errors import CheckpointError, ConfigError
@@ -232,20 +232,6 @@ class ZeroStrategy(DataParallelStrategy):
                 unit.gather(force=True)
 
 
-def reduce_scatter_time(nbytes: float, ranks: int, topo) -> float:
-    """``RS(U) = (p − 1)·(α + (β + γ)·U/p)``."""
-    link = topo.collective_link(ranks)
-    if ranks <= 1:
-        return 0.0
-    return (ranks - 1) * (link.alpha + (link.beta + link.gamma) * nbytes / ranks)
-
-
-def all_gather_time(nbytes: float, ranks: int, topo) -> float:
-    """``AG(U) = (p − 1)·(α + β·U/p)``."""
-    link = topo.collective_link(ranks)
-    return (ranks - 1) * (link.alpha + link.beta * nbytes / ranks) if ranks > 1 else 0.0
-
-
 def _units(prof) -> list[float]:
     return [layer.param_bytes / layer.units for layer in prof.layers if layer.param_bytes for _ in range(layer.units)]
 
@@ -260,14 +246,13 @@ def stage_of(plan) -> int:
 def price_sharded(plan, prof, topo) -> Estimate:
     """ZeRO (``--zero-stage 1|2|3``) and FSDP (reshard after forward, or ``--fsdp-no-reshard``), ``b = B/p``:
 
-    ``compute = s·T_all(b)``; ``communication = Σ_units RS(U) + g·AG(U)`` with ``g = 1`` (ZeRO 1, 2: gather
-    the stepped parameters; FSDP no-reshard: gather once before forward) or ``g = 2`` (ZeRO 3, FSDP: gather
-    before forward and again before backward), each collective paying its ``(p − 1)·α`` per unit, ``+
-    BC(N_buf, n_buf)`` for ZeRO, which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every
-    forward (:func:`labkit.advisor.alphabeta.broadcast_time`; FSDP leaves buffers alone). FSDP2's own work per
-    unit and step beyond its collectives (hooks, flat-buffer copies, the optimizer over DTensors), ``h_f`` as the
-    profile measures it (:func:`labkit.advisor.loop_costs.together`): ``schedule overhead = N_units·h_f``.
-    Memory (fp32, momentum: optimizer state = P):
+    ``compute = s·T_all(b)``; ``communication = Σ_units C_reduce_scatter(U) + g·C_all_gather(U)``
+    (:func:`labkit.advisor.alphabeta.collective_time`: each collective pays its messages' α, unit by unit) with
+    ``g = 1`` (ZeRO 1, 2: gather the stepped parameters; FSDP no-reshard: gather once before forward) or
+    ``g = 2`` (ZeRO 3, FSDP: gather before forward and again before backward), ``+ BC(N_buf, n_buf)`` for ZeRO,
+    which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every forward
+    (:func:`labkit.advisor.alphabeta.broadcast_time`; FSDP leaves buffers alone). FSDP2's own work beyond its
+    collectives (its hooks, the optimizer over DTensors) is not priced. Memory (fp32, momentum: optimizer state = P):
     stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
     prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
     plus activations ``M_all(b)``.
@@ -276,13 +261,12 @@ def price_sharded(plan, prof, topo) -> Estimate:
     stage = stage_of(plan)
     units = _units(prof)
     gathers = 2 if stage == 3 else 1
-    comm = sum(reduce_scatter_time(u, p, topo) + gathers * all_gather_time(u, p, topo) for u in units)
+    comm = sum(collective_time("reduce_scatter", u, p, topo) + collective_time("all_gather", u, p, topo, gathers)
+               for u in units)
     if plan.strategy == "zero":
         comm += broadcast_time(*prof.buffers, p, topo)
     time = {"compute": compute_scale(topo, p, prof) * prof.time(b), "communication": comm,
             **common_terms(prof, topo, P / p, b)}
-    if plan.strategy == "fsdp" and prof.fsdp_unit:
-        time["schedule overhead"] = len(units) * prof.fsdp_unit
     memory = memory_terms(prof, topo, P, prof.saved_bytes(b))
     if stage == 1:
         memory["optimizer"] = P / p
