@@ -12,7 +12,7 @@ measured afresh for each model; the profiles come from the cache unless ``--refr
 they come: ``<out>/<model>.runs.jsonl`` after each run (with the plan's predicted terms, to see which one is
 off), ``<out>/<model>/advice.json`` after each model and ``<out>/summary.json`` (one key per model done), with
 the command, the load average before and after (the machine may be shared) and the measured prices every plan
-pays (κ, h_f, α); the training runs themselves go to ``--runs``.
+pays (κ, α, and α-β per kind of collective); the training runs themselves go to ``--runs``.
 """
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def main() -> None:
         shared = advice.profiles[topo.threads(args.ranks)]  # the profile the plans of several processes use
         summary[model] = {**r, "predicted_best": advice.best.plan.label, "seconds": time.perf_counter() - start,
                           "command": " ".join(["python", *sys.argv]), "kappa": shared.concurrency,
-                          "fsdp_unit_s": shared.fsdp_unit, "alpha_s": topo.link.alpha,
+                          "alpha_s": topo.link.alpha, "links": {k: {"alpha": v.alpha, "beta": v.beta}
+                                                                for k, v in topo.kinds.items()},
                           "load_before": load, "load_after": os.getloadavg()[0],
                           "failed": [e.plan.label for e in advice.table if "error" in advice.measured.get(
                               e.plan.label, {})]}

@@ -88,3 +88,16 @@ def test_two_ranks_on_two_cores_are_never_priced_more_than_twice_as_fast_as_one_
         assert step["single"] == pytest.approx(0.064)  # 2 layers · 32 samples · 1 ms
         assert step["ddp"] == pytest.approx({0.25: 0.032, 1.0: 0.032, 2.0: 0.064}[kappa])
         assert step["single"] / step["ddp"] <= 2.0
+
+
+def test_a_kinds_fit_is_per_message_and_per_byte_of_its_ring():
+    """``T(n) = 1 ms + 2 ns·n`` measured: a reduce-scatter over 4 ranks sends 3 messages and 3/4 of the buffer,
+    so α = 1/3 ms and β = 2/(3/4) ns; over 2 ranks one message and half the buffer; a ring step one and all."""
+    from labkit.advisor.measure import fit_kind
+
+    points = [(1000, 1e-3 + 2e-9 * 1000), (10**6, 1e-3 + 2e-9 * 10**6)]
+    assert fit_kind("reduce_scatter", points, 4) == pytest.approx((1e-3 / 3, 2e-9 / 0.75))
+    assert fit_kind("reduce_scatter", points, 2) == pytest.approx((1e-3, 4e-9))
+    assert fit_kind("all_reduce", points, 2) == pytest.approx((0.5e-3, 2e-9))
+    assert fit_kind("broadcast", points, 3) == pytest.approx((0.5e-3, 1e-9))
+    assert fit_kind("p2p", points, 8) == pytest.approx((1e-3, 2e-9))

@@ -103,6 +103,27 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
     assert ranking(advice) == {"plans": 3, "spearman": pytest.approx(0.5), "best_ratio": 1.0}
 
 
+def test_the_report_names_the_term_a_plan_is_off_by():
+    """Measured over predicted: single 1.2, ddp 1.2, pipeline 1.6 (spread 50 %), zero 3.0; the median 1.4. Only
+    zero is off by more than 25 % and its spread: 30 ms − 1.4 · 10 ms = +16 ms its communication does not price."""
+    from labkit.advisor.plan import Estimate
+    from labkit.advisor.validate import off_terms
+
+    topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
+    est = [Estimate(Plan("single", 1, 1, 32), {"compute": 0.010}),
+           Estimate(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), {"compute": 0.006, "communication": 0.002}),
+           Estimate(Plan("zero", 2, 2, 32, (("zero_stage", 1),)), {"compute": 0.006, "communication": 0.004}),
+           Estimate(Plan("pipeline", 2, 2, 32, (("num_microbatches", 2), ("balance", (1, 1)))),
+                    {"compute": 0.006, "bubble": 0.003})]
+    advice = Advice("lenet", "mnist-sample", 32, topo, est, est)
+    for e, step, spread in zip(est, (0.012, 0.0096, 0.030, 0.0144), (0.1, 0.1, 0.1, 0.5)):
+        advice.measured[e.plan.label] = {"step_s": step, "ratio": step / e.step_s, "spread": spread}
+    assert off_terms(advice) == ["zero×2 stage 1: measured 3.00x its prediction (the plans' median 1.40x): +16.0 ms "
+                                 "that its communication term (5.6 ms at the median ratio) does not price"]
+    advice.measured["pipeline×2 m=2 [1,1]"]["spread"] = 0.1  # now off by 14 %: within 25 %
+    assert len(off_terms(advice)) == 1
+
+
 def test_parallelize_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="no flat form"):
         parallelize(nn.Linear(2, 2), Plan("gpipe", 1, 2, 8, (("num_microbatches", 2),)), model_name="mlp")
@@ -119,7 +140,8 @@ def _cached(tmp_path):
     for threads in {1, os.cpu_count() or 1}:
         save_profile(_lenet_profile(threads), 64, tmp_path)
     writer = RunWriter(tmp_path / "links-2")
-    writer.log({"kind": "cost-model", "world_size": 2, "alpha": 1e-4, "beta": 1e-9, "gamma": 0.0})
+    kinds = {kind: {"alpha": 2e-4, "beta": 2e-9} for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")}
+    writer.log({"kind": "cost-model", "world_size": 2, "alpha": 1e-4, "beta": 1e-9, "gamma": 0.0, "kinds": kinds})
     writer.finish("links", "cost-model", {}, {})
     return tmp_path
 
@@ -132,6 +154,7 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
     assert "pred samples/s" in text and "torchrun --nproc_per_node 2 -m labkit train" in text
     saved = json.loads((out / "advice.json").read_text())
     assert saved["schema"] == "labkit.advice/1" and saved["topology"]["alpha"] == 1e-4  # the cache's, not measured
+    assert saved["topology"]["kinds"]["reduce_scatter"] == {"alpha": 2e-4, "beta": 2e-9}
     steps = [p["step_s"] for p in saved["plans"]]
     assert steps == sorted(steps) and {p["plan"]["strategy"] for p in saved["plans"]} >= {"single", "ddp", "pipeline"}
     for argv, message in [(["--model", "nope", "--ranks", "2"], "unknown model 'nope'"),

@@ -53,7 +53,8 @@ class Advice:
         return {"schema": ADVICE_SCHEMA, "model": self.model, "dataset": self.dataset, "batch_size": self.batch_size,
                 "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores,
                              "alpha": t.link.alpha, "beta": t.link.beta, "gamma": t.link.gamma,
-                             "memory_bytes": t.memory_bytes},
+                             "memory_bytes": t.memory_bytes,
+                             "kinds": {k: {"alpha": v.alpha, "beta": v.beta} for k, v in t.kinds.items()}},
                 "plans": [{**e.to_dict(), "command": self.command(e),
                            "measured": self.measured.get(e.plan.label)} for e in self.table]}
 
@@ -67,7 +68,8 @@ class Advice:
 
 def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64,
            memory_limit_gb: float | None = None, topology: Topology | None = None, links: str | None = None,
-           cache: str | Path = CACHE, refresh: bool = False, profile_topology: Topology | None = None) -> Advice:
+           cache: str | Path = CACHE, refresh: bool = False, profile_topology: Topology | None = None,
+           timing: dict | None = None) -> Advice:
     """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``).
 
     Args:
@@ -77,6 +79,8 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
         links: a results run with ``"cost-model"`` records (``labkit allreduce bench --out DIR``).
         profile_topology: whose thread counts the profiles are measured at (default ``topology``): price a
             GPU topology with this machine's profile.
+        timing: how long a profile not yet cached times its levels (``{"windows": 5, "window_s": 0.02}``: quicker,
+            noisier; :func:`labkit.advisor.profile.measure_profile`).
     """
     from labkit import data as kdata
     from labkit import models as kmodels
@@ -96,7 +100,8 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
 
     @lru_cache(maxsize=None)
     def prof_for(processes: int) -> Profile:
-        return load_or_measure(model, dataset, batch_size, measure_on.threads(processes), cache, refresh)
+        return load_or_measure(model, dataset, batch_size, measure_on.threads(processes), cache, refresh,
+                               **(timing or {}))
 
     estimates = candidates(prof_for, topo, batch_size)
     if memory_limit_gb is not None:
@@ -135,11 +140,12 @@ def table(advice: Advice) -> str:
                      f"{m['peak_bytes'] / MB:>8.1f}")
         lines.append(line + mark)
     if measured:
-        from labkit.advisor.validate import ranking
+        from labkit.advisor.validate import off_terms, ranking
 
         r = ranking(advice)
         lines.append(f"ranking over {r['plans']} plans: Spearman rho {r['spearman']:.2f}; the predicted best "
                      f"measured {r['best_ratio']:.2f}x the measured best")
+        lines += [f"off: {line}" for line in off_terms(advice)]
     lines.append("")
     lines += [f"{i:>2} {advice.command(e)}" for i, e in enumerate(advice.table, 1)]
     return "\n".join(lines)
@@ -159,7 +165,7 @@ def flexflow_comparison(advice: Advice) -> str:
     if hybrid is None:
         return "\n".join(lines + ["  hybrid was not priced (it needs 2 ranks)"])
     if best.plan == hybrid.plan:
-        return "\n".join(lines + ["  the same placement: here too the cost terms favour it"])
+        return "\n".join(lines + ["  the same placement: here too the cost terms favour it", "why: " + _why(advice)])
     lines.append(f"hybrid here: {hybrid.step_s * 1e3:.1f} ms/step ({terms(hybrid)}), "
                  f"{hybrid.step_s / best.step_s:.2f}× the best")
     deltas = sorted(((hybrid.time.get(k, 0.0) - best.time.get(k, 0.0), k) for k in {*hybrid.time, *best.time}),
@@ -180,9 +186,9 @@ def _why(advice: Advice) -> str:
     if prof is None or prof.feature_layers is None:
         return "the cost terms above"
     fc = range(prof.feature_layers, len(prof.layers))
-    saved = allreduce_time(prof.params(fc), 2, "ring", topo)
+    saved = allreduce_time(prof.params(fc), 2, "native", topo)
     paid = prof.time(advice.batch_size, fc) - prof.time(advice.batch_size / 2, fc)
-    link = topo.link
+    link = topo.link_of("all_reduce", 2)
     return (f"the FC layers hold {prof.params(fc) / 2**20:.1f} of {prof.param_bytes / 2**20:.1f} MB of weights; "
             f"all-reducing them costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
             f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), which hybrid saves, while running them on rank 0 for "

@@ -80,13 +80,25 @@ def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=
     return sorted(times)[round(quantile * (len(times) - 1))]
 
 
+def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
+    """``(α, β)`` per message and per byte of a collective of ``kind`` over ``ranks`` ranks from ``points``
+    ``[(buffer bytes n, seconds), ...]``: the line ``T(n) = a + c·n`` through them
+    (:func:`labkit.collectives.cost.fit_alpha_beta`), ``α = a / m`` and ``β = c / s`` with ``(m, s)`` the kind's
+    ring counts (:func:`labkit.advisor.alphabeta.ring_counts`)."""
+    from labkit.advisor.alphabeta import ring_counts
+    from labkit.collectives.cost import fit_alpha_beta
+
+    a, c = fit_alpha_beta(*zip(*points))
+    messages, share = ring_counts(kind, ranks)
+    return a / messages, c / share
+
+
 def _fit_rank(env) -> dict:
     import torch
     import torch.distributed as dist
 
     from labkit import dist as kdist
-    from labkit.advisor.alphabeta import KINDS, ring_counts
-    from labkit.collectives.cost import fit_alpha_beta
+    from labkit.advisor.alphabeta import KINDS
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
     rank, p = env.rank, env.world_size
@@ -118,11 +130,7 @@ def _fit_rank(env) -> dict:
             slowest = torch.tensor(timed(once, 9, 0.25, setup=dist.barrier), dtype=torch.float64)
             kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             points[kind].append((n * 4, slowest.item()))
-    fitted = {}
-    for kind in KINDS:
-        a, c = fit_alpha_beta(*zip(*points[kind]))
-        messages, share = ring_counts(kind, p)
-        fitted[kind] = {"alpha": a / messages, "beta": c / share}
+    fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS}
     a = torch.zeros(1 << 20)
     b = torch.ones_like(a)
     gamma = torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64)

@@ -90,6 +90,7 @@ class Topology:
             fit = read_fit(links_from, ranks)
         elif fit is None and not refresh:
             fit = read_fit(Path(cache) / f"links-{ranks}", ranks, required=False)
+            fit = fit if fit is not None and (fit[1] or ranks == 1) else None  # a cache without the kinds: again
         if fit is None:
             fit = measure_link(ranks, Path(cache) / f"links-{ranks}")
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

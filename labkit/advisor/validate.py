@@ -17,7 +17,9 @@ plan's measured step is the median of its runs, its **spread** ``(max − min) /
 (:func:`ranking`):
 
 * Spearman's ρ between predicted and measured steps over all plans (1: the same order);
-* ``measured(predicted best) / measured best``: what trusting the advisor costs (1: it chose the fastest).
+* ``measured(predicted best) / measured best``: what trusting the advisor costs (1: it chose the fastest);
+
+and where a plan is off, the term it is off by (:func:`off_terms`), not a correction factor.
 """
 from __future__ import annotations
 
@@ -48,6 +50,29 @@ def ranking(advice: Advice) -> dict:
     chosen = measured[min(range(len(rows)), key=predicted.__getitem__)]
     rho = spearmanr(predicted, measured).statistic if min(len(set(predicted)), len(set(measured))) > 1 else math.nan
     return {"plans": len(rows), "spearman": float(rho), "best_ratio": chosen / min(measured)}
+
+
+def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
+    """Where a prediction is off, which term: a line for each measured plan whose ``measured / predicted`` is
+    off the plans' median ratio ``r`` by more than ``tolerance`` and by more than its own spread. With every plan
+    priced ``r`` times too low or high alike (the profile's level, the machine's load that day), the plan's own
+    terms are what differs: the residual ``measured − r·predicted`` is what its largest term beyond ``compute``
+    (its collectives, its bubble, its recomputation; ``compute`` where it has none) would have to add."""
+    rows = [(e, advice.measured[e.plan.label]) for e in advice.table if "step_s" in advice.measured.get(e.plan.label, {})]
+    if len(rows) < 3:
+        return []
+    r = statistics.median(m["ratio"] for _, m in rows)
+    out = []
+    for e, m in rows:
+        off = m["ratio"] / r - 1
+        if abs(off) <= max(tolerance, m["spread"]):
+            continue
+        residual = m["step_s"] - r * e.step_s
+        term = max((k for k in e.time if k != "compute"), key=e.time.get, default="compute")
+        out.append(f"{e.plan.label}: measured {m['ratio']:.2f}x its prediction (the plans' median {r:.2f}x): "
+                   f"{residual * 1e3:+.1f} ms that its {term} term ({r * e.time[term] * 1e3:.1f} ms at the median "
+                   f"ratio) does not price")
+    return out
 
 
 def _reset_peak_memory() -> None:
