@@ -5,9 +5,10 @@ Every strategy pays the same prices for its messages and bytes (:mod:`labkit.adv
 fitted per strategy. The link fit runs in spawned gloo ranks with the threads a plan's ranks get. For each kind
 of collective a plan makes (:data:`labkit.advisor.alphabeta.KINDS`: one ring step of point-to-point messages, as
 the kit's own schedules run them, and PyTorch's ``all_reduce``, ``reduce_scatter``, ``all_gather`` and
-``broadcast``), every rank times it at each of :data:`FIT_SIZES` bytes, the lower quartile of 9 rounds per size
-on the slowest rank (on a shared virtual machine the latency has slow spells lasting seconds, which only ever
-slow a round down); the least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`),
+``broadcast``), every rank times it at each of :data:`FIT_SIZES` bytes in windows of :data:`CALLS` calls back
+to back (as a training step makes them, not one call just after a barrier: on 2 gloo ranks of a 2-core machine
+back-to-back all-reduces of 1 MB took 2.4 ms each, the fastest single call 0.7 ms), the median of 9 windows on
+the slowest rank; the least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`),
 ``T(n) = a + c·n``, divided by the collective's ring counts (:func:`labkit.advisor.alphabeta.ring_counts`: messages
 and the share of ``n`` a rank sends), gives that kind's α and β per message and byte. γ is the fastest of 5
 ``a += b``. Measured kinds differ: on 2 gloo ranks of a 2-core machine a 512 KB reduce-scatter took 2.6 ms and
@@ -26,6 +27,8 @@ from labkit.errors import ConfigError
 
 #: message sizes of the fit: from latency-bound to bandwidth-bound, small enough to take seconds
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
+#: calls of a collective back to back in each timed window, as a training step makes them
+CALLS = 10
 
 
 def read_fit(path: str | Path, ranks: int, required: bool = True) -> tuple[CostModel, dict] | None:
@@ -127,7 +130,7 @@ def _fit_rank(env) -> dict:
                 call()
                 sync()
 
-            slowest = torch.tensor(timed(once, 9, 0.25, setup=dist.barrier), dtype=torch.float64)
+            slowest = torch.tensor(timed(once, 9, 0.5, setup=dist.barrier, calls=CALLS), dtype=torch.float64)
             kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             points[kind].append((n * 4, slowest.item()))
     fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS}
