@@ -26,7 +26,7 @@ CHECKS: dict[str, str] = {
     "staleness": "labkit.exercises.staleness:main",
     "zero-stage1": "labkit.exercises.zero_stage1:main",
     "online-softmax": "labkit.exercises.online_softmax:main",
-    "advisor-cost": "labkit.advisor.check:main",
+    "advisor-cost": "labkit.exercises.pipeline_bubble:main",
     "row-parallel": "labkit.exercises.row_parallel:main",
 }
 
@@ -41,7 +41,7 @@ STARTERS: dict[str, str] = {
     "staleness": "labkit.exercises.staleness:STARTER",
     "zero-stage1": "labkit.exercises.zero_stage1:STARTER",
     "online-softmax": "labkit.exercises.online_softmax:STARTER",
-    "advisor-cost": "labkit.advisor.check:STARTER",
+    "advisor-cost": "labkit.exercises.pipeline_bubble:STARTER",
     "row-parallel": "labkit.exercises.row_parallel:STARTER",
 }
 

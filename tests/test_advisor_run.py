@@ -10,7 +10,7 @@ from torch import nn
 
 from labkit.advisor.advise import Advice, flexflow_comparison
 from labkit.advisor.apply import parallelize
-from labkit.advisor.check import STARTER, check, reference
+from labkit.exercises.pipeline_bubble import STARTER, check, reference
 from labkit.advisor.plan import Plan
 from labkit.advisor.profile import LayerProfile, Profile, save_profile
 from labkit.advisor.search import best_per_strategy, candidates, price
