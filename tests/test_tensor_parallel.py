@@ -198,3 +198,14 @@ def test_column_parallel_checker_cli(tmp_path, capsys):
     template.write_text(capsys.readouterr().out)
     assert "def column_parallel_forward(x, weight, bias)" in template.read_text()
     assert callable(check.load_function(template))
+
+
+def test_linear_pairs_are_what_parallelize_linears_slices_and_the_advisor_prices():
+    """Linear → elementwise… → Linear pairs, none sharing a layer; a Dropout ends the elementwise run."""
+    layers = [nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 4), nn.GELU(), nn.Identity(), nn.Linear(4, 2),
+              nn.Linear(2, 4), nn.Dropout(), nn.Linear(4, 2)]
+    assert tp.linear_pairs(layers) == [(0, 2), (3, 6)]
+    sliced = tp.parallelize_linears(nn.Sequential(*layers), rank=0, world_size=2)
+    kinds = [type(m).__name__ for m in sliced]
+    assert kinds == ["ColumnParallelLinear", "ReLU", "RowParallelLinear", "ColumnParallelLinear", "GELU", "Identity",
+                     "RowParallelLinear", "Linear", "Dropout", "Linear"]

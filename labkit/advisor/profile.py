@@ -53,7 +53,7 @@ from labkit.errors import ConfigError
 from labkit.meters import process_memory_gb
 from labkit.results import RunWriter, load_run
 from labkit.strategies.gpipe_balance import SavedActivations
-from labkit.strategies.tensor_parallel import ELEMENTWISE
+from labkit.strategies.tensor_parallel import linear_pairs
 
 CACHE = Path("runs") / "advisor"
 FORMAT = 9           # profiles of another format are measured again (7: levels alone, κ apart; 8: κ of
@@ -82,21 +82,6 @@ def _line(b0: int, t0: float, b1: int, t1: float) -> tuple[float, float]:
     """``(a, c)`` with ``t = a + c·b`` through two points, kept physical (a, c >= 0)."""
     c = max(0.0, (t1 - t0) / (b1 - b0))
     return max(0.0, t0 - c * b0), c
-
-
-def _tp_pairs(model: nn.Sequential) -> list[tuple[int, int]]:
-    """Linear → elementwise… → Linear pairs as ``parallelize_linears`` forms them."""
-    layers, pairs, i = list(model), [], 0
-    while i < len(layers):
-        j = i + 1
-        while j < len(layers) and isinstance(layers[j], ELEMENTWISE):
-            j += 1
-        if isinstance(layers[i], nn.Linear) and j < len(layers) and isinstance(layers[j], nn.Linear):
-            pairs.append((i, j))
-            i = j + 1
-        else:
-            i += 1
-    return pairs
 
 
 def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3,
@@ -144,7 +129,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                            sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
                            sum(1 for _ in layer.buffers()), sum(b.numel() * b.element_size() for b in layer.buffers()))
               for i, (name, layer) in enumerate(seq.named_children())]
-    pairs = _tp_pairs(seq)
+    pairs = linear_pairs(list(seq))
     prof = Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
                    base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
                    [seq[i].out_features for i, _ in pairs], kappa)

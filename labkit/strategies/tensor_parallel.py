@@ -161,6 +161,21 @@ class RowParallelLinear(nn.Module):
         return f"in={self.in_features} (this rank: {self.weight.shape[1]}), out={self.out_features}"
 
 
+def linear_pairs(layers) -> list[tuple[int, int]]:
+    """``(i, j)``: the ``Linear → elementwise… → Linear`` pairs of ``layers``, in order, none sharing a layer."""
+    pairs, i = [], 0
+    while i < len(layers):
+        j = i + 1
+        while j < len(layers) and isinstance(layers[j], ELEMENTWISE):
+            j += 1
+        if isinstance(layers[i], nn.Linear) and j < len(layers) and isinstance(layers[j], nn.Linear):
+            pairs.append((i, j))
+            i = j + 1
+        else:
+            i += 1
+    return pairs
+
+
 def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = None,
                         world_size: int | None = None) -> nn.Sequential:
     """Replace each ``Linear → elementwise… → Linear`` pair of a flat Sequential by column → row layers.
@@ -172,26 +187,19 @@ def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = Non
         ConfigError: no pair to slice, or a hidden size not divisible by the world size.
     """
     layers = list(model)
-    out, i, pairs = [], 0, 0
-    while i < len(layers):
-        layer = layers[i]
-        j = i + 1
-        while j < len(layers) and isinstance(layers[j], ELEMENTWISE):
-            j += 1
-        if isinstance(layer, nn.Linear) and j < len(layers) and isinstance(layers[j], nn.Linear):
-            try:
-                out += [ColumnParallelLinear.from_dense(layer, False, group, rank, world_size), *layers[i + 1:j],
-                        RowParallelLinear.from_dense(layers[j], True, group, rank, world_size)]
-            except ConfigError as exc:
-                raise ConfigError(f"layer {i} ({layer}): {exc}") from None
-            pairs, i = pairs + 1, j + 1
-        else:
-            out.append(layer)
-            i += 1
-    if pairs == 0:
+    pairs = linear_pairs(layers)
+    if not pairs:
         raise ConfigError("tensor-parallel found no Linear → activation → Linear pair to slice in this model; "
                           "use --model mlp")
-    return nn.Sequential(*out)
+    out, done = [], 0
+    for i, j in pairs:
+        try:
+            out += [*layers[done:i], ColumnParallelLinear.from_dense(layers[i], False, group, rank, world_size),
+                    *layers[i + 1:j], RowParallelLinear.from_dense(layers[j], True, group, rank, world_size)]
+        except ConfigError as exc:
+            raise ConfigError(f"layer {i} ({layers[i]}): {exc}") from None
+        done = j + 1
+    return nn.Sequential(*out, *layers[done:])
 
 
 def measure_fc_bytes(env, batch: int, in_features: int, out_features: int) -> dict[str, float]:
