@@ -10,7 +10,6 @@ from torch import nn
 
 from labkit.advisor.advise import Advice, flexflow_comparison
 from labkit.advisor.apply import parallelize
-from labkit.exercises.pipeline_bubble import STARTER, check, reference
 from labkit.advisor.plan import Plan
 from labkit.advisor.profile import LayerProfile, Profile, save_profile
 from labkit.advisor.search import best_per_strategy, candidates, price
@@ -19,6 +18,7 @@ from labkit.advisor.validate import validate
 from labkit.cli import main
 from labkit.collectives.cost import CostModel
 from labkit.errors import ConfigError
+from labkit.exercises.pipeline_bubble import STARTER, check, reference
 from labkit.results import RunWriter
 from labkit.testing import run_ranks
 
