@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from labkit import data as kdata
 from labkit.advisor.advise import advise, table
 from labkit.advisor.topology import Topology
 from labkit.advisor.validate import ranking, validate
@@ -36,7 +38,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(DATASETS))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=12, help="steps per run (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per run at least (the first is not timed)")
+    parser.add_argument("--min-run-s", type=float, default=1.0,
+                        help="more steps for a fast model: a run of the predicted best lasts this long (within an epoch)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per plan (median and spread)")
     parser.add_argument("--refresh", action="store_true", help="profile again")
     parser.add_argument("--one-thread", action="store_true",
@@ -66,11 +70,16 @@ def main() -> None:
                                     "measured_s": advice.batch_size / metrics["samples_per_sec"],
                                     "terms": est.time, "load": os.getloadavg()[0]}) + "\n")
 
-        validate(advice, args.repeats, args.steps, Path(args.runs) / model, progress=False, record=record)
+        # a run of a fast model lasts at least --min-run-s (LeNet's 12 steps take a tenth of a second: all noise),
+        # at most one epoch (the loop's samples/s is its last epoch's)
+        epoch = len(kdata.get_dataset(advice.dataset, train=True)) // args.batch_size
+        steps = max(args.steps, min(epoch, math.ceil(args.min_run_s / advice.best.step_s)))
+        validate(advice, args.repeats, steps, Path(args.runs) / model, progress=False, record=record)
         advice.write(out / model / "advice.json")
         r = ranking(advice)
         shared = advice.profiles[topo.threads(args.ranks)]  # the profile the plans of several processes use
         summary[model] = {**r, "predicted_best": advice.best.plan.label, "seconds": time.perf_counter() - start,
+                          "steps": steps,
                           "command": " ".join(["python", *sys.argv]), "kappa": shared.concurrency,
                           "alpha_s": topo.link.alpha, "links": {k: {"alpha": v.alpha, "beta": v.beta}
                                                                 for k, v in topo.kinds.items()},
