@@ -6,11 +6,12 @@ fitted per strategy. The link fit runs in spawned gloo ranks with the threads a 
 of collective a plan makes (:data:`labkit.advisor.alphabeta.KINDS`: one ring step of point-to-point messages, as
 the kit's own schedules run them, and PyTorch's ``all_reduce``, ``reduce_scatter``, ``all_gather`` and
 ``broadcast``), every rank times it at each of :data:`FIT_SIZES` bytes as a training step makes it: in windows of
-:data:`CALLS` calls, each after about :data:`WORK_S` of matrix products on every rank, less the same windows of
-the products alone; the median of 9 windows on the slowest rank. Not one call just after a barrier: on 2 gloo
-ranks of a 2-core machine the fastest single all-reduce of 1 MB took 0.7 ms, back-to-back ones 2.4 ms each, and
-one of 245 KB 2.2 ms back to back but 3.6 ms after 3 ms of computing (waking the peer's threads, the ranks'
-skew). The least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`),
+:data:`CALLS` calls, each after :data:`WORK_S` (10 ms) of matrix products on every rank, less the same windows of
+the products alone; the median of :data:`WINDOWS` windows on the slowest rank. Not one call just after a barrier,
+nor calls back to back: what a collective costs grows with the computing before it (the ranks' threads go to
+sleep, the ranks drift apart). On 2 gloo ranks of a 2-core machine an all-reduce of 4 bytes took 0.3 ms back to
+back, 0.9 ms after 1 ms of computing and 2.2 ms after 10 ms; one of 245 KB (LeNet's gradients) 2.2, 2.3 and
+3.2 ms; the fastest single all-reduce of 1 MB 0.7 ms, back-to-back ones 2.4 ms each. The least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`),
 ``T(n) = a + c·n``, divided by the collective's ring counts (:func:`labkit.advisor.alphabeta.ring_counts`: messages
 and the share of ``n`` a rank sends), gives that kind's α and β per message and byte. γ is the fastest of 5
 ``a += b``. Measured kinds differ: on 2 gloo ranks of a 2-core machine a 512 KB reduce-scatter took 2.6 ms and
@@ -29,9 +30,9 @@ from labkit.errors import ConfigError
 
 #: message sizes of the fit: from latency-bound to bandwidth-bound, small enough to take seconds
 FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]
-#: calls of a collective in each timed window, each after :data:`WORK_S` of computing, as a training step makes them
-CALLS = 10
-WORK_S = 0.001
+#: calls of a collective in each of :data:`WINDOWS` timed windows, each after :data:`WORK_S` of computing, as a
+#: training step makes them (after a layer's or a whole backward's work, not back to back)
+CALLS, WINDOWS, WORK_S = 5, 5, 0.01
 
 
 def read_fit(path: str | Path, ranks: int, required: bool = True) -> tuple[CostModel, dict] | None:
@@ -137,14 +138,15 @@ def _fit_rank(env) -> dict:
         calls = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
                  "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
                  "all_gather": lambda: dist.all_gather_single(full, shard), "broadcast": lambda: dist.broadcast(full, 0)}
-        alone = timed(lambda _: work(), 9, 0.5, setup=dist.barrier, calls=CALLS)
+        alone = timed(lambda _: work(), WINDOWS, 0.5, setup=dist.barrier, calls=CALLS)
         for kind in KINDS:
             def once(_, call=calls[kind]):
                 work()
                 call()
                 sync()
 
-            slowest = torch.tensor(timed(once, 9, 0.5, setup=dist.barrier, calls=CALLS) - alone, dtype=torch.float64)
+            slowest = torch.tensor(timed(once, WINDOWS, 0.5, setup=dist.barrier, calls=CALLS) - alone,
+                                   dtype=torch.float64)
             kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             points[kind].append((n * 4, max(slowest.item(), 1e-7)))
     fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS}
