@@ -40,7 +40,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=12, help="steps per run at least (the first is not timed)")
     parser.add_argument("--min-run-s", type=float, default=1.0,
-                        help="more steps for a fast model: a run of the predicted best lasts this long (within an epoch)")
+                        help="more steps for a fast model: a run of the predicted best lasts this long "
+                             "(within an epoch)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per plan (median and spread)")
     parser.add_argument("--refresh", action="store_true", help="profile again")
     parser.add_argument("--one-thread", action="store_true",

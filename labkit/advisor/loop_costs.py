@@ -54,7 +54,8 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
         step()  # warm-up: allocations
         timed(step, 2, window_s=window_s)  # and the thread pool and caches: a process's first windows run slower
         steps.append(timed(step, windows, 0.25, window_s))
-    update = timed(opt.step, repeats, window_s=window_s) / max(1, sum(p.numel() * p.element_size() for p in model.parameters()))
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    update = timed(opt.step, repeats, window_s=window_s) / max(1, param_bytes)
     return data, update, steps
 
 

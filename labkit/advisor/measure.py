@@ -11,12 +11,13 @@ the products alone; the median of :data:`WINDOWS` windows on the slowest rank. N
 nor calls back to back: what a collective costs grows with the computing before it (the ranks' threads go to
 sleep, the ranks drift apart). On 2 gloo ranks of a 2-core machine an all-reduce of 4 bytes took 0.3 ms back to
 back, 0.9 ms after 1 ms of computing and 2.2 ms after 10 ms; one of 245 KB (LeNet's gradients) 2.2, 2.3 and
-3.2 ms; the fastest single all-reduce of 1 MB 0.7 ms, back-to-back ones 2.4 ms each. The least-squares line through them (:func:`labkit.collectives.cost.fit_alpha_beta`),
-``T(n) = a + c·n``, divided by the collective's ring counts (:func:`labkit.advisor.alphabeta.ring_counts`: messages
-and the share of ``n`` a rank sends), gives that kind's α and β per message and byte. γ is the fastest of 5
-``a += b``. Measured kinds differ: on 2 gloo ranks of a 2-core machine a 512 KB reduce-scatter took 2.6 ms and
-one ring step of as many bytes 0.4 ms. The fit is cached as a run in the results schema (one ``"cost-model"``
-record, as ``labkit allreduce bench --out DIR`` writes them, with the kinds beside).
+3.2 ms; the fastest single all-reduce of 1 MB 0.7 ms, back-to-back ones 2.4 ms each. The least-squares line
+through them (:func:`labkit.collectives.cost.fit_alpha_beta`), ``T(n) = a + c·n``, divided by the collective's
+ring counts (:func:`labkit.advisor.alphabeta.ring_counts`: messages and the share of ``n`` a rank sends), gives
+that kind's α and β per message and byte (:func:`fit_kind`). γ is the fastest of 5 ``a += b``. The kinds differ:
+on the same machine a 512 KB reduce-scatter took 2.6 ms and one ring step of as many bytes 0.4 ms. The fit is
+cached as a run in the results schema (one ``"cost-model"`` record, as ``labkit allreduce bench --out DIR``
+writes them, with the kinds beside).
 """
 from __future__ import annotations
 
@@ -137,7 +138,8 @@ def _fit_rank(env) -> dict:
 
         calls = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
                  "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
-                 "all_gather": lambda: dist.all_gather_single(full, shard), "broadcast": lambda: dist.broadcast(full, 0)}
+                 "all_gather": lambda: dist.all_gather_single(full, shard),
+                 "broadcast": lambda: dist.broadcast(full, 0)}
         alone = timed(lambda _: work(), WINDOWS, 0.5, setup=dist.barrier, calls=CALLS)
         for kind in KINDS:
             def once(_, call=calls[kind]):

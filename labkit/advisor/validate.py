@@ -58,7 +58,8 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
     priced ``r`` times too low or high alike (the profile's level, the machine's load that day), the plan's own
     terms are what differs: the residual ``measured − r·predicted`` is what its largest term beyond ``compute``
     (its collectives, its bubble, its recomputation; ``compute`` where it has none) would have to add."""
-    rows = [(e, advice.measured[e.plan.label]) for e in advice.table if "step_s" in advice.measured.get(e.plan.label, {})]
+    rows = [(e, advice.measured[e.plan.label]) for e in advice.table
+            if "step_s" in advice.measured.get(e.plan.label, {})]
     if len(rows) < 3:
         return []
     r = statistics.median(m["ratio"] for _, m in rows)
