@@ -122,6 +122,10 @@ def test_the_report_names_the_term_a_plan_is_off_by():
                                  "that its communication term (5.6 ms at the median ratio) does not price"]
     advice.measured["pipeline×2 m=2 [1,1]"]["spread"] = 0.1  # now off by 14 %: within 25 %
     assert len(off_terms(advice)) == 1
+    # the pipeline measured 7.2 ms (0.8x), the median now 1.2x: 7.2 − 1.2 · 9 = −3.6 ms, its bubble priced too high
+    advice.measured["pipeline×2 m=2 [1,1]"].update(step_s=0.0072, ratio=0.8)
+    assert off_terms(advice)[1] == ("pipeline×2 m=2 [1,1]: measured 0.80x its prediction (the plans' median 1.20x): "
+                                    "its bubble term (3.6 ms at the median ratio) prices 3.6 ms the run did not spend")
 
 
 def test_parallelize_refuses_what_it_cannot_run():

@@ -70,9 +70,10 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
             continue
         residual = m["step_s"] - r * e.step_s
         term = max((k for k in e.time if k != "compute"), key=e.time.get, default="compute")
-        out.append(f"{e.plan.label}: measured {m['ratio']:.2f}x its prediction (the plans' median {r:.2f}x): "
-                   f"{residual * 1e3:+.1f} ms that its {term} term ({r * e.time[term] * 1e3:.1f} ms at the median "
-                   f"ratio) does not price")
+        head = f"{e.plan.label}: measured {m['ratio']:.2f}x its prediction (the plans' median {r:.2f}x): "
+        priced = f"its {term} term ({r * e.time[term] * 1e3:.1f} ms at the median ratio)"
+        out.append(head + (f"+{residual * 1e3:.1f} ms that {priced} does not price" if residual > 0 else
+                           f"{priced} prices {-residual * 1e3:.1f} ms the run did not spend"))
     return out
 
 
