@@ -6,8 +6,9 @@ fitted per strategy. The link fit runs in spawned gloo ranks with the threads a 
 of collective a plan makes (:data:`labkit.advisor.alphabeta.KINDS`: one ring step of point-to-point messages, as
 the kit's own schedules run them, and PyTorch's ``all_reduce``, ``reduce_scatter``, ``all_gather`` and
 ``broadcast``), every rank times it at each of :data:`FIT_SIZES` bytes as a training step makes it: in windows of
-:data:`CALLS` calls, each after :data:`WORK_S` (10 ms) of matrix products on every rank, less the same windows of
-the products alone; the median of :data:`WINDOWS` windows on the slowest rank. Not one call just after a barrier,
+:data:`CALLS` calls, each after :data:`WORK_S` (10 ms) of matrix products on every rank, less a window of the
+products alone just before; the median of :data:`WINDOWS` such pairs on the slowest rank (sizes whose cost is
+lost in the computing's noise are left out; a kind with fewer than two sizes left pays the point-to-point link). Not one call just after a barrier,
 nor calls back to back: what a collective costs grows with the computing before it (the ranks' threads go to
 sleep, the ranks drift apart). On 2 gloo ranks of a 2-core machine an all-reduce of 4 bytes took 0.3 ms back to
 back, 0.9 ms after 1 ms of computing and 2.2 ms after 10 ms; one of 245 KB (LeNet's gradients) 2.2, 2.3 and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from pathlib import Path
 from time import perf_counter
 
@@ -140,18 +142,23 @@ def _fit_rank(env) -> dict:
                  "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
                  "all_gather": lambda: dist.all_gather_single(full, shard),
                  "broadcast": lambda: dist.broadcast(full, 0)}
-        alone = timed(lambda _: work(), WINDOWS, 0.5, setup=dist.barrier, calls=CALLS)
         for kind in KINDS:
             def once(_, call=calls[kind]):
                 work()
                 call()
                 sync()
 
-            slowest = torch.tensor(timed(once, WINDOWS, 0.5, setup=dist.barrier, calls=CALLS) - alone,
-                                   dtype=torch.float64)
+            extra = []
+            for _ in range(WINDOWS):  # paired windows: a slow spell of the machine falls on both
+                alone = timed(lambda _: work(), 1, setup=dist.barrier, calls=CALLS)
+                extra.append(timed(once, 1, setup=dist.barrier, calls=CALLS) - alone)
+            slowest = torch.tensor(statistics.median(extra), dtype=torch.float64)
             kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            points[kind].append((n * 4, max(slowest.item(), 1e-7)))
-    fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS}
+            if slowest.item() > 0 or kind == "p2p":  # a cost lost in the computing's noise says nothing
+                points[kind].append((n * 4, max(slowest.item(), 1e-6)))
+    # a kind with fewer than two sizes above the noise pays the point-to-point link
+    fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS
+              if len(points[kind]) >= 2 or kind == "p2p"}
     a = torch.zeros(1 << 20)
     b = torch.ones_like(a)
     gamma = torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64)
