@@ -110,7 +110,7 @@ def test_the_report_names_the_term_a_plan_is_off_by():
     from labkit.advisor.validate import off_terms
 
     topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
-    est = [Estimate(Plan("single", 1, 1, 32), {"compute": 0.010}),
+    est = [Estimate(Plan("single", 1, 1, 32), {"compute": 0.0099, "update": 0.0001}),
            Estimate(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), {"compute": 0.006, "communication": 0.002}),
            Estimate(Plan("zero", 2, 2, 32, (("zero_stage", 1),)), {"compute": 0.006, "communication": 0.004}),
            Estimate(Plan("pipeline", 2, 2, 32, (("num_microbatches", 2), ("balance", (1, 1)))),
@@ -126,6 +126,9 @@ def test_the_report_names_the_term_a_plan_is_off_by():
     advice.measured["pipeline×2 m=2 [1,1]"].update(step_s=0.0072, ratio=0.8)
     assert off_terms(advice)[1] == ("pipeline×2 m=2 [1,1]: measured 0.80x its prediction (the plans' median 1.20x): "
                                     "its bubble term (3.6 ms at the median ratio) prices 3.6 ms the run did not spend")
+    # a plan with no term of its own is off in its compute, not in the update every plan pays
+    advice.measured["single"].update(step_s=0.030, ratio=3.0)
+    assert any(line.startswith("single:") and "its compute term" in line for line in off_terms(advice))
 
 
 def test_parallelize_refuses_what_it_cannot_run():

@@ -34,6 +34,8 @@ from labkit.advisor.advise import Advice
 from labkit.testing import run_ranks
 
 GB = 2**30
+#: the terms every plan pays: a plan off by more is off in a term of its own, or in its compute
+COMMON = ("compute", "update", "data")
 
 
 def ranking(advice: Advice) -> dict:
@@ -56,8 +58,9 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
     """Where a prediction is off, which term: a line for each measured plan whose ``measured / predicted`` is
     off the plans' median ratio ``r`` by more than ``tolerance`` and by more than its own spread. With every plan
     priced ``r`` times too low or high alike (the profile's level, the machine's load that day), the plan's own
-    terms are what differs: the residual ``measured − r·predicted`` is what its largest term beyond ``compute``
-    (its collectives, its bubble, its recomputation; ``compute`` where it has none) would have to add."""
+    terms are what differs: the residual ``measured − r·predicted`` is what its largest term of its own (its
+    collectives, its bubble, its recomputation; not :data:`COMMON`, which every plan pays; ``compute`` where it has
+    none) would have to add."""
     rows = [(e, advice.measured[e.plan.label]) for e in advice.table
             if "step_s" in advice.measured.get(e.plan.label, {})]
     if len(rows) < 3:
@@ -69,7 +72,7 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
         if abs(off) <= max(tolerance, m["spread"]):
             continue
         residual = m["step_s"] - r * e.step_s
-        term = max((k for k in e.time if k != "compute"), key=e.time.get, default="compute")
+        term = max((k for k in e.time if k not in COMMON), key=e.time.get, default="compute")
         head = f"{e.plan.label}: measured {m['ratio']:.2f}x its prediction (the plans' median {r:.2f}x): "
         priced = f"its {term} term ({r * e.time[term] * 1e3:.1f} ms at the median ratio)"
         out.append(head + (f"+{residual * 1e3:.1f} ms that {priced} does not price" if residual > 0 else
