@@ -103,7 +103,7 @@ def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
     return a / messages, c / share
 
 
-def _fit_rank(env) -> dict:
+def _fit_rank(env, windows: int = WINDOWS, calls: int = CALLS) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -138,20 +138,20 @@ def _fit_rank(env) -> dict:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
 
-        calls = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
-                 "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
-                 "all_gather": lambda: dist.all_gather_single(full, shard),
-                 "broadcast": lambda: dist.broadcast(full, 0)}
+        collective = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
+                      "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
+                      "all_gather": lambda: dist.all_gather_single(full, shard),
+                      "broadcast": lambda: dist.broadcast(full, 0)}
         for kind in KINDS:
-            def once(_, call=calls[kind]):
+            def once(_, call=collective[kind]):
                 work()
                 call()
                 sync()
 
             extra = []
-            for _ in range(WINDOWS):  # paired windows: a slow spell of the machine falls on both
-                alone = timed(lambda _: work(), 1, setup=dist.barrier, calls=CALLS)
-                extra.append(timed(once, 1, setup=dist.barrier, calls=CALLS) - alone)
+            for _ in range(windows):  # paired windows: a slow spell of the machine falls on both
+                alone = timed(lambda _: work(), 1, setup=dist.barrier, calls=calls)
+                extra.append(timed(once, 1, setup=dist.barrier, calls=calls) - alone)
             slowest = torch.tensor(statistics.median(extra), dtype=torch.float64)
             kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if slowest.item() > 0 or kind == "p2p":  # a cost lost in the computing's noise says nothing
@@ -167,15 +167,15 @@ def _fit_rank(env) -> dict:
             "kinds": {k: v for k, v in fitted.items() if k != "p2p"}}
 
 
-def measure_link(ranks: int, out: Path) -> tuple[CostModel, dict]:
-    """Fit α-β-γ and the kinds' α-β on ``ranks`` spawned gloo ranks now; cache it at ``out`` (the bench's
-    record format)."""
+def measure_link(ranks: int, out: Path, windows: int = WINDOWS, calls: int = CALLS) -> tuple[CostModel, dict]:
+    """Fit α-β-γ and the kinds' α-β on ``ranks`` spawned gloo ranks now (``windows`` pairs of ``calls`` calls per
+    size and kind: fewer is quicker and noisier); cache it at ``out`` (the bench's record format)."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
     from labkit.results import RunWriter
     from labkit.testing import run_ranks
 
-    fit = run_ranks(_fit_rank, ranks, timeout=300)[0]
+    fit = run_ranks(_fit_rank, ranks, windows, calls, timeout=300)[0]
     writer = RunWriter(out)
     writer.log({"kind": "cost-model", "world_size": ranks, **fit})
     writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks},

@@ -78,24 +78,26 @@ class Topology:
 
     @classmethod
     def local(cls, ranks: int, link: CostModel | None = None, links_from: str | Path | None = None,
-              cache: str | Path = Path("runs") / "advisor", refresh: bool = False) -> Topology:
+              cache: str | Path = Path("runs") / "advisor", refresh: bool = False, fit: dict | None = None
+              ) -> Topology:
         """``ranks`` gloo ranks on this machine; the link from ``link``, a bench run dir, a cache, or measured now
-        (``refresh``: measured now even if cached)."""
+        (``refresh``: measured now even if cached; ``fit``: :func:`labkit.advisor.measure.measure_link`'s
+        ``windows`` and ``calls``, e.g. fewer for a quick, noisier fit)."""
         from labkit.advisor.measure import measure_link, read_fit
 
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        fit = (link, {}) if link is not None else None
-        if fit is None and links_from:
-            fit = read_fit(links_from, ranks)
-        elif fit is None and not refresh:
-            fit = read_fit(Path(cache) / f"links-{ranks}", ranks, required=False)
-            fit = fit if fit is not None and (fit[1] or ranks == 1) else None  # a cache without the kinds: again
-        if fit is None:
-            fit = measure_link(ranks, Path(cache) / f"links-{ranks}")
+        found = (link, {}) if link is not None else None
+        if found is None and links_from:
+            found = read_fit(links_from, ranks)
+        elif found is None and not refresh:
+            found = read_fit(Path(cache) / f"links-{ranks}", ranks, required=False)
+            found = found if found is not None and (found[1] or ranks == 1) else None  # no kinds cached: again
+        if found is None:
+            found = measure_link(ranks, Path(cache) / f"links-{ranks}", **(fit or {}))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(f"{ranks} gloo rank(s) on this host", ranks, fit[0], memory / ranks, "cpu", os.cpu_count() or 1,
-                   kinds=fit[1])
+        return cls(f"{ranks} gloo rank(s) on this host", ranks, found[0], memory / ranks, "cpu",
+                   os.cpu_count() or 1, kinds=found[1])
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
