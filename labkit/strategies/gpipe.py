@@ -41,6 +41,7 @@ from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.base import Strategy
 from labkit.strategies.gpipe_balance import compute_balance
 from labkit.strategies.gpipe_workers import InlineGPipe
+from labkit.strategies.stage_balance import balance_from_split_points
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
@@ -267,7 +268,7 @@ def price_one_process_pipeline(plan, prof, topo) -> Estimate:
     B, k = plan.batch_size, plan.devices
     m = o.get("num_microbatches") or (B // o["mp_split_size"] if o.get("mp_split_size") else 1)
     bm = B / m
-    balance = o.get("balance") or _split_balance(o.get("mp_split_points", ()), len(prof.layers))
+    balance = o.get("balance") or balance_from_split_points(len(prof.layers), o.get("mp_split_points", ()))
     stages = stages_of(balance)
     s = compute_scale(topo, 1, prof)
     gpipe = plan.strategy == "gpipe" and m > 1  # torchgpipe, checkpointing except_last (what plans run)
@@ -290,8 +291,3 @@ def price_one_process_pipeline(plan, prof, topo) -> Estimate:
         acts = prof.saved_bytes(B)
     time.update(common_terms(prof, topo, prof.param_bytes, B))
     return Estimate(plan, time, memory_terms(prof, topo, prof.param_bytes, acts))
-
-
-def _split_balance(points, n: int) -> list[int]:
-    bounds = [0, *points, n]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
