@@ -4,10 +4,11 @@ import itertools
 
 import pytest
 
-from labkit.advisor.mesh import MeshPlan, _valid, explain, frontier, meshes, price_mesh, search
-from labkit.advisor.plan import GPT_1_3B, GPTShape, LayerProfile, Profile
+from labkit.advisor.mesh import _valid, explain, frontier, meshes, search
+from labkit.advisor.plan import LayerProfile, MeshPlan, Profile
 from labkit.advisor.topology import Topology, named
 from labkit.collectives.cost import CostModel
+from labkit.parallel.pricing import GPT_1_3B, GPTShape, price_mesh
 
 TINY = GPTShape(n_layer=2, n_head=2, n_embd=4, vocab_size=8, seq=4, name="tiny")  # 536 parameters
 
@@ -119,8 +120,8 @@ def test_expert_parallel_terms_by_hand():
 
 
 def test_moe_meshes_are_brute_force_and_the_shapes_count_the_real_models():
-    from labkit.advisor.plan import gpt_shape
     from labkit.moe import gpt_moe
+    from labkit.parallel.pricing import gpt_shape
 
     brute = [MeshPlan(d, t, p, c, m, z, sp, rc, e) for d, t, p, c, e in itertools.product(range(1, 5), repeat=5)
              for m, z, sp, rc in itertools.product((1, 2, 4, 8, 16, 32), range(4), (False, True), (False, True))

@@ -92,7 +92,7 @@ def _mesh(args: argparse.Namespace) -> int:
     if args.ranks > topo.ranks:
         raise ConfigError(f"--ranks {args.ranks}: {topo.name} has {topo.ranks} GPUs")
     if args.model.startswith("gpt"):
-        from labkit.advisor.plan import gpt_shape
+        from labkit.parallel.pricing import gpt_shape
 
         model = gpt_shape(args.model, args.seq_len)
     else:

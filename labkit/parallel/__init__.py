@@ -7,7 +7,7 @@ into stages, ``dp`` wraps each stage for data parallelism.
 
 Adding a dimension: one module (a ``Dimension`` subclass and its ``FLAGS`` literal, see :mod:`labkit.flags`)
 and one line here. Beside ``FLAGS`` the module may declare an ``ADVISOR`` literal naming its pricing function
-(``{"price": "labkit.parallel.dp:mesh_time"}``, a pure function of a :class:`labkit.advisor.mesh.MeshStep` with its
+(``{"price": "labkit.parallel.dp:mesh_time"}``, a pure function of a :class:`labkit.parallel.pricing.MeshStep` with its
 formula in the docstring), read like the
 strategies' (:func:`dimension_literal`, :func:`registered`) for the advisor's mesh search. This package imports no torch, so flag and ``--mesh`` errors answer without it.
 """

@@ -41,7 +41,7 @@ FLAGS = [
      "help": "cp dimension: how a sequence is cut over the cp ranks: zigzag = chunks r and 2cp-1-r of 2cp (every "
              "rank the same causal work), contiguous = chunk r of cp (the last rank does the most)"},
 ]
-#: ``labkit advise --model gpt-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+#: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.cp:mesh_time"}
 
 
@@ -138,7 +138,7 @@ class ContextParallel(Dimension):
 
 
 def mesh_time(step) -> float:
-    """A mesh step's ``cp`` term (:class:`labkit.advisor.mesh.MeshStep`), ``c`` ranks of stride ``t``:
+    """A mesh step's ``cp`` term (:class:`labkit.parallel.pricing.MeshStep`), ``c`` ranks of stride ``t``:
 
     ``cp = m·(r·β + 4·(c − 1)·L_s·α)``: per micro-batch the K/V ring's bytes ``r`` of the stage's ``L_s`` blocks
     (:meth:`ContextParallel.price`), ``c − 1`` messages per layer each way, forward and backward."""

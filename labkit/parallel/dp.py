@@ -35,7 +35,7 @@ FLAGS = [
      "help": "dp dimension: none = replicas + bucketed gradient all-reduce; fsdp = FSDP2 fully_shard over the dp "
              "groups; zero3 = refused on a mesh (use fsdp)"},
 ]
-#: ``labkit advise --model gpt-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+#: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.dp:mesh_time"}
 
 
@@ -114,8 +114,8 @@ def _units(model: nn.Module) -> list[nn.Module]:
 
 
 def mesh_time(step) -> float:
-    """A mesh step's ``dp`` term (:class:`labkit.advisor.mesh.MeshStep`): for each group of ``d`` ranks holding
-    the same ``P`` bytes (:attr:`~labkit.advisor.mesh.MeshStep.replicas`), ``n·β + 2(d − 1)·α`` with ``n`` the
+    """A mesh step's ``dp`` term (:class:`labkit.parallel.pricing.MeshStep`): for each group of ``d`` ranks holding
+    the same ``P`` bytes (:attr:`~labkit.parallel.pricing.MeshStep.replicas`), ``n·β + 2(d − 1)·α`` with ``n`` the
     bytes of :func:`price` (``fsdp`` at ZeRO 3, else ``none``: ZeRO 1-2's reduce-scatter + all-gather move an
     all-reduce's bytes). Nothing overlaps with backward: an upper bound."""
     shard = "fsdp" if step.plan.zero == 3 else "none"

@@ -44,7 +44,7 @@ from labkit.moe import MOE_SIZES, MoE, moe_layers, run_experts
 from labkit.parallel.base import Dimension
 
 FLAGS: list = []
-#: ``labkit advise --model gpt-moe-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+#: ``labkit advise --model gpt-moe-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.ep:mesh_time"}
 
 
@@ -178,7 +178,7 @@ def dense_allreduce_bytes(parameters: int, ranks: int, bytes_per_element: int = 
 
 
 def mesh_time(step) -> float:
-    """A mesh step's ``ep`` term (:class:`labkit.advisor.mesh.MeshStep`), ``N`` ranks of stride 1, ``n = b·T``
+    """A mesh step's ``ep`` term (:class:`labkit.parallel.pricing.MeshStep`), ``N`` ranks of stride 1, ``n = b·T``
     tokens per rank: ``ep = (A + K)·β + 5·L·(N − 1)·α`` with ``A`` and ``K`` the all-to-all bytes of the
     activations and the counts (:meth:`ExpertParallel.price`), per layer 5 all-to-alls (the counts, dispatch and
     combine forward and backward) of ``N − 1`` messages each."""

@@ -55,7 +55,7 @@ FLAGS = [
     {"flag": "--balance", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "N",
      "help": "pp dimension, per stage: GPT blocks or Sequential layers, e.g. --balance 3 2 (None: as even as possible)"},
 ]
-#: ``labkit advise --model gpt-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+#: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.pp:mesh_time"}
 
 
@@ -223,7 +223,7 @@ def p2p_bytes_sent():
 
 
 def mesh_time(step) -> float:
-    """A mesh step's ``pp`` term (:class:`labkit.advisor.mesh.MeshStep`), ``P`` stages of stride ``dp·cp·t``:
+    """A mesh step's ``pp`` term (:class:`labkit.parallel.pricing.MeshStep`), ``P`` stages of stride ``dp·cp·t``:
 
     ``pp = m·2·(α + β·a) + β·g``: each micro-batch's activation ``a`` at a stage boundary forward and its
     gradient back (:meth:`PipelineParallel.price`'s ``activations / (2(P − 1))``, ``/t`` with SP), and the

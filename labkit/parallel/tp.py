@@ -31,7 +31,7 @@ FLAGS = [
      "help": "tp dimension: layer norms and dropout on sequence shards, all-gather / reduce-scatter in place of "
              "the all-reduces (Korthikanti et al. 2022)"},
 ]
-#: ``labkit advise --model gpt-*``'s mesh search (labkit.advisor.mesh): the pricing function below
+#: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.tp:mesh_time"}
 
 
@@ -93,7 +93,7 @@ class TensorParallel(Dimension):
 
 
 def mesh_time(step) -> float:
-    """A mesh step's ``tp`` term (:class:`labkit.advisor.mesh.MeshStep`), ``t`` ranks of stride 1:
+    """A mesh step's ``tp`` term (:class:`labkit.parallel.pricing.MeshStep`), ``t`` ranks of stride 1:
 
     ``tp = m·(w·β + (4·L_s + 2)·2(t − 1)·α)``: per micro-batch the ring's wire bytes ``w`` (:func:`ring_wire_bytes`
     of :func:`tp_step_bytes` for the stage's ``L_s`` blocks; sequence parallelism moves the same bytes) and
