@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from labkit.advisor.mesh import _valid, explain, frontier, meshes, search
 from labkit.advisor.plan import LayerProfile, MeshPlan, Profile
+from labkit.advisor.search import _valid, explain, frontier, mesh_candidates, meshes
 from labkit.advisor.topology import Topology, named
 from labkit.collectives.cost import CostModel
 from labkit.parallel.pricing import GPT_1_3B, GPTShape, price_mesh
@@ -48,7 +48,7 @@ def test_the_search_is_brute_force_on_a_small_space():
     # dp=4: 8; dp=2,tp=2: 16; dp=2,pp=2 (m 2, 4): 16; dp=2,cp=2: 8; tp=2,pp=2 (m 2, 4, 8): 12; tp=2,cp=2: 16
     assert len(brute) == 76
     t = _topo(CostModel(1e-3, 1e-6), ranks=4, memory=5000)
-    found = search(TINY, t, batch)
+    found = mesh_candidates(TINY, t, batch)
     best = min((price_mesh(p, TINY, t, batch) for p in brute), key=lambda e: (not e.feasible, e.step_s))
     assert found[0].step_s == best.step_s and found[0].feasible
     assert sum(e.feasible for e in found) < len(found)  # the memory limit rules plans out; they come last
@@ -65,7 +65,7 @@ def test_a_synthetic_topology_with_a_known_best_plan():
     nodes, pp=2 across them, SP, and the most micro-batches (m = 8 of a batch of 8) for the smallest bubble."""
     gpt = GPTShape(n_layer=2, n_head=2, n_embd=64, vocab_size=8, seq=4)
     t = _topo(CostModel(0.0, 0.0), CostModel(0.0, 1e-3), nodes=2, ranks=4, flops=1e12)
-    best = search(gpt, t, 8)[0]
+    best = mesh_candidates(gpt, t, 8)[0]
     assert best.plan == MeshPlan(dp=1, tp=2, pp=2, cp=1, microbatches=8, sequence_parallel=True)
     # 8 micro-batches · 2 messages of 4 · 64 · 2 / 2 bytes, and 2 · 4 · 64 · 2 bytes of embedding, at 1 ms a byte
     assert best.time["pp"] == pytest.approx(8 * 2 * 256e-3 + 1024e-3)
@@ -73,12 +73,12 @@ def test_a_synthetic_topology_with_a_known_best_plan():
 
 def test_the_explanation_on_one_h100_node():
     t = named("h100-nvlink")
-    found = search(GPT_1_3B, t, 64)
+    found = mesh_candidates(GPT_1_3B, t, 64)
     text = explain(found, GPT_1_3B, t)
     assert text.startswith("on one H100 node with NVLink, a 1.3B GPT at sequence 4096: ")
     assert f"{found[0].plan.label} (" in text and " because " in text and text.count("slower") + \
         text.count("needs") == 3
-    small = search(GPT_1_3B, named("h100-nvlink", memory_gb=8), 64)
+    small = mesh_candidates(GPT_1_3B, named("h100-nvlink", memory_gb=8), 64)
     assert "needs" in explain(small, GPT_1_3B, named("h100-nvlink", memory_gb=8))  # a plan that does not fit
 
 
@@ -114,7 +114,7 @@ def test_expert_parallel_terms_by_hand():
     # without ep the experts' 2·296 = 592 bytes join the all-reduce: 304 + 592 = 896 bytes against the
     # all-to-all's 136 and the shared 304
     free = _topo(CostModel(0.0, 1e-3), flops=1e12)
-    best = search(MOE, free, 4)[0].plan  # ZeRO moves the same bytes in less memory: ties go to the smaller
+    best = mesh_candidates(MOE, free, 4)[0].plan  # ZeRO moves the same bytes in less memory: ties go to the smaller
     assert (best.dp, best.ep, best.recompute) == (1, 2, False)
     assert price_mesh(MeshPlan(2, 1, 1, 1), MOE, free, 4).time["dp"] == pytest.approx(0.896)
 
@@ -149,7 +149,7 @@ def test_cnn_meshes_are_brute_force_dp_and_pp_with_zero_stages():
     assert len(brute) == 14  # dp=4: ZeRO 0-3; dp=2,pp=2: m 2, 4 × ZeRO 0-3; pp=4: m 4, 8
     assert sorted(map(repr, meshes(devices, prof, batch))) == sorted(map(repr, brute))
     t = _topo(CostModel(1e-3, 1e-6), ranks=4, memory=60000)
-    found = search(prof, t, batch)
+    found = mesh_candidates(prof, t, batch)
     best = min((price_mesh(p, prof, t, batch) for p in brute), key=lambda e: (not e.feasible, e.step_s))
     assert found[0].step_s == best.step_s and found[0].feasible
     assert 0 < sum(e.feasible for e in found) < len(found) and not found[-1].feasible  # the limit prunes plans
@@ -166,7 +166,7 @@ def test_a_synthetic_topology_with_a_known_best_cnn_mesh():
     most micro-batches (m = 4: the smallest bubble), ZeRO 3 (the same time, the least memory)."""
     prof = _cnn()
     t = _topo(CostModel(0.0, 0.0), CostModel(0.0, 1e-3), nodes=2, ranks=4, flops=1e12)
-    found = search(prof, t, 8)
+    found = mesh_candidates(prof, t, 8)
     best = found[0]
     assert best.plan == MeshPlan(dp=2, tp=1, pp=2, cp=1, microbatches=4, zero=3)
     # 4 micro-batches of 1 sample, the 8-byte activation forward and its gradient back at 1 ms a byte

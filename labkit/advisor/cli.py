@@ -81,7 +81,7 @@ def _mesh(args: argparse.Namespace) -> int:
     scaled by the topology's ``compute_scale``): the explanation, the count, and the frontier of memory vs time."""
     import os
 
-    from labkit.advisor.mesh import explain, frontier, ms, search, size
+    from labkit.advisor.search import explain, frontier, mesh_candidates, ms, size
     from labkit.advisor.topology import named
     from labkit.errors import ConfigError
 
@@ -100,7 +100,7 @@ def _mesh(args: argparse.Namespace) -> int:
 
         model = load_or_measure(args.model, args.dataset, args.batch_size, os.cpu_count() or 1, args.cache,
                                 args.refresh)
-    found = search(model, topo, args.batch_size, args.ranks)
+    found = mesh_candidates(model, topo, args.batch_size, args.ranks)
     if not found:
         raise ConfigError(f"no mesh of {args.ranks} GPUs divides a batch of {args.batch_size}")
     print(explain(found, model, topo))

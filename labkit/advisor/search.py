@@ -1,35 +1,17 @@
-"""The strategy search: every strategy with its parameters, each plan priced, ranked by predicted step time.
+"""The search, one for both plan spaces: every strategy with its parameters on this machine (:func:`candidates`),
+every device mesh on a topology (:func:`mesh_candidates`), each plan priced by its own pure function, ranked by
+predicted step time, plans that do not fit in memory marked and last.
 
 A strategy is searched when its module declares an ``ADVISOR`` literal beside its ``FLAGS``, read without
-importing the module (:func:`labkit.strategies.registered`)::
-
-    ADVISOR = {"price": "labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split",
-               "grid": {"allreduce": ["ddp", "ring"]}, "keep": "cheapest"}
-
-``price`` names its pricing function, ``(plan, profile, topology) -> Estimate``, pure, its formula in its
-docstring (:func:`price` adds what every plan pays); ``batch`` how a plan splits the global batch
-(:attr:`labkit.advisor.plan.Plan.data_parallel`); ``plans`` which plans to enumerate for ``N`` ranks and global
-batch ``B``:
-
-* ``"one"``: one plan on one process (``single``);
-* ``"spread"``: ``p = 2..N`` ranks with ``p`` dividing ``B``, one plan per combination of its ``"grid"``
-  (``{option: [values]}``, e.g. ``zero``'s stages 1, 2, 3, ``fsdp`` resharding or not), or only the cheapest of
-  them with ``"keep": "cheapest"`` (``ddp``'s all-reduces, PyTorch's ``ddp`` first and so kept on ties: it is the
-  library's); ``hybrid`` and ``tensor-parallel`` have no grid;
-* ``"servers"``: ``p = 2..N`` ranks of which ``S = 1..p − 1`` are servers (the option its ``"servers"`` names)
-  and ``W = p − S`` workers dividing ``B`` (``ps``, synchronous);
-* ``"pipeline"``: ``p = 2..N`` stages (one process each, or one process for all with ``"processes": "one"``),
-  with ``m ∈ {1, 2, 4, …, 32}`` micro-batches dividing ``B`` — ``m > 1`` where its ``"options"`` name a
-  ``"microbatches"`` option, else ``m = 1`` (``model-parallel``) — the gpipe schedule (and 1f1b where gpipe's
-  does not fit in memory, where they name a ``"schedule"`` option); its ``"options"`` map the pipeline's
-  quantities (``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule``) to the strategy's
-  option names (``pipeline``, ``gpipe``, ``model-parallel``).
-
-The split points (balance) of each pipeline: **exhaustive** over all ``C(L − 1, p − 1)`` contiguous
-splits when there are at most :data:`EXHAUSTIVE_SPLITS`, each priced whole (compute, messages at the cut,
-memory); beyond that a **heuristic**: the exact min-max dynamic programme over layer groups on stage
-times ``T_{stage}(B/m)`` (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's
-message size. Infeasible plans (too much memory per device) stay in the list, marked, below the feasible ones.
+importing it (:func:`labkit.strategies.registered`), e.g. ``{"price": "labkit.strategies.ddp:price_ddp",
+"plans": "spread", "batch": "split", "grid": {"allreduce": ["ddp", "ring"]}, "keep": "cheapest"}``: ``price``
+names its pricing function ``(plan, profile, topology) -> Estimate``, its formula in its docstring; ``batch``
+how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`); ``plans`` the enumerator
+of :data:`PLANS` (each one's docstring says what it enumerates). A pipeline's balance is searched
+**exhaustively** over the ``C(L − 1, p − 1)`` contiguous splits up to :data:`EXHAUSTIVE_SPLITS`, each priced
+whole; beyond, by the min-max programme on stage times (:func:`labkit.strategies.model_parallel.partition`),
+which ignores the cut's message size. A mesh plan (:class:`labkit.advisor.plan.MeshPlan`) is priced by
+:func:`labkit.parallel.pricing.price_mesh`, the dimensions' own formulas.
 """
 from __future__ import annotations
 
@@ -41,11 +23,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from labkit.advisor.alphabeta import cpu_floor
-from labkit.advisor.plan import Estimate, Plan, Profile
+from labkit.advisor.plan import Estimate, MeshPlan, Plan, Profile
 from labkit.advisor.topology import Topology
 from labkit.errors import ConfigError
 
 EXHAUSTIVE_SPLITS = 2000
+GB, MB = 2**30, 2**20
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 
 
@@ -67,40 +50,29 @@ def pricer(strategy: str) -> Callable[[Plan, Profile, Topology], Estimate]:
     return load(entry["price"])
 
 
-def serial_step(prof: Profile, batch: int) -> float:
-    """One process's step on ``batch`` samples with ``prof``: compute, update and data."""
-    return prof.time(batch) + prof.update_s_per_byte * prof.param_bytes + prof.data_s_per_sample * batch
-
-
-def _price(plan: Plan, prof: Profile, topo: Topology) -> Estimate:
-    est = pricer(plan.strategy)(plan, prof, topo)
-    est.limit_bytes = topo.memory_bytes
-    est.threads = prof.threads if topo.device == "cpu" else 0
-    return est
-
-
 def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
-    """The estimate of ``plan`` with ``prof`` measured at the plan's threads per process (the profile's level is
-    ``labkit train``'s own step, its bookkeeping included). The loop's stop check is not priced: it is one tiny
-    non-blocking all-reduce every few tenths of a second (:class:`labkit.preempt.StopCheck`), nothing measurable
-    per step.
+    """The estimate of ``plan`` by its strategy's pricing function, with ``prof`` measured at the plan's threads
+    per process (its level is ``labkit train``'s own step; the loop's stop check, a tiny non-blocking all-reduce
+    every few tenths of a second, is not priced). On a CPU, with ``serial`` (the profile at one thread per
+    process), work is conserved both ways: a plan of ``q > 1`` processes on ``c`` cores takes at least
+    ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes up the difference), and a one-process plan
+    is priced at the cheaper of its ``c``-thread and one-thread profiles (more threads do at least what one
+    does; a slower ``c``-thread profile is the machine's load, not the plan). So ``q`` ranks on ``c`` cores are
+    never priced more than ``c`` times faster than one process."""
+    def priced(prof: Profile) -> Estimate:
+        est = pricer(plan.strategy)(plan, prof, topo)
+        est.limit_bytes, est.threads = topo.memory_bytes, prof.threads if topo.device == "cpu" else 0
+        return est
 
-    On a CPU, with ``serial`` (the profile at one thread per process), work is conserved both ways:
-
-    * a plan of ``q > 1`` processes on ``c`` cores takes at least ``serial_step(B) / min(q, c)`` (the compute
-      term makes up any difference): ``q`` ranks never do one thread's work more than ``c`` times faster;
-    * a one-process plan is priced at the cheaper of its ``c``-thread and one-thread profiles: a process given
-      more threads can do at least what it does on one (a profile at ``c`` threads taken while other programs
-      hold the cores can be ten times slower than at one; that is the load, not the plan).
-
-    So ``q`` ranks on ``c`` cores are never priced more than ``c`` times faster than one process."""
-    est = _price(plan, prof, topo)
+    est = priced(prof)
     if serial is None or topo.device != "cpu" or not est.applicable:
         return est
     if plan.processes == 1:
-        alt = _price(plan, serial, topo) if serial is not prof else est
+        alt = priced(serial) if serial is not prof else est
         return alt if alt.applicable and alt.step_s < est.step_s else est
-    short = cpu_floor(serial_step(serial, plan.batch_size), plan.processes, topo.cores) - est.step_s
+    b = plan.batch_size
+    work = serial.time(b) + serial.update_s_per_byte * serial.param_bytes + serial.data_s_per_sample * b
+    short = cpu_floor(work, plan.processes, topo.cores) - est.step_s
     if short > 0:
         est.time["compute"] = est.time.get("compute", 0.0) + short
     return est
@@ -128,6 +100,10 @@ def _rank_key(est: Estimate) -> tuple:
     return (not est.applicable, not est.feasible, est.step_s if est.applicable else math.inf)
 
 
+def _key(e: Estimate) -> tuple:
+    return (not e.feasible, e.step_s, e.peak_bytes, e.plan.label)
+
+
 @dataclass(frozen=True)
 class Space:
     """What an enumerator searches: the global batch, the topology's ranks, the model's layers, the profile at a
@@ -146,7 +122,8 @@ def one_plan(name: str, entry: dict, space: Space) -> list[Estimate]:
 
 
 def spread_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
-    """``"plans": "spread"``: ``p = 2..N`` ranks dividing the batch, each combination of ``"grid"``."""
+    """``"plans": "spread"``: ``p = 2..N`` ranks dividing the batch, each combination of ``"grid"`` (``{option:
+    [values]}``), or only the cheapest with ``"keep": "cheapest"`` (on a tie the first: ``ddp``'s PyTorch DDP)."""
     grid = entry.get("grid", {})
     out = []
     for p in range(2, space.ranks + 1):
@@ -165,8 +142,11 @@ def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
 
 
 def pipeline_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
-    """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer), each micro-batch count, the best
-    balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit."""
+    """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer; one process for all with
+    ``"processes": "one"``), each ``m`` of :data:`MICROBATCHES` dividing the batch (only ``m = 1`` without a
+    ``"microbatches"`` role), the best balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit.
+    Its ``"options"`` map the roles ``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule`` to
+    the strategy's option names."""
     roles, batch, found = entry["options"], space.batch, []
     for p, m in itertools.product(range(2, min(space.ranks, space.layers) + 1), MICROBATCHES):
         if batch % m or m > batch or (m == 1) != ("microbatches" not in roles):
@@ -235,3 +215,94 @@ def check_fits(estimates: list[Estimate], limit_gb: float | None) -> None:
         smallest = min(runnable, key=lambda e: e.peak_bytes)
         raise ConfigError(f"no plan fits in {limit_gb:g} GB per device; the smallest needs "
                           f"{smallest.peak_bytes / 2**30:.3f} GB ({smallest.plan.label}): raise --memory-limit")
+
+
+def _valid(plan: MeshPlan, model, batch: int) -> bool:
+    """What the dimensions accept: a CNN dp and pp (at most one stage per layer); a GPT's tp divides the heads, pp
+    the blocks, 2·cp the sequence (zig-zag), cp and pp not together, ep the experts (a MoE takes only dp and ep),
+    SP only with tp; ``dp·ep·m`` divides the batch, ``m ≥ pp`` with a pipeline (else 1), ZeRO only where ranks
+    hold the same weights."""
+    p = plan
+    if isinstance(model, Profile):
+        shape = p.tp == p.cp == p.ep == 1 and not p.sequence_parallel and not p.recompute and p.pp <= len(model.layers)
+    else:
+        g = model
+        shape = ((p.tp == p.pp == p.cp == 1 and g.n_expert % p.ep == 0 if g.n_expert else p.ep == 1)
+                 and g.n_head % p.tp == 0 and g.n_layer % p.pp == 0 and g.seq % (2 * p.cp) == 0
+                 and not (p.cp > 1 and p.pp > 1) and (not p.sequence_parallel or p.tp > 1))
+    return (shape and batch % (p.dp * p.ep * p.microbatches) == 0
+            and (p.microbatches >= p.pp if p.pp > 1 else p.microbatches == 1) and (p.zero == 0 or p.dp * p.cp * p.ep > 1))
+
+
+def meshes(devices: int, model, batch: int) -> list[MeshPlan]:
+    """Every valid plan using all ``devices``: ``dp·tp·pp·cp·ep = N`` over its divisors."""
+    out = []
+    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
+    for tp, pp, cp, ep in itertools.product(divisors, repeat=4):
+        if devices % (tp * pp * cp * ep):
+            continue
+        dp = devices // (tp * pp * cp * ep)
+        for m, zero, sp, rc in itertools.product(MICROBATCHES, range(4), (False, True), (False, True)):
+            plan = MeshPlan(dp, tp, pp, cp, m, zero, sp, rc, ep)
+            if _valid(plan, model, batch):
+                out.append(plan)
+    return out
+
+
+def mesh_candidates(model, topo: Topology, batch: int, devices: int | None = None) -> list[Estimate]:
+    """Every plan of :func:`meshes` priced (a GPT's :class:`~labkit.parallel.pricing.GPTShape` or a CNN's
+    profile), best first (plans that do not fit last; ties to the one of less memory)."""
+    from labkit.parallel.pricing import price_mesh
+
+    return sorted((price_mesh(p, model, topo, batch) for p in meshes(devices or topo.ranks, model, batch)), key=_key)
+
+
+def frontier(estimates: list[Estimate]) -> list[Estimate]:
+    """The feasible plans no other beats on both step time and memory (fastest first)."""
+    out: list[Estimate] = []
+    for e in sorted((e for e in estimates if e.feasible), key=_key):
+        if not out or e.peak_bytes < out[-1].peak_bytes:
+            out.append(e)
+    return out
+
+
+def size(nbytes: float) -> str:
+    """``12 GB`` at a gigabyte or more, else ``3.4 MB``."""
+    return f"{nbytes / GB:.0f} GB" if nbytes >= GB else f"{nbytes / MB:.1f} MB"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms" if seconds >= 0.01 else f"{seconds * 1e3:.2g} ms"
+
+
+def explain(estimates: list[Estimate], model, topo: Topology) -> str:
+    """Why the best plan wins, in words: the faster plan that does not fit (if one is faster), then against
+    the best plan of each of the next mesh shapes, the term that decides, or the memory that rules it out."""
+    what = (f"{model.model} on {model.dataset}" if isinstance(model, Profile)
+            else f"a {model.name} GPT at sequence {model.seq}")
+    best, limit = estimates[0], size(topo.memory_bytes)
+    if not best.feasible:
+        return f"on {topo.name}, no plan for {what} fits in memory"
+    seen, reasons = {_shape(best.plan)}, []
+    fastest = min(estimates, key=lambda e: e.step_s)
+    if not fastest.feasible:
+        reasons.append(f"the faster {fastest.plan.label} ({ms(fastest.step_s)}) needs {size(fastest.peak_bytes)} "
+                       f"per device (> {limit})")
+    for e in estimates:
+        if _shape(e.plan) in seen:
+            continue
+        seen.add(_shape(e.plan))
+        if not e.feasible:
+            reasons.append(f"{e.plan.label} needs {size(e.peak_bytes)} per device (> {limit})")
+        else:
+            term = max(e.time, key=lambda k: e.time[k] - best.time.get(k, 0.0))
+            reasons.append(f"{e.plan.label} is {(e.step_s / best.step_s - 1):.0%} slower ({term} "
+                           f"{ms(e.time[term])} against {ms(best.time.get(term, 0.0))})")
+        if len(reasons) >= 3:
+            break
+    return (f"on {topo.name}, {what}: {best.plan.label} ({ms(best.step_s)}/step, {size(best.peak_bytes)} per "
+            "device) because " + ("; ".join(reasons) or "it is the only mesh"))
+
+
+def _shape(plan: MeshPlan) -> tuple:
+    return plan.dp, plan.tp, plan.pp, plan.cp, plan.ep

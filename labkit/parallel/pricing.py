@@ -1,5 +1,5 @@
 """What a plan on a device mesh costs (:class:`labkit.advisor.plan.MeshPlan`: ``dp×tp×pp×cp×ep`` with micro-batches,
-ZeRO stage, sequence parallelism, recomputation), for the advisor's mesh search (:mod:`labkit.advisor.mesh`):
+ZeRO stage, sequence parallelism, recomputation), for the advisor's mesh search (:func:`labkit.advisor.search.mesh_candidates`):
 pure formulas beside the dimensions that price their own terms, and the GPT shapes they read (:class:`GPTShape`).
 
 A plan's step on ``N = dp·tp·pp·cp·ep`` devices, global batch ``B``, ``m`` micro-batches of ``b = B/(dp·ep·m)``
