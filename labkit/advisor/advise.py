@@ -70,18 +70,12 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
            memory_limit_gb: float | None = None, topology: Topology | None = None, links: str | None = None,
            cache: str | Path = CACHE, refresh: bool = False, profile_topology: Topology | None = None,
            timing: dict | None = None) -> Advice:
-    """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``).
-
-    Args:
-        batch_size: the global batch (samples per optimizer step); data-parallel plans split it.
-        memory_limit_gb: usable memory per device; plans above it are marked infeasible, and if none
-            fits a :class:`ConfigError` names the smallest memory that would.
-        links: a results run with ``"cost-model"`` records (``labkit allreduce bench --out DIR``).
-        profile_topology: whose thread counts the profiles are measured at (default ``topology``): price a
-            GPU topology with this machine's profile.
-        timing: how long a profile not yet cached times its levels (``{"windows": 5, "window_s": 0.02}``: quicker,
-            noisier; :func:`labkit.advisor.profile.measure_profile`).
-    """
+    """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``) at
+    global batch ``batch_size``. Plans above ``memory_limit_gb`` per device are marked; if none fits, a
+    :class:`ConfigError` names the smallest memory that would. ``links``: a run with ``"cost-model"`` records
+    (``labkit allreduce bench --out DIR``); ``profile_topology``: whose thread counts the profiles are measured
+    at (price a GPU topology with this machine's profile); ``timing``: a profile's ``windows`` and ``window_s``
+    (:func:`labkit.advisor.profile.measure_profile`; fewer: quicker, noisier)."""
     from labkit import data as kdata
     from labkit import models as kmodels
 
@@ -121,8 +115,8 @@ FLEXFLOW_ALEXNET_2GPU = (
 
 
 def table(advice: Advice) -> str:
-    """Ranked plans: predicted samples/s, peak memory per device, main term, measured columns if validated
-    (the median step of the runs, their spread ``(max − min) / median``), and the ranking's figures of merit."""
+    """Ranked plans: predicted samples/s, peak memory per device, main term; once validated the measured columns
+    (median step, spread), the ranking's figures of merit and the ``off:`` lines."""
     measured = any("step_s" in advice.measured.get(e.plan.label, {}) for e in advice.table)
     head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"
     if measured:

@@ -1,17 +1,11 @@
-"""The device topology: devices, their memory, and an α-β-γ price per link (seed 000's ``D = (D_N, D_E)``).
-
-A message of ``n`` bytes over a link costs ``alpha + beta · n``; reducing ``n`` bytes costs ``gamma · n``
-(:class:`labkit.collectives.cost.CostModel`). Every strategy pays the same prices for its bytes and messages:
-there is no per-strategy correction. Two kinds of topology:
-
-* :meth:`Topology.local` — N gloo ranks on this machine, the link measured once per kind of collective
-  (:mod:`labkit.advisor.measure`: gloo's reduce-scatter is not priced like its point-to-point messages), or read
-  from ``labkit allreduce bench --out DIR``'s ``"cost-model"`` records (the point-to-point link for every kind).
-  Every rank is a process on the same cores, so a plan with ``q`` processes gives each ``cores // q`` threads.
-* :data:`NAMED` — hardware a learner will meet, written from the vendors' public specifications (the link's
-  bandwidth per direction and per GPU, the memory, the dense bf16 peak); α is NCCL's typical small-message
-  latency on such links, not a spec. ``nodes > 1`` has two levels: ``link`` inside a node, ``inter`` between
-  nodes; a collective over more ranks than a node holds is priced with ``inter``.
+"""The device topology: devices, their memory, and an α-β-γ price per link (seed 000's ``D = (D_N, D_E)``): a
+message of ``n`` bytes costs ``α + β·n``, reducing ``n`` bytes ``γ·n`` (:class:`labkit.collectives.cost.CostModel`),
+the same prices for every strategy. :meth:`Topology.local`: N gloo ranks on this machine, the link measured per
+kind of collective (:mod:`labkit.advisor.measure`) or read from ``labkit allreduce bench --out DIR`` (one link
+for every kind); a plan of ``q`` processes gives each ``cores // q`` threads. :data:`NAMED`: GPU nodes from the
+vendors' public specifications (bandwidth per direction and GPU, memory, dense bf16 peak; α is NCCL's typical
+small-message latency, not a spec); over several nodes, a collective spanning more ranks than a node holds pays
+``inter``.
 """
 from __future__ import annotations
 
@@ -27,19 +21,11 @@ GB = 2**30
 
 @dataclass(frozen=True)
 class Topology:
-    """Devices and links one job may use.
-
-    Attributes:
-        ranks: processes (and devices) the job may start.
-        link: α-β-γ inside a node; ``inter``: between nodes (None on one node).
-        memory_bytes: usable memory per device (on CPU: the host's memory shared by the ranks).
-        cores: CPU cores the ranks share (CPU topologies); a process gets ``cores // processes`` threads.
-        separate_devices: the devices one process drives really run at once (GPUs); False on one CPU.
-        compute_scale: device speed relative to the profile (0.1: ten times faster than profiled).
-        flops: dense bf16 peak per device, FLOP/s (named GPU topologies; 0 where unknown).
-        kinds: α-β per kind of collective inside a node where measured (``{"reduce_scatter": CostModel, ...}``);
-            a kind not there pays ``link``.
-    """
+    """Devices and links one job may use: ``ranks`` processes (and devices); ``link`` α-β-γ inside a node,
+    ``inter`` between nodes; ``memory_bytes`` usable per device (a CPU's shared by the ranks); ``cores`` the CPU
+    cores the ranks share; ``separate_devices``: one process's devices really run at once (GPUs, not one CPU);
+    ``compute_scale`` device speed against the profile (0.1: ten times faster); ``flops`` dense bf16 peak per
+    device (0: unknown); ``kinds`` α-β per kind of collective where measured (others pay ``link``)."""
 
     name: str
     ranks: int

@@ -1,25 +1,15 @@
 """Validate: run **every** feasible plan of the table through ``labkit train``'s own code at least three times,
 and judge the prediction by its **ranking**.
 
-A run is :func:`labkit.train_run.run` (what ``labkit train`` calls, with the plan's command line parsed by the
-same parser) on ranks forked from :func:`labkit.testing.run_ranks`'s forkserver, which imported torch once: a
-torchrun start costs seconds of imports per rank before any step, a forked rank a fraction of one. The ranks
-start once per process count (the imports a fresh rank makes are paid once) and train that count's plans on
-them, each process at the threads of the profile that priced the plan
-(:attr:`labkit.advisor.plan.Estimate.threads`): a rank of a plan of ``q`` processes ``cores // q``; a
-one-process plan the cores, or one thread where the one-thread profile priced it cheaper
-(:func:`labkit.advisor.search.price`: on a busy machine two threads can cost more than one).
-
-The runs go round-robin (plan 1, 2, …, n, then again, each round starting one plan further on), so that a
-shared machine's slow spell falls on several plans rather than on all the repeats of one. A run's step is
-``global batch / samples per second`` of the training loop's own meter (it skips the first step: allocation and schedule set-up are not throughput); a
-plan's measured step is the median of its runs, its **spread** ``(max − min) / median``. The figures of merit
-(:func:`ranking`):
-
-* Spearman's ρ between predicted and measured steps over all plans (1: the same order);
-* ``measured(predicted best) / measured best``: what trusting the advisor costs (1: it chose the fastest);
-
-and where a plan is off, the term it is off by (:func:`off_terms`), not a correction factor.
+A run is :func:`labkit.train_run.run` (what ``labkit train`` calls, on the plan's command line parsed by the same
+parser) on ranks forked once per process count from :func:`labkit.testing.run_ranks`'s forkserver (a torchrun
+start would pay seconds of imports per rank), each process at the threads of the profile that priced the plan
+(:attr:`labkit.advisor.plan.Estimate.threads`). The runs go round-robin, each round starting one plan further
+on, so a slow spell of a shared machine falls on several plans, not on all the repeats of one. A run's step is
+``global batch / samples per second`` of the loop's own meter (first step skipped); a plan's measured step is the
+median of its runs, its **spread** ``(max − min) / median``. Figures of merit (:func:`ranking`): Spearman's ρ
+between predicted and measured steps, and ``measured(predicted best) / measured best``; where a plan is off, the
+term it is off by (:func:`off_terms`), not a correction factor.
 """
 from __future__ import annotations
 
@@ -55,12 +45,9 @@ def ranking(advice: Advice) -> dict:
 
 
 def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
-    """Where a prediction is off, which term: a line for each measured plan whose ``measured / predicted`` is
-    off the plans' median ratio ``r`` by more than ``tolerance`` and by more than its own spread. With every plan
-    priced ``r`` times too low or high alike (the profile's level, the machine's load that day), the plan's own
-    terms are what differs: the residual ``measured − r·predicted`` is what its largest term of its own (its
-    collectives, its bubble, its recomputation; not :data:`COMMON`, which every plan pays; ``compute`` where it has
-    none) would have to add."""
+    """A line for each measured plan whose ``measured / predicted`` is off the plans' median ratio ``r`` by more
+    than ``tolerance`` and its own spread: the residual ``measured − r·predicted`` against its largest term of its
+    own (collectives, bubble, recomputation; not :data:`COMMON`, which every plan pays; else ``compute``)."""
     rows = [(e, advice.measured[e.plan.label]) for e in advice.table
             if "step_s" in advice.measured.get(e.plan.label, {})]
     if len(rows) < 3:
