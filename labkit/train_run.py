@@ -156,7 +156,8 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         if cfg.deterministic:
             kdist.deterministic_kernels()
         strategy = strategy_cls(env, cfg.strategy_options)
-        strategy.check_model(cfg.model)  # e.g. a mesh dimension the model cannot take: one line, before any work
+        # e.g. a mesh dimension the model cannot take: one line, before any work
+        strategy.check_model(cfg.model, cfg.seq_len or DEFAULT_SEQ_LEN, cfg.dropout)
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
         info = kdata.dataset_info(cfg.dataset, cfg.data_root)

@@ -215,3 +215,37 @@ def test_a_mesh_dimension_the_model_cannot_take_is_refused_before_any_work(tp, m
 
     with pytest.raises(ConfigError, match=f"^{expected}"):
         get_dimension("tp")(_Mesh(pp=1, dp=1, ep=1, cp=1, tp=tp), {}).check(model)
+
+
+def test_what_cp_cannot_take_is_refused_from_the_flags_before_the_data(monkeypatch, tmp_path):
+    """--seq-len and --dropout reach the mesh's checks, which run before any data is loaded: cp's refusals come from
+    the flags, not from the built model."""
+    from labkit import train_run
+    from labkit.parallel import get_dimension
+    from labkit.train_cli import config_from_argv
+
+    cp = get_dimension("cp")(_Mesh(pp=1, dp=1, ep=1, cp=2, tp=1), {})
+    with pytest.raises(ConfigError, match=r"^--mesh cp=2: ring attention has no attention dropout; .*\(--dropout 0.1\)$"):
+        cp.check("gpt-tiny", 16, 0.1)
+    with pytest.raises(ConfigError, match=r"a length of 30 does not split; use a multiple of 4, e.g. 28 or 32$"):
+        cp.check("gpt-tiny", 30)
+    cp.check("gpt-tiny", 32)  # 4 chunks of 8 tokens: accepted
+
+    seen = []
+
+    class Refusing:  # a strategy that records what its check was given, and refuses
+        def __init__(self, env, options):
+            pass
+
+        def check_model(self, model_name, seq_len=None, dropout=0.0):
+            seen.append((model_name, seq_len, dropout))
+            raise ConfigError("refused")
+
+    monkeypatch.setattr(train_run, "get_strategy", lambda name: Refusing)
+    monkeypatch.setattr(train_run, "load_split", lambda **kw: pytest.fail("the data was loaded before the check"))
+    for extra, expected in (([], ("gpt-tiny", 128, 0.0)), (["--seq-len", "30", "--dropout", "0.1"],
+                                                          ("gpt-tiny", 30, 0.1))):
+        cfg = config_from_argv(["--model", "gpt-tiny", "--dataset", "text-sample", "--out", str(tmp_path), *extra])
+        with pytest.raises(ConfigError, match="^refused$"):
+            train_run.run(cfg)
+        assert seen.pop() == expected

@@ -185,7 +185,8 @@ def _four_ranks(env):
     strategy = MeshStrategy(env, {"mesh": "dp=2,cp=2"})
     for attempt in (lambda: strategy.check_model("lenet"), lambda: strategy.prepare(GPT(CFG.replace(block_size=18))),
                     lambda: strategy.prepare(GPT(CFG.replace(dropout=0.1))),
-                    lambda: MeshStrategy(env, {"mesh": "dp=2,cp=2", "seq_len": 30}).check_model("gpt-tiny"),
+                    lambda: strategy.check_model("gpt-tiny", 30),
+                    lambda: strategy.check_model("gpt-tiny", 16, 0.1),
                     lambda: MeshStrategy(env, {"mesh": "pp=2,cp=2"}).check_model("gpt-tiny")):
         try:
             attempt()
@@ -264,9 +265,11 @@ def test_gpt_on_cp2_tp2_through_fit_equals_one_process(four):
 
 
 def test_cp_refuses_what_it_cannot_split(four):
-    lenet, length, dropout, seq_len, pp = four[0]["refused"]
+    lenet, length, dropout, seq_len, early_dropout, pp = four[0]["refused"]
     assert "--mesh cp=2 splits the sequences of a transformer; it needs --model gpt-tiny" in lenet
     assert "a length of 18 does not split; use a multiple of 4, e.g. 16 or 20" in length
     assert "ring attention has no attention dropout" in dropout
     assert seq_len.endswith("a length of 30 does not split; use a multiple of 4, e.g. 28 or 32")
+    assert early_dropout == ("--mesh cp=2: ring attention has no attention dropout; train with dropout 0 "
+                             "(--dropout 0.1)")
     assert pp.startswith("--mesh cp=2 with pp=2 is not supported")

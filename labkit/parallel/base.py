@@ -67,9 +67,10 @@ class Dimension:
         self.size = mesh.size(mesh.mesh_dim_names.index(self.name))
         self.rank = mesh.get_local_rank(self.name)
 
-    def check(self, model_name: str) -> None:
-        """Raise :class:`~labkit.errors.ConfigError` if this dimension cannot apply to ``model_name``
-        (e.g. "tp needs --model gpt*"). Called before any work starts."""
+    def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
+        """Raise :class:`~labkit.errors.ConfigError` if this dimension cannot apply to ``model_name`` built with
+        ``seq_len`` tokens per example and ``dropout`` (e.g. "tp needs --model gpt*"). Called before any work
+        starts: before the data is loaded and the model built."""
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """This dimension's change to ``model`` (in APPLY order); size 1: ``model`` unchanged."""

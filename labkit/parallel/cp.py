@@ -74,7 +74,7 @@ class ContextParallel(Dimension):
         self.bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
         self.averages_gradients = self.size > 1
 
-    def check(self, model_name: str) -> None:
+    def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         refuse_moe("cp", self.size, model_name, "the router balances and caps its experts over a whole sequence, "
                    "and a cp rank holds only its chunks of it")
         if self.size > 1 and not model_name.startswith("gpt"):
@@ -84,8 +84,11 @@ class ContextParallel(Dimension):
         if self.size > 1 and pp > 1:  # the stages would lose the positions the GPT's pre-hook passes
             raise ConfigError(f"--mesh cp={self.size} with pp={pp} is not supported: the pipeline's stages do not get "
                               "the sequence positions of a rank's chunks; combine cp with dp and tp")
-        if self.size > 1 and self.options.get("seq_len"):  # --seq-len: refused before the data and the model
-            self.ring.check_length(self.options["seq_len"])
+        if self.size > 1 and dropout:
+            raise ConfigError(f"--mesh cp={self.size}: ring attention has no attention dropout; train with dropout 0 "
+                              f"(--dropout {dropout:g})")
+        if self.size > 1 and seq_len:  # the GPT's block size: refused before the data and the model
+            self.ring.check_length(seq_len)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         if self.size == 1:

@@ -69,7 +69,7 @@ class DataParallel(Dimension):
     def data_parallel_size(self) -> int:
         return self.size
 
-    def check(self, model_name: str) -> None:
+    def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         if self.shard == "zero3":
             raise ConfigError("--dp-shard zero3: labkit's ZeRO shards over the whole job and takes no process group, "
                               "so it cannot be the dp dimension of a mesh; use --dp-shard fsdp (FSDP2, ZeRO stage 3)")

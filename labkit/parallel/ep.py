@@ -120,7 +120,7 @@ class ExpertParallel(Dimension):
         self.data_parallel_size = self.size
         self.averages_gradients = self.size > 1  # the non-expert gradients
 
-    def check(self, model_name: str) -> None:
+    def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         if self.size == 1:
             return
         if model_name not in MOE_SIZES:

@@ -96,7 +96,7 @@ class PipelineParallel(Dimension):
     def is_last(self) -> bool:
         return self.rank == self.size - 1
 
-    def check(self, model_name: str) -> None:
+    def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         """A GPT of a named size is checked now (blocks >= stages, ``--balance`` summing to its blocks); a CNN's
         layers are counted when it is cut. Context parallelism is refused: its ranks hold tokens at other positions
         than 0..T/cp-1, given to the whole GPT's forward, and a stage computes its own positions. A mixture of

@@ -46,7 +46,7 @@ class TensorParallel(Dimension):
         self._criterion = VocabParallelCrossEntropy(self.group)
         self.vocab_size: int | None = None
 
-    def check(self, model_name: str) -> None:
+    def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         refuse_moe("tp", self.size, model_name, "tensor parallelism splits a dense MLP, and a mixture-of-experts "
                    "block has experts in its place")
         if not model_name.startswith("gpt"):

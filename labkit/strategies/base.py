@@ -81,9 +81,10 @@ class Strategy:
         """This rank's batch given ``--batch-size``; a strategy may derive it from its own flags instead."""
         return batch_size
 
-    def check_model(self, model_name: str) -> None:
-        """Raise :class:`~labkit.errors.ConfigError` if this strategy cannot train ``--model model_name``; called
-        before the data and the model are built."""
+    def check_model(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
+        """Raise :class:`~labkit.errors.ConfigError` if this strategy cannot train ``--model model_name`` built with
+        ``seq_len`` tokens per example (a GPT's block size) and ``dropout``; called before the data and the model
+        are built."""
 
     def prepare(self, model: nn.Module) -> nn.Module:
         return model.to(self.env.device)

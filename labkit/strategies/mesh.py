@@ -93,10 +93,10 @@ class MeshStrategy(DataParallelStrategy):
         self.sequential_model = False  # check_model: a CNN on a pipeline is built as a flat nn.Sequential
         self._criteria: dict[int, nn.Module] = {}
 
-    def check_model(self, model_name: str) -> None:
+    def check_model(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         """Every dimension's :meth:`~labkit.parallel.base.Dimension.check` (ConfigError before any work)."""
         for d in self.dims:
-            d.check(model_name)
+            d.check(model_name, seq_len, dropout)
         # pp cuts a GPT by its layer names, any other model as the flat nn.Sequential it is then built as
         self.sequential_model = self.pipeline is not None and model_name not in LANGUAGE_MODELS
 
