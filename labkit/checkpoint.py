@@ -108,11 +108,13 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
 
 
 def _check_same_run(saved: dict, config: dict, path: Path) -> None:
-    """A checkpoint of another model or dataset: say which, instead of torch's list of mismatched keys."""
-    for key in ("model", "dataset"):
-        if saved.get(key) and config.get(key) and saved[key] != config[key]:
+    """A checkpoint of another model or dataset, or of a GPT built with another dropout or sequence length: say
+    which, instead of torch's list of mismatched keys, or of training on at another dropout rate unawares."""
+    for key in ("model", "dataset", "dropout", "seq_len"):
+        if saved.get(key) is not None and config.get(key) is not None and saved[key] != config[key]:
+            flag = "--" + key.replace("_", "-")
             raise CheckpointError(f"the checkpoint in {path.parent} holds {key} {saved[key]}, this run builds "
-                                  f"{config[key]}: use --{key} {saved[key]} to continue it, or another --out, or run "
+                                  f"{config[key]}: use {flag} {saved[key]} to continue it, or another --out, or run "
                                   "without --resume")
 
 

@@ -65,6 +65,17 @@ def test_resuming_another_models_checkpoint_names_both_models(tmp_path, capsys, 
                    "mlp to continue it, or another --out, or run without --resume"], err
 
 
+def test_resuming_a_gpt_at_another_dropout_rate_is_refused(tmp_path, capsys, one_thread):
+    gpt = ["--model", "gpt-tiny", "--dataset", "text-sample", "--train-size", "32", "--test-size", "16",
+           "--batch-size", "8", "--max-steps", "1", "--device", "cpu", "--log-every", "100", "--out", str(tmp_path)]
+    assert main(["train", *gpt, "--dropout", "0.1"]) == 0
+    capsys.readouterr()
+    assert main(["train", *gpt, "--resume"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"labkit: error: the checkpoint in {tmp_path} holds dropout 0.1, this run builds 0.0: use "
+                   "--dropout 0.1 to continue it, or another --out, or run without --resume"], err
+
+
 def test_a_multi_rank_strategy_in_one_process_says_how_to_start_ranks(tmp_path, capsys, one_thread):
     assert main(["train", "--model", "mlp", "--strategy", "ddp", *QUICK, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
