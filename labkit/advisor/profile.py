@@ -122,14 +122,9 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     calls = max(1, math.ceil(window_s / max(slowest.item(), 1e-6)))  # the same on every rank
     ratios = []
-    for _ in range(rounds):
-        alone = 0.0
-        for turn in range(env.world_size):  # each rank alone, the others asleep in its barriers
-            if env.rank == turn:
-                alone = timed(synced, 1, calls=calls)
-            else:
-                timed(dist.barrier, 1, calls=calls)
-        ratios.append(timed(synced, 1, calls=calls) / alone)  # then all at once
+    for _ in range(rounds):  # each rank alone in turn (the others asleep in its barriers), then all at once
+        alone = [timed(synced if turn == env.rank else dist.barrier, 1, calls=calls) for turn in range(env.world_size)]
+        ratios.append(timed(synced, 1, calls=calls) / alone[env.rank])
     return statistics.median(ratios)
 
 
@@ -180,12 +175,11 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
         kappa = together(copy.deepcopy(seq).train(), dataset, sizes[1], windows, copies(threads), window_s)
     finally:
         torch.set_num_threads(before)
-    scale = [max(0.0, whole[k] - update_s * _bytes(seq.parameters()) - data_s * sizes[k]) /
-             max(1e-12, sum(f + b for f, b in times[k])) for k in range(2)]
-    t0, t1 = [[(f * scale[k], b * scale[k]) for f, b in times[k]] for k in range(2)]
-    layers = [LayerProfile(name, type(layer).__name__, _line(sizes[0], t0[i][0], sizes[1], t1[i][0]),
-                           _line(sizes[0], t0[i][1], sizes[1], t1[i][1]), _bytes(layer.parameters()), outs[i],
-                           saved[i], sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
+    s0, s1 = [max(0.0, whole[k] - update_s * _bytes(seq.parameters()) - data_s * sizes[k]) /
+              max(1e-12, sum(f + b for f, b in times[k])) for k in range(2)]  # scale(b) at both sizes
+    lines = [[_line(sizes[0], t0 * s0, sizes[1], t1 * s1) for t0, t1 in zip(*at)] for at in zip(*times)]  # fwd, bwd
+    layers = [LayerProfile(name, type(layer).__name__, *lines[i], _bytes(layer.parameters()), outs[i], saved[i],
+                           sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
                            sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
               for i, (name, layer) in enumerate(seq.named_children())]
     pairs = linear_pairs(list(seq))
@@ -194,13 +188,11 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                    [seq[i].out_features for i, _ in pairs], kappa)
 
 
-def _key(model: str, dataset: str, batch_size: int, threads: int) -> dict:
-    return {"format": FORMAT, "model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
-            "torch": torch.__version__, "host": os.uname().nodename}
-
-
-def _cache_dir(model: str, dataset: str, batch_size: int, threads: int, root: Path | str) -> Path:
-    return Path(root) / f"profile-{model}-{dataset}-b{batch_size}-t{threads}"
+def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path | str) -> tuple[Path, dict]:
+    """(folder, key): where a profile is cached and what it must have been measured with to be reused."""
+    return Path(root) / f"profile-{model}-{dataset}-b{batch_size}-t{threads}", {
+        "format": FORMAT, "model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
+        "torch": torch.__version__, "host": os.uname().nodename}
 
 
 def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
@@ -209,12 +201,12 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
     :func:`measure_profile`'s ``windows`` and ``window_s``)."""
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
-    where = _cache_dir(model, dataset, batch_size, threads, root)
+    where, key = _cache(model, dataset, batch_size, threads, root)
     if not refresh and (where / "summary.json").exists():
         try:
-            run = load_run(where)
-            if run.summary["config"].get("key") == _key(model, dataset, batch_size, threads):
-                return profile_from_dict(run.summary["metrics"]["profile"])
+            summary = load_run(where).summary
+            if summary["config"].get("key") == key:
+                return profile_from_dict(summary["metrics"]["profile"])
         except (ValueError, KeyError, TypeError):
             pass  # an old or damaged cache is measured again
     prof = measure_profile(model, dataset, batch_size, threads, repeats, **timing)
@@ -224,10 +216,9 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
 
 def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Path:
     """Write ``prof`` as a run (``"layer"`` records + summary) where :func:`load_or_measure` finds it."""
-    where = _cache_dir(prof.model, prof.dataset, batch_size, prof.threads, root)
+    where, key = _cache(prof.model, prof.dataset, batch_size, prof.threads, root)
     writer = RunWriter(where)
     for layer in prof.layers:
         writer.log({"kind": "layer", **asdict(layer)})
-    writer.finish(f"profile {prof.model}", "profile", {"key": _key(prof.model, prof.dataset, batch_size, prof.threads)},
-                  {"profile": asdict(prof)})
+    writer.finish(f"profile {prof.model}", "profile", {"key": key}, {"profile": asdict(prof)})
     return where
