@@ -28,7 +28,7 @@ from labkit.errors import ConfigError
 from labkit.results import RunWriter, load_run
 from labkit.testing import run_ranks
 
-FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]  # bytes: from latency-bound to bandwidth-bound, in seconds
+FIT_SIZES = [4, 16 << 10, 256 << 10, 1 << 20]  # bytes: latency-bound to bandwidth-bound (the fit takes seconds)
 CALLS, WINDOWS, WORK_S = 5, 5, 0.01  # calls per window, windows per size and kind, computing before each call
 
 
@@ -98,9 +98,10 @@ def _fit_rank(env, windows: int = WINDOWS, calls: int = CALLS) -> dict:
     m = torch.randn(128, 128, device=device)
     reps = torch.tensor([max(1, round(WORK_S / timed(lambda: (m @ m, sync()), 5, 0.5, window_s=0.01)))])
     kdist.all_reduce(reps, op=dist.ReduceOp.MIN)  # the same work on every rank
+    reps = int(reps.item())
 
     def work() -> None:  # what a step computes between two collectives
-        for _ in range(int(reps.item())):
+        for _ in range(reps):
             m @ m
         sync()
 

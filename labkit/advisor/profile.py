@@ -1,23 +1,19 @@
-"""The model's side of the advisor's measurement (timed with :func:`labkit.advisor.measure.timed`), per layer ``i``
-of its flat ``nn.Sequential`` form: forward and backward times at two batch sizes fitted to lines, so every batch a
-plan uses (``B``, ``B/p``, ``B/m``) has a price (``fwd0``: what a micro-batch pays however small),
+"""The model's side of the advisor's measurement, per layer ``i`` of its flat ``nn.Sequential`` form: its bytes
+(parameters, output per sample: what crosses a cut, saved per sample: what autograd keeps) and its forward and
+backward times at two batch sizes, fitted to lines so every batch a plan uses (``B``, ``B/p``, ``B/m``) has a price:
 
-    fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
+    fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b      (fwd0: what any micro-batch pays)
 
-and its bytes: parameters, output per sample (what crosses a cut), saved per sample (what autograd keeps). Layers
-timed alone give the shape; ``labkit train``'s own step timed back to back in one process gives the level
-(:func:`loop_costs`), every layer scaled by
+Layers timed alone give the shape; ``labkit train``'s own step, timed back to back in one process, the level
+(:func:`loop_costs`):
 
     scale(b) = (step(b) − update(P) − data(b)) / Σ_i (fwd_i + bwd_i)(b)
     update(P) = update_s_per_byte · P      data(b) = data_s_per_sample · b
 
-and what processes computing at once pay, on every plan of several processes' compute (:func:`together`,
-:func:`labkit.advisor.alphabeta.compute_scale`):
-
-    κ = step of each of n processes stepping at once / its step alone      (n = cores // threads)
-
-A profile is cached as a run (``summary.json`` kind ``"profile"``, one ``"layer"`` record per layer), reused while
-model, dataset, sizes, threads, host, torch version and :data:`FORMAT` match.
+and :func:`together` what processes computing at once pay (on every plan of several processes' compute,
+:func:`labkit.advisor.alphabeta.compute_scale`): ``κ = step of each of n processes stepping at once / its step
+alone`` (``n = cores // threads``). Cached as a run (``summary.json`` kind ``"profile"``, one ``"layer"`` record
+per layer), reused while model, dataset, sizes, threads, host, torch version and :data:`FORMAT` match.
 """
 from __future__ import annotations
 
