@@ -7,8 +7,8 @@ messages, as the kit's schedules run them, and PyTorch's ``all_reduce``, ``reduc
 step makes it: windows of :data:`CALLS` calls, each after :data:`WORK_S` of matrix products, less a window of the
 products alone just before; the median of :data:`WINDOWS` such pairs, on the slowest rank. Sizes lost in the
 computing's noise are left out; a kind left with fewer than two sizes pays the point-to-point link. The points
-give each kind's α and β (:func:`fit_kind`); γ is the fastest of 5 ``a += b``. The fit is cached as a run with
-one ``"cost-model"`` record (as ``labkit allreduce bench --out DIR`` writes it), the kinds beside.
+give each kind's α and β (:func:`fit_kind`), the same for every strategy; γ is the fastest of 5 ``a += b``. The
+fit is cached as a run with one ``"cost-model"`` record (as ``labkit allreduce bench --out DIR`` writes it).
 """
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ def read_fit(path: str | Path, ranks: int, required: bool = True) -> tuple[CostM
 
 def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=None, calls: int = 0) -> float:
     """Seconds per call of ``fn``: the ``quantile`` (0.5 the median, 0 the fastest) of ``windows`` windows of
-    back-to-back calls. A window holds ``calls`` calls or, when 0, as many as fill ``window_s`` (at least one),
-    counted by one untimed call first. ``setup()``, untimed, runs before each window; ``fn`` gets what it returns."""
+    back-to-back calls. A window holds ``calls`` calls (ranks timing collectives: the same calls on every rank) or,
+    when 0, as many as fill ``window_s`` (at least one), counted by one untimed call first. ``setup()``, untimed,
+    runs before each window; ``fn`` gets what it returns."""
     state = setup() if setup else None
 
     def call():
