@@ -1,12 +1,9 @@
-"""Apply a plan: ``labkit.parallelize(model, plan)`` returns the model prepared for the plan's strategy and
-the ``labkit train`` command that runs the same plan (the wrapper seed 000 asks for).
+"""Apply a plan: ``labkit.parallelize(model, plan)`` returns the model prepared for the plan's strategy and the
+``labkit train`` command that runs the same plan (the wrapper seed 000 asks for).
 
     par = labkit.parallelize("lenet", "auto", dataset="mnist-sample", ranks=2)
     par.command    # 'torchrun --nproc_per_node 2 -m labkit train --model lenet ... --strategy ddp ...'
     par.model      # inside a rank: the module to hand to labkit.train.fit with par.strategy
-
-A plan on several ranks is prepared on every rank of a running process group (pass ``env``, e.g. the one
-:func:`labkit.testing.run_ranks` or :func:`labkit.dist.distributed` gives).
 """
 from __future__ import annotations
 
@@ -30,41 +27,33 @@ class Parallelized:
     command: str
 
 
-def _plan(plan, model_name: str | None, dataset: str, ranks: int, batch_size: int) -> Plan:
-    """``plan`` as a :class:`Plan`: given, an estimate's, read from a dict, or the advice's (``"auto"``: the best)."""
-    if isinstance(plan, (Plan, Estimate, dict)):
-        return Plan.from_dict(plan) if isinstance(plan, dict) else getattr(plan, "plan", plan)
-    if not isinstance(plan, str):
-        raise ConfigError(f"plan must be 'auto', a plan label, a Plan, an Estimate or a dict, got {type(plan).__name__}")
-    if model_name is None:
-        raise ConfigError("plan='auto' needs the model's name (model_name=...): the advisor profiles a kit model")
-    from labkit.advisor.advise import advise
-
-    advice = advise(model_name, dataset, ranks, batch_size)
-    return advice.best.plan if plan == "auto" else advice.find(plan).plan
-
-
 def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "auto", *, model_name: str | None = None,
                 dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64, env: DistEnv | None = None,
                 extra: tuple[str, ...] = ()) -> Parallelized:
-    """Prepare ``model`` (a kit model name, or a module with a flat form) for ``plan``.
-
-    Args:
-        model: ``"lenet"`` etc. (built for ``dataset`` exactly as ``labkit train`` builds it), or an
-            ``nn.Module`` (flattened with :func:`labkit.models.to_sequential` when the strategy cuts layers).
-        plan: ``"auto"`` (advise and take the best), a plan label from the table, or a plan.
-        model_name: the kit model name the command uses when ``model`` is a module.
-        env: this process's place in the job (default: one process on the CPU).
-        extra: more ``labkit train`` arguments for the command (``--epochs 5``, ...).
-
-    Raises:
-        ConfigError: unknown model, a model without a flat form, or ``env`` with the wrong number of ranks.
-    """
+    """Prepare ``model`` (a kit model name, built for ``dataset`` as ``labkit train`` builds it; or an ``nn.Module``,
+    flattened by :func:`labkit.models.to_sequential` when the strategy cuts layers, with ``model_name`` for the
+    command) for ``plan``: ``"auto"`` (advise and take the best), a plan label from the table, or a plan. A plan
+    on several ranks is prepared on every rank of a running process group: pass its ``env`` (default: one process
+    on the CPU), e.g. :func:`labkit.testing.run_ranks`'s. ``extra``: more ``labkit train`` arguments for the
+    command (``--epochs 5``, ...). Raises :class:`ConfigError` for an unknown model, a model without a flat form,
+    or an ``env`` with the wrong number of ranks."""
     from labkit import data as kdata
     from labkit import models as kmodels
 
     name = model if isinstance(model, str) else model_name
-    chosen = _plan(plan, name, dataset, ranks, batch_size)
+    if isinstance(plan, dict):
+        chosen = Plan.from_dict(plan)
+    elif isinstance(plan, (Plan, Estimate)):
+        chosen = getattr(plan, "plan", plan)
+    elif not isinstance(plan, str):
+        raise ConfigError(f"plan must be 'auto', a plan label, a Plan, an Estimate or a dict, got {type(plan).__name__}")
+    elif name is None:
+        raise ConfigError("plan='auto' needs the model's name (model_name=...): the advisor profiles a kit model")
+    else:
+        from labkit.advisor.advise import advise
+
+        advice = advise(name, dataset, ranks, batch_size)
+        chosen = advice.best.plan if plan == "auto" else advice.find(plan).plan
     if name is None:
         raise ConfigError("give model_name=... (a kit model) so the returned command can build the same model")
     env = env or DistEnv()

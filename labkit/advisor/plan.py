@@ -1,22 +1,18 @@
-"""A plan (a strategy with its parameters), its estimate (named cost terms, in seconds and bytes), and the models
-the pricing functions read: a CNN's profile (measured by :mod:`labkit.advisor.profile`); and a plan on a device
-mesh (:class:`MeshPlan`, priced by :mod:`labkit.parallel.pricing`): plain data, no torch."""
+"""Plain data, no torch: a :class:`Plan` (a strategy with its parameters), its :class:`Estimate` (named cost
+terms in seconds and bytes), a CNN's :class:`Profile` (measured by :mod:`labkit.advisor.profile`), and a
+:class:`MeshPlan` on a device mesh (priced by :mod:`labkit.parallel.pricing`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from labkit.strategies import STRATEGIES, strategy_literal
 
 
 @dataclass(frozen=True)
 class Plan:
-    """One way to train: ``labkit train --strategy {strategy}`` on ``processes`` ranks using ``devices`` devices.
-
-    Attributes:
-        batch_size: samples per optimizer step over the whole job (the global batch).
-        options: the strategy's own ``labkit train`` flags as ``((dest, value), ...)``, e.g.
-            ``(("num_microbatches", 4), ("balance", (5, 7)))``.
-    """
+    """``labkit train --strategy {strategy}`` on ``processes`` ranks using ``devices`` devices. ``batch_size``:
+    samples per optimizer step over the whole job (the global batch); ``options``: the strategy's own flags as
+    ``((dest, value), ...)``, e.g. ``(("num_microbatches", 4), ("balance", (5, 7)))``."""
 
     strategy: str
     processes: int
@@ -30,9 +26,9 @@ class Plan:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that each train their own share of the batch, as the strategy's ``ADVISOR`` literal says:
-        ``"batch": "split"`` every rank (``--batch-size`` is per rank), ``"workers"`` the ranks that are not
-        servers (the option its ``"servers"`` names), else one (every rank sees the whole batch)."""
+        """Ranks that each train their own share of the batch, by the strategy's ``ADVISOR`` ``"batch"``:
+        ``"split"`` every rank (``--batch-size`` is per rank), ``"workers"`` the ranks that are not servers (the
+        option its ``"servers"`` names), else one (every rank sees the whole batch)."""
         entry = strategy_literal(self.strategy, "ADVISOR", {}) if self.strategy in STRATEGIES else {}
         split = entry.get("batch")
         if split == "workers":
@@ -60,27 +56,19 @@ class Plan:
         """``labkit train`` arguments (without ``labkit``) that run this plan."""
         args = ["train", "--model", model, "--dataset", dataset, "--strategy", self.strategy,
                 "--batch-size", str(self.per_rank_batch)]
-        for dest, value in self.options:
-            flag = "--" + dest.replace("_", "-")
-            if value is True:  # a switch
-                args.append(flag)
-            elif isinstance(value, (tuple, list)):
-                args += [flag, *map(str, value)]
-            elif value is not None and value is not False:
-                args += [flag, str(value)]
+        for dest, value in self.options:  # True: a switch; None, False: left out; a tuple or list: its values
+            values = [] if value is True else value if isinstance(value, (tuple, list)) else [value]
+            if value is not None and value is not False:
+                args += ["--" + dest.replace("_", "-"), *map(str, values)]
         return args
 
     def command(self, model: str, dataset: str, extra: list[str] | tuple = ()) -> str:
         """The shell command: ``torchrun --nproc_per_node N -m labkit train ...`` (plain ``labkit`` for one process)."""
-        args = " ".join([*self.train_args(model, dataset), *extra])
-        if self.processes == 1:
-            return f"labkit {args}"
-        return f"torchrun --nproc_per_node {self.processes} -m labkit {args}"
+        launch = "labkit" if self.processes == 1 else f"torchrun --nproc_per_node {self.processes} -m labkit"
+        return " ".join([launch, *self.train_args(model, dataset), *extra])
 
     def to_dict(self) -> dict:
-        return {"strategy": self.strategy, "processes": self.processes, "devices": self.devices,
-                "batch_size": self.batch_size, "options": {k: list(v) if isinstance(v, tuple) else v
-                                                           for k, v in self.options}}
+        return {**asdict(self), "options": {k: list(v) if isinstance(v, tuple) else v for k, v in self.options}}
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
@@ -90,8 +78,8 @@ class Plan:
 
 @dataclass
 class Estimate:
-    """A plan's predicted step: ``time`` terms (seconds per optimizer step) and ``memory`` terms (bytes on
-    its fullest device), compared with ``limit_bytes`` per device. ``note`` says why a plan cannot run;
+    """A plan's predicted step: ``time`` terms (seconds per optimizer step) and ``memory`` terms (bytes on its
+    fullest device), against ``limit_bytes`` per device. ``note``: why the plan cannot run (empty: it can);
     ``threads``: CPU threads per process of the profile that priced it (0: not a CPU profile), which a
     validation run of the plan uses."""
 
@@ -201,12 +189,9 @@ class Profile:
 
 def profile_from_dict(d: dict) -> Profile:
     """Inverse of ``dataclasses.asdict`` for a :class:`Profile` read back from JSON."""
-    d = dict(d)
-    d["layers"] = [LayerProfile(**{**layer, "fwd": tuple(layer["fwd"]), "bwd": tuple(layer["bwd"])})
-                   for layer in d["layers"]]
-    d["sizes"] = tuple(d["sizes"])
-    d["tp_pairs"] = [tuple(p) for p in d.get("tp_pairs", [])]
-    return Profile(**d)
+    layers = [LayerProfile(**{**layer, "fwd": tuple(layer["fwd"]), "bwd": tuple(layer["bwd"])}) for layer in d["layers"]]
+    return Profile(**{**d, "layers": layers, "sizes": tuple(d["sizes"]),
+                      "tp_pairs": [tuple(p) for p in d.get("tp_pairs", [])]})
 
 
 @dataclass(frozen=True)
