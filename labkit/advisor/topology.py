@@ -1,11 +1,7 @@
-"""The device topology: devices, their memory, and an α-β-γ price per link (seed 000's ``D = (D_N, D_E)``): a
-message of ``n`` bytes costs ``α + β·n``, reducing ``n`` bytes ``γ·n`` (:class:`labkit.collectives.cost.CostModel`),
-the same prices for every strategy. :meth:`Topology.local`: N gloo ranks on this machine, the link measured per
-kind of collective (:mod:`labkit.advisor.measure`) or read from ``labkit allreduce bench --out DIR`` (one link
-for every kind); a plan of ``q`` processes gives each ``cores // q`` threads. :data:`NAMED`: GPU nodes from the
-vendors' public specifications (bandwidth per direction and GPU, memory, dense bf16 peak; α is NCCL's typical
-small-message latency, not a spec); over several nodes, a collective spanning more ranks than a node holds pays
-``inter``.
+"""The device topology (seed 000's ``D = (D_N, D_E)``): devices, their memory, and an α-β-γ price per link, the
+same for every strategy: a message of ``n`` bytes costs ``α + β·n``, reducing ``n`` bytes ``γ·n``
+(:class:`labkit.collectives.cost.CostModel`). :meth:`Topology.local`: gloo ranks on this machine; :data:`NAMED`:
+GPU nodes from the vendors' public specifications.
 """
 from __future__ import annotations
 
@@ -22,10 +18,11 @@ GB = 2**30
 @dataclass(frozen=True)
 class Topology:
     """Devices and links one job may use: ``ranks`` processes (and devices); ``link`` α-β-γ inside a node,
-    ``inter`` between nodes; ``memory_bytes`` usable per device (a CPU's shared by the ranks); ``cores`` the CPU
-    cores the ranks share; ``separate_devices``: one process's devices really run at once (GPUs, not one CPU);
-    ``compute_scale`` device speed against the profile (0.1: ten times faster); ``flops`` dense bf16 peak per
-    device (0: unknown); ``kinds`` α-β per kind of collective where measured (others pay ``link``)."""
+    ``inter`` between nodes (a collective spanning more ranks than a node holds pays it); ``memory_bytes`` usable
+    per device (a CPU's shared by the ranks); ``cores`` the CPU cores the ranks share; ``separate_devices``: one
+    process's devices really run at once (GPUs, not one CPU); ``compute_scale`` device speed against the profile
+    (0.1: ten times faster); ``flops`` dense bf16 peak per device (0: unknown); ``kinds`` α-β per kind of
+    collective where measured (others pay ``link``)."""
 
     name: str
     ranks: int
@@ -66,21 +63,23 @@ class Topology:
     def local(cls, ranks: int, link: CostModel | None = None, links_from: str | Path | None = None,
               cache: str | Path = Path("runs") / "advisor", refresh: bool = False, fit: dict | None = None
               ) -> Topology:
-        """``ranks`` gloo ranks on this machine; the link from ``link``, a bench run dir, a cache, or measured now
-        (``refresh``: measured now even if cached; ``fit``: :func:`labkit.advisor.measure.measure_link`'s
-        ``windows`` and ``calls``, e.g. fewer for a quick, noisier fit)."""
+        """``ranks`` gloo ranks on this machine, a plan of ``q`` processes giving each ``cores // q`` threads. The
+        link: ``link``; else one for every kind read from ``labkit allreduce bench --out DIR`` (``links_from``); else
+        one per kind of collective cached, or measured now (``refresh``: even if cached) by
+        :func:`labkit.advisor.measure.measure_link` (``fit``: its ``windows`` and ``calls``, fewer: quicker, noisier)."""
         from labkit.advisor.measure import measure_link, read_fit
 
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        found = (link, {}) if link is not None else None
-        if found is None and links_from:
+        folder = Path(cache) / f"links-{ranks}"
+        if link is not None:
+            found = (link, {})
+        elif links_from:
             found = read_fit(links_from, ranks)
-        elif found is None and not refresh:
-            found = read_fit(Path(cache) / f"links-{ranks}", ranks, required=False)
-            found = found if found is not None and (found[1] or ranks == 1) else None  # no kinds cached: again
-        if found is None:
-            found = measure_link(ranks, Path(cache) / f"links-{ranks}", **(fit or {}))
+        else:
+            found = None if refresh else read_fit(folder, ranks, required=False)
+            if found is None or not (found[1] or ranks == 1):  # none cached, or no kinds cached: measure again
+                found = measure_link(ranks, folder, **(fit or {}))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return cls(f"{ranks} gloo rank(s) on this host", ranks, found[0], memory / ranks, "cpu",
                    os.cpu_count() or 1, kinds=found[1])
@@ -93,12 +92,12 @@ class Topology:
         nodes (default) α 20 µs, 12.5 GB/s (100 Gb/s InfiniBand). ``compute_scale`` maps CPU-profiled times to
         the GPU's (a rough guess: profile on the GPU node itself for real numbers)."""
         link = link or CostModel(alpha=10e-6, beta=1 / 150e9)
-        if nodes > 1:
-            inter = inter or CostModel(alpha=20e-6, beta=1 / 12.5e9)
+        inter = (inter or CostModel(alpha=20e-6, beta=1 / 12.5e9)) if nodes > 1 else inter
         return cls(name or f"{nodes} node(s) × {gpus} GPU(s)", gpus * nodes, link, memory_gb * GB, "cuda", 1, nodes,
                    inter, True, compute_scale, flops)
 
 
+#: From public specs (bandwidth per direction and GPU; α is NCCL's typical small-message latency, not a spec):
 #: H100 SXM: 80 GB HBM3, 989 TFLOP/s dense bf16, NVLink 4 at 900 GB/s per GPU both ways (450 each way);
 #: A100 PCIe 80 GB: 312 TFLOP/s dense bf16, PCIe Gen4 x16 at 32 GB/s each way (about 25 GB/s reached);
 #: between nodes one 400 Gb/s NDR InfiniBand adapter per GPU (50 GB/s each way).
