@@ -189,9 +189,9 @@ class Profile:
 
 def profile_from_dict(d: dict) -> Profile:
     """Inverse of ``dataclasses.asdict`` for a :class:`Profile` read back from JSON."""
-    layers = [LayerProfile(**{**layer, "fwd": tuple(layer["fwd"]), "bwd": tuple(layer["bwd"])}) for layer in d["layers"]]
-    return Profile(**{**d, "layers": layers, "sizes": tuple(d["sizes"]),
-                      "tp_pairs": [tuple(p) for p in d.get("tp_pairs", [])]})
+    layers = [LayerProfile(**{**x, "fwd": tuple(x["fwd"]), "bwd": tuple(x["bwd"])}) for x in d["layers"]]
+    pairs = [tuple(p) for p in d.get("tp_pairs", [])]
+    return Profile(**{**d, "layers": layers, "sizes": tuple(d["sizes"]), "tp_pairs": pairs})
 
 
 @dataclass(frozen=True)

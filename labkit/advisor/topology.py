@@ -64,9 +64,10 @@ class Topology:
               cache: str | Path = Path("runs") / "advisor", refresh: bool = False, fit: dict | None = None
               ) -> Topology:
         """``ranks`` gloo ranks on this machine, a plan of ``q`` processes giving each ``cores // q`` threads. The
-        link: ``link``; else one for every kind read from ``labkit allreduce bench --out DIR`` (``links_from``); else
-        one per kind of collective cached, or measured now (``refresh``: even if cached) by
-        :func:`labkit.advisor.measure.measure_link` (``fit``: its ``windows`` and ``calls``, fewer: quicker, noisier)."""
+        link: ``link``; else one for every kind read from ``labkit allreduce bench --out DIR`` (``links_from``);
+        else one per kind of collective cached, or measured now (``refresh``: even if cached) by
+        :func:`labkit.advisor.measure.measure_link` (``fit``: its ``windows`` and ``calls``; fewer: quicker,
+        noisier)."""
         from labkit.advisor.measure import measure_link, read_fit
 
         if ranks < 1:

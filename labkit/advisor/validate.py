@@ -1,15 +1,7 @@
 """Validate: run **every** feasible plan of the table through ``labkit train``'s own code at least three times,
-and judge the prediction by its **ranking**.
-
-A run is :func:`labkit.train_run.run` (what ``labkit train`` calls, on the plan's command line parsed by the same
-parser) on ranks forked once per process count from :func:`labkit.testing.run_ranks`'s forkserver (a torchrun
-start would pay seconds of imports per rank), each process at the threads of the profile that priced the plan
-(:attr:`labkit.advisor.plan.Estimate.threads`). The runs go round-robin, each round starting one plan further
-on, so a slow spell of a shared machine falls on several plans, not on all the repeats of one. A run's step is
-``global batch / samples per second`` of the loop's own meter (first step skipped); a plan's measured step is the
-median of its runs, its **spread** ``(max − min) / median``. Figures of merit (:func:`ranking`): Spearman's ρ
-between predicted and measured steps, and ``measured(predicted best) / measured best``; where a plan is off, the
-term it is off by (:func:`off_terms`), not a correction factor.
+and judge the prediction by its **ranking** (:func:`ranking`): Spearman's ρ between predicted and measured steps,
+and ``measured(predicted best) / measured best``; where a plan is off, the term it is off by (:func:`off_terms`),
+not a correction factor.
 """
 from __future__ import annotations
 
@@ -55,8 +47,7 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
     r = statistics.median(m["ratio"] for _, m in rows)
     out = []
     for e, m in rows:
-        off = m["ratio"] / r - 1
-        if abs(off) <= max(tolerance, m["spread"]):
+        if abs(m["ratio"] / r - 1) <= max(tolerance, m["spread"]):
             continue
         residual = m["step_s"] - r * e.step_s
         term = max((k for k in e.time if k not in COMMON), key=e.time.get, default="compute")
@@ -65,13 +56,6 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
         out.append(head + (f"+{residual * 1e3:.1f} ms that {priced} does not price" if residual > 0 else
                            f"{priced} prices {-residual * 1e3:.1f} ms the run did not spend"))
     return out
-
-
-def _reset_peak_memory() -> None:
-    """Start this process's peak RSS afresh (Linux), so that a run's peak is its own, not an earlier run's."""
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
 
 
 def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> list[dict]:
@@ -85,7 +69,8 @@ def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> 
     out = []
     for label, cfg, threads in jobs:
         torch.set_num_threads(threads)
-        _reset_peak_memory()
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:  # (Linux) the run's own peak RSS
+            f.write("5")
         try:
             with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
                 summary = run(cfg, env=env)
@@ -100,18 +85,20 @@ def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              echo: Callable[[str], None] | None = None, progress: bool = True,
              record: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
-    """Run every feasible plan of ``advice.table`` ``repeats`` times, round-robin; fill ``advice.measured``.
+    """Run every feasible plan of ``advice.table`` ``repeats`` times and fill ``advice.measured``. A run is the
+    plan's command (:meth:`Advice.command`: its ``train_args``, e.g. ``--base-lr``, and its checkpoint with the
+    loop's stop check) for ``steps`` steps, a small test set, its own ``--out``, through :func:`train_runs` on ranks
+    forked once per process count from :func:`labkit.testing.run_ranks`'s forkserver (a torchrun start would pay
+    seconds of imports per rank), each process at the threads of the profile that priced the plan
+    (:attr:`labkit.advisor.plan.Estimate.threads`). The runs go round-robin, each round starting one plan further
+    on, so a slow spell of a shared machine falls on several plans, not on all the repeats of one. A plan whose
+    run fails gets ``{"error": its line, "run"}`` and its other runs are skipped. ``record(label, metrics)``:
+    called after each run; ``echo``: called with each run's command (its output is shown too); None: quiet.
 
-    A run is the plan's command (:meth:`Advice.command`: its ``train_args`` included, e.g. ``--base-lr``) with its
-    checkpoint as the command has it (the training loop's stop check comes with it), for ``steps`` steps, a small
-    test set, its own ``--out``. A plan whose run fails gets ``{"error": its line, "run"}`` instead of numbers,
-    and its other runs are skipped. ``record(label, metrics)`` is called after each run (a benchmark writes them
-    as they come). ``echo``: called with each run's command (its output is shown too); None: quiet.
-
-    Returns:
-        ``{plan label: {"step_s" (median), "steps_s" (each run), "spread", "samples_per_s", "peak_bytes",
-        "ratio" (measured / predicted step), "memory_ratio", "final_train_loss", "run"}}``.
-    """
+    Returns ``{plan label: {"step_s", "steps_s", "spread", "samples_per_s", "peak_bytes", "ratio",
+    "memory_ratio", "final_train_loss", "run"}}``: a run's step is ``global batch / samples per second`` of the
+    loop's own meter (first step skipped); ``step_s`` the median of the runs' ``steps_s``, ``spread``
+    ``(max − min) / median``, ``ratio`` measured / predicted step, ``memory_ratio`` alike for the peak bytes."""
     from tqdm.auto import tqdm
 
     from labkit.train_cli import config_from_argv
@@ -129,10 +116,8 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                         "--max-steps", str(steps), "--test-size", "64", "--device", advice.topology.device,
                         "--log-every", "1000", "--out", str(run_dir)]
                 if echo is not None:
-                    echo(" ".join(["labkit" if count == 1 else f"torchrun --nproc_per_node {count} -m labkit",
-                                   *argv]))
-                jobs.append((est.plan.label, config_from_argv(argv[1:]),
-                             est.threads or advice.topology.threads(count)))
+                    echo(" ".join(["labkit" if count == 1 else f"torchrun --nproc_per_node {count} -m labkit", *argv]))
+                jobs.append((est.plan.label, config_from_argv(argv[1:]), est.threads or advice.topology.threads(count)))
         while jobs:  # after a failed run, the ranks start again for the other plans' runs after it
             try:
                 done = run_ranks(train_runs, count, jobs, echo is None, timeout=600)[0]
