@@ -19,12 +19,12 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
     p.add_argument("--dataset", default="mnist-sample",
                    help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10")
-    p.add_argument("--ranks", type=within("int", "[1, inf)"),
-                   required=True, help="devices (gloo ranks on this machine)")
-    p.add_argument("--batch-size", type=within("int", "[1, inf)"),
-                   default=64, help="global batch: samples per optimizer step")
-    p.add_argument("--memory-limit", type=within("float", "(0, inf)"),
-                   default=None, metavar="GB", help="usable memory per device")
+    p.add_argument("--ranks", type=within("int", "[1, inf)"), required=True,
+                   help="devices (gloo ranks on this machine)")
+    p.add_argument("--batch-size", type=within("int", "[1, inf)"), default=64,
+                   help="global batch: samples per optimizer step")
+    p.add_argument("--memory-limit", type=within("float", "(0, inf)"), default=None, metavar="GB",
+                   help="usable memory per device")
     p.add_argument("--base-lr", type=within("float", "(0, inf)"), default=None,
                    help="learning rate for the printed commands and validation runs (default: labkit train's)")
     p.add_argument("--repeats", type=within("int", "[3, inf)"), default=3,
@@ -64,8 +64,7 @@ def _run(args: argparse.Namespace) -> int:
         validate(advice, args.repeats, args.steps, out)
     print(table(advice))
     if args.model.startswith("alexnet") and args.ranks == 2:
-        print()
-        print(flexflow_comparison(advice))
+        print("\n" + flexflow_comparison(advice))
     path = advice.write(out / "advice.json")
     writer = RunWriter(out, append=True)
     for row in advice.to_dict()["plans"]:
@@ -78,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _mesh(args: argparse.Namespace) -> int:
     """The mesh search on a named topology (a GPT's shape, or a CNN's profile measured here at all the cores,
-    scaled by the topology's ``compute_scale``): the explanation, the count, and the frontier of memory vs time."""
+    scaled by the topology's ``compute_scale``): the explanation, the count, the frontier of memory vs time."""
     import os
 
     from labkit.advisor.search import explain, frontier, mesh_candidates, ms, size
@@ -86,8 +85,7 @@ def _mesh(args: argparse.Namespace) -> int:
     from labkit.errors import ConfigError
 
     if args.topology == "local":
-        raise ConfigError("the mesh search prices a GPU topology: give --topology h100-nvlink, a100-pcie or "
-                          "h100-2x-ib")
+        raise ConfigError("the mesh search prices a GPU topology: give --topology h100-nvlink, a100-pcie or h100-2x-ib")
     topo = named(args.topology).with_memory(args.memory_limit)
     if args.ranks > topo.ranks:
         raise ConfigError(f"--ranks {args.ranks}: {topo.name} has {topo.ranks} GPUs")
