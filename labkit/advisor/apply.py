@@ -1,10 +1,5 @@
 """Apply a plan: ``labkit.parallelize(model, plan)`` returns the model prepared for the plan's strategy and the
-``labkit train`` command that runs the same plan (the wrapper seed 000 asks for).
-
-    par = labkit.parallelize("lenet", "auto", dataset="mnist-sample", ranks=2)
-    par.command    # 'torchrun --nproc_per_node 2 -m labkit train --model lenet ... --strategy ddp ...'
-    par.model      # inside a rank: the module to hand to labkit.train.fit with par.strategy
-"""
+``labkit train`` command that runs the same plan (the wrapper seed 000 asks for)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

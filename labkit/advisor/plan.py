@@ -10,14 +10,13 @@ from labkit.strategies import STRATEGIES, strategy_literal
 
 @dataclass(frozen=True)
 class Plan:
-    """``labkit train --strategy {strategy}`` on ``processes`` ranks using ``devices`` devices. ``batch_size``:
-    samples per optimizer step over the whole job (the global batch); ``options``: the strategy's own flags as
-    ``((dest, value), ...)``, e.g. ``(("num_microbatches", 4), ("balance", (5, 7)))``."""
+    """``labkit train --strategy {strategy}`` on ``processes`` ranks using ``devices`` devices. ``options``: the
+    strategy's own flags as ``((dest, value), ...)``, e.g. ``(("num_microbatches", 4), ("balance", (5, 7)))``."""
 
     strategy: str
     processes: int
     devices: int
-    batch_size: int
+    batch_size: int                    # samples per optimizer step over the whole job (the global batch)
     options: tuple = ()
 
     @property
@@ -78,17 +77,14 @@ class Plan:
 
 @dataclass
 class Estimate:
-    """A plan's predicted step: ``time`` terms (seconds per optimizer step) and ``memory`` terms (bytes on its
-    fullest device), against ``limit_bytes`` per device. ``note``: why the plan cannot run (empty: it can);
-    ``threads``: CPU threads per process of the profile that priced it (0: not a CPU profile), which a
-    validation run of the plan uses."""
+    """A plan's predicted step: named cost terms in seconds and bytes."""
 
     plan: Plan
-    time: dict[str, float] = field(default_factory=dict)
-    memory: dict[str, float] = field(default_factory=dict)
-    limit_bytes: float = float("inf")
-    note: str = ""
-    threads: int = 0
+    time: dict[str, float] = field(default_factory=dict)    # seconds per optimizer step
+    memory: dict[str, float] = field(default_factory=dict)  # bytes on the plan's fullest device
+    limit_bytes: float = float("inf")                       # usable memory per device
+    note: str = ""                                          # why the plan cannot run ("": it can)
+    threads: int = 0  # CPU threads per process of the profile that priced it, for a validation run (0: not a CPU's)
 
     @property
     def step_s(self) -> float:
@@ -214,8 +210,8 @@ class MeshPlan:
 
     @property
     def label(self) -> str:
-        dims = ",".join(f"{k}={v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
-                                                 ("ep", self.ep)) if v > 1) or "one device"
+        sizes = {k: getattr(self, k) for k in ("dp", "tp", "pp", "cp", "ep")}
+        dims = ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
         extra = [f"m={self.microbatches}" if self.pp > 1 else "", f"zero{self.zero}" if self.zero else "",
                  "sp" if self.sequence_parallel else "", "recompute" if self.recompute else ""]
         return " ".join([dims, *filter(None, extra)])

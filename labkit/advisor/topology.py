@@ -17,25 +17,20 @@ GB = 2**30
 
 @dataclass(frozen=True)
 class Topology:
-    """Devices and links one job may use: ``ranks`` processes (and devices); ``link`` α-β-γ inside a node,
-    ``inter`` between nodes (a collective spanning more ranks than a node holds pays it); ``memory_bytes`` usable
-    per device (a CPU's shared by the ranks); ``cores`` the CPU cores the ranks share; ``separate_devices``: one
-    process's devices really run at once (GPUs, not one CPU); ``compute_scale`` device speed against the profile
-    (0.1: ten times faster); ``flops`` dense bf16 peak per device (0: unknown); ``kinds`` α-β per kind of
-    collective where measured (others pay ``link``)."""
+    """Devices and links one job may use."""
 
     name: str
-    ranks: int
-    link: CostModel
-    memory_bytes: float
+    ranks: int                         # processes (and devices)
+    link: CostModel                    # α-β-γ inside a node
+    memory_bytes: float                # usable per device (a CPU's shared by the ranks)
     device: str = "cpu"
-    cores: int = 1
+    cores: int = 1                     # the CPU cores the ranks share
     nodes: int = 1
-    inter: CostModel | None = None
-    separate_devices: bool = False
-    compute_scale: float = 1.0
-    flops: float = 0.0
-    kinds: dict = field(default_factory=dict)
+    inter: CostModel | None = None     # between nodes: what a collective over more ranks than a node holds pays
+    separate_devices: bool = False     # one process's devices really run at once (GPUs, not one CPU)
+    compute_scale: float = 1.0         # device speed against the profile (0.1: ten times faster)
+    flops: float = 0.0                 # dense bf16 peak per device (0: unknown)
+    kinds: dict = field(default_factory=dict)  # α-β per kind of collective where measured (others pay link)
 
     @property
     def per_node(self) -> int:
@@ -103,14 +98,13 @@ class Topology:
 #: A100 PCIe 80 GB: 312 TFLOP/s dense bf16, PCIe Gen4 x16 at 32 GB/s each way (about 25 GB/s reached);
 #: between nodes one 400 Gb/s NDR InfiniBand adapter per GPU (50 GB/s each way).
 H100_FLOPS, A100_FLOPS = 989e12, 312e12
+NVLINK4 = CostModel(5e-6, 1 / 450e9)
 NAMED = {
-    "h100-nvlink": dict(gpus=8, memory_gb=80, link=CostModel(5e-6, 1 / 450e9), flops=H100_FLOPS,
-                        name="one H100 node with NVLink"),
+    "h100-nvlink": dict(gpus=8, memory_gb=80, link=NVLINK4, flops=H100_FLOPS, name="one H100 node with NVLink"),
     "a100-pcie": dict(gpus=8, memory_gb=80, link=CostModel(10e-6, 1 / 25e9), flops=A100_FLOPS,
                       name="one A100 PCIe node"),
-    "h100-2x-ib": dict(gpus=8, nodes=2, memory_gb=80, link=CostModel(5e-6, 1 / 450e9),
-                       inter=CostModel(10e-6, 1 / 50e9), flops=H100_FLOPS,
-                       name="two H100 nodes over InfiniBand"),
+    "h100-2x-ib": dict(gpus=8, nodes=2, memory_gb=80, link=NVLINK4, inter=CostModel(10e-6, 1 / 50e9),
+                       flops=H100_FLOPS, name="two H100 nodes over InfiniBand"),
 }
 
 
