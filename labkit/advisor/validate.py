@@ -106,11 +106,10 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
     chosen = [e for e in advice.table if e.feasible]
     runs: dict[str, list[dict]] = {e.plan.label: [] for e in chosen}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
-    rounds = [chosen[r % len(chosen):] + chosen[:r % len(chosen)] for r in range(max(1, repeats))] if chosen else []
     for count in sorted({e.plan.processes for e in chosen}):
         jobs = []
-        for r, turn in enumerate(rounds):
-            for est in (e for e in turn if e.plan.processes == count):
+        for r in range(max(1, repeats)):  # round r starts r plans further on
+            for est in (e for e in chosen[r % len(chosen):] + chosen[:r % len(chosen)] if e.plan.processes == count):
                 run_dir = Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"
                 argv = [*est.plan.train_args(advice.model, advice.dataset), *advice.train_args, "--epochs", "1",
                         "--max-steps", str(steps), "--test-size", "64", "--device", advice.topology.device,
