@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
+from labkit.errors import ConfigError
 from labkit.ranges import within
 
 
@@ -45,8 +48,6 @@ def add_parser(sub) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from labkit.advisor.advise import advise, flexflow_comparison, table
     from labkit.results import RunWriter
 
@@ -78,11 +79,8 @@ def _run(args: argparse.Namespace) -> int:
 def _mesh(args: argparse.Namespace) -> int:
     """The mesh search on a named topology (a GPT's shape, or a CNN's profile measured here at all the cores,
     scaled by the topology's ``compute_scale``): the explanation, the count, the frontier of memory vs time."""
-    import os
-
     from labkit.advisor.search import explain, frontier, mesh_candidates, ms, size
     from labkit.advisor.topology import named
-    from labkit.errors import ConfigError
 
     if args.topology == "local":
         raise ConfigError("the mesh search prices a GPU topology: give --topology h100-nvlink, a100-pcie or h100-2x-ib")

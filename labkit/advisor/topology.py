@@ -56,8 +56,7 @@ class Topology:
 
     @classmethod
     def local(cls, ranks: int, link: CostModel | None = None, links_from: str | Path | None = None,
-              cache: str | Path = Path("runs") / "advisor", refresh: bool = False, fit: dict | None = None
-              ) -> Topology:
+              cache: str | Path = Path("runs") / "advisor", refresh: bool = False, fit: dict | None = None) -> Topology:
         """``ranks`` gloo ranks on this machine, a plan of ``q`` processes giving each ``cores // q`` threads. The
         link: ``link``; else one for every kind read from ``labkit allreduce bench --out DIR`` (``links_from``);
         else one per kind of collective cached, or measured now (``refresh``: even if cached) by

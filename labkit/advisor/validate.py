@@ -12,8 +12,13 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
+import torch
+from tqdm.auto import tqdm
+
 from labkit.advisor.advise import Advice
 from labkit.testing import run_ranks
+from labkit.train_cli import config_from_argv
+from labkit.train_run import run
 
 GB = 2**30
 #: the terms every plan pays: a plan off by more is off in a term of its own, or in its compute
@@ -62,10 +67,6 @@ def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> 
     """On one rank: train each ``(label, TrainConfig, threads)`` of ``jobs`` in turn through
     :func:`labkit.train_run.run` on this rank's process group; ``[{"label", summary metrics…, "run"}, …]``. The
     first run that fails ends the list with ``{"label", "error"}`` (the other ranks stop there too)."""
-    import torch
-
-    from labkit.train_run import run
-
     out = []
     for label, cfg, threads in jobs:
         torch.set_num_threads(threads)
@@ -99,10 +100,6 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
     "memory_ratio", "final_train_loss", "run"}}``: a run's step is ``global batch / samples per second`` of the
     loop's own meter (first step skipped); ``step_s`` the median of the runs' ``steps_s``, ``spread``
     ``(max − min) / median``, ``ratio`` measured / predicted step, ``memory_ratio`` alike for the peak bytes."""
-    from tqdm.auto import tqdm
-
-    from labkit.train_cli import config_from_argv
-
     chosen = [e for e in advice.table if e.feasible]
     runs: dict[str, list[dict]] = {e.plan.label: [] for e in chosen}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
