@@ -210,8 +210,7 @@ class MeshPlan:
 
     @property
     def label(self) -> str:
-        sizes = {k: getattr(self, k) for k in ("dp", "tp", "pp", "cp", "ep")}
-        dims = ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "one device"
-        extra = [f"m={self.microbatches}" if self.pp > 1 else "", f"zero{self.zero}" if self.zero else "",
-                 "sp" if self.sequence_parallel else "", "recompute" if self.recompute else ""]
-        return " ".join([dims, *filter(None, extra)])
+        dims = ",".join(f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1)
+        extra = [self.pp > 1 and f"m={self.microbatches}", self.zero and f"zero{self.zero}",
+                 self.sequence_parallel and "sp", self.recompute and "recompute"]
+        return " ".join([dims or "one device", *filter(None, extra)])

@@ -70,8 +70,8 @@ def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> 
     out = []
     for label, cfg, threads in jobs:
         torch.set_num_threads(threads)
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:  # (Linux) the run's own peak RSS
-            f.write("5")
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak RSS afresh (Linux): the run's peak is its own, not an earlier run's
         try:
             with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
                 summary = run(cfg, env=env)
@@ -88,13 +88,14 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
              record: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
     """Run every feasible plan of ``advice.table`` ``repeats`` times and fill ``advice.measured``. A run is the
     plan's command (:meth:`Advice.command`: its ``train_args``, e.g. ``--base-lr``, and its checkpoint with the
-    loop's stop check) for ``steps`` steps, a small test set, its own ``--out``, through :func:`train_runs` on ranks
-    forked once per process count from :func:`labkit.testing.run_ranks`'s forkserver (a torchrun start would pay
-    seconds of imports per rank), each process at the threads of the profile that priced the plan
-    (:attr:`labkit.advisor.plan.Estimate.threads`). The runs go round-robin, each round starting one plan further
-    on, so a slow spell of a shared machine falls on several plans, not on all the repeats of one. A plan whose
-    run fails gets ``{"error": its line, "run"}`` and its other runs are skipped. ``record(label, metrics)``:
-    called after each run; ``echo``: called with each run's command (its output is shown too); None: quiet.
+    loop's stop check) for ``steps`` steps, a small test set, its own ``--out``, parsed by ``labkit train``'s
+    parser and run by its :func:`labkit.train_run.run` (:func:`train_runs`) on ranks forked once per process count
+    from :func:`labkit.testing.run_ranks`'s forkserver (a torchrun start would pay seconds of imports per rank),
+    each process at the threads of the profile that priced the plan (:attr:`labkit.advisor.plan.Estimate.threads`).
+    The runs go round-robin, each round starting one plan further on, so a slow spell of a shared machine falls on
+    several plans, not on all the repeats of one. A plan whose run fails gets ``{"error": its line, "run"}`` and
+    its other runs are skipped. ``record(label, metrics)``: called after each run; ``echo``: called with each
+    run's command (its output is shown too); None: quiet.
 
     Returns ``{plan label: {"step_s", "steps_s", "spread", "samples_per_s", "peak_bytes", "ratio",
     "memory_ratio", "final_train_loss", "run"}}``: a run's step is ``global batch / samples per second`` of the
