@@ -67,13 +67,11 @@ class Advice:
 
 
 def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64,
-           memory_limit_gb: float | None = None, topology: Topology | None = None, links: str | None = None,
-           cache: str | Path = CACHE, refresh: bool = False, profile_topology: Topology | None = None,
+           memory_limit_gb: float | None = None, topology: Topology | None = None, cache: str | Path = CACHE, refresh: bool = False, profile_topology: Topology | None = None,
            timing: dict | None = None) -> Advice:
     """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``) at
     global batch ``batch_size``. Plans above ``memory_limit_gb`` per device are marked; if none fits, a
-    :class:`ConfigError` names the smallest memory that would. ``links``: a run with ``"cost-model"`` records
-    (``labkit allreduce bench --out DIR``); ``profile_topology``: whose thread counts the profiles are measured
+    :class:`ConfigError` names the smallest memory that would. ``profile_topology``: whose thread counts the profiles are measured
     at (price a GPU topology with this machine's profile); ``timing``: a profile's ``windows`` and ``window_s``
     (:func:`labkit.advisor.profile.measure_profile`; fewer: quicker, noisier)."""
     from labkit import data as kdata
@@ -88,7 +86,7 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     if memory_limit_gb is not None and memory_limit_gb <= 0:
         raise ConfigError(f"--memory-limit must be > 0 GB, got {memory_limit_gb}")
-    topo = topology or Topology.local(ranks, links_from=links, cache=cache, refresh=refresh)
+    topo = topology or Topology.local(ranks, cache=cache, refresh=refresh)
     topo = topo.with_memory(memory_limit_gb)
     measure_on = profile_topology or topo
 

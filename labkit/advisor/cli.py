@@ -39,8 +39,6 @@ def add_parser(sub) -> None:
                    help="this machine's gloo ranks, or a GPU node from public specs (the mesh search)")
     p.add_argument("--seq-len", type=within("int", "[2, inf)"), default=None,
                    help="a GPT's sequence length for the mesh search (default its block size)")
-    p.add_argument("--links", default=None, metavar="DIR",
-                   help="results of `labkit allreduce bench --out DIR` for the α-β fit (default: measure now)")
     p.add_argument("--cache", default="runs/advisor", help="where profiles and link fits are cached")
     p.add_argument("--refresh", action="store_true", help="profile again even if a cached profile matches")
     p.add_argument("--out", default=None, help="results folder (default runs/advise-<model>-<ranks>)")
@@ -54,7 +52,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.model.startswith("gpt") or args.topology != "local":
         return _mesh(args)
     out = Path(args.out or f"runs/advise-{args.model}-{args.ranks}")
-    advice = advise(args.model, args.dataset, args.ranks, args.batch_size, args.memory_limit, links=args.links,
+    advice = advise(args.model, args.dataset, args.ranks, args.batch_size, args.memory_limit,
                     cache=args.cache, refresh=args.refresh)
     if args.base_lr is not None:
         advice.train_args = ("--base-lr", f"{args.base_lr:g}")

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from labkit import dist as kdist
 from labkit.advisor.alphabeta import KINDS, ring_counts
 from labkit.collectives.cost import CostModel, fit_alpha_beta
-from labkit.errors import ConfigError
 from labkit.results import RunWriter, load_run
 from labkit.testing import run_ranks
 
@@ -37,20 +36,16 @@ def _models(fit: dict) -> tuple[CostModel, dict]:
             {k: CostModel(v["alpha"], v["beta"]) for k, v in fit.get("kinds", {}).items()})
 
 
-def read_fit(path: str | Path, ranks: int, required: bool = True) -> tuple[CostModel, dict] | None:
-    """``(link, kinds)``: the α-β-γ fit for ``ranks`` ranks from a run's ``"cost-model"`` records, and its fits per
-    kind of collective (None if absent and not ``required``; one rank has no link: all zero)."""
+def read_fit(path: str | Path, ranks: int) -> tuple[CostModel, dict] | None:
+    """``(link, kinds)``: the α-β-γ fit for ``ranks`` ranks cached at ``path`` by :func:`measure_link`, with its
+    fits per kind of collective (None if there is none; one rank has no link: all zero)."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
     try:
         fits = {r["world_size"]: r for r in load_run(path).records_of("cost-model")}
-        problem = None if ranks in fits else (f"--links {path} has fits for {sorted(fits)} rank(s), not {ranks}; "
-                                              f"run `labkit allreduce bench --ranks {ranks} --out {path}`")
-    except (FileNotFoundError, ValueError) as exc:
-        problem = f"--links {path}: {exc}; write one with `labkit allreduce bench --out {path}`"
-    if problem and required:
-        raise ConfigError(problem)
-    return None if problem else _models(fits[ranks])
+    except (FileNotFoundError, ValueError):
+        return None
+    return _models(fits[ranks]) if ranks in fits else None
 
 
 def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=None, calls: int = 0) -> float:

@@ -55,11 +55,11 @@ class Topology:
         return self if gigabytes is None else replace(self, memory_bytes=gigabytes * GB)
 
     @classmethod
-    def local(cls, ranks: int, link: CostModel | None = None, links_from: str | Path | None = None,
-              cache: str | Path = Path("runs") / "advisor", refresh: bool = False, fit: dict | None = None) -> Topology:
+    def local(cls, ranks: int, link: CostModel | None = None, cache: str | Path = Path("runs") / "advisor",
+              refresh: bool = False, fit: dict | None = None) -> Topology:
         """``ranks`` gloo ranks on this machine, a plan of ``q`` processes giving each ``cores // q`` threads. The
-        link: ``link``; else one for every kind read from ``labkit allreduce bench --out DIR`` (``links_from``);
-        else one per kind of collective cached, or measured now (``refresh``: even if cached) by
+        link: ``link`` (for every kind); else one per kind of collective cached, or measured now (``refresh``: even
+        if cached) by
         :func:`labkit.advisor.measure.measure_link` (``fit``: its ``windows`` and ``calls``; fewer: quicker,
         noisier)."""
         from labkit.advisor.measure import measure_link, read_fit
@@ -69,10 +69,8 @@ class Topology:
         folder = Path(cache) / f"links-{ranks}"
         if link is not None:
             found = (link, {})
-        elif links_from:
-            found = read_fit(links_from, ranks)
         else:
-            found = None if refresh else read_fit(folder, ranks, required=False)
+            found = None if refresh else read_fit(folder, ranks)
             if found is None or not (found[1] or ranks == 1):  # none cached, or no kinds cached: measure again
                 found = measure_link(ranks, folder, **(fit or {}))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
