@@ -66,8 +66,9 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
 
 
 def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_path):
-    """Three plans, three runs each (fake ranks with literal rates): the ranks start once per process count and run
-    its plans round-robin, each round one plan further on; each process runs at the threads of the
+    """Three plans, three runs each (fake ranks with literal rates): the plans go round-robin, each round one plan
+    further on, the ranks starting once per round and process count, the counts taking turns to go first (a slow
+    spell does not fall on every plan of one count); each process runs at the threads of the
     profile that priced its plan (two for the one-process plan, one per rank of two); each plan's step is its median with its spread, and the ranking is
     judged by Spearman's rho and by what the predicted best measured against the measured best."""
     import labkit.advisor.validate as val
@@ -92,8 +93,9 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
 
     monkeypatch.setattr(val, "run_ranks", fake_ranks)
     measured = val.validate(advice, repeats=3, out=tmp_path, progress=False)
-    assert starts == [1, 2]
-    assert order == [("single", 2)] * 3 + [("ddp", 1), ("zero", 1), ("zero", 1), ("ddp", 1), ("ddp", 1), ("zero", 1)]
+    assert starts == [1, 2, 2, 1, 1, 2]
+    assert order == [("single", 2), ("ddp", 1), ("zero", 1), ("zero", 1), ("ddp", 1), ("single", 2), ("single", 2),
+                     ("ddp", 1), ("zero", 1)]
     single = measured["single"]
     assert single["steps_s"] == [0.1, 0.08, 0.2] and single["step_s"] == 0.1
     assert single["spread"] == pytest.approx(1.2)  # (0.2 − 0.08) / 0.1

@@ -89,11 +89,14 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
     """Run every feasible plan of ``advice.table`` ``repeats`` times and fill ``advice.measured``. A run is the
     plan's command (:meth:`Advice.command`: its ``train_args``, e.g. ``--base-lr``, and its checkpoint with the
     loop's stop check) for ``steps`` steps, a small test set, its own ``--out``, parsed by ``labkit train``'s
-    parser and run by its :func:`labkit.train_run.run` (:func:`train_runs`) on ranks forked once per process count
-    from :func:`labkit.testing.run_ranks`'s forkserver (a torchrun start would pay seconds of imports per rank),
-    each process at the threads of the profile that priced the plan (:attr:`labkit.advisor.plan.Estimate.threads`).
-    The runs go round-robin, each round starting one plan further on, so a slow spell of a shared machine falls on
-    several plans, not on all the repeats of one. A plan whose run fails gets ``{"error": its line, "run"}`` and
+    parser and run by its :func:`labkit.train_run.run` (:func:`train_runs`) on ranks forked from
+    :func:`labkit.testing.run_ranks`'s forkserver (a torchrun start would pay seconds of imports per rank), once per
+    round and process count, each process at the threads of the profile that priced the plan
+    (:attr:`labkit.advisor.plan.Estimate.threads`). The runs go round-robin, each round starting one plan further
+    on and alternating which process count runs first, so a slow spell of a shared machine falls on several plans
+    and on both counts, not on all the repeats of one plan nor on every plan of one count (run one count after
+    the other, AlexNet-small's plans of two processes once all measured 1.23–1.38× their prices and its plans
+    of one 1.0×). A plan whose run fails gets ``{"error": its line, "run"}`` and
     its other runs are skipped. ``record(label, metrics)``: called after each run; ``echo``: called with each
     run's command (its output is shown too); None: quiet.
 
@@ -104,10 +107,13 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
     chosen = [e for e in advice.table if e.feasible]
     runs: dict[str, list[dict]] = {e.plan.label: [] for e in chosen}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
-    for count in sorted({e.plan.processes for e in chosen}):
-        jobs = []
-        for r in range(max(1, repeats)):  # round r starts r plans further on
-            for est in (e for e in chosen[r % len(chosen):] + chosen[:r % len(chosen)] if e.plan.processes == count):
+    counts = sorted({e.plan.processes for e in chosen})
+    for r in range(max(1, repeats)):  # round r starts r plans further on, and with the other process count
+        turn = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
+        for count in counts[r % len(counts):] + counts[:r % len(counts)]:
+            jobs = []
+            for est in (e for e in turn if e.plan.processes == count and "error" not in advice.measured.get(
+                    e.plan.label, {})):
                 run_dir = Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"
                 argv = [*est.plan.train_args(advice.model, advice.dataset), *advice.train_args, "--epochs", "1",
                         "--max-steps", str(steps), "--test-size", "64", "--device", advice.topology.device,
@@ -115,23 +121,23 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                 if echo is not None:
                     echo(" ".join(["labkit" if count == 1 else f"torchrun --nproc_per_node {count} -m labkit", *argv]))
                 jobs.append((est.plan.label, config_from_argv(argv[1:]), est.threads or advice.topology.threads(count)))
-        while jobs:  # after a failed run, the ranks start again for the other plans' runs after it
-            try:
-                done = run_ranks(train_runs, count, jobs, echo is None, timeout=600)[0]
-            except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
-                lines = str(exc).strip().splitlines()
-                done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
-            jobs = jobs[len(done):]
-            for row in done:
-                label = row.pop("label")
-                bar.update()
-                if "error" in row:
-                    advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
-                    jobs = [job for job in jobs if job[0] != label]
-                    continue
-                runs[label].append(row)
-                if record is not None:
-                    record(label, row)
+            while jobs:  # after a failed run, the ranks start again for the other plans' runs after it
+                try:
+                    done = run_ranks(train_runs, count, jobs, echo is None, timeout=600)[0]
+                except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
+                    lines = str(exc).strip().splitlines()
+                    done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
+                jobs = jobs[len(done):]
+                for row in done:
+                    label = row.pop("label")
+                    bar.update()
+                    if "error" in row:
+                        advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
+                        jobs = [job for job in jobs if job[0] != label]
+                        continue
+                    runs[label].append(row)
+                    if record is not None:
+                        record(label, row)
     bar.close()
     for est in chosen:
         done = runs[est.plan.label]
