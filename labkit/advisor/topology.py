@@ -59,9 +59,8 @@ class Topology:
               refresh: bool = False, fit: dict | None = None) -> Topology:
         """``ranks`` gloo ranks on this machine, a plan of ``q`` processes giving each ``cores // q`` threads. The
         link: ``link`` (for every kind); else one per kind of collective cached, or measured now (``refresh``: even
-        if cached) by
-        :func:`labkit.advisor.measure.measure_link` (``fit``: its ``windows`` and ``calls``; fewer: quicker,
-        noisier)."""
+        if cached) by :func:`labkit.advisor.measure.measure_link` (``fit``: its ``windows`` and ``calls``; fewer:
+        quicker, noisier)."""
         from labkit.advisor.measure import measure_link, read_fit
 
         if ranks < 1:
