@@ -84,19 +84,21 @@ class ContextParallel(Dimension):
         if self.size > 1 and pp > 1:  # the stages would lose the positions the GPT's pre-hook passes
             raise ConfigError(f"--mesh cp={self.size} with pp={pp} is not supported: the pipeline's stages do not get "
                               "the sequence positions of a rank's chunks; combine cp with dp and tp")
-        if self.size > 1 and dropout:
-            raise ConfigError(f"--mesh cp={self.size}: ring attention has no attention dropout; train with dropout 0 "
-                              f"(--dropout {dropout:g})")
+        if self.size > 1:
+            self._refuse_dropout(dropout)
         if self.size > 1 and seq_len:  # the GPT's block size: refused before the data and the model
             self.ring.check_length(seq_len)
+
+    def _refuse_dropout(self, dropout: float) -> None:
+        if dropout:
+            raise ConfigError(f"--mesh cp={self.size}: ring attention has no attention dropout; train with dropout 0 "
+                              f"(--dropout {dropout:g})")
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         if self.size == 1:
             return model
         cfg = model.cfg
-        if cfg.dropout:
-            raise ConfigError(f"--mesh cp={self.size}: ring attention has no attention dropout; train with dropout 0 "
-                              f"(the model has {cfg.dropout})")
+        self._refuse_dropout(cfg.dropout)  # a model built elsewhere than labkit train (check saw the flags)
         self.ring.check_length(cfg.block_size)  # ConfigError naming the valid lengths, before any step
         for block in model.blocks:
             block.attn = RingSelfAttention(block.attn, self.ring, self.group)
