@@ -197,7 +197,7 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: to
     ``optimizer.step`` -> ``scheduler.step`` (-> ``profiler.step``); on a rank that owns the outputs, the
     batch's sums from ``task`` (default classification: loss sum, correct predictions, sample count; language
     modelling counts tokens) are added to ``totals`` (on the device: no host sync, no host-to-device copy).
-    The strategy advisor times this very function (:mod:`labkit.advisor.profile`).
+    The strategy advisor times this very function (:mod:`labkit.advisor.measure`).
 
     Returns:
         whether this rank added to ``totals``.

@@ -5,8 +5,7 @@ from dataclasses import replace
 import pytest
 
 from labkit.advisor.alphabeta import bubble_fraction, pipeline_terms
-from labkit.advisor.plan import Plan
-from labkit.advisor.profile import LayerProfile, Profile
+from labkit.advisor.plan import LayerProfile, Plan, Profile
 from labkit.advisor.search import candidates, check_fits, price
 from labkit.advisor.topology import Topology
 from labkit.collectives.cost import CostModel
@@ -273,7 +272,7 @@ def test_profile_levels_are_the_loops_own_step(monkeypatch):
     from torch import nn
 
     from labkit import train
-    from labkit.advisor import profile
+    from labkit.advisor import measure as profile
 
     windows = [0.010, 0.012, 0.011, 0.030, 0.010, 0.013, 0.011, 0.012, 0.010,   # 2 samples: 9 windows
                0.020, 0.021, 0.022, 0.020, 0.025, 0.021, 0.020, 0.050, 0.023]   # 8 samples
@@ -310,7 +309,7 @@ def test_profile_times_the_first_layer_as_training_runs_it():
     import torch
     from torch import nn
 
-    from labkit.advisor import profile
+    from labkit.advisor import measure as profile
 
     asked = set()
     model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8, 3))
@@ -323,7 +322,7 @@ def test_profile_times_the_first_layer_as_training_runs_it():
 
 def test_profile_levels_are_timed_with_as_many_processes_as_fill_the_cores(monkeypatch):
     """A one-thread profile prices plans whose ranks all compute at once; a two-thread one the one-process plans."""
-    from labkit.advisor import profile
+    from labkit.advisor import measure as profile
 
     monkeypatch.setattr(profile.os, "cpu_count", lambda: 8)
     assert [profile.copies(t) for t in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]

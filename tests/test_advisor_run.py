@@ -10,8 +10,8 @@ from torch import nn
 
 from labkit.advisor.advise import Advice, flexflow_comparison
 from labkit.advisor.apply import parallelize
-from labkit.advisor.plan import Plan
-from labkit.advisor.profile import LayerProfile, Profile, save_profile
+from labkit.advisor.measure import save_profile
+from labkit.advisor.plan import LayerProfile, Plan, Profile
 from labkit.advisor.search import best_per_strategy, candidates, price
 from labkit.advisor.topology import Topology
 from labkit.advisor.validate import validate

@@ -34,7 +34,7 @@ ALLOWED_FUNCTIONS = {("strategies/zero_units.py", "Comm.all_gather"), ("strategi
                      ("parallel/megatron_ops.py", "reduce_scatter_sequence"),
                      ("advisor/measure.py", "_fit_rank"), ("advisor/measure.py", "_fit_rank.ring_step"),
                      # the advisor's own measurement ranks: CPU tensors on a gloo group they start themselves
-                     ("advisor/profile.py", "_together_rank")}
+                     ("advisor/measure.py", "_together_rank")}
 
 
 class _Calls(ast.NodeVisitor):

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from labkit.advisor.plan import Estimate
-from labkit.advisor.profile import CACHE, Profile, load_or_measure
+from labkit.advisor.measure import CACHE, load_or_measure
+from labkit.advisor.plan import Estimate, Profile
 from labkit.advisor.search import best_per_strategy, candidates, check_fits
 from labkit.advisor.topology import Topology
 from labkit.errors import ConfigError
@@ -73,7 +73,7 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     global batch ``batch_size``. Plans above ``memory_limit_gb`` per device are marked; if none fits, a
     :class:`ConfigError` names the smallest memory that would. ``profile_topology``: whose thread counts the profiles are measured
     at (price a GPU topology with this machine's profile); ``timing``: a profile's ``windows`` and ``window_s``
-    (:func:`labkit.advisor.profile.measure_profile`; fewer: quicker, noisier)."""
+    (:func:`labkit.advisor.measure.measure_profile`; fewer: quicker, noisier)."""
     from labkit import data as kdata
     from labkit import models as kmodels
 

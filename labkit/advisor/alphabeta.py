@@ -98,12 +98,6 @@ def compute_scale(topo, processes: int, prof=None) -> float:
     return s
 
 
-def cpu_floor(serial_s: float, processes: int, cores: int) -> float:
-    """``W / min(q, c)``: ``q`` processes sharing ``c`` cores do one process's work ``W`` no more than
-    ``min(q, c)`` times faster (work is conserved)."""
-    return serial_s / min(processes, cores)
-
-
 def common_terms(prof, topo, params: float, loaded: float) -> dict[str, float]:
     """``update = u·P_dev·device speed``, ``data = d·samples loaded``."""
     return {"update": prof.update_s_per_byte * params * topo.compute_scale, "data": prof.data_s_per_sample * loaded}

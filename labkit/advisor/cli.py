@@ -90,7 +90,7 @@ def _mesh(args: argparse.Namespace) -> int:
 
         model = gpt_shape(args.model, args.seq_len)
     else:
-        from labkit.advisor.profile import load_or_measure
+        from labkit.advisor.measure import load_or_measure
 
         model = load_or_measure(args.model, args.dataset, args.batch_size, os.cpu_count() or 1, args.cache,
                                 args.refresh)

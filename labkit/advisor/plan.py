@@ -1,5 +1,5 @@
 """Plain data, no torch: a :class:`Plan` (a strategy with its parameters), its :class:`Estimate` (named cost
-terms in seconds and bytes), a CNN's :class:`Profile` (measured by :mod:`labkit.advisor.profile`), and a
+terms in seconds and bytes), a CNN's :class:`Profile` (measured by :mod:`labkit.advisor.measure`), and a
 :class:`MeshPlan` on a device mesh (priced by :mod:`labkit.parallel.pricing`)."""
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ class LayerProfile:
 @dataclass
 class Profile:
     """Everything the cost model needs about one model on one machine at one thread count
-    (:mod:`labkit.advisor.profile` measures it)."""
+    (:mod:`labkit.advisor.measure` measures it)."""
 
     model: str
     dataset: str

@@ -1,17 +1,14 @@
-"""The search, one for both plan spaces: every strategy with its parameters on this machine (:func:`candidates`),
-every device mesh on a topology (:func:`mesh_candidates`), each plan priced by its own pure function, ranked by
-predicted step time, plans that do not fit in memory marked and last.
+"""The search over both plan spaces, every plan priced by its own pure function and ranked by predicted step,
+plans that do not fit in memory last: every strategy with its parameters (:func:`candidates`), every device mesh
+(:func:`mesh_candidates`, priced by :func:`labkit.parallel.pricing.price_mesh`).
 
-A strategy is searched when its module declares an ``ADVISOR`` literal beside its ``FLAGS``, read without
-importing it (:func:`labkit.strategies.registered`), e.g. ``{"price": "labkit.strategies.ddp:price_ddp",
-"plans": "spread", "batch": "split", "grid": {"allreduce": ["ddp", "ring"]}, "keep": "cheapest"}``: ``price``
-names its pricing function ``(plan, profile, topology) -> Estimate``, its formula in its docstring; ``batch``
-how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`); ``plans`` the enumerator
-of :data:`PLANS` (each one's docstring says what it enumerates). A pipeline's balance is searched
-**exhaustively** over the ``C(L − 1, p − 1)`` contiguous splits up to :data:`EXHAUSTIVE_SPLITS`, each priced
-whole; beyond, by the min-max programme on stage times (:func:`labkit.strategies.model_parallel.partition`),
-which ignores the cut's message size. A mesh plan (:class:`labkit.advisor.plan.MeshPlan`) is priced by
-:func:`labkit.parallel.pricing.price_mesh`, the dimensions' own formulas.
+A strategy is searched when its module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price":
+"labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split", "grid": {"allreduce": ["ddp", "ring"]},
+"keep": "cheapest"}``: ``price`` its pricing function ``(plan, profile, topology) -> Estimate``; ``batch`` how a
+plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`); ``plans`` its enumerator in
+:data:`PLANS`. A pipeline's balance is searched **exhaustively** over the ``C(L − 1, p − 1)`` contiguous splits
+up to :data:`EXHAUSTIVE_SPLITS`; beyond, by the min-max programme on stage times
+(:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's message size.
 """
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from labkit.advisor.alphabeta import cpu_floor
 from labkit.advisor.plan import Estimate, MeshPlan, Plan, Profile
 from labkit.advisor.topology import Topology
 from labkit.errors import ConfigError
@@ -51,14 +47,11 @@ def pricer(strategy: str) -> Callable[[Plan, Profile, Topology], Estimate]:
 
 
 def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
-    """The estimate of ``plan`` by its strategy's pricing function, with ``prof`` measured at the plan's threads
-    per process (its level is ``labkit train``'s own step; the loop's stop check, a tiny non-blocking all-reduce
-    every few tenths of a second, is not priced). On a CPU, with ``serial`` (the profile at one thread per
-    process), work is conserved both ways: a plan of ``q > 1`` processes on ``c`` cores takes at least
-    ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes up the difference), and a one-process plan
-    is priced at the cheaper of its ``c``-thread and one-thread profiles (more threads do at least what one
-    does; a slower ``c``-thread profile is the machine's load, not the plan). So ``q`` ranks on ``c`` cores are
-    never priced more than ``c`` times faster than one process."""
+    """``plan`` priced by its strategy's function with ``prof``, the profile at the plan's threads per process. On a
+    CPU, with ``serial`` (the profile at one thread), work is conserved both ways: ``q > 1`` processes on ``c``
+    cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes up the difference), and
+    one process costs the cheaper of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is
+    the machine's load, not the plan): ``q`` ranks are never priced more than ``c`` times faster than one."""
     def priced(prof: Profile) -> Estimate:
         est = pricer(plan.strategy)(plan, prof, topo)
         est.limit_bytes, est.threads = topo.memory_bytes, prof.threads if topo.device == "cpu" else 0
@@ -72,7 +65,7 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
         return alt if alt.applicable and alt.step_s < est.step_s else est
     b = plan.batch_size
     work = serial.time(b) + serial.update_s_per_byte * serial.param_bytes + serial.data_s_per_sample * b
-    short = cpu_floor(work, plan.processes, topo.cores) - est.step_s
+    short = work / min(plan.processes, topo.cores) - est.step_s
     if short > 0:
         est.time["compute"] = est.time.get("compute", 0.0) + short
     return est
@@ -106,8 +99,7 @@ def _key(e: Estimate) -> tuple:
 
 @dataclass(frozen=True)
 class Space:
-    """What an enumerator searches: the global batch, the topology's ranks, the model's layers, the profile at a
-    number of processes and the function that prices a plan (``add(plan) -> Estimate``)."""
+    """What an enumerator searches; ``prof_for(processes)`` the profile, ``add(plan)`` prices a plan."""
 
     batch: int
     ranks: int
@@ -171,13 +163,6 @@ def pipeline_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
 PLANS = {"one": one_plan, "spread": spread_plans, "servers": server_plans, "pipeline": pipeline_plans}
 
 
-def _enumerator(name: str, entry: dict) -> Callable[[str, dict, Space], list[Estimate]]:
-    kind = entry.get("plans", "one")
-    if kind not in PLANS:
-        raise ConfigError(f"strategy {name!r}: ADVISOR's 'plans' is {kind!r}; use one of {', '.join(PLANS)}")
-    return PLANS[kind]
-
-
 def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
                strategies: tuple[str, ...] | None = None) -> list[Estimate]:
     """Every plan priced, best first. ``prof_for(processes)`` gives the profile at that many processes' threads."""
@@ -192,7 +177,10 @@ def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
     space = Space(batch, topo.ranks, len(prof_for(1).layers), prof_for, add)
     out: list[Estimate] = []
     for name in names:
-        out += _enumerator(name, entries[name])(name, entries[name], space)
+        kind = entries[name].get("plans", "one")
+        if kind not in PLANS:
+            raise ConfigError(f"strategy {name!r}: ADVISOR's 'plans' is {kind!r}; use one of {', '.join(PLANS)}")
+        out += PLANS[kind](name, entries[name], space)
     if not out:
         raise ConfigError("no strategy to search: give at least one of " + ", ".join(entries))
     return sorted(out, key=_rank_key)
@@ -200,12 +188,10 @@ def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
 
 def best_per_strategy(estimates: list[Estimate]) -> list[Estimate]:
     """The first (best) estimate of each strategy, in rank order."""
-    seen, out = set(), []
+    first: dict[str, Estimate] = {}
     for est in estimates:
-        if est.plan.strategy not in seen:
-            seen.add(est.plan.strategy)
-            out.append(est)
-    return out
+        first.setdefault(est.plan.strategy, est)
+    return list(first.values())
 
 
 def check_fits(estimates: list[Estimate], limit_gb: float | None) -> None:

@@ -58,20 +58,14 @@ class Topology:
     def local(cls, ranks: int, link: CostModel | None = None, cache: str | Path = Path("runs") / "advisor",
               refresh: bool = False, fit: dict | None = None) -> Topology:
         """``ranks`` gloo ranks on this machine, a plan of ``q`` processes giving each ``cores // q`` threads. The
-        link: ``link`` (for every kind); else one per kind of collective cached, or measured now (``refresh``: even
-        if cached) by :func:`labkit.advisor.measure.measure_link` (``fit``: its ``windows`` and ``calls``; fewer:
-        quicker, noisier)."""
-        from labkit.advisor.measure import measure_link, read_fit
+        link: ``link`` (for every kind); else one per kind of collective, cached or measured now by
+        :func:`labkit.advisor.measure.measure_link` (``refresh``, and ``fit``: its ``windows`` and ``calls``)."""
+        from labkit.advisor.measure import measure_link
 
         if ranks < 1:
             raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        folder = Path(cache) / f"links-{ranks}"
-        if link is not None:
-            found = (link, {})
-        else:
-            found = None if refresh else read_fit(folder, ranks)
-            if found is None or not (found[1] or ranks == 1):  # none cached, or no kinds cached: measure again
-                found = measure_link(ranks, folder, **(fit or {}))
+        found = (link, {}) if link is not None else measure_link(ranks, Path(cache) / f"links-{ranks}", refresh,
+                                                                 **(fit or {}))
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return cls(f"{ranks} gloo rank(s) on this host", ranks, found[0], memory / ranks, "cpu",
                    os.cpu_count() or 1, kinds=found[1])

@@ -1,8 +1,5 @@
-"""Validate: run **every** feasible plan of the table through ``labkit train``'s own code at least three times,
-and judge the prediction by its **ranking** (:func:`ranking`): Spearman's ρ between predicted and measured steps,
-and ``measured(predicted best) / measured best``; where a plan is off, the term it is off by (:func:`off_terms`),
-not a correction factor.
-"""
+"""Validate: run **every** feasible plan of the table through ``labkit train``'s own code at least three times and
+judge the **ranking** (:func:`ranking`); where a plan is off, name the term (:func:`off_terms`), not a factor."""
 from __future__ import annotations
 
 import contextlib
@@ -26,9 +23,8 @@ COMMON = ("compute", "update", "data")
 
 
 def ranking(advice: Advice) -> dict:
-    """``{"plans", "spearman", "best_ratio"}`` over the plans of the table with a measured step: Spearman's ρ
-    (SciPy's: ties share their mean rank; nan where all predictions or all measurements are equal), and
-    ``best_ratio`` = measured step of the predicted best / the best measured step."""
+    """Over the measured plans: Spearman's ρ of predicted and measured steps (SciPy's; nan where either side is
+    all equal) and ``best_ratio`` = measured step of the predicted best / the best measured step."""
     rows = [(e.step_s, advice.measured[e.plan.label]["step_s"]) for e in advice.table
             if "step_s" in advice.measured.get(e.plan.label, {})]
     if not rows:
@@ -42,9 +38,9 @@ def ranking(advice: Advice) -> dict:
 
 
 def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
-    """A line for each measured plan whose ``measured / predicted`` is off the plans' median ratio ``r`` by more
-    than ``tolerance`` and its own spread: the residual ``measured − r·predicted`` against its largest term of its
-    own (collectives, bubble, recomputation; not :data:`COMMON`, which every plan pays; else ``compute``)."""
+    """A line per measured plan whose ``measured / predicted`` is off the plans' median ratio ``r`` by more than
+    ``tolerance`` and its spread: the residual ``measured − r·predicted`` against its largest own term (not
+    :data:`COMMON`, which every plan pays; else ``compute``)."""
     rows = [(e, advice.measured[e.plan.label]) for e in advice.table
             if "step_s" in advice.measured.get(e.plan.label, {})]
     if len(rows) < 3:
@@ -64,9 +60,8 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
 
 
 def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> list[dict]:
-    """On one rank: train each ``(label, TrainConfig, threads)`` of ``jobs`` in turn through
-    :func:`labkit.train_run.run` on this rank's process group; ``[{"label", summary metrics…, "run"}, …]``. The
-    first run that fails ends the list with ``{"label", "error"}`` (the other ranks stop there too)."""
+    """On one rank: each ``(label, TrainConfig, threads)`` of ``jobs`` through :func:`labkit.train_run.run`;
+    ``[{"label", metrics…, "run"}, …]``, ended by ``{"label", "error"}`` at the first run that fails."""
     out = []
     for label, cfg, threads in jobs:
         torch.set_num_threads(threads)
@@ -86,24 +81,16 @@ def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              echo: Callable[[str], None] | None = None, progress: bool = True,
              record: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
-    """Run every feasible plan of ``advice.table`` ``repeats`` times and fill ``advice.measured``. A run is the
-    plan's command (:meth:`Advice.command`: its ``train_args``, e.g. ``--base-lr``, and its checkpoint with the
-    loop's stop check) for ``steps`` steps, a small test set, its own ``--out``, parsed by ``labkit train``'s
-    parser and run by its :func:`labkit.train_run.run` (:func:`train_runs`) on ranks forked from
-    :func:`labkit.testing.run_ranks`'s forkserver (a torchrun start would pay seconds of imports per rank), once per
-    round and process count, each process at the threads of the profile that priced the plan
-    (:attr:`labkit.advisor.plan.Estimate.threads`). The runs go round-robin, each round starting one plan further
-    on and alternating which process count runs first, so a slow spell of a shared machine falls on several plans
-    and on both counts, not on all the repeats of one plan nor on every plan of one count (run one count after
-    the other, AlexNet-small's plans of two processes once all measured 1.23–1.38× their prices and its plans
-    of one 1.0×). A plan whose run fails gets ``{"error": its line, "run"}`` and
-    its other runs are skipped. ``record(label, metrics)``: called after each run; ``echo``: called with each
-    run's command (its output is shown too); None: quiet.
+    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps and fill
+    ``advice.measured``. A run is the plan's command (:meth:`Advice.command`) parsed by ``labkit train``'s parser
+    and run by :func:`labkit.train_run.run` on ranks of :func:`labkit.testing.run_ranks` (no torchrun start), at
+    the threads of the profile that priced it. Round ``r`` starts ``r`` plans further on and with the other
+    process count, so a slow spell of a shared machine falls on several plans and both counts. A failed plan
+    gets ``{"error", "run"}``. ``record(label, metrics)`` after each run; ``echo(command)``: show the runs.
 
-    Returns ``{plan label: {"step_s", "steps_s", "spread", "samples_per_s", "peak_bytes", "ratio",
-    "memory_ratio", "final_train_loss", "run"}}``: a run's step is ``global batch / samples per second`` of the
-    loop's own meter (first step skipped); ``step_s`` the median of the runs' ``steps_s``, ``spread``
-    ``(max − min) / median``, ``ratio`` measured / predicted step, ``memory_ratio`` alike for the peak bytes."""
+    Returns ``{label: {"step_s", "steps_s", "spread", "samples_per_s", "peak_bytes", "ratio", "memory_ratio",
+    "final_train_loss", "run"}}``: a run's step is ``batch / samples per second`` of the loop's meter,
+    ``step_s`` their median, ``spread = (max − min) / median``, ``ratio`` measured / predicted (memory alike)."""
     chosen = [e for e in advice.table if e.feasible]
     runs: dict[str, list[dict]] = {e.plan.label: [] for e in chosen}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
