@@ -1,5 +1,5 @@
-"""``advise``: profile, build the topology, search, and keep the result as a table and ``advice.json``; the table,
-and seed 000's FlexFlow placement for AlexNet on two GPUs beside the advisor's choice.
+"""``advise``: profile, build the topology, search; the ranked table, ``advice.json``, and seed 000's FlexFlow
+placement for AlexNet on two GPUs beside the advisor's choice.
 
     from labkit.advisor import advise
     advice = advise("alexnet_small", "synthetic-cifar10", ranks=2, batch_size=64)
@@ -67,13 +67,12 @@ class Advice:
 
 
 def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64,
-           memory_limit_gb: float | None = None, topology: Topology | None = None, cache: str | Path = CACHE, refresh: bool = False, profile_topology: Topology | None = None,
-           timing: dict | None = None) -> Advice:
+           memory_limit_gb: float | None = None, topology: Topology | None = None, cache: str | Path = CACHE,
+           refresh: bool = False, profile_topology: Topology | None = None, timing: dict | None = None) -> Advice:
     """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``) at
-    global batch ``batch_size``. Plans above ``memory_limit_gb`` per device are marked; if none fits, a
-    :class:`ConfigError` names the smallest memory that would. ``profile_topology``: whose thread counts the profiles are measured
-    at (price a GPU topology with this machine's profile); ``timing``: a profile's ``windows`` and ``window_s``
-    (:func:`labkit.advisor.measure.measure_profile`; fewer: quicker, noisier)."""
+    global batch ``batch_size``; plans over ``memory_limit_gb`` per device are marked (none fitting: a
+    :class:`ConfigError` naming the memory that would). ``profile_topology``: whose threads the profiles are
+    measured at; ``timing``: :func:`labkit.advisor.measure.measure_profile`'s ``windows`` and ``window_s``."""
     from labkit import data as kdata
     from labkit import models as kmodels
 
@@ -105,16 +104,15 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
 
 MB = 2**20
 
-#: FlexFlow's best strategy for AlexNet on two GeForce 1080Ti (seed 000): ``dtm(2) gpu(0 1)`` = the operator
-#: split over both GPUs along the batch, ``gpu(0 0)`` = both parts on GPU 0
+#: FlexFlow's best strategy for AlexNet on two GeForce 1080Ti (seed 000)
 FLEXFLOW_ALEXNET_2GPU = (
     "conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: data parallel on gpu 0 and 1\n"
     "linear9 linear10 linear11: gpu 0 only")
 
 
 def table(advice: Advice) -> str:
-    """Ranked plans: predicted samples/s, peak memory per device, main term; once validated the measured columns
-    (median step, spread), the ranking's figures of merit and the ``off:`` lines."""
+    """Ranked plans: predicted samples/s, step, memory per device, main term; once validated, the measured
+    columns, the ranking and the ``off:`` lines; then each plan's command."""
     measured = any("step_s" in advice.measured.get(e.plan.label, {}) for e in advice.table)
     head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"
     if measured:
@@ -169,8 +167,8 @@ def flexflow_comparison(advice: Advice) -> str:
 
 
 def _why(advice: Advice) -> str:
-    """The two costs FlexFlow traded, priced on this topology: the FC weights' all-reduce (what hybrid saves)
-    against rank 0 running the FC layers on the whole batch (what hybrid pays)."""
+    """The two costs FlexFlow traded, priced here: the FC weights' all-reduce (hybrid saves it) against rank 0
+    running the FC layers on the whole batch (hybrid pays it)."""
     from labkit.advisor.alphabeta import allreduce_time
 
     topo = advice.topology

@@ -25,9 +25,8 @@ class Plan:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks that each train their own share of the batch, by the strategy's ``ADVISOR`` ``"batch"``:
-        ``"split"`` every rank (``--batch-size`` is per rank), ``"workers"`` the ranks that are not servers (the
-        option its ``"servers"`` names), else one (every rank sees the whole batch)."""
+        """Ranks training their own share of the batch, by the ``ADVISOR`` literal's ``"batch"``: ``"split"``
+        every rank, ``"workers"`` those that are not servers (its ``"servers"`` option), else one."""
         entry = strategy_literal(self.strategy, "ADVISOR", {}) if self.strategy in STRATEGIES else {}
         split = entry.get("batch")
         if split == "workers":
@@ -35,8 +34,7 @@ class Plan:
         return self.processes if split == "split" else 1
 
     @property
-    def per_rank_batch(self) -> int:
-        """The ``--batch-size`` value: the global batch over the data-parallel ranks."""
+    def per_rank_batch(self) -> int:  # --batch-size
         return self.batch_size // self.data_parallel
 
     @property
@@ -52,7 +50,6 @@ class Plan:
         return " ".join([head, *filter(None, words)])
 
     def train_args(self, model: str, dataset: str) -> list[str]:
-        """``labkit train`` arguments (without ``labkit``) that run this plan."""
         args = ["train", "--model", model, "--dataset", dataset, "--strategy", self.strategy,
                 "--batch-size", str(self.per_rank_batch)]
         for dest, value in self.options:  # True: a switch; None, False: left out; a tuple or list: its values
@@ -62,7 +59,7 @@ class Plan:
         return args
 
     def command(self, model: str, dataset: str, extra: list[str] | tuple = ()) -> str:
-        """The shell command: ``torchrun --nproc_per_node N -m labkit train ...`` (plain ``labkit`` for one process)."""
+        """``torchrun --nproc_per_node N -m labkit train ...`` (plain ``labkit`` for one process)."""
         launch = "labkit" if self.processes == 1 else f"torchrun --nproc_per_node {self.processes} -m labkit"
         return " ".join([launch, *self.train_args(model, dataset), *extra])
 
@@ -103,13 +100,12 @@ class Estimate:
         return not self.note
 
     @property
-    def feasible(self) -> bool:
-        """Runs at all (applicable) and fits the memory of every device."""
+    def feasible(self) -> bool:  # runs at all and fits in every device's memory
         return self.applicable and self.peak_bytes <= self.limit_bytes
 
     @property
     def main_term(self) -> str:
-        """The largest time term other than compute if it is at least a fifth of the step, else compute."""
+        """The largest time term but compute if it is at least a fifth of the step, else compute."""
         if not self.time:
             return "-"
         other = max((k for k in self.time if k != "compute"), key=self.time.get, default="compute")
@@ -168,12 +164,10 @@ class Profile:
         return sum(layer.param_bytes for layer in self.layers)
 
     @property
-    def buffers(self) -> tuple[int, int]:
-        """``(N_buf, bytes)``: the model's buffer tensors and their bytes."""
+    def buffers(self) -> tuple[int, int]:  # (N_buf, bytes): buffer tensors (batch-norm statistics)
         return sum(layer.buffers for layer in self.layers), sum(layer.buffer_bytes for layer in self.layers)
 
-    def time(self, batch: float, layers: range | None = None) -> float:
-        """Forward + backward seconds of ``layers`` (default all) on ``batch`` samples."""
+    def time(self, batch: float, layers: range | None = None) -> float:  # T_S(b) of layers S (default all)
         return sum(self.layers[i].time(batch) for i in (layers if layers is not None else range(len(self.layers))))
 
     def saved_bytes(self, batch: float, layers: range | None = None) -> float:
@@ -184,7 +178,7 @@ class Profile:
 
 
 def profile_from_dict(d: dict) -> Profile:
-    """Inverse of ``dataclasses.asdict`` for a :class:`Profile` read back from JSON."""
+    """A :class:`Profile` read back from JSON (``dataclasses.asdict``'s inverse)."""
     layers = [LayerProfile(**{**x, "fwd": tuple(x["fwd"]), "bwd": tuple(x["bwd"])}) for x in d["layers"]]
     pairs = [tuple(p) for p in d.get("tp_pairs", [])]
     return Profile(**{**d, "layers": layers, "sizes": tuple(d["sizes"]), "tp_pairs": pairs})
