@@ -15,7 +15,7 @@ from pathlib import Path
 from labkit.advisor.measure import CACHE, load_or_measure
 from labkit.advisor.plan import Estimate, Profile
 from labkit.advisor.search import best_per_strategy, candidates, check_fits
-from labkit.advisor.topology import Topology
+from labkit.advisor.topology import MB, Topology
 from labkit.errors import ConfigError
 
 ADVICE_SCHEMA = "labkit.advice/1"
@@ -101,8 +101,6 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     profiles = {measure_on.threads(p): prof_for(p) for p in {1, ranks}}
     return Advice(model, dataset, batch_size, topo, estimates, table, profiles)
 
-
-MB = 2**20
 
 #: FlexFlow's best strategy for AlexNet on two GeForce 1080Ti (seed 000)
 FLEXFLOW_ALEXNET_2GPU = (

@@ -20,11 +20,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from labkit.advisor.plan import Estimate, MeshPlan, Plan, Profile
-from labkit.advisor.topology import Topology
+from labkit.advisor.topology import GB, MB, Topology
 from labkit.errors import ConfigError
 
 EXHAUSTIVE_SPLITS = 2000
-GB, MB = 2**30, 2**20
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from labkit.collectives.cost import CostModel
 from labkit.errors import ConfigError
 
-GB = 2**30
+GB, MB = 2**30, 2**20
 
 
 @dataclass(frozen=True)

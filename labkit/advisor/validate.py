@@ -13,11 +13,11 @@ import torch
 from tqdm.auto import tqdm
 
 from labkit.advisor.advise import Advice
+from labkit.advisor.topology import GB
 from labkit.testing import run_ranks
 from labkit.train_cli import config_from_argv
 from labkit.train_run import run
 
-GB = 2**30
 #: the terms every plan pays: a plan off by more is off in a term of its own, or in its compute
 COMMON = ("compute", "update", "data")
 
