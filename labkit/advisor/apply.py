@@ -36,21 +36,17 @@ def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "au
     from labkit import models as kmodels
 
     name = model if isinstance(model, str) else model_name
-    if isinstance(plan, dict):
-        chosen = Plan.from_dict(plan)
-    elif isinstance(plan, (Plan, Estimate)):
-        chosen = getattr(plan, "plan", plan)
-    elif not isinstance(plan, str):
-        raise ConfigError(f"plan must be 'auto', a plan label, a Plan, an Estimate or a dict, got {type(plan).__name__}")
-    elif name is None:
-        raise ConfigError("plan='auto' needs the model's name (model_name=...): the advisor profiles a kit model")
-    else:
+    if name is None:
+        raise ConfigError("give model_name=... (a kit model): the advisor profiles it and the command builds it")
+    if isinstance(plan, str):
         from labkit.advisor.advise import advise
 
         advice = advise(name, dataset, ranks, batch_size)
         chosen = advice.best.plan if plan == "auto" else advice.find(plan).plan
-    if name is None:
-        raise ConfigError("give model_name=... (a kit model) so the returned command can build the same model")
+    elif isinstance(plan, (Plan, Estimate, dict)):
+        chosen = Plan.from_dict(plan) if isinstance(plan, dict) else getattr(plan, "plan", plan)
+    else:
+        raise ConfigError(f"plan must be 'auto', a plan label, a Plan, an Estimate or a dict, got {type(plan).__name__}")
     env = env or DistEnv()
     if env.world_size != chosen.processes:
         raise ConfigError(f"plan {chosen.label} runs on {chosen.processes} process(es) but this job has "
