@@ -17,11 +17,11 @@ bit-identical, the 15 replicated parameters bit-identical on the two ranks. One 
 ``dist.reduce_scatter_single`` / ``all_gather_single`` (torch >= 2.14; sequence parallelism, FSDP over the kit's
 units): the layer runs on torch 2.11 too.
 
-Tolerances: TF32 off and deterministic kernels (``labkit train --deterministic``); every step's loss within 1e-4
-of the CPU run's (a loss near ln 64 = 4.16), every weight after the epoch within 1e-4; the dropout checks are
-exact. The runs go in order, the pp meshes last, each rank saving its results as it goes: the first run that
-fails ends its spawn, the tests of it and of the runs after it fail with its traceback, and the earlier runs are
-still checked.
+Tolerances: TF32 off and deterministic kernels (``labkit train --deterministic``; the dropout runs' attention by
+SDPA's math kernel); every step's loss within 1e-4 of the CPU run's (a loss near ln 64 = 4.16), every weight after
+the epoch within 1e-4; the dropout checks are exact. The runs go in order, the pp meshes last, each rank saving its
+results as it goes: the first run that fails ends its spawn, the tests of it and of the runs after it fail with
+its traceback, and the earlier runs are still checked.
 """
 import dataclasses
 import functools
@@ -99,9 +99,9 @@ def _fit(env, key: str, options: dict, dropout: float = 0.0) -> dict:
             "device": next(model.parameters()).device.type}
 
 
-def _dropout(env) -> dict:
-    """tp=2 at dropout 0.5: one step of the sharded GPT by hand (masks, attention outputs of twin heads in eval
-    and training mode, the random states after it), then ``fit`` twice with one seed."""
+def _one_step(env) -> dict:
+    """One step of the GPT sharded over tp=2 at dropout 0.5, by hand: the masks, the attention outputs of twin
+    heads in eval and training mode, the random states after it."""
     from labkit.parallel.megatron import VocabParallelCrossEntropy, parallelize_gpt
 
     torch.manual_seed(0)
@@ -123,8 +123,17 @@ def _dropout(env) -> dict:
     torch.manual_seed(11)  # every stream, the same on both ranks (fit seeds a tp group alike)
     VocabParallelCrossEntropy(None, CFG.vocab_size)(model.train()(x), y).backward()
     rng = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if env.device.type == "cuda" else [])
-    fits = [_fit(env, "tp=2", {"mesh": "tp=2"}, dropout=0.5) for _ in range(2)]
-    return dict(seen, eval_attn=eval_attn, rng=rng, fits=fits, device=next(model.parameters()).device.type)
+    return dict(seen, eval_attn=eval_attn, rng=rng, device=next(model.parameters()).device.type)
+
+
+def _dropout(env) -> dict:
+    """:func:`_one_step`, then ``fit`` on tp=2 at dropout 0.5 twice with one seed; attention by SDPA's math
+    kernel (a fused kernel's backward may add with atomics: two runs would differ in the last bits for a reason
+    other than the random streams)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return dict(_one_step(env), fits=[_fit(env, "tp=2", {"mesh": "tp=2"}, dropout=0.5) for _ in range(2)])
 
 
 def _ranks(env, table: dict, gpu: str, out: str, dropout: bool = False) -> None:
