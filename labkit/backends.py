@@ -15,6 +15,8 @@ or ssp
 zero                   gloo         cuda        refused; ``--device auto`` picks the CPU
 ddp, --allreduce ring  gloo         cuda        refused (labkit's schedules send point to point);
 or another schedule                             ``--device auto`` picks the CPU
+pipeline; mesh with    gloo         cuda        refused (the stages send activations point to point);
+pp > 1                                          ``--device auto`` picks the CPU
 everything else        gloo         cuda        runs: labkit.dist's helpers move each collective's
                                                 tensors to the CPU and back
 =====================  ===========  ==========  ====================================================
@@ -25,14 +27,14 @@ importing the module, :func:`labkit.strategies.strategy_literal`), one dict per 
     BACKENDS = [{"when": {"ps_mode": ["async", "ssp"]}, "backend": "nccl", "device": "*", "why": "..."}]
 
 ``when`` (the option's value is one of those) and ``unless`` (it is none of those) test the strategy's options,
-its flags' defaults filled in; ``device`` is ``cpu``, ``cuda`` or ``*``; ``why`` is the one line the user sees,
+its flags' defaults filled in, ``dims`` the ``--mesh`` option (one of those dimensions is larger than 1); ``device`` is ``cpu``, ``cuda`` or ``*``; ``why`` is the one line the user sees,
 formatted with the options (``{ps_mode}``). Only the first row above, NCCL on a CPU, is this module's own.
 
 :func:`labkit.dist.distributed` applies it with the strategy :func:`key` names (``labkit train`` passes it).
 """
 from __future__ import annotations
 
-from labkit.errors import DeviceError
+from labkit.errors import ConfigError, DeviceError
 from labkit.flags import defaults
 
 ANY = "*"
@@ -47,7 +49,7 @@ def _rows(strategy: str) -> list[dict]:
 
 
 def _options_named(rows: list[dict]) -> list[str]:
-    return sorted({o for r in rows for o in (*r.get("when", {}), *r.get("unless", {}))})
+    return sorted({o for r in rows for o in (*r.get("when", {}), *r.get("unless", {}), *("mesh",) * ("dims" in r))})
 
 
 def key(strategy: str, options: dict | None = None) -> str:
@@ -61,18 +63,28 @@ def key(strategy: str, options: dict | None = None) -> str:
         return strategy
     given = {**(defaults(strategy_flags(strategy)) if strategy in STRATEGIES else {}),
              **{k: v for k, v in (options or {}).items() if v is not None}}
-    return strategy + ":" + ",".join(f"{o}={given.get(o)}" for o in named)
+    return strategy + ":" + ";".join(f"{o}={given.get(o)}" for o in named)
 
 
 def _parse(strategy_key: str) -> tuple[str, dict[str, str]]:
     name, _, rest = strategy_key.partition(":")
-    return name, dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    return name, dict(kv.split("=", 1) for kv in rest.split(";") if kv)
+
+
+def _mesh_has(spec: str | None, dims: list[str]) -> bool:
+    from labkit.mesh import parse_mesh
+
+    try:
+        shape = parse_mesh(spec)
+    except ConfigError:  # no mesh, or a bad one: --mesh's own check answers that
+        return False
+    return any(shape.get(d, 1) > 1 for d in dims)
 
 
 def _applies(row: dict, options: dict[str, str]) -> bool:
     when = all(options.get(o) in map(str, values) for o, values in row.get("when", {}).items())
     unless = all(options.get(o) not in map(str, values) for o, values in row.get("unless", {}).items())
-    return when and unless
+    return when and unless and ("dims" not in row or _mesh_has(options.get("mesh"), row["dims"]))
 
 
 def refusal(strategy_key: str, backend: str, device_type: str) -> str | None:

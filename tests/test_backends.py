@@ -13,7 +13,8 @@ from labkit.errors import DeviceError
 @pytest.mark.parametrize("strategy, options, table_key", [
     ("ps", {}, "ps:ps_mode=sync"), ("ps", {"ps_mode": "ssp"}, "ps:ps_mode=ssp"), ("zero", {"zero_stage": 3}, "zero"),
     ("ddp", {}, "ddp:allreduce=ddp"), ("ddp", {"allreduce": "native"}, "ddp:allreduce=native"),
-    ("ddp", {"allreduce": "ring"}, "ddp:allreduce=ring"), ("fsdp", {}, "fsdp")])
+    ("ddp", {"allreduce": "ring"}, "ddp:allreduce=ring"), ("fsdp", {}, "fsdp"), ("pipeline", {}, "pipeline"),
+    ("mesh", {"mesh": "dp=2,pp=2"}, "mesh:mesh=dp=2,pp=2"), ("mesh", {}, "mesh:mesh=None")])
 def test_key(strategy, options, table_key):
     assert backends.key(strategy, options) == table_key
 
@@ -28,7 +29,13 @@ ASYNC, RING = "ps:ps_mode=async", "ddp:allreduce=ring"
     (RING, "nccl", "cuda", None), ("ddp:allreduce=native", "gloo", "cuda", None),
     ("ps:ps_mode=sync", "nccl", "cuda", None), ("ps", "nccl", "cuda", None), (ASYNC, "gloo", "cpu", None),
     ("zero", "nccl", "cuda", None), ("zero", "gloo", "cpu", None), ("ddp", "gloo", "cuda", None),
-    ("fsdp", "nccl", "cuda", None)])
+    ("fsdp", "nccl", "cuda", None), ("pipeline", "gloo", "cuda", "--strategy pipeline's stages"),
+    ("pipeline", "gloo", "cpu", None), ("pipeline", "nccl", "cuda", None),
+    ("mesh:mesh=dp=2,pp=2", "gloo", "cuda", "--mesh dp=2,pp=2: the pipeline's stages"),
+    ("mesh:mesh=tp=2, pp = 4", "gloo", "cuda", "--mesh tp=2, pp = 4: the pipeline's stages"),
+    ("mesh:mesh=pp=1,tp=2", "gloo", "cuda", None), ("mesh:mesh=cp=2", "gloo", "cuda", None),
+    ("mesh:mesh=None", "gloo", "cuda", None), ("mesh:mesh=pp=", "gloo", "cuda", None),
+    ("mesh:mesh=dp=2,pp=2", "gloo", "cpu", None), ("mesh:mesh=dp=2,pp=2", "nccl", "cuda", None)])
 def test_table(table_key, backend, device, refused):
     why = backends.refusal(table_key, backend, device)
     assert (why is None) if refused is None else (why.startswith(refused) and "\n" not in why and "use " in why)
@@ -40,6 +47,8 @@ def test_auto_under_gloo_is_the_cpu_where_gloo_cannot_carry_cuda_tensors():
     assert backends.auto_device("ddp", "gloo", "auto") == "auto"
     assert backends.auto_device("zero", "nccl", "auto") == "auto"
     assert backends.auto_device("zero", "gloo", "cuda") == "cuda"  # asked for: the table refuses it instead
+    assert backends.auto_device("mesh:mesh=pp=2", "gloo", "auto") == "cpu"
+    assert backends.auto_device("mesh:mesh=dp=2", "gloo", "auto") == "auto"
 
 
 def _gpus(monkeypatch):

@@ -36,6 +36,13 @@ FLAGS = [
 ]
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run (the CNN on a dp mesh)
 BENCH = {"ranks": 2, "flags": ["--mesh", "dp=2"]}
+#: backend/device combinations refused before any work (labkit.backends); gloo's send/recv take CPU tensors only
+#: (on CUDA ones it fails in its transport: "writev ... Bad address")
+BACKENDS = [
+    {"dims": ["pp"], "backend": "gloo", "device": "cuda",
+     "why": "--mesh {mesh}: the pipeline's stages send activations point to point, which gloo does on CPU tensors "
+            "only; use --backend nccl (one GPU per rank), or --device cpu (or leave --device auto)"},
+]
 
 
 class PaddedShardSampler(ShardSampler):

@@ -70,6 +70,12 @@ FLAGS = [
     {"flag": "--trace-steps", "type": "int", "range": "[0, inf)", "default": None, "metavar": "N",
      "help": "steps to record after the first (None: 3 with --pipeline-trace, else 0)"},
 ]
+#: backend/device combinations refused before any work (labkit.backends): gloo's send/recv take CPU tensors only
+BACKENDS = [
+    {"backend": "gloo", "device": "cuda",
+     "why": "--strategy pipeline's stages send activations point to point, which gloo does on CPU tensors only; use "
+            "--backend nccl on GPUs, or --device cpu (or leave --device auto)"},
+]
 #: ``labkit advise``: a stage per rank, ``m`` micro-batches, 1f1b where gpipe's does not fit (labkit.advisor.search)
 ADVISOR = {"price": "labkit.strategies.pipelining:price_pipeline", "plans": "pipeline", "processes": "each",
            "options": {"microbatches": "num_microbatches", "balance": "balance", "schedule": "schedule"}}

@@ -4,28 +4,31 @@
 NCCL refuses two ranks on one GPU, so the ranks run gloo with CUDA tensors, as ``labkit train --device cuda
 --backend gloo`` does: labkit.dist's collectives go through the CPU, ring attention stages each KV message
 through it. A rank's DistEnv there is the one ``distributed(device="cuda", backend="gloo")`` gives: cuda:0, made
-the current device.
+the current device. Pipeline stages send CUDA tensors point to point, which gloo cannot (its transport fails,
+"writev ... Bad address"): ``--mesh pp=2`` and ``--strategy pipeline`` on gloo with CUDA are refused in one
+line before any work (labkit.backends), checked here through ``labkit train``.
 
 One 2-rank spawn runs, on CPU tensors and then on CUDA tensors, a 2-layer GPT (d=32, T=16, 4 heads, vocabulary 64,
-dropout 0) on ``--mesh cp=2`` (ring attention), ``tp=2`` and ``pp=2``, and the mixture-of-experts GPT (4 experts,
-top-1; float64, so that no near-tie in the router flips between the devices) on ``ep=2``; then ``tp=2`` at
-dropout 0.5 on CUDA (labkit.parallel.tp_rng's tracker on the CUDA generator): one step by hand, the 5 replicated
-masks (embedding, residuals) equal on both ranks, the sharded attention masks apart (twin heads: rank 1's q/k/v a
-copy of rank 0's), the CPU and CUDA random streams given back equal on both ranks; fit twice with one seed,
+dropout 0) on ``--mesh cp=2`` (ring attention) and ``tp=2``, and the mixture-of-experts GPT (4 experts, top-1;
+float64, so that no near-tie in the router flips between the devices) on ``ep=2``; then ``tp=2`` at dropout 0.5
+on CUDA (labkit.parallel.tp_rng's tracker on the CUDA generator): one step by hand, the 5 replicated masks
+(embedding, residuals) equal on both ranks, the sharded attention masks apart (twin heads: rank 1's q/k/v a copy
+of rank 0's), the CPU and CUDA random streams given back equal on both ranks; fit twice with one seed,
 bit-identical, the 15 replicated parameters bit-identical on the two ranks. One 4-rank spawn: ``dp=2,tp=2`` and
-``tp=2,pp=2``. A fit is one epoch of 2 steps (SGD with momentum), then an evaluation. No mesh here needs
+``cp=2,tp=2``. A fit is one epoch of 2 steps (SGD with momentum), then an evaluation. No mesh here needs
 ``dist.reduce_scatter_single`` / ``all_gather_single`` (torch >= 2.14; sequence parallelism, FSDP over the kit's
 units): the layer runs on torch 2.11 too.
 
 Tolerances: TF32 off and deterministic kernels (``labkit train --deterministic``; the dropout runs' attention by
 SDPA's math kernel); every step's loss within 1e-4 of the CPU run's (a loss near ln 64 = 4.16), every weight after
-the epoch within 1e-4; the dropout checks are exact. The runs go in order, the pp meshes last, each rank saving its
-results as it goes: the first run that fails ends its spawn, the tests of it and of the runs after it fail with
+the epoch within 1e-4; the dropout checks are exact. The runs go in order, each rank saving its results as it goes: the first run that fails ends its spawn, the tests of it and of the runs after it fail with
 its traceback, and the earlier runs are still checked.
 """
 import dataclasses
 import functools
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,9 +41,8 @@ from labkit.testing import run_ranks
 GPU = "cuda"  # the device of the runs compared with CPU ones (this file's logic was checked with "cpu" here)
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
 BATCH, STEPS, SEED, TOL, TIMEOUT = 8, 2, 5, 1e-4, 90
-TWO = {"cp=2": {"mesh": "cp=2"}, "tp=2": {"mesh": "tp=2"}, "ep=2": {"mesh": "ep=2"},
-       "pp=2": {"mesh": "pp=2", "num_microbatches": 2}}
-FOUR = {"dp=2,tp=2": {"mesh": "dp=2,tp=2"}, "tp=2,pp=2": {"mesh": "tp=2,pp=2", "num_microbatches": 2}}
+TWO = {"cp=2": {"mesh": "cp=2"}, "tp=2": {"mesh": "tp=2"}, "ep=2": {"mesh": "ep=2"}}
+FOUR = {"dp=2,tp=2": {"mesh": "dp=2,tp=2"}, "cp=2,tp=2": {"mesh": "cp=2,tp=2"}}
 HALF = CFG.n_embd // 2  # rank r's q/k/v rows under tp=2: its 2 of the 4 heads
 REPLICATED = ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.proj.bias", "mlp.proj.bias",
               "ln_f.weight", "ln_f.bias", "pos_emb.weight")
@@ -138,7 +140,7 @@ def _dropout(env) -> dict:
 
 def _ranks(env, table: dict, gpu: str, out: str, dropout: bool = False) -> None:
     """Every mesh of ``table`` on CPU tensors ("... cpu"), then on ``gpu`` tensors ("... gpu"); with ``dropout``,
-    :func:`_dropout` on ``gpu`` before the first pp mesh. The results so far go to ``out/rank{r}.pkl`` after each
+    :func:`_dropout` on ``gpu`` after them. The results so far go to ``out/rank{r}.pkl`` after each
     run, so that a run that fails (or crashes its rank) leaves the earlier ones to be checked."""
     from labkit.dist import deterministic_kernels
 
@@ -147,8 +149,7 @@ def _ranks(env, table: dict, gpu: str, out: str, dropout: bool = False) -> None:
     runs = [(f"{key} {side}", functools.partial(_fit, _on(env, device), key, options))
             for key, options in table.items() for side, device in (("cpu", "cpu"), ("gpu", gpu))]
     if dropout:
-        runs.insert(next(i for i, (name, _) in enumerate(runs) if "pp=" in name),
-                    ("dropout", functools.partial(_dropout, _on(env, gpu))))
+        runs.append(("dropout", functools.partial(_dropout, _on(env, gpu))))
     done, path = {}, Path(out) / f"rank{env.rank}.pkl"
     for name, run in runs:
         done[name] = run()
@@ -229,3 +230,16 @@ def test_tp_dropout_on_the_gpu_draws_replicated_masks_alike_and_sharded_ones_apa
     replicated = [name for name in a["fits"][0]["weights"] if name.endswith(REPLICATED)]
     assert len(replicated) == 15
     assert all(torch.equal(a["fits"][0]["weights"][n], b["fits"][0]["weights"][n]) for n in replicated)
+
+
+@pytest.mark.parametrize("args", [["--strategy", "mesh", "--mesh", "pp=2", "--model", "gpt-tiny",
+                                   "--dataset", "text-sample", "--seq-len", "16"],
+                                  ["--strategy", "pipeline", "--model", "lenet", "--dataset", "synthetic-mnist"]])
+def test_pipeline_stages_on_gloo_with_cuda_tensors_are_refused_in_one_line(args, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2", "-m",
+                           "labkit", "train", *args, "--device", GPU, "--backend", "gloo", "--max-steps", "2",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("labkit: error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "stages send activations point to point, which gloo does on CPU tensors only" in errors[0]
+    assert not (tmp_path / "summary.json").exists()
