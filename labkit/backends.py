@@ -10,8 +10,8 @@ strategy               backend      device      verdict
 any                    nccl         cpu         refused: NCCL has no CPU path
 ps, --ps-mode async    nccl         any         refused: a server receives from whichever worker
 or ssp                                          pushes first, which NCCL cannot post
-ps, --ps-mode async    gloo         cuda        refused; ``--device auto`` picks the CPU
-or ssp
+ps (every mode)        gloo         cuda        refused (it sends point to point); ``--device auto`` picks
+                                                the CPU
 zero                   gloo         cuda        refused; ``--device auto`` picks the CPU
 ddp, --allreduce ring  gloo         cuda        refused (labkit's schedules send point to point);
 or another schedule                             ``--device auto`` picks the CPU

@@ -24,7 +24,8 @@ ASYNC, RING = "ps:ps_mode=async", "ddp:allreduce=ring"
 
 @pytest.mark.parametrize("table_key, backend, device, refused", [
     ("ddp", "nccl", "cpu", "backend nccl needs GPUs"), (ASYNC, "nccl", "cuda", "--ps-mode async receives"),
-    ("ps:ps_mode=ssp", "nccl", "cuda", "--ps-mode ssp receives"), (ASYNC, "gloo", "cuda", "--ps-mode async sends"),
+    ("ps:ps_mode=ssp", "nccl", "cuda", "--ps-mode ssp receives"), (ASYNC, "gloo", "cuda", "--strategy ps (--ps-mode async) sends"),
+    ("ps:ps_mode=sync", "gloo", "cuda", "--strategy ps (--ps-mode sync) sends"),
     ("zero", "gloo", "cuda", "--strategy zero's all-gathers"), (RING, "gloo", "cuda", "labkit's --allreduce"),
     (RING, "nccl", "cuda", None), ("ddp:allreduce=native", "gloo", "cuda", None),
     ("ps:ps_mode=sync", "nccl", "cuda", None), ("ps", "nccl", "cuda", None), (ASYNC, "gloo", "cpu", None),
@@ -45,6 +46,7 @@ def test_auto_under_gloo_is_the_cpu_where_gloo_cannot_carry_cuda_tensors():
     assert backends.auto_device(ASYNC, "gloo", "auto") == "cpu"
     assert backends.auto_device("zero", "gloo", "auto") == "cpu"
     assert backends.auto_device("ddp", "gloo", "auto") == "auto"
+    assert backends.auto_device("ps:ps_mode=sync", "gloo", "auto") == "cpu"
     assert backends.auto_device("zero", "nccl", "auto") == "auto"
     assert backends.auto_device("zero", "gloo", "cuda") == "cuda"  # asked for: the table refuses it instead
     assert backends.auto_device("mesh:mesh=pp=2", "gloo", "auto") == "cpu"

@@ -83,14 +83,16 @@ FLAGS = [
 #: ``labkit advise``: ``p`` ranks, ``S`` of them servers (the option named), the batch split over the workers
 ADVISOR = {"price": "labkit.strategies.ps:price_ps", "plans": "servers", "servers": "ps_servers",
            "batch": "workers"}
-#: backend/device combinations it cannot run on (labkit.backends): asynchronous servers receive from anyone
+#: backend/device combinations it cannot run on (labkit.backends): asynchronous servers receive from anyone; every
+#: mode sends point to point, which gloo does on CPU tensors only (on CUDA ones its transport fails: "writev ...
+#: Bad address", seen on an H200 with --ps-mode sync)
 BACKENDS = [
     {"when": {"ps_mode": ["async", "ssp"]}, "backend": "nccl", "device": "*",
      "why": "--ps-mode {ps_mode} receives pushes from any worker, which NCCL cannot do; use --backend gloo (CPU "
             "tensors) or --ps-mode sync"},
-    {"when": {"ps_mode": ["async", "ssp"]}, "backend": "gloo", "device": "cuda",
-     "why": "--ps-mode {ps_mode} sends and receives point to point, which gloo does on CPU tensors only; use "
-            "--device cpu (or leave --device auto), or --ps-mode sync"},
+    {"backend": "gloo", "device": "cuda",
+     "why": "--strategy ps (--ps-mode {ps_mode}) sends and receives point to point, which gloo does on CPU tensors "
+            "only; use --device cpu (or leave --device auto), or --backend nccl with --ps-mode sync"},
 ]
 
 class ParameterServerStrategy(Strategy):

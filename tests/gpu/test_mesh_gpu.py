@@ -4,9 +4,10 @@
 NCCL refuses two ranks on one GPU, so the ranks run gloo with CUDA tensors, as ``labkit train --device cuda
 --backend gloo`` does: labkit.dist's collectives go through the CPU, ring attention stages each KV message
 through it. A rank's DistEnv there is the one ``distributed(device="cuda", backend="gloo")`` gives: cuda:0, made
-the current device. Pipeline stages send CUDA tensors point to point, which gloo cannot (its transport fails,
-"writev ... Bad address"): ``--mesh pp=2`` and ``--strategy pipeline`` on gloo with CUDA are refused in one
-line before any work (labkit.backends), checked here through ``labkit train``.
+the current device. Pipeline stages and parameter servers send CUDA tensors point to point, which gloo cannot
+(its transport fails, "writev ... Bad address"): ``--mesh pp=2``, ``--strategy pipeline`` and ``--strategy ps``
+on gloo with CUDA are refused in one line before any work (labkit.backends), checked here through ``labkit
+train``.
 
 One 2-rank spawn runs, on CPU tensors and then on CUDA tensors, a 2-layer GPT (d=32, T=16, 4 heads, vocabulary 64,
 dropout 0) on ``--mesh cp=2`` (ring attention) and ``tp=2``, and the mixture-of-experts GPT (4 experts, top-1;
@@ -234,12 +235,14 @@ def test_tp_dropout_on_the_gpu_draws_replicated_masks_alike_and_sharded_ones_apa
 
 @pytest.mark.parametrize("args", [["--strategy", "mesh", "--mesh", "pp=2", "--model", "gpt-tiny",
                                    "--dataset", "text-sample", "--seq-len", "16"],
-                                  ["--strategy", "pipeline", "--model", "lenet", "--dataset", "synthetic-mnist"]])
-def test_pipeline_stages_on_gloo_with_cuda_tensors_are_refused_in_one_line(args, tmp_path):
+                                  ["--strategy", "pipeline", "--model", "lenet", "--dataset", "synthetic-mnist"],
+                                  ["--strategy", "ps", "--ps-mode", "sync", "--model", "mlp", "--dataset",
+                                   "synthetic-mnist"]])
+def test_point_to_point_messages_on_gloo_with_cuda_tensors_are_refused_in_one_line(args, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2", "-m",
                            "labkit", "train", *args, "--device", GPU, "--backend", "gloo", "--max-steps", "2",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("labkit: error:")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
-    assert "stages send activations point to point, which gloo does on CPU tensors only" in errors[0]
+    assert "point to point, which gloo does on CPU tensors only" in errors[0]
     assert not (tmp_path / "summary.json").exists()
