@@ -62,10 +62,14 @@ def exit_if_bootstrapping() -> None:
 
 def _is_main_guard(node: ast.AST) -> bool:
     """``if __name__ == "__main__":`` (either side, or within a larger condition)."""
-    return isinstance(node, ast.If) and any(
-        isinstance(cmp, ast.Compare) and {ast.dump(side) for side in (cmp.left, *cmp.comparators)} >=
-        {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
-        for cmp in ast.walk(node.test))
+    if not isinstance(node, ast.If):
+        return False
+    for cmp in ast.walk(node.test):
+        sides = (cmp.left, *cmp.comparators) if isinstance(cmp, ast.Compare) else ()
+        if (any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides) and
+                any(isinstance(side, ast.Constant) and side.value == "__main__" for side in sides)):
+            return True
+    return False
 
 
 def _called_outside_main_guard() -> bool:
@@ -80,7 +84,7 @@ def _called_outside_main_guard() -> bool:
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
         frame = frame.f_back
-    if frame is None:  # the script has finished its top level (a call from a callback, a thread)
+    if frame is None:  # not under the script's top level on this thread (another thread, a later callback)
         return False
     try:
         tree = ast.parse(Path(path).read_text(), path)
