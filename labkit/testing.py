@@ -14,6 +14,7 @@ variables, working directory and ``sys.path`` first, as a freshly spawned proces
 """
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 import queue
@@ -50,9 +51,48 @@ NO_GUARD_MESSAGE = ("the script that starts ranks runs again in every rank (to f
 def exit_if_bootstrapping() -> None:
     """In a rank that is still importing the caller's script (which called us at its top level): end the rank
     at once, quietly, with the code the parent reads as :data:`NO_GUARD_MESSAGE` (Python's own start method
-    would raise there, in every rank, and leave the parent waiting for their results)."""
+    would raise there, in every rank, and leave the parent waiting for their results). In the caller, raise
+    that message before any rank starts where its script's source shows the call outside the guard (no
+    forkserver started to import torch only for its ranks to end)."""
     if getattr(mp.current_process(), "_inheriting", False):
         os._exit(_NO_GUARD_EXIT)
+    if _called_outside_main_guard():
+        raise RuntimeError(NO_GUARD_MESSAGE)
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":`` (either side, or within a larger condition)."""
+    if not isinstance(node, ast.If):
+        return False
+    for cmp in ast.walk(node.test):
+        sides = (cmp.left, *cmp.comparators) if isinstance(cmp, ast.Compare) else ()
+        if (any(isinstance(side, ast.Name) and side.id == "__name__" for side in sides) and
+                any(isinstance(side, ast.Constant) and side.value == "__main__" for side in sides)):
+            return True
+    return False
+
+
+def _called_outside_main_guard() -> bool:
+    """Whether the caller's script, the one a started process imports again (as ``multiprocessing.spawn``
+    decides: run as a file, or ``-m`` a module not named ``__main__``), runs now at its top level outside
+    ``if __name__ == "__main__":``. False where the source cannot tell (no file, a notebook): the ranks do."""
+    main = sys.modules.get("__main__")
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    path = getattr(main, "__file__", None)
+    if path is None or spec_name == "__main__" or (spec_name or "").endswith(".__main__"):
+        return False
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)):
+        frame = frame.f_back
+    if frame is None:  # not under the script's top level on this thread (another thread, a later callback)
+        return False
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return False
+    line = frame.f_lineno
+    return not any(_is_main_guard(node) and node.body[0].lineno <= line <= node.body[-1].end_lineno
+                   for node in ast.walk(tree))
 
 
 def unguarded(procs) -> bool:

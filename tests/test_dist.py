@@ -116,7 +116,8 @@ def test_run_ranks_see_the_callers_environment_and_folder_of_now(tmp_path, monke
 
 def test_run_ranks_at_the_top_of_a_script_without_main_guard_fails_fast(tmp_path):
     """Every rank imports the caller's script again; one that starts ranks at its top level would start them in
-    each rank too: the ranks end at once and the caller gets one error naming the guard (not a timeout)."""
+    each rank too: the caller gets one error naming the guard (not a timeout), read from its script's source
+    before any rank or forkserver starts."""
     script = tmp_path / "unguarded.py"
     script.write_text("from labkit.testing import run_ranks\n\n\ndef rank_of(env):\n    return env.rank\n\n\n"
                       "print(run_ranks(rank_of, 2, timeout=600))\n")
