@@ -27,8 +27,9 @@ importing the module, :func:`labkit.strategies.strategy_literal`), one dict per 
     BACKENDS = [{"when": {"ps_mode": ["async", "ssp"]}, "backend": "nccl", "device": "*", "why": "..."}]
 
 ``when`` (the option's value is one of those) and ``unless`` (it is none of those) test the strategy's options,
-its flags' defaults filled in, ``dims`` the ``--mesh`` option (one of those dimensions is larger than 1); ``device`` is ``cpu``, ``cuda`` or ``*``; ``why`` is the one line the user sees,
-formatted with the options (``{ps_mode}``). Only the first row above, NCCL on a CPU, is this module's own.
+its flags' defaults filled in, and ``dims`` its ``--mesh`` (one of those dimensions is larger than 1); ``device``
+is ``cpu``, ``cuda`` or ``*``; ``why`` is the one line the user sees, formatted with the options (``{ps_mode}``).
+Only the first row above, NCCL on a CPU, is this module's own.
 
 :func:`labkit.dist.distributed` applies it with the strategy :func:`key` names (``labkit train`` passes it).
 """
@@ -49,7 +50,8 @@ def _rows(strategy: str) -> list[dict]:
 
 
 def _options_named(rows: list[dict]) -> list[str]:
-    return sorted({o for r in rows for o in (*r.get("when", {}), *r.get("unless", {}), *("mesh",) * ("dims" in r))})
+    named = {o for r in rows for o in (*r.get("when", {}), *r.get("unless", {}))}
+    return sorted(named | ({"mesh"} if any("dims" in r for r in rows) else set()))
 
 
 def key(strategy: str, options: dict | None = None) -> str:
