@@ -220,6 +220,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     return [collected[r] for r in range(world_size)]
 
 
+def record_losses(strategy) -> list:
+    """Record the loss of every step ``fit`` runs on ``strategy``: a copy of what its ``forward_backward``
+    returns (None on a rank that does not own the loss). Returns the list it appends to."""
+    losses, inner = [], strategy.forward_backward
+
+    def forward_backward(*args):
+        loss, out = inner(*args)
+        losses.append(None if loss is None else loss.clone())
+        return loss, out
+
+    strategy.forward_backward = forward_backward
+    return losses
+
+
 def _cli_rank_main(argv, rank, world_size, port, caller, out_path, err_path):
     """``labkit ARGV`` as rank ``rank``: its output into two files, its exit code the process's."""
     _become_rank(rank, world_size, port, caller)

@@ -26,7 +26,7 @@ from labkit.errors import CheckpointError, ConfigError
 from labkit.gpt import GPT, GPTConfig
 from labkit.strategies.base import Strategy
 from labkit.tasks import LanguageModelling, Task
-from labkit.testing import run_ranks
+from labkit.testing import record_losses, run_ranks
 
 GLOBAL_BATCH, SEED, LR = 8, 5, 0.1
 STEPS = {"cnn": 2, "gpt": 2}  # steps per epoch: the second is the first with momentum
@@ -57,19 +57,6 @@ def _task(kind: str) -> Task:
     return Task() if kind == "cnn" else LanguageModelling()
 
 
-def _recorded(strategy: Strategy) -> list:
-    """Record the loss of every step the loop runs (the loss ``forward_backward`` returns; None off the owner)."""
-    losses, inner = [], strategy.forward_backward
-
-    def forward_backward(*args):
-        loss, out = inner(*args)
-        losses.append(None if loss is None else loss.clone())
-        return loss, out
-
-    strategy.forward_backward = forward_backward
-    return losses
-
-
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters by name (an FSDP shard gathered over dp: what this rank's tp/pp part holds)."""
     return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
@@ -92,7 +79,7 @@ def _fit(strategy, model, kind, epochs, start_epoch=0, out=None, resume=False):
         if out is not None and not resume and epoch == 0:
             save_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None,
                                 {"epoch": epoch + 1}, {})
-    losses = _recorded(strategy)
+    losses = record_losses(strategy)
     sampler = strategy.sampler(train, True, SEED) or DistributedSampler(train, 1, 0, shuffle=True, seed=SEED)
     task = _task(kind)
     fit(model, DataLoader(train, batch_size=GLOBAL_BATCH // strategy.data_parallel_size, sampler=sampler,

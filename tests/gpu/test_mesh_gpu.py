@@ -37,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from labkit.gpt import GPT, GPTConfig
-from labkit.testing import run_ranks
+from labkit.testing import record_losses, run_ranks
 
 GPU = "cuda"  # the device of the runs compared with CPU ones (this file's logic was checked with "cpu" here)
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
@@ -82,14 +82,7 @@ def _fit(env, key: str, options: dict, dropout: float = 0.0) -> dict:
     strategy = MeshStrategy(env, dict(options))
     strategy.check_model("gpt-moe-tiny" if key == "ep=2" else "gpt-tiny")
     model = strategy.prepare(_model(key, dropout))
-    losses, inner = [], strategy.forward_backward
-
-    def forward_backward(*args):
-        loss, out = inner(*args)
-        losses.append(None if loss is None else loss.clone())
-        return loss, out
-
-    strategy.forward_backward = forward_backward
+    losses = record_losses(strategy)
     train, test = _data()
     task = LanguageModelling()
     fit(model, DataLoader(train, batch_size=BATCH // strategy.data_parallel_size, drop_last=True,
