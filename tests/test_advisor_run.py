@@ -65,6 +65,16 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
     assert losses[0] == losses[1] == pytest.approx(m["final_train_loss"], rel=1e-6)
 
 
+def test_validate_with_no_plan_that_fits_runs_nothing(monkeypatch, tmp_path):
+    import labkit.advisor.validate as val
+
+    topo = Topology("test", 2, CostModel(1e-4, 1e-9), 1.0, "cpu", cores=2)  # one byte per device: nothing fits
+    table = [price(Plan("single", 1, 1, 32), _lenet_profile(2), topo)]
+    assert not table[0].feasible
+    monkeypatch.setattr(val, "run_ranks", lambda *args, **kwargs: pytest.fail("no plan to run"))
+    assert val.validate(Advice("lenet", "mnist-sample", 32, topo, table, table), out=tmp_path, progress=False) == {}
+
+
 def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_path):
     """Three plans, three runs each (fake ranks with literal rates): the plans go round-robin, each round one plan
     further on, the ranks starting once per round and process count, the counts taking turns to go first (a slow

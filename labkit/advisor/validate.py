@@ -95,7 +95,7 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
     runs: dict[str, list[dict]] = {e.plan.label: [] for e in chosen}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
     counts = sorted({e.plan.processes for e in chosen})
-    for r in range(max(1, repeats)):  # round r starts r plans further on, and with the other process count
+    for r in range(max(1, repeats) if chosen else 0):  # round r: r plans further on, the other count first
         turn = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
         for count in counts[r % len(counts):] + counts[:r % len(counts)]:
             jobs = []
