@@ -4,10 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from labkit.advisor.alphabeta import bubble_fraction, pipeline_terms
 from labkit.advisor.plan import LayerProfile, Plan, Profile
 from labkit.advisor.search import candidates, check_fits, price
-from labkit.advisor.topology import Topology
+from labkit.advisor.topology import Topology, bubble_fraction, pipeline_terms
 from labkit.collectives.cost import CostModel
 from labkit.errors import ConfigError
 
@@ -217,7 +216,7 @@ def test_parameter_server_loses_on_a_slow_link_and_wins_when_the_update_dominate
 
 def test_buffer_broadcasts_and_ddp_buckets_by_hand():
 
-    from labkit.advisor.alphabeta import bucketed_allreduce
+    from labkit.advisor.topology import bucketed_allreduce
 
     prof, t = tiny_profile(), topo()
     # l0 as a batch-norm-like layer: 3 buffers of 264 bytes in all (two of 32 floats and a step counter)

@@ -6,10 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from labkit.advisor.alphabeta import compute_scale
 from labkit.advisor.plan import LayerProfile, Plan, Profile
 from labkit.advisor.search import candidates, price
-from labkit.advisor.topology import Topology
+from labkit.advisor.topology import Topology, compute_scale
 from labkit.collectives.cost import CostModel
 
 

@@ -167,7 +167,7 @@ def flexflow_comparison(advice: Advice) -> str:
 def _why(advice: Advice) -> str:
     """The two costs FlexFlow traded, priced here: the FC weights' all-reduce (hybrid saves it) against rank 0
     running the FC layers on the whole batch (hybrid pays it)."""
-    from labkit.advisor.alphabeta import allreduce_time
+    from labkit.advisor.topology import allreduce_time
 
     topo = advice.topology
     prof = advice.profiles.get(topo.threads(2))

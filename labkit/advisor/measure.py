@@ -8,7 +8,7 @@ slowdown of processes computing at once (:func:`_together_rank`):
     fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
     scale(b) = (step(b) − u·P − d·b) / Σ_i (fwd_i + bwd_i)(b)      κ = step of each of n at once / its step alone
 
-The links, per kind of collective (:data:`~labkit.advisor.alphabeta.KINDS`): each timed at :data:`FIT_SIZES`
+The links, per kind of collective (:data:`~labkit.advisor.topology.KINDS`): each timed at :data:`FIT_SIZES`
 after :data:`WORK_S` of computing, less the computing alone, on the slowest rank; sizes lost in the noise are
 left out (a kind left with under two pays the point-to-point link); α and β by :func:`fit_kind`.
 """
@@ -32,8 +32,8 @@ from torch import nn
 from labkit import data as kdata
 from labkit import dist as kdist
 from labkit import models as kmodels
-from labkit.advisor.alphabeta import KINDS, ring_counts
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
+from labkit.advisor.topology import KINDS, ring_counts
 from labkit.collectives.cost import CostModel, fit_alpha_beta
 from labkit.errors import ConfigError
 from labkit.meters import process_memory_gb
@@ -141,12 +141,6 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
     return statistics.median(ratios)
 
 
-def _line(b0: int, t0: float, b1: int, t1: float) -> tuple[float, float]:
-    """``(a, c)`` with ``t = a + c·b`` through two points, kept physical (a, c >= 0)."""
-    c = max(0.0, (t1 - t0) / (b1 - b0))
-    return max(0.0, t0 - c * b0), c
-
-
 def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3,
                     windows: int = WINDOWS, window_s: float = WINDOW_S) -> Profile:
     """Profile ``model`` at ``threads`` CPU threads at ``batch_size`` and ``batch_size // 8``; ``windows`` of
@@ -178,7 +172,10 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
         torch.set_num_threads(before)
     s0, s1 = [max(0.0, whole[k] - update_s * _bytes(seq.parameters()) - data_s * sizes[k]) /
               max(1e-12, sum(f + b for f, b in times[k])) for k in range(2)]  # scale(b) at both sizes
-    lines = [[_line(sizes[0], t0 * s0, sizes[1], t1 * s1) for t0, t1 in zip(*at)] for at in zip(*times)]  # fwd, bwd
+    def line(t0: float, t1: float) -> tuple[float, float]:  # (a, c) of t = a + c·b through both sizes, a, c >= 0
+        c = max(0.0, (t1 * s1 - t0 * s0) / (sizes[1] - sizes[0]))
+        return max(0.0, t0 * s0 - c * sizes[0]), c
+    lines = [[line(t0, t1) for t0, t1 in zip(*at)] for at in zip(*times)]  # per layer: fwd, bwd
     layers = [LayerProfile(name, type(layer).__name__, *lines[i], _bytes(layer.parameters()), outs[i], saved[i],
                            sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
                            sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
@@ -221,7 +218,7 @@ def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Pa
 def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
     """``(α, β)`` of a ``kind`` collective over ``ranks`` ranks from ``[(n bytes, seconds), ...]``: the line
     ``T(n) = a + c·n`` through them, ``α = a / m``, ``β = c / s`` with ``(m, s)`` the kind's
-    :func:`~labkit.advisor.alphabeta.ring_counts`."""
+    :func:`~labkit.advisor.topology.ring_counts`."""
     a, c = fit_alpha_beta(*zip(*points))
     messages, share = ring_counts(kind, ranks)
     return a / messages, c / share
@@ -236,10 +233,9 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
     m = torch.randn(128, 128, device=device)
     reps = torch.tensor([max(1, round(WORK_S / timed(lambda: (m @ m, sync()), 5, 0.5, window_s=0.01)))])
     kdist.all_reduce(reps, op=dist.ReduceOp.MIN)  # the same work on every rank
-    reps = int(reps.item())
 
     def work() -> None:  # what a step computes between two collectives
-        for _ in range(reps):
+        for _ in range(int(reps.item())):
             m @ m
         sync()
 
@@ -288,10 +284,9 @@ def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FI
     noisier) and cached there. One rank has no link: all zero."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
-    try:
+    fit = None
+    with contextlib.suppress(FileNotFoundError, ValueError):
         fit = None if refresh else {r["world_size"]: r for r in load_run(out).records_of("cost-model")}.get(ranks)
-    except (FileNotFoundError, ValueError):
-        fit = None
     if not fit or not fit.get("kinds"):
         fit = run_ranks(_fit_rank, ranks, windows, calls, timeout=300)[0]
         writer = RunWriter(out)

@@ -136,9 +136,6 @@ class LayerProfile:
         """Forward + backward seconds on ``batch`` samples: ``fwd0 + bwd0 + (fwd1 + bwd1) · b``."""
         return self.fwd[0] + self.bwd[0] + (self.fwd[1] + self.bwd[1]) * batch
 
-    def forward_time(self, batch: float) -> float:
-        return self.fwd[0] + self.fwd[1] * batch
-
 
 @dataclass
 class Profile:
@@ -201,6 +198,10 @@ class MeshPlan:
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp * self.cp * self.ep
+
+    @property
+    def per_rank_batch(self) -> int:  # --batch-size
+        return self.batch_size // self.data_parallel
 
     @property
     def label(self) -> str:

@@ -5,7 +5,7 @@ adds. Stage ``j`` needs ``stage_times[j]`` seconds per micro-batch plus ``stage_
 its output forward and receive the gradient back. The slowest stage sets the pace ``τ = max_j (t_j + c_j)``;
 the step takes ``(m + p − 1)·τ``, of which ``m·τ`` is work, so the bubble is ``(p − 1)·τ`` — the fraction
 ``(p − 1)/(m + p − 1)`` of the step. The checker compares with the advisor's own textbook count
-(:func:`labkit.advisor.alphabeta.pipeline_terms`; the advisor prices plans along the critical path, which equals
+(:func:`labkit.advisor.topology.pipeline_terms`; the advisor prices plans along the critical path, which equals
 this count when the stages are equal).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ CASES = [  # (stage times s, message s, micro-batches)
 
 
 def expected(stage_times, stage_messages, microbatches) -> float:
-    from labkit.advisor.alphabeta import pipeline_terms
+    from labkit.advisor.topology import pipeline_terms
 
     return pipeline_terms(list(stage_times), list(stage_messages), microbatches)["bubble"]
 

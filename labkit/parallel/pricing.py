@@ -10,13 +10,13 @@ samples per pipeline column, terms in this order:
   passes, a MoE's ``k`` experts of ``E``; ``F`` the device's peak FLOP/s at efficiency ``η``, an assumption,
   :data:`EFFICIENCY`), ``× 4/3`` with recomputation (the forward again); a CNN's ``s·m·max_j T_j(b)`` from
   its profile (stage ``j``'s layers as ``labkit train --mesh`` cuts them, evenly; ``s`` the topology's
-  :func:`~labkit.advisor.alphabeta.compute_scale`);
+  :func:`~labkit.advisor.topology.compute_scale`);
 * ``bubble = (pp − 1)/m · compute`` (GPipe and 1F1B alike);
 * one term per mesh dimension, priced by the function its module's ``ADVISOR`` literal names, beside its
   ``FLAGS`` (:func:`labkit.parallel.registered`): ``tp``, ``cp``, ``ep``, ``pp``, ``dp``, each reading a
   :class:`MeshStep`. A CNN enters them as a model of one token per sample whose stage boundary carries its
   widest cut's activation and which ties no embedding (:class:`CNNStep`). Nothing overlaps with compute;
-* a CNN also pays :func:`~labkit.advisor.alphabeta.common_terms` (``update`` of its shard, ``data``).
+* a CNN also pays :func:`~labkit.advisor.topology.common_terms` (``update`` of its shard, ``data``).
 
 Each collective uses the link its group spans (:meth:`labkit.advisor.topology.Topology.link_of`): ranks
 are laid out ``pp, dp, cp, tp`` (``dp, ep`` for a MoE) with the last innermost, so a group of size ``g`` and
@@ -33,9 +33,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, stages_of
 from labkit.advisor.plan import Estimate, MeshPlan, Profile
-from labkit.advisor.topology import Topology
+from labkit.advisor.topology import Topology, common_terms, compute_scale, memory_terms, stages_of
 
 E = 2                #: bytes per element of a GPT's weights, activations and messages (bf16)
 ADAM = 12            #: bytes per parameter of a GPT's optimizer: fp32 master copy, momentum, variance

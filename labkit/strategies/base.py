@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from labkit import dist as kdist
-from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms
 from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import common_terms, compute_scale, memory_terms
 from labkit.dist import DistEnv
 from labkit.errors import CheckpointError
 

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit.advisor.alphabeta import broadcast_time, bucketed_allreduce, common_terms, compute_scale, memory_terms
 from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import broadcast_time, bucketed_allreduce, common_terms, compute_scale, memory_terms
 from labkit.collectives import ALGORITHMS
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError, LabkitError

@@ -34,8 +34,8 @@ import torch
 from torch import nn
 from torchgpipe import GPipe
 
-from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, message_time, pipeline_terms, stages_of
 from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import common_terms, compute_scale, memory_terms, message_time, pipeline_terms, stages_of
 from labkit.dist import DistEnv, print0
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.base import Strategy
@@ -284,7 +284,7 @@ def price_one_process_pipeline(plan, prof, topo) -> Estimate:
         if input_grad:
             time["input gradient"] = input_grad
     if gpipe:
-        time["recompute"] = s * (m - 1) * sum(layer.forward_time(bm) for layer in prof.layers)
+        time["recompute"] = s * (m - 1) * sum(layer.fwd[0] + layer.fwd[1] * bm for layer in prof.layers)
         inputs = sum(prof.layers[st[0] - 1].out_bytes if st[0] else prof.input_bytes for st in stages)
         acts = prof.saved_bytes(bm) + B * inputs
     else:

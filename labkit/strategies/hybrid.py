@@ -24,8 +24,8 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from labkit import dist as kdist
-from labkit.advisor.alphabeta import allreduce_time, common_terms, compute_scale, memory_terms, message_time
 from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import allreduce_time, common_terms, compute_scale, memory_terms, message_time
 from labkit.errors import ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, average_gradients, broadcast_from_rank0
 

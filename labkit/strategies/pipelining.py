@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, pipeline_terms, stages_of
 from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import common_terms, compute_scale, memory_terms, pipeline_terms, stages_of
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.results import atomic_write_text

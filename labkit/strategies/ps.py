@@ -50,8 +50,8 @@ from torch import nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from labkit import dist as kdist
-from labkit.advisor.alphabeta import common_terms, compute_scale, memory_terms, message_time
 from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import common_terms, compute_scale, memory_terms, message_time
 from labkit.dist import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.optim import OptimizerSpec
@@ -274,7 +274,7 @@ def price_ps(plan, prof, topo) -> Estimate:
     """One synchronous update: every worker computes, pushes, waits; each server sums, steps, replies.
 
     ``compute = s_W·T_all(b)`` with ``s_W`` the compute scale of the ``W`` workers computing at once
-    (:func:`labkit.advisor.alphabeta.compute_scale`; the servers sleep in their receive while the workers compute); ``communication = W·(2·msg(P_max) + msg(16)) + γ·W·P_max``
+    (:func:`labkit.advisor.topology.compute_scale`; the servers sleep in their receive while the workers compute); ``communication = W·(2·msg(P_max) + msg(16)) + γ·W·P_max``
     (the fullest server takes ``W`` pushes, sums them, and sends each worker a header and its parameters);
     ``update = u·P_max`` (the server's optimizer over its shard; a worker's step has no gradient to apply);
     ``data = d·b``. Memory, the fuller of a worker ``P + P + 2P + M_all(b)`` (parameters, gradients, the flat

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.advisor.alphabeta import allreduce_time, common_terms, compute_scale, memory_terms
 from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import allreduce_time, common_terms, compute_scale, memory_terms
 from labkit.errors import ConfigError
 from labkit.strategies.base import Strategy
 from labkit.strategies.tensor_parallel_comm import (

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from labkit import dist as kdist
-from labkit.advisor.alphabeta import broadcast_time, collective_time, common_terms, compute_scale, memory_terms
 from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import broadcast_time, collective_time, common_terms, compute_scale, memory_terms
 from labkit.backends import check as check_backend
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.data_parallel import DataParallelStrategy, broadcast_from_rank0
@@ -247,11 +247,11 @@ def price_sharded(plan, prof, topo) -> Estimate:
     """ZeRO (``--zero-stage 1|2|3``) and FSDP (reshard after forward, or ``--fsdp-no-reshard``), ``b = B/p``:
 
     ``compute = s·T_all(b)``; ``communication = Σ_units C_reduce_scatter(U) + g·C_all_gather(U)``
-    (:func:`labkit.advisor.alphabeta.collective_time`: each collective pays its messages' α, unit by unit) with
+    (:func:`labkit.advisor.topology.collective_time`: each collective pays its messages' α, unit by unit) with
     ``g = 1`` (ZeRO 1, 2: gather the stepped parameters; FSDP no-reshard: gather once before forward) or
     ``g = 2`` (ZeRO 3, FSDP: gather before forward and again before backward), ``+ BC(N_buf, n_buf)`` for ZeRO,
     which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every forward
-    (:func:`labkit.advisor.alphabeta.broadcast_time`; FSDP leaves buffers alone). FSDP2's own work beyond its
+    (:func:`labkit.advisor.topology.broadcast_time`; FSDP leaves buffers alone). FSDP2's own work beyond its
     collectives (its hooks, the optimizer over DTensors) is not priced. Memory (fp32, momentum: optimizer state = P):
     stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
     prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
