@@ -1,6 +1,5 @@
-"""Plain data, no torch: a :class:`Plan` (a strategy with its parameters), its :class:`Estimate` (named cost
-terms in seconds and bytes), a CNN's :class:`Profile` (measured by :mod:`labkit.advisor.measure`), and a
-:class:`MeshPlan` on a device mesh (priced by :mod:`labkit.parallel.pricing`)."""
+"""Plain data, no torch: a :class:`Plan` (a strategy with its parameters), its :class:`Estimate` (named cost terms
+in seconds and bytes), a CNN's :class:`Profile` (:mod:`labkit.advisor.measure`), a :class:`MeshPlan` on a mesh."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -28,10 +27,8 @@ class Plan:
         """Ranks training their own share of the batch, by the ``ADVISOR`` literal's ``"batch"``: ``"split"``
         every rank, ``"workers"`` those that are not servers (its ``"servers"`` option), else one."""
         entry = strategy_literal(self.strategy, "ADVISOR", {}) if self.strategy in STRATEGIES else {}
-        split = entry.get("batch")
-        if split == "workers":
-            return self.processes - self.option.get(entry["servers"], 1)
-        return self.processes if split == "split" else 1
+        shares = {"split": self.processes, "workers": self.processes - self.option.get(entry.get("servers"), 1)}
+        return shares.get(entry.get("batch"), 1)
 
     @property
     def per_rank_batch(self) -> int:  # --batch-size
@@ -198,10 +195,6 @@ class MeshPlan:
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp * self.cp * self.ep
-
-    @property
-    def per_rank_batch(self) -> int:  # --batch-size
-        return self.batch_size // self.data_parallel
 
     @property
     def label(self) -> str:
