@@ -29,6 +29,7 @@ from labkit import data as kdata
 from labkit.advisor.advise import advise, table
 from labkit.advisor.topology import Topology
 from labkit.advisor.validate import ranking, validate
+from labkit.ranges import within
 
 DATASETS = {"lenet": "mnist-sample", "alexnet_small": "synthetic-cifar10", "resnet20": "synthetic-cifar10"}
 
@@ -36,7 +37,7 @@ DATASETS = {"lenet": "mnist-sample", "alexnet_small": "synthetic-cifar10", "resn
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(DATASETS))
-    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ranks", type=within("int", "[1, inf)"), default=2)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=12, help="steps per run at least (the first is not timed)")
     parser.add_argument("--min-run-s", type=float, default=1.0,

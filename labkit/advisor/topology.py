@@ -1,19 +1,14 @@
-"""The device topology (seed 000's ``D = (D_N, D_E)``) and the prices every strategy pays on it alike (pure: no
-torch, no timing, no I/O). :meth:`Topology.local`: gloo ranks on this machine; :data:`NAMED`: GPU nodes from the
-vendors' public specifications. The notation of every pricing function beside a strategy's ``FLAGS``, per
-optimizer step of global batch ``B``:
+"""The device topology (seed 000's ``D = (D_N, D_E)``): :meth:`Topology.local` gloo ranks on this machine,
+:data:`NAMED` GPU nodes from public specs; and the prices every strategy pays on it alike (pure: no torch, timing
+or I/O), in the notation of the pricing functions beside the strategies' ``FLAGS``, per step of global batch ``B``:
 
-* ``T_S(b)`` forward + backward seconds of layers ``S`` on ``b`` samples (the profile's ``a + c·b`` lines);
-  ``s`` the compute scale of as many processes (:func:`compute_scale`);
-* ``P`` parameter bytes (``P_S`` of layers ``S``); ``A_k`` output bytes of layer ``k`` per sample; ``M_S(b)``
-  bytes autograd saves in layers ``S`` for ``b`` samples; ``u`` optimizer seconds per byte, ``d`` loading
+* ``T_S(b)`` forward + backward seconds of layers ``S`` on ``b`` samples (the profile's ``a + c·b`` lines); ``s``
+  the compute scale of as many processes (:func:`compute_scale`); ``u`` optimizer seconds per byte, ``d`` loading
   seconds per sample;
-* ``msg(n) = α + β·n`` one message, reducing ``n`` bytes ``γ·n`` (:class:`labkit.collectives.cost.CostModel`);
-  ``AR(n, algo, p)`` an all-reduce of ``n`` bytes over ``p`` ranks (:func:`allreduce_time`), ``C_kind(n, p)``
-  one of PyTorch's collectives (:func:`collective_time`), at the topology's α, β, γ per kind of collective.
-
-Every plan pays ``update = u·P_dev`` and ``data = d·(samples its rank loads)`` (:func:`common_terms`) and holds
-``3·P_dev`` (parameters, gradients, momentum) ``+ activations + buffers (+ runtime on a CPU)`` (:func:`memory_terms`).
+* ``P`` parameter bytes (``P_S`` of layers ``S``); ``A_k`` output bytes of layer ``k`` per sample; ``M_S(b)``
+  bytes autograd saves in layers ``S`` for ``b`` samples;
+* ``msg(n) = α + β·n`` one message, reducing ``n`` bytes ``γ·n``; ``AR(n, algo, p)`` an all-reduce of ``n`` bytes
+  over ``p`` ranks (:func:`allreduce_time`), ``C_kind(n, p)`` one of PyTorch's collectives (:func:`collective_time`).
 """
 from __future__ import annotations
 
@@ -69,13 +64,9 @@ class Topology:
         :func:`labkit.advisor.measure.measure_link` (``refresh``, and ``fit``: its ``windows`` and ``calls``)."""
         from labkit.advisor.measure import measure_link
 
-        if ranks < 1:
-            raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-        found = (link, {}) if link is not None else measure_link(ranks, Path(cache) / f"links-{ranks}", refresh,
-                                                                 **(fit or {}))
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return cls(f"{ranks} gloo rank(s) on this host", ranks, found[0], memory / ranks, "cpu",
-                   os.cpu_count() or 1, kinds=found[1])
+        link, kinds = (link, {}) if link else measure_link(ranks, Path(cache, f"links-{ranks}"), refresh, **(fit or {}))
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
+        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory, "cpu", os.cpu_count() or 1, kinds=kinds)
 
     @classmethod
     def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
@@ -94,14 +85,12 @@ class Topology:
 #: H100 SXM: 80 GB HBM3, 989 TFLOP/s dense bf16, NVLink 4 at 900 GB/s per GPU both ways (450 each way);
 #: A100 PCIe 80 GB: 312 TFLOP/s dense bf16, PCIe Gen4 x16 at 32 GB/s each way (about 25 GB/s reached);
 #: between nodes one 400 Gb/s NDR InfiniBand adapter per GPU (50 GB/s each way).
-H100_FLOPS, A100_FLOPS = 989e12, 312e12
 NVLINK4 = CostModel(5e-6, 1 / 450e9)
 NAMED = {
-    "h100-nvlink": dict(gpus=8, memory_gb=80, link=NVLINK4, flops=H100_FLOPS, name="one H100 node with NVLink"),
-    "a100-pcie": dict(gpus=8, memory_gb=80, link=CostModel(10e-6, 1 / 25e9), flops=A100_FLOPS,
-                      name="one A100 PCIe node"),
-    "h100-2x-ib": dict(gpus=8, nodes=2, memory_gb=80, link=NVLINK4, inter=CostModel(10e-6, 1 / 50e9),
-                       flops=H100_FLOPS, name="two H100 nodes over InfiniBand"),
+    "h100-nvlink": dict(gpus=8, memory_gb=80, link=NVLINK4, flops=989e12, name="one H100 node with NVLink"),
+    "a100-pcie": dict(gpus=8, memory_gb=80, link=CostModel(10e-6, 1 / 25e9), flops=312e12, name="one A100 PCIe node"),
+    "h100-2x-ib": dict(gpus=8, nodes=2, memory_gb=80, link=NVLINK4, inter=CostModel(10e-6, 1 / 50e9), flops=989e12,
+                       name="two H100 nodes over InfiniBand"),
 }
 
 
@@ -112,8 +101,6 @@ def named(name: str, **changes) -> Topology:
     return Topology.gpu_node(**{**NAMED[name], **changes})
 
 
-BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default, also labkit's --bucket-mb
-FIRST_BUCKET_BYTES = 2**20  # DistributedDataParallel's first bucket (the last layers' gradients) is capped lower
 #: the kinds of collective priced apart: a point-to-point ring step (the kit's schedules, pipeline and parameter
 #: server messages) and PyTorch's own collectives
 KINDS = ("p2p", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
@@ -153,10 +140,11 @@ def message_time(nbytes: float, topo, ranks: int = 2) -> float:
 
 
 def bucketed_allreduce(nbytes: float, ranks: int, algorithm: str, topo) -> float:
-    """``Σ_buckets AR(bucket, algo, p)``: buckets of at most 25 MB, PyTorch's DDP's first one of 1 MB."""
-    first = min(nbytes, FIRST_BUCKET_BYTES) if algorithm == "ddp" else 0.0
-    full, rest = divmod(nbytes - first, BUCKET_BYTES)
-    return (allreduce_time(first, ranks, algorithm, topo) + full * allreduce_time(BUCKET_BYTES, ranks, algorithm, topo)
+    """``Σ_buckets AR(bucket, algo, p)``: buckets of at most 25 MB (DDP's ``bucket_cap_mb`` default, labkit's
+    ``--bucket-mb``), PyTorch's DDP's first one (the last layers' gradients) of 1 MB."""
+    first = min(nbytes, MB) if algorithm == "ddp" else 0.0
+    full, rest = divmod(nbytes - first, 25 * MB)
+    return (allreduce_time(first, ranks, algorithm, topo) + full * allreduce_time(25 * MB, ranks, algorithm, topo)
             + allreduce_time(rest, ranks, algorithm, topo))
 
 
