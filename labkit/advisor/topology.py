@@ -49,9 +49,8 @@ class Topology:
     def link_of(self, kind: str, ranks: int) -> CostModel:
         """The α-β a collective of ``kind`` over ``ranks`` consecutive ranks pays: past one node's ranks the
         slower ``inter``; inside a node the kind's measured prices, or ``link``."""
-        if self.inter is not None and ranks > -(-self.ranks // self.nodes):
-            return self.inter
-        return self.kinds.get(kind, self.link)
+        per_node = -(-self.ranks // self.nodes)
+        return self.inter if self.inter is not None and ranks > per_node else self.kinds.get(kind, self.link)
 
     def with_memory(self, gigabytes: float | None) -> Topology:
         return self if gigabytes is None else replace(self, memory_bytes=gigabytes * GB)
@@ -81,10 +80,9 @@ class Topology:
                    inter, True, compute_scale, flops)
 
 
-#: From public specs (bandwidth per direction and GPU; α is NCCL's typical small-message latency, not a spec):
-#: H100 SXM: 80 GB HBM3, 989 TFLOP/s dense bf16, NVLink 4 at 900 GB/s per GPU both ways (450 each way);
-#: A100 PCIe 80 GB: 312 TFLOP/s dense bf16, PCIe Gen4 x16 at 32 GB/s each way (about 25 GB/s reached);
-#: between nodes one 400 Gb/s NDR InfiniBand adapter per GPU (50 GB/s each way).
+#: From public specs (bandwidth per direction and GPU; α is NCCL's typical small-message latency, not a spec): H100
+#: SXM 80 GB HBM3, 989 TFLOP/s dense bf16, NVLink 4 at 450 GB/s each way (900 both); A100 PCIe 80 GB, 312 TFLOP/s,
+#: PCIe Gen4 x16 at 32 GB/s each way (about 25 reached); between nodes a 400 Gb/s InfiniBand NIC per GPU (50 GB/s).
 NVLINK4 = CostModel(5e-6, 1 / 450e9)
 NAMED = {
     "h100-nvlink": dict(gpus=8, memory_gb=80, link=NVLINK4, flops=989e12, name="one H100 node with NVLink"),
@@ -106,11 +104,10 @@ def named(name: str, **changes) -> Topology:
 KINDS = ("p2p", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
-def ring_counts(kind: str, ranks: int) -> tuple[float, float]:
+def ring_counts(kind: str, p: int) -> tuple[float, float]:
     """``(messages, share)`` one rank sends in a ring collective of ``kind`` over ``p`` ranks, per byte of the
     buffer: ``p2p (1, 1)``; ``all_reduce (2(p − 1), 2(p − 1)/p)``; ``reduce_scatter`` and ``all_gather``
     ``(p − 1, (p − 1)/p)``; ``broadcast`` (flat, the root sending to each) ``(p − 1, p − 1)``."""
-    p = ranks
     return {"p2p": (1, 1), "all_reduce": (2 * (p - 1), 2 * (p - 1) / p), "broadcast": (p - 1, p - 1)}.get(
         kind, (p - 1, (p - 1) / p))
 
