@@ -136,8 +136,7 @@ class LayerProfile:
 
 @dataclass
 class Profile:
-    """Everything the cost model needs about one model on one machine at one thread count
-    (:mod:`labkit.advisor.measure` measures it)."""
+    """What the cost model needs of one model on one machine at one thread count (:mod:`~labkit.advisor.measure`)."""
 
     model: str
     dataset: str

@@ -4,9 +4,8 @@ or I/O), in the notation of the pricing functions beside the strategies' ``FLAGS
 
 * ``T_S(b)`` forward + backward seconds of layers ``S`` on ``b`` samples (the profile's ``a + c·b`` lines); ``s``
   the compute scale of as many processes (:func:`compute_scale`); ``u`` optimizer seconds per byte, ``d`` loading
-  seconds per sample;
-* ``P`` parameter bytes (``P_S`` of layers ``S``); ``A_k`` output bytes of layer ``k`` per sample; ``M_S(b)``
-  bytes autograd saves in layers ``S`` for ``b`` samples;
+  seconds per sample; ``P`` parameter bytes (``P_S`` of layers ``S``); ``A_k`` output bytes of layer ``k`` per
+  sample; ``M_S(b)`` bytes autograd saves in layers ``S`` for ``b`` samples;
 * ``msg(n) = α + β·n`` one message, reducing ``n`` bytes ``γ·n``; ``AR(n, algo, p)`` an all-reduce of ``n`` bytes
   over ``p`` ranks (:func:`allreduce_time`), ``C_kind(n, p)`` one of PyTorch's collectives (:func:`collective_time`).
 """
