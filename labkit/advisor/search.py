@@ -1,14 +1,10 @@
 """The search over both plan spaces, every plan priced by its own pure function and ranked by predicted step,
-plans that do not fit in memory last: every strategy with its parameters (:func:`candidates`), every device mesh
-(:func:`mesh_candidates`, priced by :func:`labkit.parallel.pricing.price_mesh`).
-
-A strategy is searched when its module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price":
-"labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split", "grid": {"allreduce": ["ddp", "ring"]},
-"keep": "cheapest"}``: ``price`` its pricing function ``(plan, profile, topology) -> Estimate``; ``batch`` how a
-plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`); ``plans`` its enumerator in
-:data:`PLANS`. A pipeline's balance is searched **exhaustively** over the ``C(L − 1, p − 1)`` contiguous splits
-up to :data:`EXHAUSTIVE_SPLITS`; beyond, by the min-max programme on stage times
-(:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's message size.
+plans that do not fit in memory last: every device mesh (:func:`mesh_candidates`, priced by
+:func:`labkit.parallel.pricing.price_mesh`) and every strategy with its parameters (:func:`candidates`), a strategy
+being searched when its module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price":
+"labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split"}``: its pricing function ``(plan, profile,
+topology) -> Estimate``, its enumerator in :data:`PLANS`, how a plan splits the global batch
+(:attr:`labkit.advisor.plan.Plan.data_parallel`).
 """
 from __future__ import annotations
 
@@ -61,10 +57,10 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     return est
 
 
-def best_balance(make: Callable[[tuple[int, ...]], Estimate], prof: Profile, stages: int,
-                 micro: float) -> Estimate:
-    """The cheapest plan over the balances (layers per stage, each >= 1) of ``stages`` contiguous stages: every
-    split of the layers, or beyond :data:`EXHAUSTIVE_SPLITS` the min-max heuristic's."""
+def best_balance(make: Callable[[tuple[int, ...]], Estimate], prof: Profile, stages: int, micro: float) -> Estimate:
+    """The cheapest plan over the balances (layers per stage) of ``stages`` stages: **exhaustively** over the
+    ``C(L − 1, p − 1)`` contiguous splits up to :data:`EXHAUSTIVE_SPLITS`; beyond, by the min-max programme on stage
+    times (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's message size."""
     n = len(prof.layers)
     if math.comb(n - 1, stages - 1) > EXHAUSTIVE_SPLITS:
         from labkit.strategies.model_parallel import partition
@@ -84,14 +80,14 @@ def _key(e: Estimate) -> tuple:
 
 @dataclass(frozen=True)
 class Space:
-    """What an enumerator searches: the global ``batch`` on ``topo``; ``prof_for(processes)`` the profile."""
+    """What an enumerator searches: the global ``batch`` on ``topo``, ``prof_for(processes)`` the profile;
+    ``add(plan)`` prices a plan (:func:`price`; on a CPU, ``serial`` is the profile of ``cores`` processes)."""
 
     batch: int
     topo: Topology
     prof_for: Callable[[int], Profile]
 
     def add(self, plan: Plan) -> Estimate:
-        """``plan`` priced by :func:`price` (on a CPU, ``serial`` the profile at one thread: ``cores`` processes')."""
         t = self.topo
         return price(plan, self.prof_for(plan.processes), t, self.prof_for(t.cores) if t.device == "cpu" else None)
 
@@ -188,8 +184,8 @@ def _valid(p: MeshPlan, model, batch: int) -> bool:
         shape = ((p.tp == p.pp == p.cp == 1 and model.n_expert % p.ep == 0 if model.n_expert else p.ep == 1)
                  and model.n_head % p.tp == 0 and model.n_layer % p.pp == 0 and model.seq % (2 * p.cp) == 0
                  and not (p.cp > 1 and p.pp > 1) and (not p.sequence_parallel or p.tp > 1))
-    return (shape and batch % (p.dp * p.ep * p.microbatches) == 0
-            and (p.microbatches >= p.pp if p.pp > 1 else p.microbatches == 1) and (p.zero == 0 or p.dp * p.cp * p.ep > 1))
+    return (shape and batch % (p.dp * p.ep * p.microbatches) == 0 and (p.zero == 0 or p.dp * p.cp * p.ep > 1)
+            and (p.microbatches >= p.pp if p.pp > 1 else p.microbatches == 1))
 
 
 def meshes(devices: int, model, batch: int) -> list[MeshPlan]:
