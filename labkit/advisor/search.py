@@ -1,10 +1,9 @@
 """The search over both plan spaces, every plan priced by its own pure function and ranked by predicted step,
 plans that do not fit in memory last: every device mesh (:func:`mesh_candidates`, priced by
-:func:`labkit.parallel.pricing.price_mesh`) and every strategy with its parameters (:func:`candidates`), a strategy
-being searched when its module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price":
-"labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split"}``: its pricing function ``(plan, profile,
-topology) -> Estimate``, its enumerator in :data:`PLANS`, how a plan splits the global batch
-(:attr:`labkit.advisor.plan.Plan.data_parallel`).
+:func:`labkit.parallel.pricing.price_mesh`) and every strategy with its parameters (:func:`candidates`) whose
+module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price": "labkit.strategies.ddp:price_ddp",
+"plans": "spread", "batch": "split"}``: its pricing function ``(plan, profile, topology) -> Estimate``, its
+enumerator in :data:`PLANS`, how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`).
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from labkit.advisor.plan import Estimate, MeshPlan, Plan, Profile
 from labkit.advisor.topology import GB, MB, Topology
 from labkit.errors import ConfigError
+from labkit.parallel.pricing import price_mesh
 from labkit.strategies import STRATEGIES, registered, strategy_literal
 
 EXHAUSTIVE_SPLITS = 2000
@@ -27,12 +27,11 @@ load = functools.cache(pkgutil.resolve_name)
 
 
 def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
-    """``plan`` priced by the function its strategy's ``ADVISOR`` literal names, with ``prof``, the profile at the
-    plan's threads per process. On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways:
-    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute
-    makes up the difference), and one process costs the cheaper of its ``c``-thread and one-thread profiles (a
-    slower ``c``-thread profile is the machine's load, not the plan): ``q`` ranks are never priced more than ``c``
-    times faster than one."""
+    """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at the plan's threads per
+    process. On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: ``q > 1`` processes
+    on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes up the difference),
+    and one process costs the cheaper of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is
+    the machine's load, not the plan): ``q`` ranks are never priced more than ``c`` times faster than one."""
     entry = strategy_literal(plan.strategy, "ADVISOR") if plan.strategy in STRATEGIES else None
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
@@ -116,9 +115,8 @@ def pipeline_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     ``"microbatches"`` role), the best balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit.
     Its ``"options"`` map the roles ``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule`` to
     the strategy's option names."""
-    roles, batch = entry["options"], space.batch
-    stages = range(2, min(space.topo.ranks, len(space.prof_for(1).layers)) + 1)
-    for p, m in itertools.product(stages, MICROBATCHES):
+    roles, batch, most = entry["options"], space.batch, min(space.topo.ranks, len(space.prof_for(1).layers))
+    for p, m in itertools.product(range(2, most + 1), MICROBATCHES):
         if batch % m or (m == 1) != ("microbatches" not in roles):
             continue
         procs = 1 if entry.get("processes") == "one" else p
@@ -200,8 +198,6 @@ def meshes(devices: int, model, batch: int) -> list[MeshPlan]:
 def mesh_candidates(model, topo: Topology, batch: int, devices: int | None = None) -> list[Estimate]:
     """Every plan of :func:`meshes` priced (a GPT's :class:`~labkit.parallel.pricing.GPTShape` or a CNN's
     profile), best first (plans that do not fit last; ties to the one of less memory)."""
-    from labkit.parallel.pricing import price_mesh
-
     return sorted((price_mesh(p, model, topo, batch) for p in meshes(devices or topo.ranks, model, batch)), key=_key)
 
 
@@ -228,13 +224,11 @@ def explain(estimates: list[Estimate], model, topo: Topology) -> str:
     the best plan of each of the next mesh shapes, the term that decides, or the memory that rules it out."""
     what = (f"{model.model} on {model.dataset}" if isinstance(model, Profile)
             else f"a {model.name} GPT at sequence {model.seq}")
-    best, limit, reasons = estimates[0], size(topo.memory_bytes), []
+    best, limit, fastest = estimates[0], size(topo.memory_bytes), min(estimates, key=lambda e: e.step_s)
     if not best.feasible:
         return f"on {topo.name}, no plan for {what} fits in memory"
-    fastest = min(estimates, key=lambda e: e.step_s)
-    if not fastest.feasible:
-        reasons.append(f"the faster {fastest.plan.label} ({ms(fastest.step_s)}) needs {size(fastest.peak_bytes)} "
-                       f"per device (> {limit})")
+    reasons = [] if fastest.feasible else [f"the faster {fastest.plan.label} ({ms(fastest.step_s)}) needs "
+                                           f"{size(fastest.peak_bytes)} per device (> {limit})"]
     shapes = best_per_strategy(estimates, lambda e: (e.plan.dp, e.plan.tp, e.plan.pp, e.plan.cp, e.plan.ep))
     for e in shapes[1:4 - len(reasons)]:  # three reasons at most
         if not e.feasible:
