@@ -168,7 +168,7 @@ def check_fits(estimates: list[Estimate], limit_gb: float | None) -> None:
     if runnable and not any(e.feasible for e in runnable):
         smallest = min(runnable, key=lambda e: e.peak_bytes)
         raise ConfigError(f"no plan fits in {limit_gb:g} GB per device; the smallest needs "
-                          f"{smallest.peak_bytes / 2**30:.3f} GB ({smallest.plan.label}): raise --memory-limit")
+                          f"{smallest.peak_bytes / GB:.3f} GB ({smallest.plan.label}): raise --memory-limit")
 
 
 def _valid(p: MeshPlan, model, batch: int) -> bool:
