@@ -22,26 +22,22 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True, help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
     p.add_argument("--dataset", default="mnist-sample",
                    help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10")
-    p.add_argument("--ranks", type=within("int", "[1, inf)"), required=True,
-                   help="devices (gloo ranks on this machine)")
-    p.add_argument("--batch-size", type=within("int", "[1, inf)"), default=64,
-                   help="global batch: samples per optimizer step")
-    p.add_argument("--memory-limit", type=within("float", "(0, inf)"), default=None, metavar="GB",
-                   help="usable memory per device")
-    p.add_argument("--base-lr", type=within("float", "(0, inf)"), default=None,
+    p.add_argument("--ranks", type=within("int", "[1, inf)"), required=True, help="devices (this machine's gloo ranks)")
+    p.add_argument("--batch-size", type=within("int", "[1, inf)"), default=64, help="global batch per optimizer step")
+    p.add_argument("--memory-limit", type=within("float", "(0, inf)"), metavar="GB", help="usable memory per device")
+    p.add_argument("--base-lr", type=within("float", "(0, inf)"),
                    help="learning rate for the printed commands and validation runs (default: labkit train's)")
     p.add_argument("--repeats", type=within("int", "[3, inf)"), default=3,
                    help="runs of each plan with --validate (the median and spread)")
-    p.add_argument("--validate", action="store_true",
-                   help="run every plan through labkit train and compare the ranking")
+    p.add_argument("--validate", action="store_true", help="run each plan through labkit train and compare the ranking")
     p.add_argument("--steps", type=within("int", "[4, inf)"), default=8, help="training steps per validation run")
     p.add_argument("--topology", default="local", choices=["local", "h100-nvlink", "a100-pcie", "h100-2x-ib"],
                    help="this machine's gloo ranks, or a GPU node from public specs (the mesh search)")
-    p.add_argument("--seq-len", type=within("int", "[2, inf)"), default=None,
+    p.add_argument("--seq-len", type=within("int", "[2, inf)"),
                    help="a GPT's sequence length for the mesh search (default its block size)")
     p.add_argument("--cache", default="runs/advisor", help="where profiles and link fits are cached")
     p.add_argument("--refresh", action="store_true", help="profile again even if a cached profile matches")
-    p.add_argument("--out", default=None, help="results folder (default runs/advise-<model>-<ranks>)")
+    p.add_argument("--out", help="results folder (default runs/advise-<model>-<ranks>)")
     p.set_defaults(func=_run)
 
 
@@ -77,23 +73,18 @@ def _run(args: argparse.Namespace) -> int:
 def _mesh(args: argparse.Namespace) -> int:
     """The mesh search on a named topology (a GPT's shape, or a CNN's profile measured here at all the cores,
     scaled by the topology's ``compute_scale``): the explanation, the count, the frontier of memory vs time."""
+    from labkit.advisor.measure import load_or_measure
     from labkit.advisor.search import explain, frontier, mesh_candidates, ms, size
     from labkit.advisor.topology import named
+    from labkit.parallel.pricing import gpt_shape
 
     if args.topology == "local":
         raise ConfigError("the mesh search prices a GPU topology: give --topology h100-nvlink, a100-pcie or h100-2x-ib")
     topo = named(args.topology).with_memory(args.memory_limit)
     if args.ranks > topo.ranks:
         raise ConfigError(f"--ranks {args.ranks}: {topo.name} has {topo.ranks} GPUs")
-    if args.model.startswith("gpt"):
-        from labkit.parallel.pricing import gpt_shape
-
-        model = gpt_shape(args.model, args.seq_len)
-    else:
-        from labkit.advisor.measure import load_or_measure
-
-        model = load_or_measure(args.model, args.dataset, args.batch_size, os.cpu_count() or 1, args.cache,
-                                args.refresh)
+    model = (gpt_shape(args.model, args.seq_len) if args.model.startswith("gpt") else
+             load_or_measure(args.model, args.dataset, args.batch_size, os.cpu_count() or 1, args.cache, args.refresh))
     found = mesh_candidates(model, topo, args.batch_size, args.ranks)
     if not found:
         raise ConfigError(f"no mesh of {args.ranks} GPUs divides a batch of {args.batch_size}")

@@ -1,58 +1,44 @@
 """The search over both plan spaces, every plan priced by its own pure function and ranked by predicted step,
-plans that do not fit in memory last: every strategy with its parameters (:func:`candidates`), every device mesh
-(:func:`mesh_candidates`, priced by :func:`labkit.parallel.pricing.price_mesh`).
-
-A strategy is searched when its module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price":
-"labkit.strategies.ddp:price_ddp", "plans": "spread", "batch": "split", "grid": {"allreduce": ["ddp", "ring"]},
-"keep": "cheapest"}``: ``price`` its pricing function ``(plan, profile, topology) -> Estimate``; ``batch`` how a
-plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`); ``plans`` its enumerator in
-:data:`PLANS`. A pipeline's balance is searched **exhaustively** over the ``C(L − 1, p − 1)`` contiguous splits
-up to :data:`EXHAUSTIVE_SPLITS`; beyond, by the min-max programme on stage times
-(:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's message size.
+plans that do not fit in memory last: every device mesh (:func:`mesh_candidates`, priced by
+:func:`labkit.parallel.pricing.price_mesh`) and every strategy with its parameters (:func:`candidates`) whose
+module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price": "labkit.strategies.ddp:price_ddp",
+"plans": "spread", "batch": "split"}``: its pricing function ``(plan, profile, topology) -> Estimate``, its
+enumerator in :data:`PLANS`, how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`).
 """
 from __future__ import annotations
 
 import functools
-import importlib
 import itertools
 import math
+import pkgutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from labkit.advisor.plan import Estimate, MeshPlan, Plan, Profile
 from labkit.advisor.topology import GB, MB, Topology
 from labkit.errors import ConfigError
+from labkit.parallel.pricing import price_mesh
+from labkit.strategies import STRATEGIES, registered, strategy_literal
 
 EXHAUSTIVE_SPLITS = 2000
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
-
-
-@functools.lru_cache(maxsize=None)
-def load(target: str) -> Callable:
-    """The function ``"module:function"`` names."""
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def pricer(strategy: str) -> Callable[[Plan, Profile, Topology], Estimate]:
-    """The pricing function strategy ``strategy``'s ``ADVISOR`` literal names."""
-    from labkit.strategies import STRATEGIES, registered, strategy_literal
-
-    entry = strategy_literal(strategy, "ADVISOR") if strategy in STRATEGIES else None
-    if entry is None or "price" not in entry:
-        raise ConfigError(f"strategy {strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
-                          f"prices: {', '.join(registered('ADVISOR'))}")
-    return load(entry["price"])
+#: the function ``"module:function"`` names
+load = functools.cache(pkgutil.resolve_name)
 
 
 def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
-    """``plan`` priced by its strategy's function with ``prof``, the profile at the plan's threads per process. On a
-    CPU, with ``serial`` (the profile at one thread), work is conserved both ways: ``q > 1`` processes on ``c``
-    cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes up the difference), and
-    one process costs the cheaper of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is
+    """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at the plan's threads per
+    process. On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: ``q > 1`` processes
+    on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes up the difference),
+    and one process costs the cheaper of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is
     the machine's load, not the plan): ``q`` ranks are never priced more than ``c`` times faster than one."""
+    entry = strategy_literal(plan.strategy, "ADVISOR") if plan.strategy in STRATEGIES else None
+    if entry is None or "price" not in entry:
+        raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
+                          f"prices: {', '.join(registered('ADVISOR'))}")
+
     def priced(prof: Profile) -> Estimate:
-        est = pricer(plan.strategy)(plan, prof, topo)
+        est = load(entry["price"])(plan, prof, topo)
         est.limit_bytes, est.threads = topo.memory_bytes, prof.threads if topo.device == "cpu" else 0
         return est
 
@@ -70,22 +56,17 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     return est
 
 
-def splits(layers: int, stages: int) -> Iterator[tuple[int, ...]]:
-    """Every balance (layers per stage, each >= 1) of ``layers`` layers into ``stages`` contiguous stages."""
-    for cuts in itertools.combinations(range(1, layers), stages - 1):
-        bounds = (0, *cuts, layers)
-        yield tuple(b - a for a, b in zip(bounds, bounds[1:]))
-
-
-def best_balance(make: Callable[[tuple[int, ...]], Estimate], prof: Profile, stages: int,
-                 micro: float) -> Estimate:
-    """The cheapest plan over the balances of ``stages`` stages (exhaustive or by the min-max heuristic)."""
+def best_balance(make: Callable[[tuple[int, ...]], Estimate], prof: Profile, stages: int, micro: float) -> Estimate:
+    """The cheapest plan over the balances (layers per stage) of ``stages`` stages: **exhaustively** over the
+    ``C(L − 1, p − 1)`` contiguous splits up to :data:`EXHAUSTIVE_SPLITS`; beyond, by the min-max programme on stage
+    times (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's message size."""
     n = len(prof.layers)
-    if math.comb(n - 1, stages - 1) <= EXHAUSTIVE_SPLITS:
-        return min((make(b) for b in splits(n, stages)), key=_rank_key)
-    from labkit.strategies.model_parallel import partition
+    if math.comb(n - 1, stages - 1) > EXHAUSTIVE_SPLITS:
+        from labkit.strategies.model_parallel import partition
 
-    return make(tuple(partition([layer.time(micro) for layer in prof.layers], stages)))
+        return make(tuple(partition([layer.time(micro) for layer in prof.layers], stages)))
+    bounds = ((0, *cuts, n) for cuts in itertools.combinations(range(1, n), stages - 1))
+    return min((make(tuple(b - a for a, b in itertools.pairwise(c))) for c in bounds), key=_rank_key)
 
 
 def _rank_key(est: Estimate) -> tuple:
@@ -98,49 +79,45 @@ def _key(e: Estimate) -> tuple:
 
 @dataclass(frozen=True)
 class Space:
-    """What an enumerator searches; ``prof_for(processes)`` the profile, ``add(plan)`` prices a plan."""
+    """What an enumerator searches: the global ``batch`` on ``topo``, ``prof_for(processes)`` the profile;
+    ``add(plan)`` prices a plan (:func:`price`; on a CPU, ``serial`` is the profile of ``cores`` processes)."""
 
     batch: int
-    ranks: int
-    layers: int
+    topo: Topology
     prof_for: Callable[[int], Profile]
-    add: Callable[[Plan], Estimate]
+
+    def add(self, plan: Plan) -> Estimate:
+        t = self.topo
+        return price(plan, self.prof_for(plan.processes), t, self.prof_for(t.cores) if t.device == "cpu" else None)
 
 
-def one_plan(name: str, entry: dict, space: Space) -> list[Estimate]:
-    """``"plans": "one"``: the strategy on one process."""
-    return [space.add(Plan(name, 1, 1, space.batch))]
-
-
-def spread_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
+def spread_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     """``"plans": "spread"``: ``p = 2..N`` ranks dividing the batch, each combination of ``"grid"`` (``{option:
     [values]}``), or only the cheapest with ``"keep": "cheapest"`` (on a tie the first: ``ddp``'s PyTorch DDP)."""
     grid = entry.get("grid", {})
-    out = []
-    for p in range(2, space.ranks + 1):
+    for p in range(2, space.topo.ranks + 1):
         if space.batch % p:
             continue
         found = [space.add(Plan(name, p, p, space.batch, tuple(zip(grid, values))))
                  for values in itertools.product(*grid.values())]
-        out += [min(found, key=lambda e: e.step_s)] if entry.get("keep") == "cheapest" else found
-    return out
+        yield from [min(found, key=lambda e: e.step_s)] if entry.get("keep") == "cheapest" else found
 
 
 def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
     """``"plans": "servers"``: ``p = 2..N`` ranks, ``S = 1..p − 1`` servers, the workers dividing the batch."""
     return [space.add(Plan(name, p, p, space.batch, ((entry["servers"], s),)))
-            for p in range(2, space.ranks + 1) for s in range(1, p) if space.batch % (p - s) == 0]
+            for p in range(2, space.topo.ranks + 1) for s in range(1, p) if space.batch % (p - s) == 0]
 
 
-def pipeline_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
+def pipeline_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer; one process for all with
     ``"processes": "one"``), each ``m`` of :data:`MICROBATCHES` dividing the batch (only ``m = 1`` without a
     ``"microbatches"`` role), the best balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit.
     Its ``"options"`` map the roles ``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule`` to
     the strategy's option names."""
-    roles, batch, found = entry["options"], space.batch, []
-    for p, m in itertools.product(range(2, min(space.ranks, space.layers) + 1), MICROBATCHES):
-        if batch % m or m > batch or (m == 1) != ("microbatches" not in roles):
+    roles, batch, most = entry["options"], space.batch, min(space.topo.ranks, len(space.prof_for(1).layers))
+    for p, m in itertools.product(range(2, most + 1), MICROBATCHES):
+        if batch % m or (m == 1) != ("microbatches" not in roles):
             continue
         procs = 1 if entry.get("processes") == "one" else p
 
@@ -154,28 +131,20 @@ def pipeline_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
         est = best_balance(make, space.prof_for(procs), p, batch / m)
         if "schedule" in roles and not est.feasible and m >= p:
             est = min(est, best_balance(lambda b: make(b, "1f1b"), space.prof_for(procs), p, batch / m), key=_rank_key)
-        found.append(est)
-    return found
+        yield est
 
 
-#: the enumerators an ``ADVISOR`` literal's ``"plans"`` names
-PLANS = {"one": one_plan, "spread": spread_plans, "servers": server_plans, "pipeline": pipeline_plans}
+#: the enumerators an ``ADVISOR`` literal's ``"plans"`` names; ``"one"``: the strategy on one process
+PLANS = {"one": lambda name, entry, space: [space.add(Plan(name, 1, 1, space.batch))], "spread": spread_plans,
+         "servers": server_plans, "pipeline": pipeline_plans}
 
 
 def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
                strategies: tuple[str, ...] | None = None) -> list[Estimate]:
     """Every plan priced, best first. ``prof_for(processes)`` gives the profile at that many processes' threads."""
-    from labkit.strategies import registered
-
     entries = registered("ADVISOR")  # {strategy: its ADVISOR literal}, in registry order
-    names = [s for s in (strategies or entries) if s in entries]
-
-    def add(plan: Plan) -> Estimate:
-        return price(plan, prof_for(plan.processes), topo, prof_for(topo.cores) if topo.device == "cpu" else None)
-
-    space = Space(batch, topo.ranks, len(prof_for(1).layers), prof_for, add)
-    out: list[Estimate] = []
-    for name in names:
+    space, out = Space(batch, topo, prof_for), []
+    for name in (s for s in (strategies or entries) if s in entries):
         kind = entries[name].get("plans", "one")
         if kind not in PLANS:
             raise ConfigError(f"strategy {name!r}: ADVISOR's 'plans' is {kind!r}; use one of {', '.join(PLANS)}")
@@ -185,11 +154,11 @@ def candidates(prof_for: Callable[[int], Profile], topo: Topology, batch: int,
     return sorted(out, key=_rank_key)
 
 
-def best_per_strategy(estimates: list[Estimate]) -> list[Estimate]:
-    """The first (best) estimate of each strategy, in rank order."""
-    first: dict[str, Estimate] = {}
+def best_per_strategy(estimates: list[Estimate], key=lambda e: e.plan.strategy) -> list[Estimate]:
+    """The first (best) estimate of each strategy (or of each ``key``), in rank order."""
+    first: dict = {}
     for est in estimates:
-        first.setdefault(est.plan.strategy, est)
+        first.setdefault(key(est), est)
     return list(first.values())
 
 
@@ -199,46 +168,36 @@ def check_fits(estimates: list[Estimate], limit_gb: float | None) -> None:
     if runnable and not any(e.feasible for e in runnable):
         smallest = min(runnable, key=lambda e: e.peak_bytes)
         raise ConfigError(f"no plan fits in {limit_gb:g} GB per device; the smallest needs "
-                          f"{smallest.peak_bytes / 2**30:.3f} GB ({smallest.plan.label}): raise --memory-limit")
+                          f"{smallest.peak_bytes / GB:.3f} GB ({smallest.plan.label}): raise --memory-limit")
 
 
-def _valid(plan: MeshPlan, model, batch: int) -> bool:
+def _valid(p: MeshPlan, model, batch: int) -> bool:
     """What the dimensions accept: a CNN dp and pp (at most one stage per layer); a GPT's tp divides the heads, pp
     the blocks, 2·cp the sequence (zig-zag), cp and pp not together, ep the experts (a MoE takes only dp and ep),
     SP only with tp; ``dp·ep·m`` divides the batch, ``m ≥ pp`` with a pipeline (else 1), ZeRO only where ranks
     hold the same weights."""
-    p = plan
     if isinstance(model, Profile):
         shape = p.tp == p.cp == p.ep == 1 and not p.sequence_parallel and not p.recompute and p.pp <= len(model.layers)
     else:
-        g = model
-        shape = ((p.tp == p.pp == p.cp == 1 and g.n_expert % p.ep == 0 if g.n_expert else p.ep == 1)
-                 and g.n_head % p.tp == 0 and g.n_layer % p.pp == 0 and g.seq % (2 * p.cp) == 0
+        shape = ((p.tp == p.pp == p.cp == 1 and model.n_expert % p.ep == 0 if model.n_expert else p.ep == 1)
+                 and model.n_head % p.tp == 0 and model.n_layer % p.pp == 0 and model.seq % (2 * p.cp) == 0
                  and not (p.cp > 1 and p.pp > 1) and (not p.sequence_parallel or p.tp > 1))
-    return (shape and batch % (p.dp * p.ep * p.microbatches) == 0
-            and (p.microbatches >= p.pp if p.pp > 1 else p.microbatches == 1) and (p.zero == 0 or p.dp * p.cp * p.ep > 1))
+    return (shape and batch % (p.dp * p.ep * p.microbatches) == 0 and (p.zero == 0 or p.dp * p.cp * p.ep > 1)
+            and (p.microbatches >= p.pp if p.pp > 1 else p.microbatches == 1))
 
 
 def meshes(devices: int, model, batch: int) -> list[MeshPlan]:
     """Every valid plan using all ``devices``: ``dp·tp·pp·cp·ep = N`` over its divisors."""
-    out = []
     divisors = [k for k in range(1, devices + 1) if devices % k == 0]
-    for tp, pp, cp, ep in itertools.product(divisors, repeat=4):
-        if devices % (tp * pp * cp * ep):
-            continue
-        dp = devices // (tp * pp * cp * ep)
-        for m, zero, sp, rc in itertools.product(MICROBATCHES, range(4), (False, True), (False, True)):
-            plan = MeshPlan(dp, tp, pp, cp, m, zero, sp, rc, ep)
-            if _valid(plan, model, batch):
-                out.append(plan)
-    return out
+    plans = (MeshPlan(devices // (tp * pp * cp * ep), tp, pp, cp, m, zero, sp, rc, ep)
+             for tp, pp, cp, ep in itertools.product(divisors, repeat=4) if devices % (tp * pp * cp * ep) == 0
+             for m, zero, sp, rc in itertools.product(MICROBATCHES, range(4), (False, True), (False, True)))
+    return [plan for plan in plans if _valid(plan, model, batch)]
 
 
 def mesh_candidates(model, topo: Topology, batch: int, devices: int | None = None) -> list[Estimate]:
     """Every plan of :func:`meshes` priced (a GPT's :class:`~labkit.parallel.pricing.GPTShape` or a CNN's
     profile), best first (plans that do not fit last; ties to the one of less memory)."""
-    from labkit.parallel.pricing import price_mesh
-
     return sorted((price_mesh(p, model, topo, batch) for p in meshes(devices or topo.ranks, model, batch)), key=_key)
 
 
@@ -265,29 +224,18 @@ def explain(estimates: list[Estimate], model, topo: Topology) -> str:
     the best plan of each of the next mesh shapes, the term that decides, or the memory that rules it out."""
     what = (f"{model.model} on {model.dataset}" if isinstance(model, Profile)
             else f"a {model.name} GPT at sequence {model.seq}")
-    best, limit = estimates[0], size(topo.memory_bytes)
+    best, limit, fastest = estimates[0], size(topo.memory_bytes), min(estimates, key=lambda e: e.step_s)
     if not best.feasible:
         return f"on {topo.name}, no plan for {what} fits in memory"
-    seen, reasons = {_shape(best.plan)}, []
-    fastest = min(estimates, key=lambda e: e.step_s)
-    if not fastest.feasible:
-        reasons.append(f"the faster {fastest.plan.label} ({ms(fastest.step_s)}) needs {size(fastest.peak_bytes)} "
-                       f"per device (> {limit})")
-    for e in estimates:
-        if _shape(e.plan) in seen:
-            continue
-        seen.add(_shape(e.plan))
+    reasons = [] if fastest.feasible else [f"the faster {fastest.plan.label} ({ms(fastest.step_s)}) needs "
+                                           f"{size(fastest.peak_bytes)} per device (> {limit})"]
+    shapes = best_per_strategy(estimates, lambda e: (e.plan.dp, e.plan.tp, e.plan.pp, e.plan.cp, e.plan.ep))
+    for e in shapes[1:4 - len(reasons)]:  # three reasons at most
         if not e.feasible:
             reasons.append(f"{e.plan.label} needs {size(e.peak_bytes)} per device (> {limit})")
         else:
             term = max(e.time, key=lambda k: e.time[k] - best.time.get(k, 0.0))
             reasons.append(f"{e.plan.label} is {(e.step_s / best.step_s - 1):.0%} slower ({term} "
                            f"{ms(e.time[term])} against {ms(best.time.get(term, 0.0))})")
-        if len(reasons) >= 3:
-            break
     return (f"on {topo.name}, {what}: {best.plan.label} ({ms(best.step_s)}/step, {size(best.peak_bytes)} per "
             "device) because " + ("; ".join(reasons) or "it is the only mesh"))
-
-
-def _shape(plan: MeshPlan) -> tuple:
-    return plan.dp, plan.tp, plan.pp, plan.cp, plan.ep
