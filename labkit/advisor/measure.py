@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 import os
 import statistics
@@ -35,7 +34,6 @@ from labkit import models as kmodels
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.advisor.topology import KINDS, ring_counts
 from labkit.collectives.cost import CostModel, fit_alpha_beta
-from labkit.errors import ConfigError
 from labkit.meters import process_memory_gb
 from labkit.results import RunWriter, load_run
 from labkit.strategies.gpipe_balance import SavedActivations
@@ -87,15 +85,17 @@ def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tu
     return out
 
 
-def loop_step(model: nn.Module, batches):
-    """``(step, optimizer)``: one :func:`labkit.train.train_step` (SGD with momentum) on the next of ``batches``."""
+def loop_step(model: nn.Module, batches, window_s: float):
+    """``(step, optimizer, s)``: one :func:`labkit.train.train_step` (SGD with momentum) on the next of ``batches``,
+    warmed up: a step (allocations), two windows of ``window_s`` (thread pool, caches: first windows run slower), s."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 1000, [], 0.1, 0.0, 1.0))
     strategy, totals, criterion = single_strategy(model), torch.zeros(3, dtype=torch.float64), nn.CrossEntropyLoss()
 
     def step():
         train_step(model, *next(batches), opt, strategy, criterion, totals, scheduler=scheduler)
-    return step, opt
+    step()
+    return step, opt, timed(step, 2, window_s=window_s)
 
 
 def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, windows: int = WINDOWS,
@@ -103,13 +103,11 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
     """``(d, u, [step(b) for b in sizes])``: ``step(b)`` the lower quartile of ``windows`` windows of
     :func:`loop_step` on ``labkit train``'s default loader."""
     train_set = load_split("tensor", dataset, train=True)
-    data, steps, opt = 0.0, [], None
+    steps = []
     for b in sizes:
         batches = _batches(train_set, b)
         data = timed(lambda: next(batches), repeats, window_s=window_s) / b
-        step, opt = loop_step(model, batches)
-        step()  # warm-up: allocations
-        timed(step, 2, window_s=window_s)  # and the thread pool and caches: a process's first windows run slower
+        step, opt, _ = loop_step(model, batches, window_s)
         steps.append(timed(step, windows, 0.25, window_s))
     return data, timed(opt.step, repeats, window_s=window_s) / max(1, _bytes(model.parameters())), steps
 
@@ -124,16 +122,14 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
     """This rank's κ: ``rounds`` rounds of each rank stepping ``model`` alone (:func:`loop_step`, then a barrier),
     then all at once; the median of its ratios (κ is the ranks' mean, at least 1)."""
     torch.set_num_threads(threads)
-    step, _ = loop_step(model, _batches(load_split("tensor", dataset, train=True), batch))
+    step, _, warm = loop_step(model, _batches(load_split("tensor", dataset, train=True), batch), window_s)
+    slowest = kdist.all_reduce(torch.tensor([warm]), op=dist.ReduceOp.MAX).item()
+    calls = max(1, math.ceil(window_s / max(slowest, 1e-6)))  # the same on every rank
 
     def synced():  # a step of a plan of several processes ends when the last of them is done
         step()
         dist.barrier()
 
-    step()
-    slowest = torch.tensor([timed(step, 2, window_s=window_s)])  # and the thread pool and caches warm
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    calls = max(1, math.ceil(window_s / max(slowest.item(), 1e-6)))  # the same on every rank
     ratios = []
     for _ in range(rounds):  # each rank alone in turn (the others asleep in its barriers), then all at once
         alone = [timed(synced if turn == env.rank else dist.barrier, 1, calls=calls) for turn in range(env.world_size)]
@@ -196,8 +192,6 @@ def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path |
 def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
                     refresh: bool = False, repeats: int = 3, **timing) -> Profile:
     """The cached profile if measured here with these settings, else a fresh one, cached."""
-    if model not in kmodels.MODELS:
-        raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     where, key = _cache(model, dataset, batch_size, threads, root)
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, old or damaged: measure
         summary = None if refresh else load_run(where).summary
@@ -228,7 +222,7 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
     rank, p = env.rank, env.world_size
     device = kdist.comm_device()  # NCCL takes CUDA tensors only
-    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     m = torch.randn(128, 128, device=device)
     reps = torch.tensor([max(1, round(WORK_S / timed(lambda: (m @ m, sync()), 5, 0.5, window_s=0.01)))])
@@ -242,8 +236,7 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
     points: dict[str, list] = {kind: [] for kind in KINDS}
     for nbytes in FIT_SIZES:
         n = max(p, nbytes // 4 // p * p)  # elements, divisible by p
-        full, send, recv = torch.zeros(n, device=device), torch.zeros(n, device=device), torch.empty(n, device=device)
-        shard = torch.zeros(n // p, device=device)
+        full, send, recv, shard = (torch.zeros(k, device=device) for k in (n, n, n, n // p))
 
         def ring_step():
             ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % p), dist.P2POp(dist.isend, send, (rank + 1) % p)]
@@ -255,15 +248,10 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
                       "all_gather": lambda: dist.all_gather_single(full, shard),
                       "broadcast": lambda: dist.broadcast(full, 0)}
         for kind in KINDS:
-            def once(_, call=collective[kind]):
-                work()
-                call()
-                sync()
-
-            extra = []
+            extra, call = [], collective[kind]
             for _ in range(windows):  # paired windows: a slow spell of the machine falls on both
                 alone = timed(lambda _: work(), 1, setup=dist.barrier, calls=calls)
-                extra.append(timed(once, 1, setup=dist.barrier, calls=calls) - alone)
+                extra.append(timed(lambda _: (work(), call(), sync()), 1, setup=dist.barrier, calls=calls) - alone)
             slowest = torch.tensor(statistics.median(extra), dtype=torch.float64)
             kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if slowest.item() > 0 or kind == "p2p":  # a cost lost in the computing's noise says nothing
@@ -271,8 +259,7 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
     fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS
               if len(points[kind]) >= 2 or kind == "p2p"}
     a, b = torch.zeros(1 << 20), torch.ones(1 << 20)
-    gamma = torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64)
-    kdist.all_reduce(gamma)
+    gamma = kdist.all_reduce(torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64))
     return {**fitted["p2p"], "gamma": gamma.item() / p, "p2p": points["p2p"],
             "kinds": {k: v for k, v in fitted.items() if k != "p2p"}}
 
