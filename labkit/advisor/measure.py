@@ -1,16 +1,11 @@
-"""The advisor's one measurement module: the timing helper (:func:`timed`), the model's profile
-(:func:`load_or_measure`) and this machine's links (:func:`measure_link`), each cached as a run.
-
-The profile: per layer ``i`` of the flat ``nn.Sequential``, its bytes and its times at two batch sizes, fitted to
-lines (the shape, layers timed alone); the level from ``labkit train``'s own step (:func:`loop_costs`); κ, the
-slowdown of processes computing at once (:func:`_together_rank`):
+"""The advisor's measurements (every time taken with :func:`timed`), each cached as a run: this machine's links
+(:func:`measure_link`), and the model's profile (:func:`load_or_measure`): per layer ``i`` of the flat
+``nn.Sequential`` its bytes and its times at two batch sizes, fitted to lines (the shape, layers timed alone); the
+level from ``labkit train``'s own step (:func:`loop_costs`); κ, the slowdown of processes computing at once
+(:func:`_together_rank`):
 
     fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
     scale(b) = (step(b) − u·P − d·b) / Σ_i (fwd_i + bwd_i)(b)      κ = step of each of n at once / its step alone
-
-The links, per kind of collective (:data:`~labkit.advisor.topology.KINDS`): each timed at :data:`FIT_SIZES`
-after :data:`WORK_S` of computing, less the computing alone, on the slowest rank; sizes lost in the noise are
-left out (a kind left with under two pays the point-to-point link); α and β by :func:`fit_kind`.
 """
 from __future__ import annotations
 
@@ -142,8 +137,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     """Profile ``model`` at ``threads`` CPU threads at ``batch_size`` and ``batch_size // 8``; ``windows`` of
     ``window_s`` time each level and κ (fewer and shorter: quicker and noisier)."""
     info = kdata.dataset_info(dataset)
-    seq = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size, sequential=True)
-    features = getattr(kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size), "features", None)
+    net = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
+    seq, shape = kmodels.to_sequential(net), (info.in_channels, info.image_size, info.image_size)
     small = max(2, batch_size // 8)  # BatchNorm needs two samples
     sizes = (small, max(batch_size, small + 1))
     before = torch.get_num_threads()
@@ -151,7 +146,6 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     try:
         base = int(process_memory_gb()[0] * 2**30)
         torch.manual_seed(0)
-        shape = (info.in_channels, info.image_size, info.image_size)
         times = [_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats) for b in sizes]
         outs, saved, x = [], [], torch.randn(sizes[0], *shape)
         for layer in copy.deepcopy(seq).train():
@@ -177,8 +171,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
                            sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
               for i, (name, layer) in enumerate(seq.named_children())]
     pairs = linear_pairs(list(seq))
-    return Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
-                   base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
+    return Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
+                   len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential) else None, pairs,
                    [seq[i].out_features for i, _ in pairs], kappa)
 
 
@@ -202,11 +196,10 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
     return prof
 
 
-def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Path:
+def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> None:
     """Write ``prof`` as a run where :func:`load_or_measure` finds it."""
     where, key = _cache(prof.model, prof.dataset, batch_size, prof.threads, root)
     RunWriter(where).finish(f"profile {prof.model}", "profile", {"key": key}, {"profile": asdict(prof)})
-    return where
 
 
 def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
@@ -220,8 +213,7 @@ def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
 
 def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
-    rank, p = env.rank, env.world_size
-    device = kdist.comm_device()  # NCCL takes CUDA tensors only
+    rank, p, device = env.rank, env.world_size, kdist.comm_device()  # NCCL takes CUDA tensors only
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     m = torch.randn(128, 128, device=device)
@@ -266,9 +258,12 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
 
 def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FIT_WINDOWS,
                  calls: int = CALLS) -> tuple[CostModel, dict]:
-    """``(link, kinds)``: the α-β-γ fit and the kinds' α-β over ``ranks`` ranks cached at ``out``, or (none with its
-    kinds cached, or ``refresh``) fitted now on spawned gloo ranks (fewer ``windows`` and ``calls``: quicker,
-    noisier) and cached there. One rank has no link: all zero."""
+    """``(link, kinds)``: the α-β-γ fit and the kinds' α-β over ``ranks`` ranks cached at ``out`` with its kinds, else
+    (or with ``refresh``) fitted on spawned gloo ranks and cached there: each kind of collective
+    (:data:`~labkit.advisor.topology.KINDS`) timed at :data:`FIT_SIZES` after :data:`WORK_S` of computing, less the
+    computing alone, on the slowest rank; sizes lost in the noise left out (a kind left with under two pays the
+    point-to-point link); α and β by :func:`fit_kind`. Fewer ``windows`` and ``calls``: quicker, noisier. One rank
+    has no link: all zero."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
     fit = None
