@@ -31,7 +31,7 @@ from labkit.advisor.topology import KINDS, ring_counts
 from labkit.collectives.cost import CostModel, fit_alpha_beta
 from labkit.meters import process_memory_gb
 from labkit.results import RunWriter, load_run
-from labkit.strategies.gpipe_balance import SavedActivations
+from labkit.strategies.gpipe_balance import estimate_layer_memory
 from labkit.strategies.tensor_parallel import linear_pairs
 from labkit.tensor_data import load_split
 from labkit.testing import run_ranks
@@ -68,15 +68,17 @@ def _batches(train_set, b: int):
     return chain.from_iterable(repeat(kdata.make_loader(train_set, b, shuffle=True, drop_last=True)))
 
 
-def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float]]:
-    """(forward s, backward s) per layer on ``x``, medians of ``repeats``; inputs need a gradient but the data."""
+def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float, int]]:
+    """(forward s, backward s, output bytes per sample) per layer on ``x``, the times medians of ``repeats``; inputs
+    need a gradient but the data."""
     out = []
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         forward = timed(lambda: layer(inp), repeats)
         grad = torch.randn_like(layer(inp))
-        out.append((forward, timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp))))
+        backward = timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp))
         x = layer(inp).detach()
+        out.append((forward, backward, x[0].numel() * x.element_size()))
     return out
 
 
@@ -138,7 +140,7 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     ``window_s`` time each level and κ (fewer and shorter: quicker and noisier)."""
     info = kdata.dataset_info(dataset)
     net = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
-    seq, shape = kmodels.to_sequential(net), (info.in_channels, info.image_size, info.image_size)
+    seq, shape = kmodels.to_sequential(net).train(), (info.in_channels, info.image_size, info.image_size)
     small = max(2, batch_size // 8)  # BatchNorm needs two samples
     sizes = (small, max(batch_size, small + 1))
     before = torch.get_num_threads()
@@ -146,30 +148,23 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     try:
         base = int(process_memory_gb()[0] * 2**30)
         torch.manual_seed(0)
-        times = [_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats) for b in sizes]
-        outs, saved, x = [], [], torch.randn(sizes[0], *shape)
-        for layer in copy.deepcopy(seq).train():
-            with SavedActivations(exclude=list(layer.parameters())) as meter:
-                x = layer(x.detach().requires_grad_())
-            outs.append(x[0].numel() * x.element_size())
-            saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats), windows,
-                                             window_s)
+        times = [_layer_times(copy.deepcopy(seq), torch.randn(b, *shape), repeats) for b in sizes]
+        saved = [s // sizes[0] for s in estimate_layer_memory(seq, torch.randn(sizes[0], *shape), param_scale=0)]
+        data_s, update_s, whole = loop_costs(copy.deepcopy(seq), dataset, sizes, max(5, repeats), windows, window_s)
         n = copies(threads)  # κ over the n processes that fill the cores (one: 1)
-        kappa = max(1.0, statistics.fmean(run_ranks(_together_rank, n, copy.deepcopy(seq).train(), dataset, sizes[1],
-                                                    windows, threads, window_s, timeout=600))) if n > 1 else 1.0
+        kappa = max(1.0, statistics.fmean(run_ranks(_together_rank, n, copy.deepcopy(seq), dataset, sizes[1], windows,
+                                                    threads, window_s, timeout=600))) if n > 1 else 1.0
     finally:
         torch.set_num_threads(before)
     s0, s1 = [max(0.0, whole[k] - update_s * _bytes(seq.parameters()) - data_s * sizes[k]) /
-              max(1e-12, sum(f + b for f, b in times[k])) for k in range(2)]  # scale(b) at both sizes
+              max(1e-12, sum(f + b for f, b, _ in times[k])) for k in range(2)]  # scale(b) at both sizes
     def line(t0: float, t1: float) -> tuple[float, float]:  # (a, c) of t = a + c·b through both sizes, a, c >= 0
         c = max(0.0, (t1 * s1 - t0 * s0) / (sizes[1] - sizes[0]))
         return max(0.0, t0 * s0 - c * sizes[0]), c
-    lines = [[line(t0, t1) for t0, t1 in zip(*at)] for at in zip(*times)]  # per layer: fwd, bwd
-    layers = [LayerProfile(name, type(layer).__name__, *lines[i], _bytes(layer.parameters()), outs[i], saved[i],
-                           sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
+    layers = [LayerProfile(name, type(layer).__name__, line(f0, f1), line(b0, b1), _bytes(layer.parameters()), out,
+                           held, sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
                            sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
-              for i, (name, layer) in enumerate(seq.named_children())]
+              for (name, layer), (f0, b0, out), (f1, b1, _), held in zip(seq.named_children(), *times, saved)]
     pairs = linear_pairs(list(seq))
     return Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
                    len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential) else None, pairs,
