@@ -84,7 +84,7 @@ def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tu
 
 def loop_step(model: nn.Module, batches, window_s: float):
     """``(step, optimizer, s)``: one :func:`labkit.train.train_step` (SGD with momentum) on the next of ``batches``,
-    warmed up: a step (allocations), two windows of ``window_s`` (thread pool, caches: first windows run slower), s."""
+    warmed up by a step (allocations) and two windows of ``window_s`` (first windows run slower), ``s`` the faster."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 1000, [], 0.1, 0.0, 1.0))
     strategy, totals, criterion = single_strategy(model), torch.zeros(3, dtype=torch.float64), nn.CrossEntropyLoss()
@@ -268,7 +268,6 @@ def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FI
         fit = run_ranks(_fit_rank, ranks, windows, calls, timeout=300)[0]
         writer = RunWriter(out)
         writer.log({"kind": "cost-model", "world_size": ranks, **fit})
-        writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks},
-                      {k: fit[k] for k in ("alpha", "beta", "gamma", "kinds")})
+        writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {k: v for k, v in fit.items() if k != "p2p"})
     return (CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)),
             {k: CostModel(v["alpha"], v["beta"]) for k, v in fit["kinds"].items()})
