@@ -32,9 +32,7 @@ ALLOWED_FUNCTIONS = {("strategies/zero_units.py", "Comm.all_gather"), ("strategi
                      ("strategies/ps_server.py", "ServerState.reply"),
                      ("preempt.py", "StopCheck._launch"),
                      ("parallel/megatron_ops.py", "reduce_scatter_sequence"),
-                     ("advisor/measure.py", "_fit_rank"), ("advisor/measure.py", "_fit_rank.ring_step"),
-                     # the advisor's own measurement ranks: CPU tensors on a gloo group they start themselves
-                     ("advisor/measure.py", "_together_rank")}
+                     ("advisor/measure.py", "_fit_rank"), ("advisor/measure.py", "_fit_rank.ring_step")}
 
 
 class _Calls(ast.NodeVisitor):

@@ -1,22 +1,16 @@
-"""The advisor's one measurement module: the timing helper (:func:`timed`), the model's profile
-(:func:`load_or_measure`) and this machine's links (:func:`measure_link`), each cached as a run.
-
-The profile: per layer ``i`` of the flat ``nn.Sequential``, its bytes and its times at two batch sizes, fitted to
-lines (the shape, layers timed alone); the level from ``labkit train``'s own step (:func:`loop_costs`); κ, the
-slowdown of processes computing at once (:func:`_together_rank`):
+"""The advisor's measurements (every time taken with :func:`timed`), each cached as a run: this machine's links
+(:func:`measure_link`), and the model's profile (:func:`load_or_measure`): per layer ``i`` of the flat
+``nn.Sequential`` its bytes and its times at two batch sizes, fitted to lines (the shape, layers timed alone); the
+level from ``labkit train``'s own step (:func:`loop_costs`); κ, the slowdown of processes computing at once
+(:func:`_together_rank`):
 
     fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
     scale(b) = (step(b) − u·P − d·b) / Σ_i (fwd_i + bwd_i)(b)      κ = step of each of n at once / its step alone
-
-The links, per kind of collective (:data:`~labkit.advisor.topology.KINDS`): each timed at :data:`FIT_SIZES`
-after :data:`WORK_S` of computing, less the computing alone, on the slowest rank; sizes lost in the noise are
-left out (a kind left with under two pays the point-to-point link); α and β by :func:`fit_kind`.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 import os
 import statistics
@@ -35,10 +29,9 @@ from labkit import models as kmodels
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
 from labkit.advisor.topology import KINDS, ring_counts
 from labkit.collectives.cost import CostModel, fit_alpha_beta
-from labkit.errors import ConfigError
 from labkit.meters import process_memory_gb
 from labkit.results import RunWriter, load_run
-from labkit.strategies.gpipe_balance import SavedActivations
+from labkit.strategies.gpipe_balance import estimate_layer_memory
 from labkit.strategies.tensor_parallel import linear_pairs
 from labkit.tensor_data import load_split
 from labkit.testing import run_ranks
@@ -75,27 +68,31 @@ def _batches(train_set, b: int):
     return chain.from_iterable(repeat(kdata.make_loader(train_set, b, shuffle=True, drop_last=True)))
 
 
-def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float]]:
-    """(forward s, backward s) per layer on ``x``, medians of ``repeats``; inputs need a gradient but the data."""
+def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float, int]]:
+    """(forward s, backward s, output bytes per sample) per layer on ``x``, the times medians of ``repeats``; inputs
+    need a gradient but the data."""
     out = []
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         forward = timed(lambda: layer(inp), repeats)
         grad = torch.randn_like(layer(inp))
-        out.append((forward, timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp))))
+        backward = timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp))
         x = layer(inp).detach()
+        out.append((forward, backward, x[0].numel() * x.element_size()))
     return out
 
 
-def loop_step(model: nn.Module, batches):
-    """``(step, optimizer)``: one :func:`labkit.train.train_step` (SGD with momentum) on the next of ``batches``."""
+def loop_step(model: nn.Module, batches, window_s: float):
+    """``(step, optimizer, s)``: one :func:`labkit.train.train_step` (SGD with momentum) on the next of ``batches``,
+    warmed up by a step (allocations) and two windows of ``window_s`` (first windows run slower), ``s`` the faster."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 1000, [], 0.1, 0.0, 1.0))
     strategy, totals, criterion = single_strategy(model), torch.zeros(3, dtype=torch.float64), nn.CrossEntropyLoss()
 
     def step():
         train_step(model, *next(batches), opt, strategy, criterion, totals, scheduler=scheduler)
-    return step, opt
+    step()
+    return step, opt, timed(step, 2, window_s=window_s)
 
 
 def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, windows: int = WINDOWS,
@@ -103,13 +100,11 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
     """``(d, u, [step(b) for b in sizes])``: ``step(b)`` the lower quartile of ``windows`` windows of
     :func:`loop_step` on ``labkit train``'s default loader."""
     train_set = load_split("tensor", dataset, train=True)
-    data, steps, opt = 0.0, [], None
+    steps = []
     for b in sizes:
         batches = _batches(train_set, b)
         data = timed(lambda: next(batches), repeats, window_s=window_s) / b
-        step, opt = loop_step(model, batches)
-        step()  # warm-up: allocations
-        timed(step, 2, window_s=window_s)  # and the thread pool and caches: a process's first windows run slower
+        step, opt, _ = loop_step(model, batches, window_s)
         steps.append(timed(step, windows, 0.25, window_s))
     return data, timed(opt.step, repeats, window_s=window_s) / max(1, _bytes(model.parameters())), steps
 
@@ -124,16 +119,14 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
     """This rank's κ: ``rounds`` rounds of each rank stepping ``model`` alone (:func:`loop_step`, then a barrier),
     then all at once; the median of its ratios (κ is the ranks' mean, at least 1)."""
     torch.set_num_threads(threads)
-    step, _ = loop_step(model, _batches(load_split("tensor", dataset, train=True), batch))
+    step, _, warm = loop_step(model, _batches(load_split("tensor", dataset, train=True), batch), window_s)
+    slowest = kdist.all_reduce(torch.tensor([warm]), op=dist.ReduceOp.MAX).item()
+    calls = max(1, math.ceil(window_s / max(slowest, 1e-6)))  # the same on every rank
 
     def synced():  # a step of a plan of several processes ends when the last of them is done
         step()
         dist.barrier()
 
-    step()
-    slowest = torch.tensor([timed(step, 2, window_s=window_s)])  # and the thread pool and caches warm
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    calls = max(1, math.ceil(window_s / max(slowest.item(), 1e-6)))  # the same on every rank
     ratios = []
     for _ in range(rounds):  # each rank alone in turn (the others asleep in its barriers), then all at once
         alone = [timed(synced if turn == env.rank else dist.barrier, 1, calls=calls) for turn in range(env.world_size)]
@@ -146,8 +139,8 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     """Profile ``model`` at ``threads`` CPU threads at ``batch_size`` and ``batch_size // 8``; ``windows`` of
     ``window_s`` time each level and κ (fewer and shorter: quicker and noisier)."""
     info = kdata.dataset_info(dataset)
-    seq = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size, sequential=True)
-    features = getattr(kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size), "features", None)
+    net = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
+    seq, shape = kmodels.to_sequential(net).train(), (info.in_channels, info.image_size, info.image_size)
     small = max(2, batch_size // 8)  # BatchNorm needs two samples
     sizes = (small, max(batch_size, small + 1))
     before = torch.get_num_threads()
@@ -155,34 +148,26 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     try:
         base = int(process_memory_gb()[0] * 2**30)
         torch.manual_seed(0)
-        shape = (info.in_channels, info.image_size, info.image_size)
-        times = [_layer_times(copy.deepcopy(seq).train(), torch.randn(b, *shape), repeats) for b in sizes]
-        outs, saved, x = [], [], torch.randn(sizes[0], *shape)
-        for layer in copy.deepcopy(seq).train():
-            with SavedActivations(exclude=list(layer.parameters())) as meter:
-                x = layer(x.detach().requires_grad_())
-            outs.append(x[0].numel() * x.element_size())
-            saved.append(meter.peak_bytes // sizes[0])
-        data_s, update_s, whole = loop_costs(copy.deepcopy(seq).train(), dataset, sizes, max(5, repeats), windows,
-                                             window_s)
+        times = [_layer_times(copy.deepcopy(seq), torch.randn(b, *shape), repeats) for b in sizes]
+        saved = [s // sizes[0] for s in estimate_layer_memory(seq, torch.randn(sizes[0], *shape), param_scale=0)]
+        data_s, update_s, whole = loop_costs(copy.deepcopy(seq), dataset, sizes, max(5, repeats), windows, window_s)
         n = copies(threads)  # κ over the n processes that fill the cores (one: 1)
-        kappa = max(1.0, statistics.fmean(run_ranks(_together_rank, n, copy.deepcopy(seq).train(), dataset, sizes[1],
-                                                    windows, threads, window_s, timeout=600))) if n > 1 else 1.0
+        kappa = max(1.0, statistics.fmean(run_ranks(_together_rank, n, copy.deepcopy(seq), dataset, sizes[1], windows,
+                                                    threads, window_s, timeout=600))) if n > 1 else 1.0
     finally:
         torch.set_num_threads(before)
     s0, s1 = [max(0.0, whole[k] - update_s * _bytes(seq.parameters()) - data_s * sizes[k]) /
-              max(1e-12, sum(f + b for f, b in times[k])) for k in range(2)]  # scale(b) at both sizes
+              max(1e-12, sum(f + b for f, b, _ in times[k])) for k in range(2)]  # scale(b) at both sizes
     def line(t0: float, t1: float) -> tuple[float, float]:  # (a, c) of t = a + c·b through both sizes, a, c >= 0
         c = max(0.0, (t1 * s1 - t0 * s0) / (sizes[1] - sizes[0]))
         return max(0.0, t0 * s0 - c * sizes[0]), c
-    lines = [[line(t0, t1) for t0, t1 in zip(*at)] for at in zip(*times)]  # per layer: fwd, bwd
-    layers = [LayerProfile(name, type(layer).__name__, *lines[i], _bytes(layer.parameters()), outs[i], saved[i],
-                           sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
+    layers = [LayerProfile(name, type(layer).__name__, line(f0, f1), line(b0, b1), _bytes(layer.parameters()), out,
+                           held, sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
                            sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
-              for i, (name, layer) in enumerate(seq.named_children())]
+              for (name, layer), (f0, b0, out), (f1, b1, _), held in zip(seq.named_children(), *times, saved)]
     pairs = linear_pairs(list(seq))
-    return Profile(model, dataset, threads, sizes, layers, int(torch.Size(shape).numel() * 4), update_s, data_s,
-                   base, len(features) if isinstance(features, nn.Sequential) else None, pairs,
+    return Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
+                   len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential) else None, pairs,
                    [seq[i].out_features for i, _ in pairs], kappa)
 
 
@@ -196,8 +181,6 @@ def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path |
 def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
                     refresh: bool = False, repeats: int = 3, **timing) -> Profile:
     """The cached profile if measured here with these settings, else a fresh one, cached."""
-    if model not in kmodels.MODELS:
-        raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     where, key = _cache(model, dataset, batch_size, threads, root)
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, old or damaged: measure
         summary = None if refresh else load_run(where).summary
@@ -208,11 +191,10 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
     return prof
 
 
-def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Path:
+def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> None:
     """Write ``prof`` as a run where :func:`load_or_measure` finds it."""
     where, key = _cache(prof.model, prof.dataset, batch_size, prof.threads, root)
     RunWriter(where).finish(f"profile {prof.model}", "profile", {"key": key}, {"profile": asdict(prof)})
-    return where
 
 
 def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
@@ -226,9 +208,8 @@ def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
 
 def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
-    rank, p = env.rank, env.world_size
-    device = kdist.comm_device()  # NCCL takes CUDA tensors only
-    sync = functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
+    rank, p, device = env.rank, env.world_size, kdist.comm_device()  # NCCL takes CUDA tensors only
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     m = torch.randn(128, 128, device=device)
     reps = torch.tensor([max(1, round(WORK_S / timed(lambda: (m @ m, sync()), 5, 0.5, window_s=0.01)))])
@@ -242,8 +223,7 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
     points: dict[str, list] = {kind: [] for kind in KINDS}
     for nbytes in FIT_SIZES:
         n = max(p, nbytes // 4 // p * p)  # elements, divisible by p
-        full, send, recv = torch.zeros(n, device=device), torch.zeros(n, device=device), torch.empty(n, device=device)
-        shard = torch.zeros(n // p, device=device)
+        full, send, recv, shard = (torch.zeros(k, device=device) for k in (n, n, n, n // p))
 
         def ring_step():
             ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % p), dist.P2POp(dist.isend, send, (rank + 1) % p)]
@@ -255,15 +235,10 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
                       "all_gather": lambda: dist.all_gather_single(full, shard),
                       "broadcast": lambda: dist.broadcast(full, 0)}
         for kind in KINDS:
-            def once(_, call=collective[kind]):
-                work()
-                call()
-                sync()
-
-            extra = []
+            extra, call = [], collective[kind]
             for _ in range(windows):  # paired windows: a slow spell of the machine falls on both
                 alone = timed(lambda _: work(), 1, setup=dist.barrier, calls=calls)
-                extra.append(timed(once, 1, setup=dist.barrier, calls=calls) - alone)
+                extra.append(timed(lambda _: (work(), call(), sync()), 1, setup=dist.barrier, calls=calls) - alone)
             slowest = torch.tensor(statistics.median(extra), dtype=torch.float64)
             kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if slowest.item() > 0 or kind == "p2p":  # a cost lost in the computing's noise says nothing
@@ -271,17 +246,19 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
     fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS
               if len(points[kind]) >= 2 or kind == "p2p"}
     a, b = torch.zeros(1 << 20), torch.ones(1 << 20)
-    gamma = torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64)
-    kdist.all_reduce(gamma)
+    gamma = kdist.all_reduce(torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64))
     return {**fitted["p2p"], "gamma": gamma.item() / p, "p2p": points["p2p"],
             "kinds": {k: v for k, v in fitted.items() if k != "p2p"}}
 
 
 def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FIT_WINDOWS,
                  calls: int = CALLS) -> tuple[CostModel, dict]:
-    """``(link, kinds)``: the α-β-γ fit and the kinds' α-β over ``ranks`` ranks cached at ``out``, or (none with its
-    kinds cached, or ``refresh``) fitted now on spawned gloo ranks (fewer ``windows`` and ``calls``: quicker,
-    noisier) and cached there. One rank has no link: all zero."""
+    """``(link, kinds)``: the α-β-γ fit and the kinds' α-β over ``ranks`` ranks cached at ``out`` with its kinds, else
+    (or with ``refresh``) fitted on spawned gloo ranks and cached there: each kind of collective
+    (:data:`~labkit.advisor.topology.KINDS`) timed at :data:`FIT_SIZES` after :data:`WORK_S` of computing, less the
+    computing alone, on the slowest rank; sizes lost in the noise left out (a kind left with under two pays the
+    point-to-point link); α and β by :func:`fit_kind`. Fewer ``windows`` and ``calls``: quicker, noisier. One rank
+    has no link: all zero."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
     fit = None
@@ -291,7 +268,6 @@ def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FI
         fit = run_ranks(_fit_rank, ranks, windows, calls, timeout=300)[0]
         writer = RunWriter(out)
         writer.log({"kind": "cost-model", "world_size": ranks, **fit})
-        writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks},
-                      {k: fit[k] for k in ("alpha", "beta", "gamma", "kinds")})
+        writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {k: v for k, v in fit.items() if k != "p2p"})
     return (CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)),
             {k: CostModel(v["alpha"], v["beta"]) for k, v in fit["kinds"].items()})
