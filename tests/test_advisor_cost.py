@@ -317,6 +317,9 @@ def test_profile_times_the_first_layer_as_training_runs_it():
     times = profile._layer_times(model, torch.randn(2, 1, 4, 4), repeats=1)
     assert sorted(asked) == [("Conv2d", False), ("Flatten", True), ("Linear", True), ("ReLU", True)]
     assert len(times) == 4
+    # the mlp starts with a Flatten: no parameters and an input without a gradient, so it has no backward to time
+    times = profile._layer_times(nn.Sequential(nn.Flatten(), nn.Linear(16, 3)), torch.randn(2, 1, 4, 4), repeats=1)
+    assert times[0][1] == 0.0 and times[1][1] > 0 and [t[2] for t in times] == [64, 12]
 
 
 def test_profile_levels_are_timed_with_as_many_processes_as_fill_the_cores(monkeypatch):

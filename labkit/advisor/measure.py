@@ -70,14 +70,15 @@ def _batches(train_set, b: int):
 
 def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float, int]]:
     """(forward s, backward s, output bytes per sample) per layer on ``x``, the times medians of ``repeats``; inputs
-    need a gradient but the data."""
+    need a gradient but the data (a first layer without parameters, e.g. a ``Flatten``, has no backward)."""
     out = []
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         forward = timed(lambda: layer(inp), repeats)
-        grad = torch.randn_like(layer(inp))
-        backward = timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp))
-        x = layer(inp).detach()
+        y = layer(inp)
+        grad = torch.randn_like(y)
+        backward = timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp)) if y.requires_grad else 0.0
+        x = y.detach()
         out.append((forward, backward, x[0].numel() * x.element_size()))
     return out
 
