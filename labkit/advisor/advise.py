@@ -1,14 +1,10 @@
-"""``advise``: profile, build the topology, search; the ranked table, ``advice.json``, seed 000's FlexFlow
-placement for AlexNet on two GPUs beside the advisor's choice; ``parallelize``: apply a plan.
-
-    from labkit.advisor import advise
-    advice = advise("alexnet_small", "synthetic-cifar10", ranks=2, batch_size=64)
-    advice.best.plan.command("alexnet_small", "synthetic-cifar10")
-"""
+"""``advise``: profile, build the topology, search (``advise("lenet", ranks=2).best``); the ranked table,
+``advice.json``, seed 000's FlexFlow placement for AlexNet on two GPUs beside the advisor's choice; ``parallelize``:
+a model prepared for a plan."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -56,9 +52,9 @@ class Advice:
 
     def to_dict(self) -> dict:
         t = self.topology
-        return {"schema": "labkit.advice/1", "model": self.model, "dataset": self.dataset, "batch_size": self.batch_size,
-                "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores,
-                             "alpha": t.link.alpha, "beta": t.link.beta, "gamma": t.link.gamma,
+        return {"schema": "labkit.advice/1", "model": self.model, "dataset": self.dataset,
+                "batch_size": self.batch_size,
+                "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores, **asdict(t.link),
                              "memory_bytes": t.memory_bytes,
                              "kinds": {k: {"alpha": v.alpha, "beta": v.beta} for k, v in t.kinds.items()}},
                 "plans": [{**e.to_dict(), "command": self.command(e),
@@ -73,9 +69,8 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
            memory_limit_gb: float | None = None, topology: Topology | None = None, cache: str | Path = CACHE,
            refresh: bool = False, profile_topology: Topology | None = None, timing: dict | None = None) -> Advice:
     """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``) at
-    global batch ``batch_size``; plans over ``memory_limit_gb`` per device are marked (none fitting: a
-    :class:`ConfigError` naming the memory that would). ``profile_topology``: whose threads the profiles are
-    measured at; ``timing``: :func:`labkit.advisor.measure.measure_profile`'s ``windows`` and ``window_s``."""
+    global batch ``batch_size``, marking those over ``memory_limit_gb`` per device (none fitting: a ConfigError);
+    profiles at ``profile_topology``'s threads; ``timing``: ``measure.measure_profile``'s windows and window_s."""
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     kdata.dataset_info(dataset)
@@ -89,15 +84,14 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     def prof_for(processes: int) -> Profile:
         return load_or_measure(model, dataset, batch_size, measure_on.threads(processes), cache, refresh,
                                **(timing or {}))
-
     estimates = candidates(prof_for, topo, batch_size)
     if memory_limit_gb is not None:
         check_fits(estimates, memory_limit_gb)
-    return Advice(model, dataset, batch_size, topo, estimates, [e for e in best_per_strategy(estimates) if e.applicable],
+    return Advice(model, dataset, batch_size, topo, estimates,
+                  [e for e in best_per_strategy(estimates) if e.applicable],
                   {measure_on.threads(p): prof_for(p) for p in {1, ranks}})
 
 
-#: FlexFlow's best strategy for AlexNet on two GeForce 1080Ti (seed 000)
 FLEXFLOW_ALEXNET_2GPU = ("conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: data parallel on gpu 0 and 1\n"
                          "linear9 linear10 linear11: gpu 0 only")
 
@@ -105,9 +99,11 @@ FLEXFLOW_ALEXNET_2GPU = ("conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: 
 def table(advice: Advice) -> str:
     """Ranked plans: predicted samples/s, step, memory per device, main term; once validated, the measured
     columns, the ranking and the ``off:`` lines; then each plan's command."""
-    measured = any("step_s" in advice.measured.get(e.plan.label, {}) for e in advice.table)
+    from labkit.advisor.validate import off_terms, ranking  # not at the top: validate imports this module
+
+    r = ranking(advice)
     head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"
-    if measured:
+    if r["plans"]:
         head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'spread':>6} {'meas MB':>8}"
     lines = [head]
     for i, est in enumerate(advice.table, 1):
@@ -120,10 +116,7 @@ def table(advice: Advice) -> str:
             line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} {m['spread']:>6.0%} "
                      f"{m['peak_bytes'] / MB:>8.1f}")
         lines.append(line + ("" if est.feasible else "  (does not fit)"))
-    if measured:
-        from labkit.advisor.validate import off_terms, ranking
-
-        r = ranking(advice)
+    if r["plans"]:
         lines.append(f"ranking over {r['plans']} plans: Spearman rho {r['spearman']:.2f}; the predicted best "
                      f"measured {r['best_ratio']:.2f}x the measured best")
         lines += [f"off: {line}" for line in off_terms(advice)]
@@ -133,9 +126,9 @@ def table(advice: Advice) -> str:
 
 
 def flexflow_comparison(advice: Advice) -> str:
-    """Seed 000's placement beside the advisor's best, the cost terms that make them differ, and why: the two
-    costs FlexFlow traded, priced here: the FC weights' all-reduce (hybrid saves it) against rank 0 running the FC
-    layers on the whole batch instead of half (hybrid pays it)."""
+    """Seed 000's placement (FlexFlow's for AlexNet on two 1080Ti) beside the advisor's best, the terms they differ
+    by, and the two costs FlexFlow traded: the FC weights' all-reduce (hybrid saves it) against rank 0 running the
+    FC layers on the whole batch instead of half (hybrid pays it)."""
     def terms(est: Estimate) -> str:
         return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in est.time.items() if v > 0)
 
@@ -196,8 +189,7 @@ def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "au
         plan = advice.best if plan == "auto" else advice.find(plan)
     chosen = Plan.from_dict(plan) if isinstance(plan, dict) else plan.plan if isinstance(plan, Estimate) else plan
     if not isinstance(chosen, Plan):
-        raise ConfigError(f"plan must be 'auto', a plan label, a Plan, an Estimate or a dict, "
-                          f"got {type(plan).__name__}")
+        raise ConfigError(f"plan must be 'auto', a label, a Plan, an Estimate or a dict, got {type(plan).__name__}")
     env = env or DistEnv()
     if env.world_size != chosen.processes:
         raise ConfigError(f"plan {chosen.label} runs on {chosen.processes} process(es) but this job has "

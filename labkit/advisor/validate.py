@@ -73,19 +73,17 @@ def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[dict]:
 
 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
-             progress: bool = True, record: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
-    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps and fill
-    ``advice.measured``. A run is the plan's command (:meth:`Advice.command`) parsed by ``labkit train``'s parser
-    and run by :func:`labkit.train_run.run` on ranks of :func:`labkit.testing.run_ranks` (no torchrun start), at
-    the threads of the profile that priced it. Round ``r`` starts ``r`` plans further on and with the other
-    process count, so a slow spell of a shared machine falls on several plans and both counts. A failed plan
-    gets ``{"error", "run"}``. ``record(label, metrics)`` after each run.
-
-    Returns ``{label: {"step_s", "steps_s", "spread", "samples_per_s", "peak_bytes", "ratio", "memory_ratio",
-    "final_train_loss", "run"}}``: a run's step is ``batch / samples per second`` of the loop's meter,
-    ``step_s`` their median, ``spread = (max − min) / median``, ``ratio`` measured / predicted (memory alike)."""
+             progress: bool = True, record: Callable[[str, dict], None] = lambda label, metrics: None) -> dict:
+    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps, each run its command
+    (:meth:`Advice.command`) parsed as ``labkit train`` parses it, run by :func:`labkit.train_run.run` on ranks of
+    :func:`labkit.testing.run_ranks` at the threads of the profile that priced it. Round ``r`` starts ``r`` plans
+    further on and with the other process count, so a shared machine's slow spell falls on several plans and both
+    counts. ``record(label, metrics)`` after each run. Fills and returns ``advice.measured``: a failed plan's
+    ``{"error", "run"}``, else ``{"step_s", "steps_s", "spread", "samples_per_s", "peak_bytes", "ratio",
+    "memory_ratio", "final_train_loss", "run"}``: a run's step is ``batch / samples per second`` of the loop's
+    meter, ``step_s`` their median, ``spread = (max − min) / median``, ``ratio`` measured / predicted (memory
+    alike)."""
     chosen = [e for e in advice.table if e.feasible]
-    # each plan's runs so far; a plan that failed (now or before) has none
     runs = {e.plan.label: [] for e in chosen if "error" not in advice.measured.get(e.plan.label, {})}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
     counts = sorted({e.plan.processes for e in chosen})
@@ -94,10 +92,9 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
         for count in counts[r % len(counts):] + counts[:r % len(counts)]:
             jobs = []
             for est in (e for e in turn if e.plan.processes == count and e.plan.label in runs):
-                run_dir = Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"
-                argv = [*est.plan.train_args(advice.model, advice.dataset)[1:], *advice.train_args, "--epochs", "1",
-                        "--max-steps", str(steps), "--test-size", "64", "--device", advice.topology.device,
-                        "--log-every", "1000", "--out", str(run_dir)]
+                argv = [*est.plan.train_args(advice.model, advice.dataset)[1:], *advice.train_args, "--max-steps",
+                        str(steps), "--out", str(Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"),
+                        "--epochs", "1", "--test-size", "64", "--device", advice.topology.device, "--log-every", "1000"]
                 jobs.append((est.plan.label, config_from_argv(argv), est.threads or advice.topology.threads(count)))
             while jobs:  # after a failed run, the ranks start again for the other plans' runs after it
                 try:
@@ -113,8 +110,7 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                         del runs[label]
                     else:
                         runs[label].append(row)
-                        if record is not None:
-                            record(label, row)
+                        record(label, row)
                 jobs = [job for job in jobs[len(done):] if job[0] in runs]
     bar.close()
     for est in (e for e in chosen if runs.get(e.plan.label)):
