@@ -74,9 +74,7 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     kdata.dataset_info(dataset)
-    check("--ranks", ranks, "int", "[1, inf)")
-    check("--batch-size", batch_size, "int", "[1, inf)")
-    check("--memory-limit", memory_limit_gb, "float", "(0, inf)")
+    check("--batch-size", batch_size, "int", "[1, inf)")  # --ranks: Topology.local's; --memory-limit: check_fits
     topo = (topology or Topology.local(ranks, cache=cache, refresh=refresh)).with_memory(memory_limit_gb)
     measure_on = profile_topology or topo
 
@@ -84,6 +82,7 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     def prof_for(processes: int) -> Profile:
         return load_or_measure(model, dataset, batch_size, measure_on.threads(processes), cache, refresh,
                                **(timing or {}))
+
     estimates = candidates(prof_for, topo, batch_size)
     if memory_limit_gb is not None:
         check_fits(estimates, memory_limit_gb)
@@ -102,10 +101,9 @@ def table(advice: Advice) -> str:
     from labkit.advisor.validate import off_terms, ranking  # not at the top: validate imports this module
 
     r = ranking(advice)
-    head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"
+    lines = [f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"]
     if r["plans"]:
-        head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'spread':>6} {'meas MB':>8}"
-    lines = [head]
+        lines[0] += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'spread':>6} {'meas MB':>8}"
     for i, est in enumerate(advice.table, 1):
         line = (f"{i:>2} {est.plan.label:<30} {est.samples_per_s:>14.1f} {est.step_s * 1e3:>12.1f} "
                 f"{est.peak_bytes / MB:>11.1f} {est.main_term:<17}")
@@ -176,11 +174,10 @@ class Parallelized:
 def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "auto", *, model_name: str | None = None,
                 dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64, env: DistEnv | None = None,
                 extra: tuple[str, ...] = ()) -> Parallelized:
-    """``labkit.parallelize``: prepare ``model`` (a kit model name, built for ``dataset`` as ``labkit train``
-    builds it; or an ``nn.Module``, flattened by :func:`labkit.models.to_sequential` when the strategy cuts layers,
-    with ``model_name`` for the command) for ``plan``: ``"auto"`` (advise and take the best), a plan label from
-    the table, or a plan. A plan on several ranks is prepared on every rank of a running process group: pass its
-    ``env`` (default: one process on the CPU). ``extra``: more ``labkit train`` arguments for the command."""
+    """``labkit.parallelize``: ``model`` (a kit model name, built for ``dataset`` as ``labkit train`` builds it; or
+    an ``nn.Module``, flattened when the strategy cuts layers, and its ``model_name``) prepared for ``plan``
+    (``"auto"``: advise and take the best; a plan label; a plan) on every rank of ``env``'s process group (default
+    one process on the CPU), with its command (``extra``: more ``labkit train`` arguments)."""
     name = model if isinstance(model, str) else model_name
     if name is None:
         raise ConfigError("give model_name=... (a kit model): the advisor profiles it and the command builds it")
