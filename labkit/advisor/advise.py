@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 from torch import nn
 
@@ -99,7 +100,6 @@ def table(advice: Advice) -> str:
     """Ranked plans: predicted samples/s, step, memory per device, main term; once validated, the measured
     columns, the ranking and the ``off:`` lines; then each plan's command."""
     from labkit.advisor.validate import off_terms, ranking  # not at the top: validate imports this module
-
     r = ranking(advice)
     lines = [f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"]
     if r["plans"]:
@@ -124,9 +124,8 @@ def table(advice: Advice) -> str:
 
 
 def flexflow_comparison(advice: Advice) -> str:
-    """Seed 000's placement (FlexFlow's for AlexNet on two 1080Ti) beside the advisor's best, the terms they differ
-    by, and the two costs FlexFlow traded: the FC weights' all-reduce (hybrid saves it) against rank 0 running the
-    FC layers on the whole batch instead of half (hybrid pays it)."""
+    """Seed 000's placement (FlexFlow's, AlexNet on two 1080Ti) beside the advisor's best, the terms they differ by,
+    and why: the FC weights' all-reduce, which hybrid saves, against the FC layers on all the batch, which it pays."""
     def terms(est: Estimate) -> str:
         return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in est.time.items() if v > 0)
 
@@ -161,23 +160,17 @@ def flexflow_comparison(advice: Advice) -> str:
         "computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there."])
 
 
-@dataclass
-class Parallelized:
-    """The prepared ``model``, its ``strategy`` (for :func:`labkit.train.fit`), the ``plan`` and its ``command``."""
-
-    model: nn.Module
-    strategy: Strategy
-    plan: Plan
-    command: str
+#: what ``parallelize`` returns: the prepared ``model``, its ``strategy`` (for ``train.fit``), ``plan``, ``command``
+Parallelized = NamedTuple("Parallelized", [("model", nn.Module), ("strategy", Strategy), ("plan", Plan),
+                                           ("command", str)])
 
 
 def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "auto", *, model_name: str | None = None,
                 dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64, env: DistEnv | None = None,
                 extra: tuple[str, ...] = ()) -> Parallelized:
-    """``labkit.parallelize``: ``model`` (a kit model name, built for ``dataset`` as ``labkit train`` builds it; or
-    an ``nn.Module``, flattened when the strategy cuts layers, and its ``model_name``) prepared for ``plan``
-    (``"auto"``: advise and take the best; a plan label; a plan) on every rank of ``env``'s process group (default
-    one process on the CPU), with its command (``extra``: more ``labkit train`` arguments)."""
+    """``labkit.parallelize``: ``model`` (a kit model's name, built for ``dataset`` as ``labkit train`` builds it, or
+    an ``nn.Module``, flattened if the strategy cuts layers, with ``model_name``) prepared for ``plan`` (``"auto"``:
+    the advised best; a label; a plan) on each rank of ``env`` (default one CPU process); its command has ``extra``."""
     name = model if isinstance(model, str) else model_name
     if name is None:
         raise ConfigError("give model_name=... (a kit model): the advisor profiles it and the command builds it")

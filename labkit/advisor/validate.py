@@ -26,7 +26,6 @@ def ranking(advice: Advice) -> dict:
     if not rows:
         return {"plans": 0, "spearman": float("nan"), "best_ratio": float("nan")}
     from scipy.stats import spearmanr  # a second's import: only where a table was measured
-
     predicted, measured = zip(*rows)
     rho = spearmanr(predicted, measured).statistic if min(len(set(predicted)), len(set(measured))) > 1 else float("nan")
     return {"plans": len(rows), "spearman": float(rho), "best_ratio": min(rows, key=lambda r: r[0])[1] / min(measured)}
@@ -74,15 +73,13 @@ def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[dict]:
 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              progress: bool = True, record: Callable[[str, dict], None] = lambda label, metrics: None) -> dict:
-    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps, each run its command
-    (:meth:`Advice.command`) parsed as ``labkit train`` parses it, run by :func:`labkit.train_run.run` on ranks of
-    :func:`labkit.testing.run_ranks` at the threads of the profile that priced it. Round ``r`` starts ``r`` plans
-    further on and with the other process count, so a shared machine's slow spell falls on several plans and both
-    counts. ``record(label, metrics)`` after each run. Fills and returns ``advice.measured``: a failed plan's
-    ``{"error", "run"}``, else ``{"step_s", "steps_s", "spread", "samples_per_s", "peak_bytes", "ratio",
-    "memory_ratio", "final_train_loss", "run"}``: a run's step is ``batch / samples per second`` of the loop's
-    meter, ``step_s`` their median, ``spread = (max − min) / median``, ``ratio`` measured / predicted (memory
-    alike)."""
+    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps: its command, parsed as
+    ``labkit train`` parses it, run by ``train_run.run`` on ``run_ranks`` ranks at its profile's threads. Round ``r``
+    starts ``r`` plans further on and with the other process count: a shared machine's slow spell falls on several
+    plans and both counts. ``record(label, metrics)`` after each run. Fills and returns ``advice.measured``: a
+    failed plan's ``{"error", "run"}``, else ``steps_s`` (each run's ``batch / samples per second``), ``step_s``
+    their median, ``spread = (max − min) / median``, ``samples_per_s``, ``peak_bytes``, ``ratio`` = measured /
+    predicted (``memory_ratio`` alike), ``final_train_loss`` and ``run``."""
     chosen = [e for e in advice.table if e.feasible]
     runs = {e.plan.label: [] for e in chosen if "error" not in advice.measured.get(e.plan.label, {})}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
@@ -113,8 +110,7 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                         record(label, row)
                 jobs = [job for job in jobs[len(done):] if job[0] in runs]
     bar.close()
-    for est in (e for e in chosen if runs.get(e.plan.label)):
-        done = runs[est.plan.label]
+    for est, done in ((e, runs[e.plan.label]) for e in chosen if runs.get(e.plan.label)):
         steps_s = [est.plan.batch_size / m["samples_per_sec"] for m in done]
         step = statistics.median(steps_s)
         peak = max(m["peak_memory_gb"] for m in done) * GB
