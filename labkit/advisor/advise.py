@@ -1,6 +1,5 @@
-"""``advise``: profile, build the topology, search (``advise("lenet", ranks=2).best``); the ranked table,
-``advice.json``, seed 000's FlexFlow placement for AlexNet on two GPUs beside the advisor's choice; ``parallelize``:
-a model prepared for a plan."""
+"""``advise``: profile, build the topology, search; the ranked table, ``advice.json``, seed 000's FlexFlow placement
+for AlexNet on two GPUs beside the advisor's choice; ``parallelize``: a model prepared for a plan."""
 from __future__ import annotations
 
 import json

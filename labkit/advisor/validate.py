@@ -114,9 +114,8 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
         steps_s = [est.plan.batch_size / m["samples_per_sec"] for m in done]
         step = statistics.median(steps_s)
         peak = max(m["peak_memory_gb"] for m in done) * GB
-        advice.measured[est.plan.label] = {
-            "step_s": step, "steps_s": steps_s, "spread": (max(steps_s) - min(steps_s)) / step,
-            "samples_per_s": est.plan.batch_size / step, "peak_bytes": peak, "ratio": step / est.step_s,
-            "memory_ratio": peak / est.peak_bytes, "final_train_loss": done[-1]["final_train_loss"],
-            "run": done[-1]["run"]}
+        advice.measured[est.plan.label] = dict(
+            step_s=step, steps_s=steps_s, spread=(max(steps_s) - min(steps_s)) / step,
+            samples_per_s=est.plan.batch_size / step, peak_bytes=peak, ratio=step / est.step_s,
+            memory_ratio=peak / est.peak_bytes, final_train_loss=done[-1]["final_train_loss"], run=done[-1]["run"])
     return advice.measured
