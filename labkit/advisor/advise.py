@@ -79,9 +79,8 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     measure_on = profile_topology or topo
 
     @lru_cache(maxsize=None)
-    def prof_for(processes: int) -> Profile:
-        return load_or_measure(model, dataset, batch_size, measure_on.threads(processes), cache, refresh,
-                               **(timing or {}))
+    def prof_for(p: int) -> Profile:  # the profile at the threads of p processes
+        return load_or_measure(model, dataset, batch_size, measure_on.threads(p), cache, refresh, **(timing or {}))
 
     estimates = candidates(prof_for, topo, batch_size)
     if memory_limit_gb is not None:
@@ -117,8 +116,7 @@ def table(advice: Advice) -> str:
         lines.append(f"ranking over {r['plans']} plans: Spearman rho {r['spearman']:.2f}; the predicted best "
                      f"measured {r['best_ratio']:.2f}x the measured best")
         lines += [f"off: {line}" for line in off_terms(advice)]
-    lines.append("")
-    lines += [f"{i:>2} {advice.command(e)}" for i, e in enumerate(advice.table, 1)]
+    lines += ["", *(f"{i:>2} {advice.command(e)}" for i, e in enumerate(advice.table, 1))]
     return "\n".join(lines)
 
 
