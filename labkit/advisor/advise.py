@@ -121,8 +121,8 @@ def table(advice: Advice) -> str:
 
 
 def flexflow_comparison(advice: Advice) -> str:
-    """Seed 000's placement (FlexFlow's, AlexNet on two 1080Ti) beside the advisor's best, the terms they differ by,
-    and why: the FC weights' all-reduce, which hybrid saves, against the FC layers on all the batch, which it pays."""
+    """Seed 000's placement (FlexFlow's: AlexNet, two 1080Ti) beside the advisor's best, the terms they differ by,
+    and why: hybrid saves the FC weights' all-reduce and pays rank 0 running the FC layers on B samples, not B/2."""
     def terms(est: Estimate) -> str:
         return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in est.time.items() if v > 0)
 
