@@ -74,7 +74,8 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     kdata.dataset_info(dataset)
-    check("--batch-size", batch_size, "int", "[1, inf)")  # --ranks: Topology.local's; --memory-limit: check_fits
+    check("--ranks", ranks, "int", "[1, inf)")  # also where a topology is given (Topology.local checks its own)
+    check("--batch-size", batch_size, "int", "[1, inf)")  # --memory-limit: check_fits refuses what nothing fits in
     topo = (topology or Topology.local(ranks, cache=cache, refresh=refresh)).with_memory(memory_limit_gb)
     measure_on = profile_topology or topo
 
