@@ -83,11 +83,10 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     def prof_for(p: int) -> Profile:  # the profile at the threads of p processes
         return load_or_measure(model, dataset, batch_size, measure_on.threads(p), cache, refresh, **(timing or {}))
 
-    estimates = candidates(prof_for, topo, batch_size)
+    ranked = candidates(prof_for, topo, batch_size)
     if memory_limit_gb is not None:
-        check_fits(estimates, memory_limit_gb)
-    return Advice(model, dataset, batch_size, topo, estimates,
-                  [e for e in best_per_strategy(estimates) if e.applicable],
+        check_fits(ranked, memory_limit_gb)
+    return Advice(model, dataset, batch_size, topo, ranked, [e for e in best_per_strategy(ranked) if e.applicable],
                   {measure_on.threads(p): prof_for(p) for p in {1, ranks}})
 
 

@@ -21,8 +21,7 @@ from labkit.train_run import run
 def ranking(advice: Advice) -> dict:
     """Over the measured plans: Spearman's ρ of predicted and measured steps (SciPy's; nan where either side is
     all equal) and ``best_ratio`` = measured step of the predicted best / the best measured step."""
-    rows = [(e.step_s, advice.measured[e.plan.label]["step_s"]) for e in advice.table
-            if "step_s" in advice.measured.get(e.plan.label, {})]
+    rows = [(e.step_s, m["step_s"]) for e in advice.table if "step_s" in (m := advice.measured.get(e.plan.label, {}))]
     if not rows:
         return {"plans": 0, "spearman": float("nan"), "best_ratio": float("nan")}
     from scipy.stats import spearmanr  # a second's import: only where a table was measured
@@ -35,8 +34,7 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
     """A line per measured plan whose ``measured / predicted`` is off the plans' median ratio ``r`` by more than
     ``tolerance`` and its spread: the residual ``measured − r·predicted`` against its largest own term (not compute,
     update or data, which every plan pays; else ``compute``)."""
-    rows = [(e, advice.measured[e.plan.label]) for e in advice.table
-            if "step_s" in advice.measured.get(e.plan.label, {})]
+    rows = [(e, m) for e in advice.table if "step_s" in (m := advice.measured.get(e.plan.label, {}))]
     if len(rows) < 3:
         return []
     r = statistics.median(m["ratio"] for _, m in rows)
