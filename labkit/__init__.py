@@ -28,5 +28,5 @@ def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"labkit.{name}")
     if name == "parallelize":  # the advisor's wrapper: labkit.parallelize(model, plan="auto")
-        return importlib.import_module("labkit.advisor.apply").parallelize
+        return importlib.import_module("labkit.advisor.advise").parallelize
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")

@@ -8,8 +8,7 @@ import re
 import pytest
 from torch import nn
 
-from labkit.advisor.advise import Advice, flexflow_comparison
-from labkit.advisor.apply import parallelize
+from labkit.advisor.advise import Advice, flexflow_comparison, parallelize
 from labkit.advisor.measure import save_profile
 from labkit.advisor.plan import LayerProfile, Plan, Profile
 from labkit.advisor.search import best_per_strategy, candidates, price
@@ -50,7 +49,7 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
     topo = Topology.local(2, link=CostModel(1e-4, 1e-9))
     est = price(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), _lenet_profile(1), topo)
     advice = Advice("lenet", "mnist-sample", 32, topo, [est], [est])
-    measured = validate(advice, repeats=1, steps=STEPS, out=tmp_path, progress=False, echo=None)  # one spawn in CI
+    measured = validate(advice, repeats=1, steps=STEPS, out=tmp_path, progress=False)  # one spawn in CI
     m = measured[est.plan.label]
     assert m["step_s"] > 0 and m["samples_per_s"] == pytest.approx(32 / m["step_s"])
     assert m["ratio"] == pytest.approx(m["step_s"] / est.step_s) and m["peak_bytes"] > 0
@@ -92,7 +91,7 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
     rates = {"single": iter([320, 400, 160]), "ddp": iter([800, 640, 800]), "zero": iter([256, 320, 256])}
     starts, order = [], []
 
-    def fake_ranks(fn, count, jobs, quiet, timeout):
+    def fake_ranks(fn, count, jobs, timeout):
         starts.append(count)
         rows = []
         for label, cfg, threads in jobs:

@@ -1,24 +1,26 @@
-"""``advise``: profile, build the topology, search; the ranked table, ``advice.json``, and seed 000's FlexFlow
-placement for AlexNet on two GPUs beside the advisor's choice.
-
-    from labkit.advisor import advise
-    advice = advise("alexnet_small", "synthetic-cifar10", ranks=2, batch_size=64)
-    advice.best.plan.command("alexnet_small", "synthetic-cifar10")
-"""
+"""``advise``: profile, build the topology, search; the ranked table, ``advice.json``, seed 000's FlexFlow placement
+for AlexNet on two GPUs beside the advisor's choice; ``parallelize``: a model prepared for a plan."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
+from torch import nn
+
+from labkit import data as kdata
+from labkit import models as kmodels
 from labkit.advisor.measure import CACHE, load_or_measure
-from labkit.advisor.plan import Estimate, Profile
+from labkit.advisor.plan import Estimate, Plan, Profile
 from labkit.advisor.search import best_per_strategy, candidates, check_fits
-from labkit.advisor.topology import MB, Topology
+from labkit.advisor.topology import MB, Topology, allreduce_time
+from labkit.dist import DistEnv
 from labkit.errors import ConfigError
-
-ADVICE_SCHEMA = "labkit.advice/1"
+from labkit.ranges import check
+from labkit.results import atomic_write_text
+from labkit.strategies import Strategy, get_strategy
 
 
 @dataclass
@@ -50,19 +52,16 @@ class Advice:
 
     def to_dict(self) -> dict:
         t = self.topology
-        return {"schema": ADVICE_SCHEMA, "model": self.model, "dataset": self.dataset, "batch_size": self.batch_size,
-                "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores,
-                             "alpha": t.link.alpha, "beta": t.link.beta, "gamma": t.link.gamma,
+        return {"schema": "labkit.advice/1", "model": self.model, "dataset": self.dataset,
+                "batch_size": self.batch_size,
+                "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores, **asdict(t.link),
                              "memory_bytes": t.memory_bytes,
                              "kinds": {k: {"alpha": v.alpha, "beta": v.beta} for k, v in t.kinds.items()}},
                 "plans": [{**e.to_dict(), "command": self.command(e),
                            "measured": self.measured.get(e.plan.label)} for e in self.table]}
 
     def write(self, path: str | Path) -> Path:
-        from labkit.results import atomic_write_text
-
-        path = Path(path)
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(path := Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
         return path
 
 
@@ -70,54 +69,40 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
            memory_limit_gb: float | None = None, topology: Topology | None = None, cache: str | Path = CACHE,
            refresh: bool = False, profile_topology: Topology | None = None, timing: dict | None = None) -> Advice:
     """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``) at
-    global batch ``batch_size``; plans over ``memory_limit_gb`` per device are marked (none fitting: a
-    :class:`ConfigError` naming the memory that would). ``profile_topology``: whose threads the profiles are
-    measured at; ``timing``: :func:`labkit.advisor.measure.measure_profile`'s ``windows`` and ``window_s``."""
-    from labkit import data as kdata
-    from labkit import models as kmodels
-
+    global batch ``batch_size``, marking those over ``memory_limit_gb`` per device (none fitting: a ConfigError);
+    profiles at ``profile_topology``'s threads; ``timing``: ``measure.measure_profile``'s windows and window_s."""
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     kdata.dataset_info(dataset)
-    if ranks < 1:
-        raise ConfigError(f"--ranks must be >= 1, got {ranks}")
-    if batch_size < 1:
-        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
-    if memory_limit_gb is not None and memory_limit_gb <= 0:
-        raise ConfigError(f"--memory-limit must be > 0 GB, got {memory_limit_gb}")
-    topo = topology or Topology.local(ranks, cache=cache, refresh=refresh)
-    topo = topo.with_memory(memory_limit_gb)
+    check("--ranks", ranks, "int", "[1, inf)")  # also where a topology is given (Topology.local checks its own)
+    check("--batch-size", batch_size, "int", "[1, inf)")  # --memory-limit: check_fits refuses what nothing fits in
+    topo = (topology or Topology.local(ranks, cache=cache, refresh=refresh)).with_memory(memory_limit_gb)
     measure_on = profile_topology or topo
 
     @lru_cache(maxsize=None)
-    def prof_for(processes: int) -> Profile:
-        return load_or_measure(model, dataset, batch_size, measure_on.threads(processes), cache, refresh,
-                               **(timing or {}))
+    def prof_for(p: int) -> Profile:  # the profile at the threads of p processes
+        return load_or_measure(model, dataset, batch_size, measure_on.threads(p), cache, refresh, **(timing or {}))
 
-    estimates = candidates(prof_for, topo, batch_size)
+    ranked = candidates(prof_for, topo, batch_size)
     if memory_limit_gb is not None:
-        check_fits(estimates, memory_limit_gb)
-    table = [e for e in best_per_strategy(estimates) if e.applicable]
-    profiles = {measure_on.threads(p): prof_for(p) for p in {1, ranks}}
-    return Advice(model, dataset, batch_size, topo, estimates, table, profiles)
+        check_fits(ranked, memory_limit_gb)
+    return Advice(model, dataset, batch_size, topo, ranked, [e for e in best_per_strategy(ranked) if e.applicable],
+                  {measure_on.threads(p): prof_for(p) for p in {1, ranks}})
 
 
-#: FlexFlow's best strategy for AlexNet on two GeForce 1080Ti (seed 000)
-FLEXFLOW_ALEXNET_2GPU = (
-    "conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: data parallel on gpu 0 and 1\n"
-    "linear9 linear10 linear11: gpu 0 only")
+FLEXFLOW_ALEXNET_2GPU = ("conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: data parallel on gpu 0 and 1\n"
+                         "linear9 linear10 linear11: gpu 0 only")
 
 
 def table(advice: Advice) -> str:
     """Ranked plans: predicted samples/s, step, memory per device, main term; once validated, the measured
     columns, the ranking and the ``off:`` lines; then each plan's command."""
-    measured = any("step_s" in advice.measured.get(e.plan.label, {}) for e in advice.table)
-    head = f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"
-    if measured:
-        head += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'spread':>6} {'meas MB':>8}"
-    lines = [head]
+    from labkit.advisor.validate import off_terms, ranking  # not at the top: validate imports this module
+    r = ranking(advice)
+    lines = [f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"]
+    if r["plans"]:
+        lines[0] += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'spread':>6} {'meas MB':>8}"
     for i, est in enumerate(advice.table, 1):
-        mark = "" if est.feasible else "  (does not fit)"
         line = (f"{i:>2} {est.plan.label:<30} {est.samples_per_s:>14.1f} {est.step_s * 1e3:>12.1f} "
                 f"{est.peak_bytes / MB:>11.1f} {est.main_term:<17}")
         m = advice.measured.get(est.plan.label)
@@ -126,59 +111,81 @@ def table(advice: Advice) -> str:
         elif m:
             line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} {m['spread']:>6.0%} "
                      f"{m['peak_bytes'] / MB:>8.1f}")
-        lines.append(line + mark)
-    if measured:
-        from labkit.advisor.validate import off_terms, ranking
-
-        r = ranking(advice)
+        lines.append(line + ("" if est.feasible else "  (does not fit)"))
+    if r["plans"]:
         lines.append(f"ranking over {r['plans']} plans: Spearman rho {r['spearman']:.2f}; the predicted best "
                      f"measured {r['best_ratio']:.2f}x the measured best")
         lines += [f"off: {line}" for line in off_terms(advice)]
-    lines.append("")
-    lines += [f"{i:>2} {advice.command(e)}" for i, e in enumerate(advice.table, 1)]
+    lines += ["", *(f"{i:>2} {advice.command(e)}" for i, e in enumerate(advice.table, 1))]
     return "\n".join(lines)
-
-
-def terms(est: Estimate) -> str:
-    return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in est.time.items() if v > 0)
 
 
 def flexflow_comparison(advice: Advice) -> str:
-    """Seed 000's placement beside the advisor's best, and which cost terms make them differ."""
+    """Seed 000's placement (FlexFlow's: AlexNet, two 1080Ti) beside the advisor's best, the terms they differ by,
+    and why: hybrid saves the FC weights' all-reduce and pays rank 0 running the FC layers on B samples, not B/2."""
+    def terms(est: Estimate) -> str:
+        return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in est.time.items() if v > 0)
+
     hybrid = next((e for e in advice.estimates if e.plan.strategy == "hybrid" and e.plan.processes == 2), None)
-    best = advice.best
+    best, topo = advice.best, advice.topology
     lines = ["seed 000, FlexFlow on 2 GeForce 1080Ti:", *("  " + s for s in FLEXFLOW_ALEXNET_2GPU.splitlines()),
              "  = labkit's hybrid strategy (convolutions replicated, classifier on rank 0)",
-             f"advisor on {advice.topology.name}: {best.plan.label} ({terms(best)})"]
+             f"advisor on {topo.name}: {best.plan.label} ({terms(best)})"]
     if hybrid is None:
         return "\n".join(lines + ["  hybrid was not priced (it needs 2 ranks)"])
     if best.plan == hybrid.plan:
-        return "\n".join(lines + ["  the same placement: here too the cost terms favour it", "why: " + _why(advice)])
-    lines.append(f"hybrid here: {hybrid.step_s * 1e3:.1f} ms/step ({terms(hybrid)}), "
-                 f"{hybrid.step_s / best.step_s:.2f}× the best")
-    deltas = sorted(((hybrid.time.get(k, 0.0) - best.time.get(k, 0.0), k) for k in {*hybrid.time, *best.time}),
-                    reverse=True)
-    why = [f"{k} {d * 1e3:+.1f} ms" for d, k in deltas if abs(d) > 0.02 * best.step_s]
-    lines.append("they differ by: " + (", ".join(why) or "less than 2 % in every term (a tie within noise)"))
-    lines.append("why: " + _why(advice))
-    return "\n".join(lines)
-
-
-def _why(advice: Advice) -> str:
-    """The two costs FlexFlow traded, priced here: the FC weights' all-reduce (hybrid saves it) against rank 0
-    running the FC layers on the whole batch (hybrid pays it)."""
-    from labkit.advisor.topology import allreduce_time
-
-    topo = advice.topology
+        lines.append("  the same placement: here too the cost terms favour it")
+    else:
+        lines.append(f"hybrid here: {hybrid.step_s * 1e3:.1f} ms/step ({terms(hybrid)}), "
+                     f"{hybrid.step_s / best.step_s:.2f}× the best")
+        deltas = sorted(((hybrid.time.get(k, 0.0) - best.time.get(k, 0.0), k) for k in {*hybrid.time, *best.time}),
+                        reverse=True)
+        why = [f"{k} {d * 1e3:+.1f} ms" for d, k in deltas if abs(d) > 0.02 * best.step_s]
+        lines.append("they differ by: " + (", ".join(why) or "less than 2 % in every term (a tie within noise)"))
     prof = advice.profiles.get(topo.threads(2))
     if prof is None or prof.feature_layers is None:
-        return "the cost terms above"
+        return "\n".join(lines + ["why: the cost terms above"])
     fc = range(prof.feature_layers, len(prof.layers))
     saved = allreduce_time(prof.params(fc), 2, "native", topo)
     paid = prof.time(advice.batch_size, fc) - prof.time(advice.batch_size / 2, fc)
     link = topo.link_of("all_reduce", 2)
-    return (f"the FC layers hold {prof.params(fc) / 2**20:.1f} of {prof.param_bytes / 2**20:.1f} MB of weights; "
-            f"all-reducing them costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
-            f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), which hybrid saves, while running them on rank 0 for "
-            f"the whole batch instead of half costs {paid * 1e3:.1f} ms more, which hybrid pays. FlexFlow's GPUs "
-            "computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there.")
+    return "\n".join(lines + [
+        f"why: the FC layers hold {prof.params(fc) / 2**20:.1f} of {prof.param_bytes / 2**20:.1f} MB of weights; "
+        f"all-reducing them costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
+        f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), which hybrid saves, while running them on rank 0 for "
+        f"the whole batch instead of half costs {paid * 1e3:.1f} ms more, which hybrid pays. FlexFlow's GPUs "
+        "computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there."])
+
+
+#: what ``parallelize`` returns: the prepared ``model``, its ``strategy`` (for ``train.fit``), ``plan``, ``command``
+Parallelized = NamedTuple("Parallelized", [("model", nn.Module), ("strategy", Strategy), ("plan", Plan),
+                                           ("command", str)])
+
+
+def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "auto", *, model_name: str | None = None,
+                dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64, env: DistEnv | None = None,
+                extra: tuple[str, ...] = ()) -> Parallelized:
+    """``labkit.parallelize``: ``model`` (a kit model's name, built for ``dataset`` as ``labkit train`` builds it, or
+    an ``nn.Module``, flattened if the strategy cuts layers, with ``model_name``) prepared for ``plan`` (``"auto"``:
+    the advised best; a label; a plan) on each rank of ``env`` (default one CPU process); its command has ``extra``."""
+    name = model if isinstance(model, str) else model_name
+    if name is None:
+        raise ConfigError("give model_name=... (a kit model): the advisor profiles it and the command builds it")
+    if isinstance(plan, str):
+        advice = advise(name, dataset, ranks, batch_size)
+        plan = advice.best if plan == "auto" else advice.find(plan)
+    chosen = Plan.from_dict(plan) if isinstance(plan, dict) else plan.plan if isinstance(plan, Estimate) else plan
+    if not isinstance(chosen, Plan):
+        raise ConfigError(f"plan must be 'auto', a label, a Plan, an Estimate or a dict, got {type(plan).__name__}")
+    env = env or DistEnv()
+    if env.world_size != chosen.processes:
+        raise ConfigError(f"plan {chosen.label} runs on {chosen.processes} process(es) but this job has "
+                          f"{env.world_size}; call parallelize on every rank of a {chosen.processes}-rank job")
+    strategy = get_strategy(chosen.strategy)(env, chosen.option)
+    if isinstance(model, str):
+        info = kdata.dataset_info(dataset)
+        module = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size,
+                                   sequential=strategy.sequential_model)
+    else:
+        module = kmodels.to_sequential(model) if strategy.sequential_model else model
+    return Parallelized(strategy.prepare(module), strategy, chosen, chosen.command(name, dataset, list(extra)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -18,31 +17,24 @@ from labkit.testing import run_ranks
 from labkit.train_cli import config_from_argv
 from labkit.train_run import run
 
-#: the terms every plan pays: a plan off by more is off in a term of its own, or in its compute
-COMMON = ("compute", "update", "data")
-
 
 def ranking(advice: Advice) -> dict:
     """Over the measured plans: Spearman's ρ of predicted and measured steps (SciPy's; nan where either side is
     all equal) and ``best_ratio`` = measured step of the predicted best / the best measured step."""
-    rows = [(e.step_s, advice.measured[e.plan.label]["step_s"]) for e in advice.table
-            if "step_s" in advice.measured.get(e.plan.label, {})]
+    rows = [(e.step_s, m["step_s"]) for e in advice.table if "step_s" in (m := advice.measured.get(e.plan.label, {}))]
     if not rows:
-        return {"plans": 0, "spearman": math.nan, "best_ratio": math.nan}
+        return {"plans": 0, "spearman": float("nan"), "best_ratio": float("nan")}
     from scipy.stats import spearmanr  # a second's import: only where a table was measured
-
     predicted, measured = zip(*rows)
-    chosen = measured[min(range(len(rows)), key=predicted.__getitem__)]
-    rho = spearmanr(predicted, measured).statistic if min(len(set(predicted)), len(set(measured))) > 1 else math.nan
-    return {"plans": len(rows), "spearman": float(rho), "best_ratio": chosen / min(measured)}
+    rho = spearmanr(predicted, measured).statistic if min(len(set(predicted)), len(set(measured))) > 1 else float("nan")
+    return {"plans": len(rows), "spearman": float(rho), "best_ratio": min(rows, key=lambda r: r[0])[1] / min(measured)}
 
 
 def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
     """A line per measured plan whose ``measured / predicted`` is off the plans' median ratio ``r`` by more than
-    ``tolerance`` and its spread: the residual ``measured − r·predicted`` against its largest own term (not
-    :data:`COMMON`, which every plan pays; else ``compute``)."""
-    rows = [(e, advice.measured[e.plan.label]) for e in advice.table
-            if "step_s" in advice.measured.get(e.plan.label, {})]
+    ``tolerance`` and its spread: the residual ``measured − r·predicted`` against its largest own term (not compute,
+    update or data, which every plan pays; else ``compute``)."""
+    rows = [(e, m) for e in advice.table if "step_s" in (m := advice.measured.get(e.plan.label, {}))]
     if len(rows) < 3:
         return []
     r = statistics.median(m["ratio"] for _, m in rows)
@@ -51,7 +43,7 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
         if abs(m["ratio"] / r - 1) <= max(tolerance, m["spread"]):
             continue
         residual = m["step_s"] - r * e.step_s
-        term = max((k for k in e.time if k not in COMMON), key=e.time.get, default="compute")
+        term = max((k for k in e.time if k not in ("compute", "update", "data")), key=e.time.get, default="compute")
         head = f"{e.plan.label}: measured {m['ratio']:.2f}x its prediction (the plans' median {r:.2f}x): "
         priced = f"its {term} term ({r * e.time[term] * 1e3:.1f} ms at the median ratio)"
         out.append(head + (f"+{residual * 1e3:.1f} ms that {priced} does not price" if residual > 0 else
@@ -59,83 +51,69 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
     return out
 
 
-def train_runs(env, jobs: list[tuple[str, object, int]], quiet: bool = True) -> list[dict]:
-    """On one rank: each ``(label, TrainConfig, threads)`` of ``jobs`` through :func:`labkit.train_run.run`;
-    ``[{"label", metrics…, "run"}, …]``, ended by ``{"label", "error"}`` at the first run that fails."""
+def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[dict]:
+    """On one rank: each ``(label, TrainConfig, threads)`` of ``jobs`` through :func:`labkit.train_run.run` (its
+    output hidden); ``[{"label", metrics…, "run"}, …]``, ended by ``{"label", "error"}`` at the first run that fails."""
     out = []
     for label, cfg, threads in jobs:
         torch.set_num_threads(threads)
         with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak RSS afresh (Linux): the run's peak is its own, not an earlier run's
         try:
-            with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            with contextlib.redirect_stdout(io.StringIO()):
                 summary = run(cfg, env=env)
         except Exception as exc:  # one plan failing (e.g. a diverging loss) must not hide the others'
             line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            out.append({"label": label, "error": f"labkit: error: {line}"[:300]})
-            break
+            return out + [{"label": label, "error": f"labkit: error: {line}"[:300]}]
         out.append({"label": label, **summary["metrics"], "run": str(cfg.out)})
     return out
 
 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
-             echo: Callable[[str], None] | None = None, progress: bool = True,
-             record: Callable[[str, dict], None] | None = None) -> dict[str, dict]:
-    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps and fill
-    ``advice.measured``. A run is the plan's command (:meth:`Advice.command`) parsed by ``labkit train``'s parser
-    and run by :func:`labkit.train_run.run` on ranks of :func:`labkit.testing.run_ranks` (no torchrun start), at
-    the threads of the profile that priced it. Round ``r`` starts ``r`` plans further on and with the other
-    process count, so a slow spell of a shared machine falls on several plans and both counts. A failed plan
-    gets ``{"error", "run"}``. ``record(label, metrics)`` after each run; ``echo(command)``: show the runs.
-
-    Returns ``{label: {"step_s", "steps_s", "spread", "samples_per_s", "peak_bytes", "ratio", "memory_ratio",
-    "final_train_loss", "run"}}``: a run's step is ``batch / samples per second`` of the loop's meter,
-    ``step_s`` their median, ``spread = (max − min) / median``, ``ratio`` measured / predicted (memory alike)."""
+             progress: bool = True, record: Callable[[str, dict], None] = lambda label, metrics: None) -> dict:
+    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps: its command, parsed as
+    ``labkit train`` parses it, run by ``train_run.run`` on ``run_ranks`` ranks at its profile's threads. Round ``r``
+    starts ``r`` plans further on and with the other process count: a shared machine's slow spell falls on several
+    plans and both counts. ``record(label, metrics)`` after each run. Fills and returns ``advice.measured``: a
+    failed plan's ``{"error", "run"}``, else ``steps_s`` (each run's ``batch / samples per second``), ``step_s``
+    their median, ``spread = (max − min) / median``, ``samples_per_s``, ``peak_bytes``, ``ratio`` = measured /
+    predicted (``memory_ratio`` alike), ``final_train_loss`` and ``run``."""
     chosen = [e for e in advice.table if e.feasible]
-    runs: dict[str, list[dict]] = {e.plan.label: [] for e in chosen}
+    runs = {e.plan.label: [] for e in chosen if "error" not in advice.measured.get(e.plan.label, {})}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
     counts = sorted({e.plan.processes for e in chosen})
     for r in range(max(1, repeats) if chosen else 0):  # round r: r plans further on, the other count first
         turn = chosen[r % len(chosen):] + chosen[:r % len(chosen)]
         for count in counts[r % len(counts):] + counts[:r % len(counts)]:
             jobs = []
-            for est in (e for e in turn if e.plan.processes == count and "error" not in advice.measured.get(
-                    e.plan.label, {})):
-                run_dir = Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"
-                argv = [*est.plan.train_args(advice.model, advice.dataset), *advice.train_args, "--epochs", "1",
-                        "--max-steps", str(steps), "--test-size", "64", "--device", advice.topology.device,
-                        "--log-every", "1000", "--out", str(run_dir)]
-                if echo is not None:
-                    echo(" ".join(["labkit" if count == 1 else f"torchrun --nproc_per_node {count} -m labkit", *argv]))
-                jobs.append((est.plan.label, config_from_argv(argv[1:]), est.threads or advice.topology.threads(count)))
+            for est in (e for e in turn if e.plan.processes == count and e.plan.label in runs):
+                argv = [*est.plan.train_args(advice.model, advice.dataset)[1:], *advice.train_args, "--max-steps",
+                        str(steps), "--out", str(Path(out) / f"plan{chosen.index(est)}-{est.plan.strategy}-{r}"),
+                        "--epochs", "1", "--test-size", "64", "--device", advice.topology.device, "--log-every", "1000"]
+                jobs.append((est.plan.label, config_from_argv(argv), est.threads or advice.topology.threads(count)))
             while jobs:  # after a failed run, the ranks start again for the other plans' runs after it
                 try:
-                    done = run_ranks(train_runs, count, jobs, echo is None, timeout=600)[0]
+                    done = run_ranks(train_runs, count, jobs, timeout=600)[0]
                 except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
                     lines = str(exc).strip().splitlines()
                     done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
-                jobs = jobs[len(done):]
                 for row in done:
                     label = row.pop("label")
                     bar.update()
                     if "error" in row:
                         advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
-                        jobs = [job for job in jobs if job[0] != label]
-                        continue
-                    runs[label].append(row)
-                    if record is not None:
+                        del runs[label]
+                    else:
+                        runs[label].append(row)
                         record(label, row)
+                jobs = [job for job in jobs[len(done):] if job[0] in runs]
     bar.close()
-    for est in chosen:
-        done = runs[est.plan.label]
-        if not done or "error" in advice.measured.get(est.plan.label, {}):
-            continue
+    for est, done in ((e, runs[e.plan.label]) for e in chosen if runs.get(e.plan.label)):
         steps_s = [est.plan.batch_size / m["samples_per_sec"] for m in done]
         step = statistics.median(steps_s)
         peak = max(m["peak_memory_gb"] for m in done) * GB
-        advice.measured[est.plan.label] = {
-            "step_s": step, "steps_s": steps_s, "spread": (max(steps_s) - min(steps_s)) / step,
-            "samples_per_s": est.plan.batch_size / step, "peak_bytes": peak, "ratio": step / est.step_s,
-            "memory_ratio": peak / est.peak_bytes, "final_train_loss": done[-1]["final_train_loss"],
-            "run": done[-1]["run"]}
+        advice.measured[est.plan.label] = dict(
+            step_s=step, steps_s=steps_s, spread=(max(steps_s) - min(steps_s)) / step,
+            samples_per_s=est.plan.batch_size / step, peak_bytes=peak, ratio=step / est.step_s,
+            memory_ratio=peak / est.peak_bytes, final_train_loss=done[-1]["final_train_loss"], run=done[-1]["run"])
     return advice.measured
