@@ -16,6 +16,7 @@ from labkit.advisor.measure import CACHE, load_or_measure
 from labkit.advisor.plan import Estimate, Plan, Profile
 from labkit.advisor.search import best_per_strategy, candidates, check_fits
 from labkit.advisor.topology import MB, Topology, allreduce_time
+from labkit.advisor.validate import off_terms, ranking
 from labkit.dist import DistEnv
 from labkit.errors import ConfigError
 from labkit.ranges import check
@@ -75,7 +76,8 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     kdata.dataset_info(dataset)
     check("--ranks", ranks, "int", "[1, inf)")  # also where a topology is given (Topology.local checks its own)
-    check("--batch-size", batch_size, "int", "[1, inf)")  # --memory-limit: check_fits refuses what nothing fits in
+    check("--batch-size", batch_size, "int", "[1, inf)")
+    check("--memory-limit", memory_limit_gb, "float", "(0, inf)")  # None: no limit
     topo = (topology or Topology.local(ranks, cache=cache, refresh=refresh)).with_memory(memory_limit_gb)
     measure_on = profile_topology or topo
 
@@ -97,7 +99,6 @@ FLEXFLOW_ALEXNET_2GPU = ("conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: 
 def table(advice: Advice) -> str:
     """Ranked plans: predicted samples/s, step, memory per device, main term; once validated, the measured
     columns, the ranking and the ``off:`` lines; then each plan's command."""
-    from labkit.advisor.validate import off_terms, ranking  # not at the top: validate imports this module
     r = ranking(advice)
     lines = [f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"]
     if r["plans"]:

@@ -6,16 +6,18 @@ import contextlib
 import io
 import statistics
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from labkit.advisor.advise import Advice
 from labkit.advisor.topology import GB
 from labkit.testing import run_ranks
 from labkit.train_cli import config_from_argv
 from labkit.train_run import run
+
+if TYPE_CHECKING:
+    from labkit.advisor.advise import Advice
 
 
 def ranking(advice: Advice) -> dict:
