@@ -36,6 +36,12 @@ def test_single_terms_by_hand():
     assert est.memory["activations"] == pytest.approx(8 * 70)
 
 
+def test_profile_sums_read_layers_s_alike_and_an_empty_s_as_none():
+    prof = tiny_profile()  # saved bytes per sample 50, 20, 0; parameter bytes 400, 4000, 40
+    assert (prof.saved_bytes(8), prof.saved_bytes(8, range(1, 3)), prof.params(range(1, 3))) == (560, 160, 4040)
+    assert (prof.time(8, range(0)), prof.saved_bytes(8, range(0)), prof.params(range(0))) == (0, 0, 0)
+
+
 def test_ddp_ring_all_reduce_by_hand():
     est = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), tiny_profile(), topo())
     assert est.time["compute"] == pytest.approx(0.0172)  # b = 4: 0.0042 + 0.012 + 0.001

@@ -153,28 +153,30 @@ class Profile:
     concurrency: float = 1.0              # κ: each of cores // threads processes' step at once ÷ one alone
 
     @property
-    def param_bytes(self) -> int:
-        return sum(layer.param_bytes for layer in self.layers)
+    def param_bytes(self) -> int:  # P
+        return self.params()
 
     @property
     def buffers(self) -> tuple[int, int]:  # (N_buf, bytes): buffer tensors (batch-norm statistics)
         return sum(layer.buffers for layer in self.layers), sum(layer.buffer_bytes for layer in self.layers)
 
-    def time(self, batch: float, layers: range | None = None) -> float:  # T_S(b) of layers S (default all)
-        return sum(self.layers[i].time(batch) for i in (layers if layers is not None else range(len(self.layers))))
+    def select(self, layers: range | None = None) -> list[LayerProfile]:  # layers S of the sums below (default all)
+        return self.layers if layers is None else [self.layers[i] for i in layers]
 
-    def saved_bytes(self, batch: float, layers: range | None = None) -> float:
-        return batch * sum(self.layers[i].saved_bytes for i in (layers or range(len(self.layers))))
+    def time(self, batch: float, layers: range | None = None) -> float:  # T_S(b)
+        return sum(layer.time(batch) for layer in self.select(layers))
 
-    def params(self, layers: range) -> int:
-        return sum(self.layers[i].param_bytes for i in layers)
+    def saved_bytes(self, batch: float, layers: range | None = None) -> float:  # M_S(b)
+        return batch * sum(layer.saved_bytes for layer in self.select(layers))
+
+    def params(self, layers: range | None = None) -> int:  # P_S
+        return sum(layer.param_bytes for layer in self.select(layers))
 
 
 def profile_from_dict(d: dict) -> Profile:
     """A :class:`Profile` read back from JSON (``dataclasses.asdict``'s inverse)."""
     layers = [LayerProfile(**{**x, "fwd": tuple(x["fwd"]), "bwd": tuple(x["bwd"])}) for x in d["layers"]]
-    pairs = [tuple(p) for p in d.get("tp_pairs", [])]
-    return Profile(**{**d, "layers": layers, "sizes": tuple(d["sizes"]), "tp_pairs": pairs})
+    return Profile(**{**d, "layers": layers, "sizes": tuple(d["sizes"]), "tp_pairs": list(map(tuple, d["tp_pairs"]))})
 
 
 @dataclass(frozen=True)

@@ -67,14 +67,11 @@ class Topology:
         return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory, "cpu", os.cpu_count() or 1, kinds=kinds)
 
     @classmethod
-    def gpu_node(cls, gpus: int, memory_gb: float = 80.0, link: CostModel | None = None, compute_scale: float = 0.05,
-                 nodes: int = 1, inter: CostModel | None = None, flops: float = 0.0,
-                 name: str | None = None) -> Topology:
-        """``gpus`` GPUs per node on ``nodes`` nodes. Default link: NVLink-class, α 10 µs, 150 GB/s; between
-        nodes (default) α 20 µs, 12.5 GB/s (100 Gb/s InfiniBand). ``compute_scale`` maps CPU-profiled times to
-        the GPU's (a rough guess: profile on the GPU node itself for real numbers)."""
-        link = link or CostModel(alpha=10e-6, beta=1 / 150e9)
-        inter = (inter or CostModel(alpha=20e-6, beta=1 / 12.5e9)) if nodes > 1 else inter
+    def gpu_node(cls, gpus: int, link: CostModel, memory_gb: float = 80.0, compute_scale: float = 0.05, nodes: int = 1,
+                 inter: CostModel | None = None, flops: float = 0.0, name: str | None = None) -> Topology:
+        """``gpus`` GPUs per node on ``nodes`` nodes, linked by ``link`` inside a node and ``inter`` between (public
+        specs' figures: :data:`NAMED`). ``compute_scale`` maps CPU-profiled times to the GPU's (a rough guess: profile
+        on the GPU node itself for real numbers)."""
         return cls(name or f"{nodes} node(s) × {gpus} GPU(s)", gpus * nodes, link, memory_gb * GB, "cuda", 1, nodes,
                    inter, True, compute_scale, flops)
 
@@ -153,11 +150,10 @@ def compute_scale(topo, processes: int, prof=None) -> float:
     """``s = over(q) · device · κ_q``: how much slower each of ``q`` processes computes than the profile's one
     alone: oversubscription (``q / c`` past the cores), device speed, and on a CPU ``κ_q = 1 + (κ − 1)·(min(q, n)
     − 1)/(n − 1)`` with κ the measured slowdown of ``n = c // threads`` processes computing at once."""
-    s = (max(1.0, processes / topo.cores) if topo.device == "cpu" else 1.0) * topo.compute_scale
-    n = topo.cores // prof.threads if prof is not None and topo.device == "cpu" else 1
-    if n > 1 and processes > 1:
-        s *= 1 + (prof.concurrency - 1) * (min(processes, n) - 1) / (n - 1)
-    return s
+    cpu = topo.device == "cpu"
+    n = topo.cores // prof.threads if prof is not None and cpu else 1
+    kappa = 1 + (prof.concurrency - 1) * (min(processes, n) - 1) / (n - 1) if n > 1 else 1.0
+    return (max(1.0, processes / topo.cores) if cpu else 1.0) * topo.compute_scale * kappa
 
 
 def common_terms(prof, topo, params: float, loaded: float) -> dict[str, float]:
