@@ -1,5 +1,4 @@
-"""Plain data, no torch: a :class:`Plan` (a strategy with its parameters), its :class:`Estimate` (named cost terms
-in seconds and bytes), a CNN's :class:`Profile` (:mod:`labkit.advisor.measure`), a :class:`MeshPlan` on a mesh."""
+"""The advisor's plain data (no torch): :class:`Plan`, its :class:`Estimate`, :class:`Profile`, :class:`MeshPlan`."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

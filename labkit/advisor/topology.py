@@ -1,14 +1,12 @@
-"""The device topology (seed 000's ``D = (D_N, D_E)``): :meth:`Topology.local` gloo ranks on this machine,
-:data:`NAMED` GPU nodes from public specs; and the prices every strategy pays on it alike (pure: no torch, timing
-or I/O), in the notation of the pricing functions beside the strategies' ``FLAGS``, per step of global batch ``B``:
+"""The device topology (seed 000's ``D = (D_N, D_E)``: :meth:`Topology.local` gloo ranks, :data:`NAMED` GPU nodes)
+and the prices every strategy pays on it alike (pure: no torch, timing or I/O), in the notation of the pricing
+functions beside the strategies' ``FLAGS``, per step of global batch ``B``:
 
-* ``T_S(b)`` forward + backward seconds of layers ``S`` on ``b`` samples (the profile's ``a + c·b`` lines); ``s``
-  the compute scale of as many processes (:func:`compute_scale`); ``u`` optimizer seconds per byte, ``d`` loading
-  seconds per sample; ``P`` parameter bytes (``P_S`` of layers ``S``); ``A_k`` output bytes of layer ``k`` per
-  sample; ``M_S(b)`` bytes autograd saves in layers ``S`` for ``b`` samples;
+* ``T_S(b)`` forward + backward seconds of layers ``S`` on ``b`` samples, ``M_S(b)`` the bytes autograd saves there;
+  ``s`` the compute scale of as many processes (:func:`compute_scale`); ``u`` optimizer seconds per byte, ``d`` loading
+  seconds per sample; ``P`` parameter bytes (``P_S`` of layers ``S``), ``A_k`` output bytes of layer ``k`` per sample;
 * ``msg(n) = α + β·n`` one message, reducing ``n`` bytes ``γ·n``; ``AR(n, algo, p)`` an all-reduce of ``n`` bytes
-  over ``p`` ranks (:func:`allreduce_time`), ``C_kind(n, p)`` one of PyTorch's collectives (:func:`collective_time`).
-"""
+  over ``p`` ranks (:func:`allreduce_time`), ``C_kind(n, p)`` one of PyTorch's collectives (:func:`collective_time`)."""
 from __future__ import annotations
 
 import itertools
@@ -46,8 +44,7 @@ class Topology:
         return max(1, self.cores // processes) if self.device == "cpu" else 1
 
     def link_of(self, kind: str, ranks: int) -> CostModel:
-        """The α-β a collective of ``kind`` over ``ranks`` consecutive ranks pays: past one node's ranks the
-        slower ``inter``; inside a node the kind's measured prices, or ``link``."""
+        """The α-β of a ``kind`` collective over ``ranks`` consecutive ranks: ``inter`` past a node, else ``kinds``."""
         per_node = -(-self.ranks // self.nodes)
         return self.inter if self.inter is not None and ranks > per_node else self.kinds.get(kind, self.link)
 
@@ -57,9 +54,8 @@ class Topology:
     @classmethod
     def local(cls, ranks: int, link: CostModel | None = None, cache: str | Path = Path("runs") / "advisor",
               refresh: bool = False, fit: dict | None = None) -> Topology:
-        """``ranks`` gloo ranks on this machine, a plan of ``q`` processes giving each ``cores // q`` threads. The
-        link: ``link`` (for every kind); else one per kind of collective, cached or measured now by
-        :func:`labkit.advisor.measure.measure_link` (``refresh``, and ``fit``: its ``windows`` and ``calls``)."""
+        """``ranks`` gloo ranks on this machine; ``link`` for every kind of collective, else one per kind, cached or
+        measured by :func:`~labkit.advisor.measure.measure_link` (``refresh``; ``fit``: its ``windows``, ``calls``)."""
         from labkit.advisor.measure import measure_link
 
         link, kinds = (link, {}) if link else measure_link(ranks, Path(cache, f"links-{ranks}"), refresh, **(fit or {}))
@@ -69,9 +65,8 @@ class Topology:
     @classmethod
     def gpu_node(cls, gpus: int, link: CostModel, memory_gb: float = 80.0, compute_scale: float = 0.05, nodes: int = 1,
                  inter: CostModel | None = None, flops: float = 0.0, name: str | None = None) -> Topology:
-        """``gpus`` GPUs per node on ``nodes`` nodes, linked by ``link`` inside a node and ``inter`` between (public
-        specs' figures: :data:`NAMED`). ``compute_scale`` maps CPU-profiled times to the GPU's (a rough guess: profile
-        on the GPU node itself for real numbers)."""
+        """``gpus`` GPUs per node on ``nodes`` nodes (public figures: :data:`NAMED`); the default ``compute_scale`` is a
+        rough guess of the GPU's speed against a CPU profile (profile on the GPU node itself for real numbers)."""
         return cls(name or f"{nodes} node(s) × {gpus} GPU(s)", gpus * nodes, link, memory_gb * GB, "cuda", 1, nodes,
                    inter, True, compute_scale, flops)
 
@@ -95,8 +90,7 @@ def named(name: str, **changes) -> Topology:
     return Topology.gpu_node(**{**NAMED[name], **changes})
 
 
-#: the kinds of collective priced apart: a point-to-point ring step (the kit's schedules, pipeline and parameter
-#: server messages) and PyTorch's own collectives
+#: kinds priced apart: a point-to-point ring step (the kit's schedules, pipeline and PS messages), PyTorch's collectives
 KINDS = ("p2p", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
@@ -179,12 +173,10 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 
 def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatches: int,
                    critical_path: bool = False) -> dict[str, float]:
-    """A fill-and-drain step over ``p`` stages of times ``t_j`` and outgoing messages ``c_j`` per micro-batch,
-    slots ``τ_j = t_j + c_j``, the slowest ``τ = τ_{j*}`` setting the pace: ``compute = m·t_{j*}``,
-    ``communication = m·c_{j*}``, ``bubble = (p − 1)·τ`` (the textbook's ``(p − 1)/(m + p − 1)`` of the step), or
-    with ``critical_path`` ``Σ_{j≠j*} τ_j`` (the first micro-batch crosses each other stage at its own pace)."""
-    p, m = len(stage_times), microbatches
+    """A fill-and-drain step over ``p`` stages of slots ``τ_j = t_j + c_j`` (compute, messages out, per micro-batch),
+    the slowest ``τ = τ_{j*}`` pacing it: ``compute = m·t_{j*}``, ``communication = m·c_{j*}``, ``bubble = (p − 1)·τ``,
+    or with ``critical_path`` ``Σ_{j≠j*} τ_j`` (the first micro-batch crosses each other stage at its own pace)."""
     slots = [t + c for t, c in zip(stage_times, stage_comm)]
-    j = max(range(p), key=lambda k: slots[k])
-    bubble = sum(slots[k] for k in range(p) if k != j) if critical_path else (p - 1) * slots[j]
-    return {"compute": m * stage_times[j], "communication": m * stage_comm[j], "bubble": bubble}
+    j = slots.index(max(slots))
+    bubble = sum(s for k, s in enumerate(slots) if k != j) if critical_path else (len(slots) - 1) * slots[j]
+    return {"compute": microbatches * stage_times[j], "communication": microbatches * stage_comm[j], "bubble": bubble}
