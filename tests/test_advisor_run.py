@@ -96,8 +96,8 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
         rows = []
         for label, cfg, threads in jobs:
             order.append((cfg.strategy, threads))
-            rows.append({"label": label, "samples_per_sec": next(rates[cfg.strategy]), "peak_memory_gb": 0.5,
-                         "final_train_loss": 2.0, "run": cfg.out})
+            rows.append((label, {"samples_per_sec": next(rates[cfg.strategy]), "peak_memory_gb": 0.5,
+                                 "final_train_loss": 2.0, "run": cfg.out}))
         return [rows] * count
 
     monkeypatch.setattr(val, "run_ranks", fake_ranks)

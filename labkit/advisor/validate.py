@@ -53,9 +53,9 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
     return out
 
 
-def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[dict]:
+def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[tuple[str, dict]]:
     """On one rank: each ``(label, TrainConfig, threads)`` of ``jobs`` through :func:`labkit.train_run.run` (its
-    output hidden); ``[{"label", metrics…, "run"}, …]``, ended by ``{"label", "error"}`` at the first run that fails."""
+    output hidden); ``[(label, {metrics…, "run"}), …]``, ended by ``(label, {"error"})`` at the first that fails."""
     out = []
     for label, cfg, threads in jobs:
         torch.set_num_threads(threads)
@@ -65,9 +65,8 @@ def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[dict]:
             with contextlib.redirect_stdout(io.StringIO()):
                 summary = run(cfg, env=env)
         except Exception as exc:  # one plan failing (e.g. a diverging loss) must not hide the others'
-            line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            return out + [{"label": label, "error": f"labkit: error: {line}"[:300]}]
-        out.append({"label": label, **summary["metrics"], "run": str(cfg.out)})
+            return out + [(label, {"error": str(exc).strip() or type(exc).__name__})]
+        out.append((label, {**summary["metrics"], "run": str(cfg.out)}))
     return out
 
 
@@ -97,18 +96,17 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                 try:
                     done = run_ranks(train_runs, count, jobs, timeout=600)[0]
                 except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
-                    lines = str(exc).strip().splitlines()
-                    done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
-                for row in done:
-                    label = row.pop("label")
+                    done = [(jobs[0][0], {"error": str(exc).strip() or type(exc).__name__})]
+                for label, row in done:
                     bar.update()
-                    if "error" in row:
-                        advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
+                    if "error" in row:  # the message's last line
+                        line = f"labkit: error: {row['error'].splitlines()[-1]}"[:300]
+                        advice.measured[label] = {"error": line, "run": str(Path(out))}
                         del runs[label]
                     else:
                         runs[label].append(row)
                         record(label, row)
-                jobs = [job for job in jobs[len(done):] if job[0] in runs]
+                jobs = jobs[len(done):]  # the failed plan's run was the last done
     bar.close()
     for est, done in ((e, runs[e.plan.label]) for e in chosen if runs.get(e.plan.label)):
         steps_s = [est.plan.batch_size / m["samples_per_sec"] for m in done]
