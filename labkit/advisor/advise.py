@@ -185,8 +185,6 @@ def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "au
     strategy = get_strategy(chosen.strategy)(env, chosen.option)
     if isinstance(model, str):
         info = kdata.dataset_info(dataset)
-        module = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size,
-                                   sequential=strategy.sequential_model)
-    else:
-        module = kmodels.to_sequential(model) if strategy.sequential_model else model
+        model = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
+    module = kmodels.to_sequential(model) if strategy.sequential_model else model
     return Parallelized(strategy.prepare(module), strategy, chosen, chosen.command(name, dataset, list(extra)))
