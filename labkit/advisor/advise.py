@@ -1,5 +1,4 @@
-"""``advise``: profile, build the topology, search; the ranked table, ``advice.json``, seed 000's FlexFlow placement
-for AlexNet on two GPUs beside the advisor's choice; ``parallelize``: a model prepared for a plan."""
+"""``advise`` ranks every plan (table, ``advice.json``, seed 000's FlexFlow comparison); ``parallelize`` applies one."""
 from __future__ import annotations
 
 import json

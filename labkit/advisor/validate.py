@@ -72,13 +72,12 @@ def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[tuple[str, dict
 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              progress: bool = True, record: Callable[[str, dict], None] = lambda label, metrics: None) -> dict:
-    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps: its command, parsed as
-    ``labkit train`` parses it, run by ``train_run.run`` on ``run_ranks`` ranks at its profile's threads. Round ``r``
-    starts ``r`` plans further on and with the other process count: a shared machine's slow spell falls on several
-    plans and both counts. ``record(label, metrics)`` after each run. Fills and returns ``advice.measured``: a
-    failed plan's ``{"error", "run"}``, else ``steps_s`` (each run's ``batch / samples per second``), ``step_s``
-    their median, ``spread = (max − min) / median``, ``samples_per_s``, ``peak_bytes``, ``ratio`` = measured /
-    predicted (``memory_ratio`` alike), ``final_train_loss`` and ``run``."""
+    """``repeats`` runs of ``steps`` steps of each feasible plan: its command parsed and run as ``labkit train`` does,
+    on ``run_ranks`` ranks at its profile's threads; the rounds rotate plans and process counts, so a shared machine's
+    slow spell falls on several plans and both counts; ``record(label, metrics)`` after each run. Fills and returns
+    ``advice.measured``: a failed plan's ``{"error", "run"}``, else ``steps_s`` (each run's ``batch / samples per
+    second``), ``step_s`` their median, ``spread = (max − min) / median``, ``samples_per_s``, ``peak_bytes``,
+    ``ratio`` = measured / predicted (``memory_ratio`` alike), ``final_train_loss`` and ``run``."""
     chosen = [e for e in advice.table if e.feasible]
     runs = {e.plan.label: [] for e in chosen if "error" not in advice.measured.get(e.plan.label, {})}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
