@@ -45,9 +45,8 @@ class Advice:
         return self.table[0]
 
     def find(self, label: str) -> Estimate:
-        for est in self.estimates:
-            if est.plan.label == label:
-                return est
+        if est := next((e for e in self.estimates if e.plan.label == label), None):
+            return est
         raise ConfigError(f"no plan {label!r}; plans: {', '.join(e.plan.label for e in self.table)}")
 
     def to_dict(self) -> dict:
