@@ -96,8 +96,8 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
         rows = []
         for label, cfg, threads in jobs:
             order.append((cfg.strategy, threads))
-            rows.append({"label": label, "samples_per_sec": next(rates[cfg.strategy]), "peak_memory_gb": 0.5,
-                         "final_train_loss": 2.0, "run": cfg.out})
+            rows.append((label, {"samples_per_sec": next(rates[cfg.strategy]), "peak_memory_gb": 0.5,
+                                 "final_train_loss": 2.0, "run": cfg.out}))
         return [rows] * count
 
     monkeypatch.setattr(val, "run_ranks", fake_ranks)
@@ -112,6 +112,41 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
     # predicted: ddp (9.8 ms), zero (12.0 ms), single (15.3 ms); measured: ddp, single, zero
     assert [e.plan.strategy for e in table] == ["ddp", "zero", "single"]
     assert ranking(advice) == {"plans": 3, "spearman": pytest.approx(0.5), "best_ratio": 1.0}
+
+
+def test_validate_a_failed_run_ends_its_plan_and_the_ranks_start_again(monkeypatch, tmp_path):
+    """Fake ranks (no spawn) around the real train_runs: a run that raises ends its plan with its message's last
+    line, the ranks start again for the runs after it; ranks that die end the first plan of their turn alike."""
+    import labkit.advisor.validate as val
+
+    topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
+    plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)),
+             Plan("zero", 2, 2, 32, (("zero_stage", 1),)), Plan("fsdp", 2, 2, 32)]
+    table = [price(p, _lenet_profile(2 // p.processes), topo) for p in plans]
+    advice = Advice("lenet", "mnist-sample", 32, topo, table, table)
+    spawns = []
+
+    def fake_run(cfg, env):
+        if cfg.strategy == "zero":
+            raise ValueError("Traceback (most recent call last):\nthe loss diverged\n")
+        return {"metrics": {"samples_per_sec": 320.0, "peak_memory_gb": 0.5, "final_train_loss": 2.0}}
+
+    def fake_ranks(fn, count, jobs, timeout):
+        spawns.append([label for label, _, _ in jobs])
+        if count == 1:
+            raise RuntimeError("rank 0 failed:\nKilled")
+        return [fn(None, jobs)] * count
+
+    monkeypatch.setattr(val, "run", fake_run)
+    monkeypatch.setattr(val, "run_ranks", fake_ranks)
+    monkeypatch.setattr(val.torch, "set_num_threads", lambda threads: None)
+    recorded = []
+    measured = val.validate(advice, repeats=1, out=tmp_path, progress=False, record=lambda k, m: recorded.append(k))
+    assert spawns == [["single"], ["ddp×2 ring", "zero×2 stage 1", "fsdp×2"], ["fsdp×2"]]
+    assert measured["single"] == {"error": "labkit: error: Killed", "run": str(tmp_path)}
+    assert measured["zero×2 stage 1"]["error"] == "labkit: error: the loss diverged"
+    assert measured["ddp×2 ring"]["step_s"] == 0.1 and measured["fsdp×2"]["step_s"] == 0.1
+    assert recorded == ["ddp×2 ring", "fsdp×2"]
 
 
 def test_the_report_names_the_term_a_plan_is_off_by():

@@ -1,5 +1,4 @@
-"""``advise``: profile, build the topology, search; the ranked table, ``advice.json``, seed 000's FlexFlow placement
-for AlexNet on two GPUs beside the advisor's choice; ``parallelize``: a model prepared for a plan."""
+"""``advise`` ranks every plan (table, ``advice.json``, seed 000's FlexFlow comparison); ``parallelize`` applies one."""
 from __future__ import annotations
 
 import json
@@ -46,9 +45,8 @@ class Advice:
         return self.table[0]
 
     def find(self, label: str) -> Estimate:
-        for est in self.estimates:
-            if est.plan.label == label:
-                return est
+        if est := next((e for e in self.estimates if e.plan.label == label), None):
+            return est
         raise ConfigError(f"no plan {label!r}; plans: {', '.join(e.plan.label for e in self.table)}")
 
     def to_dict(self) -> dict:
@@ -185,8 +183,6 @@ def parallelize(model: nn.Module | str, plan: Plan | Estimate | dict | str = "au
     strategy = get_strategy(chosen.strategy)(env, chosen.option)
     if isinstance(model, str):
         info = kdata.dataset_info(dataset)
-        module = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size,
-                                   sequential=strategy.sequential_model)
-    else:
-        module = kmodels.to_sequential(model) if strategy.sequential_model else model
+        model = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
+    module = kmodels.to_sequential(model) if strategy.sequential_model else model
     return Parallelized(strategy.prepare(module), strategy, chosen, chosen.command(name, dataset, list(extra)))

@@ -53,9 +53,9 @@ def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
     return out
 
 
-def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[dict]:
+def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[tuple[str, dict]]:
     """On one rank: each ``(label, TrainConfig, threads)`` of ``jobs`` through :func:`labkit.train_run.run` (its
-    output hidden); ``[{"label", metrics…, "run"}, …]``, ended by ``{"label", "error"}`` at the first run that fails."""
+    output hidden); ``[(label, {metrics…, "run"}), …]``, ended by ``(label, {"error"})`` at the first that fails."""
     out = []
     for label, cfg, threads in jobs:
         torch.set_num_threads(threads)
@@ -65,21 +65,19 @@ def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[dict]:
             with contextlib.redirect_stdout(io.StringIO()):
                 summary = run(cfg, env=env)
         except Exception as exc:  # one plan failing (e.g. a diverging loss) must not hide the others'
-            line = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            return out + [{"label": label, "error": f"labkit: error: {line}"[:300]}]
-        out.append({"label": label, **summary["metrics"], "run": str(cfg.out)})
+            return out + [(label, {"error": str(exc).strip() or type(exc).__name__})]
+        out.append((label, {**summary["metrics"], "run": str(cfg.out)}))
     return out
 
 
 def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path = Path("runs") / "advise",
              progress: bool = True, record: Callable[[str, dict], None] = lambda label, metrics: None) -> dict:
-    """Run every feasible plan of ``advice.table`` ``repeats`` times for ``steps`` steps: its command, parsed as
-    ``labkit train`` parses it, run by ``train_run.run`` on ``run_ranks`` ranks at its profile's threads. Round ``r``
-    starts ``r`` plans further on and with the other process count: a shared machine's slow spell falls on several
-    plans and both counts. ``record(label, metrics)`` after each run. Fills and returns ``advice.measured``: a
-    failed plan's ``{"error", "run"}``, else ``steps_s`` (each run's ``batch / samples per second``), ``step_s``
-    their median, ``spread = (max − min) / median``, ``samples_per_s``, ``peak_bytes``, ``ratio`` = measured /
-    predicted (``memory_ratio`` alike), ``final_train_loss`` and ``run``."""
+    """``repeats`` runs of ``steps`` steps of each feasible plan: its command parsed and run as ``labkit train`` does,
+    on ``run_ranks`` ranks at its profile's threads; the rounds rotate plans and process counts, so a shared machine's
+    slow spell falls on several plans and both counts; ``record(label, metrics)`` after each run. Fills and returns
+    ``advice.measured``: a failed plan's ``{"error", "run"}``, else ``steps_s`` (each run's ``batch / samples per
+    second``), ``step_s`` their median, ``spread = (max − min) / median``, ``samples_per_s``, ``peak_bytes``,
+    ``ratio`` = measured / predicted (``memory_ratio`` alike), ``final_train_loss`` and ``run``."""
     chosen = [e for e in advice.table if e.feasible]
     runs = {e.plan.label: [] for e in chosen if "error" not in advice.measured.get(e.plan.label, {})}
     bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
@@ -97,18 +95,17 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
                 try:
                     done = run_ranks(train_runs, count, jobs, timeout=600)[0]
                 except (RuntimeError, TimeoutError) as exc:  # a rank died or hung: the first plan gets the line
-                    lines = str(exc).strip().splitlines()
-                    done = [{"label": jobs[0][0], "error": f"labkit: error: {lines[-1] if lines else exc}"[:300]}]
-                for row in done:
-                    label = row.pop("label")
+                    done = [(jobs[0][0], {"error": str(exc).strip() or type(exc).__name__})]
+                for label, row in done:
                     bar.update()
-                    if "error" in row:
-                        advice.measured[label] = {"error": row["error"], "run": str(Path(out))}
+                    if "error" in row:  # the message's last line
+                        line = f"labkit: error: {row['error'].splitlines()[-1]}"[:300]
+                        advice.measured[label] = {"error": line, "run": str(Path(out))}
                         del runs[label]
                     else:
                         runs[label].append(row)
                         record(label, row)
-                jobs = [job for job in jobs[len(done):] if job[0] in runs]
+                jobs = jobs[len(done):]  # the failed plan's run was the last done
     bar.close()
     for est, done in ((e, runs[e.plan.label]) for e in chosen if runs.get(e.plan.label)):
         steps_s = [est.plan.batch_size / m["samples_per_sec"] for m in done]
