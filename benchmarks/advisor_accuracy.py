@@ -79,7 +79,7 @@ def main() -> None:
         validate(advice, args.repeats, steps, Path(args.runs) / model, progress=False, record=record)
         advice.write(out / model / "advice.json")
         r = ranking(advice)
-        shared = advice.profiles[topo.threads(args.ranks)]  # the profile the plans of several processes use
+        shared = advice.profiles[args.ranks]  # the profile the plans of several processes use
         summary[model] = {**r, "predicted_best": advice.best.plan.label, "seconds": time.perf_counter() - start,
                           "steps": steps,
                           "command": " ".join(["python", *sys.argv]), "kappa": shared.concurrency,

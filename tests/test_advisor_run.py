@@ -4,14 +4,15 @@ advice.json, FlexFlow comparison and bad input."""
 import json
 import os
 import re
+from dataclasses import replace
 
 import pytest
 from torch import nn
 
-from labkit.advisor.advise import Advice, flexflow_comparison, parallelize
+from labkit.advisor.advise import Advice, advise, flexflow_comparison, parallelize
 from labkit.advisor.measure import save_profile
 from labkit.advisor.plan import LayerProfile, Plan, Profile
-from labkit.advisor.search import best_per_strategy, candidates, price
+from labkit.advisor.search import price
 from labkit.advisor.topology import Topology
 from labkit.advisor.validate import validate
 from labkit.cli import main
@@ -237,14 +238,18 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
     assert text.startswith("on one H100 node with NVLink, lenet on mnist-sample: ") and "\n39 plans, 39 fit" in text
 
 
-def test_flexflow_comparison_names_the_terms():
-    topo = Topology("test", 2, CostModel(5e-3, 1e-8), float("inf"), "cpu", cores=2)
+def test_flexflow_comparison_names_the_terms(tmp_path):
+    """On 4 cores with the profiles taken at one thread per process (notebook 08's quick mode): the comparison
+    reads the profile the 2-rank plans were priced by, whatever the cores."""
+    topo = Topology("test", 2, CostModel(5e-3, 1e-8), float("inf"), "cpu", cores=4)
     layers = [LayerProfile(f"c{i}", "Conv2d", (0, 1e-4), (0, 2e-4), 1000, 4096, 4096) for i in range(3)] + \
              [LayerProfile("fc", "Linear", (0, 1e-3), (0, 2e-3), 4 * 2**20, 40, 40)]
     prof = Profile("alexnet_small", "synthetic-cifar10", 1, (8, 64), layers, 3072, 0.0, 0.0, 0,
                    feature_layers=3)
-    ranked = candidates(lambda p: prof, topo, 64, ("single", "ddp", "hybrid"))
-    advice = Advice("alexnet_small", "synthetic-cifar10", 64, topo, ranked, best_per_strategy(ranked), {1: prof})
+    save_profile(prof, 64, tmp_path)
+    advice = advise("alexnet_small", "synthetic-cifar10", 2, 64, topology=topo, cache=tmp_path,
+                    profile_topology=replace(topo, cores=1))
+    assert advice.profiles == {1: prof, 2: prof}  # by process count: both priced by the one-thread profile
     text = flexflow_comparison(advice)
     assert "linear9 linear10 linear11: gpu 0 only" in text and "labkit's hybrid strategy" in text
     assert advice.best.plan.strategy != "hybrid"  # a slow link, FC layers slow to compute: hybrid loses here

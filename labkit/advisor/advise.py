@@ -33,7 +33,7 @@ class Advice:
     topology: Topology
     estimates: list[Estimate]
     table: list[Estimate]
-    profiles: dict[int, Profile] = field(default_factory=dict)
+    profiles: dict[int, Profile] = field(default_factory=dict)  # processes -> the profile their plans are priced by
     measured: dict[str, dict] = field(default_factory=dict)   # plan label -> measured values
     train_args: tuple[str, ...] = ()                            # more `labkit train` flags for every command
 
@@ -87,7 +87,7 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     if memory_limit_gb is not None:
         check_fits(ranked, memory_limit_gb)
     return Advice(model, dataset, batch_size, topo, ranked, [e for e in best_per_strategy(ranked) if e.applicable],
-                  {measure_on.threads(p): prof_for(p) for p in {1, ranks}})
+                  {p: prof_for(p) for p in {1, ranks}})
 
 
 FLEXFLOW_ALEXNET_2GPU = ("conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: data parallel on gpu 0 and 1\n"
@@ -141,7 +141,7 @@ def flexflow_comparison(advice: Advice) -> str:
                         reverse=True)
         why = [f"{k} {d * 1e3:+.1f} ms" for d, k in deltas if abs(d) > 0.02 * best.step_s]
         lines.append("they differ by: " + (", ".join(why) or "less than 2 % in every term (a tie within noise)"))
-    prof = advice.profiles.get(topo.threads(2))
+    prof = advice.profiles.get(2)
     if prof is None or prof.feature_layers is None:
         return "\n".join(lines + ["why: the cost terms above"])
     fc = range(prof.feature_layers, len(prof.layers))
