@@ -3,8 +3,7 @@ plans that do not fit in memory last: every device mesh (:func:`mesh_candidates`
 :func:`labkit.parallel.pricing.price_mesh`) and every strategy with its parameters (:func:`candidates`) whose
 module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price": "labkit.strategies.ddp:price_ddp",
 "plans": "spread", "batch": "split"}``: its pricing function ``(plan, profile, topology) -> Estimate``, its
-enumerator in :data:`PLANS`, how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`).
-"""
+enumerator in :data:`PLANS`, how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`)."""
 from __future__ import annotations
 
 import functools
@@ -27,11 +26,11 @@ load = functools.cache(pkgutil.resolve_name)
 
 
 def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
-    """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at the plan's threads per
-    process. On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: ``q > 1`` processes
-    on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes up the difference),
-    and one process costs the cheaper of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is
-    the machine's load, not the plan): ``q`` ranks are never priced more than ``c`` times faster than one."""
+    """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at its threads per process.
+    On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: one process costs the cheaper
+    of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is the machine's load, not the plan);
+    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes
+    up the difference): ``q`` ranks are never priced more than ``c`` times faster than one."""
     entry = strategy_literal(plan.strategy, "ADVISOR") if plan.strategy in STRATEGIES else None
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
@@ -46,12 +45,10 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     if serial is None or topo.device != "cpu" or not est.applicable:
         return est
     if plan.processes == 1:
-        alt = priced(serial) if serial is not prof else est
-        return alt if alt.applicable and alt.step_s < est.step_s else est
+        return min(est, priced(serial), key=lambda e: (not e.applicable, e.step_s))
     b = plan.batch_size
     work = serial.time(b) + serial.update_s_per_byte * serial.param_bytes + serial.data_s_per_sample * b
-    short = work / min(plan.processes, topo.cores) - est.step_s
-    if short > 0:
+    if (short := work / min(plan.processes, topo.cores) - est.step_s) > 0:
         est.time["compute"] = est.time.get("compute", 0.0) + short
     return est
 
@@ -96,11 +93,10 @@ def spread_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     [values]}``), or only the cheapest with ``"keep": "cheapest"`` (on a tie the first: ``ddp``'s PyTorch DDP)."""
     grid = entry.get("grid", {})
     for p in range(2, space.topo.ranks + 1):
-        if space.batch % p:
-            continue
-        found = [space.add(Plan(name, p, p, space.batch, tuple(zip(grid, values))))
-                 for values in itertools.product(*grid.values())]
-        yield from [min(found, key=lambda e: e.step_s)] if entry.get("keep") == "cheapest" else found
+        if space.batch % p == 0:
+            found = [space.add(Plan(name, p, p, space.batch, tuple(zip(grid, values))))
+                     for values in itertools.product(*grid.values())]
+            yield from [min(found, key=lambda e: e.step_s)] if entry.get("keep") == "cheapest" else found
 
 
 def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
@@ -116,9 +112,8 @@ def pipeline_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     Its ``"options"`` map the roles ``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule`` to
     the strategy's option names."""
     roles, batch, most = entry["options"], space.batch, min(space.topo.ranks, len(space.prof_for(1).layers))
-    for p, m in itertools.product(range(2, most + 1), MICROBATCHES):
-        if batch % m or (m == 1) != ("microbatches" not in roles):
-            continue
+    micro = [m for m in MICROBATCHES if batch % m == 0 and (m == 1) == ("microbatches" not in roles)]
+    for p, m in itertools.product(range(2, most + 1), micro):
         procs = 1 if entry.get("processes") == "one" else p
 
         def make(balance, schedule="gpipe"):
