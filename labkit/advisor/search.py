@@ -76,16 +76,14 @@ def _key(e: Estimate) -> tuple:
 
 @dataclass(frozen=True)
 class Space:
-    """What an enumerator searches: the global ``batch`` on ``topo``, ``prof_for(processes)`` the profile;
-    ``add(plan)`` prices a plan (:func:`price`; on a CPU, ``serial`` is the profile of ``cores`` processes)."""
+    """What an enumerator searches: the global ``batch`` on ``topo``; ``add(plan)`` prices a plan (:func:`price`)."""
 
     batch: int
     topo: Topology
     prof_for: Callable[[int], Profile]
 
-    def add(self, plan: Plan) -> Estimate:
-        t = self.topo
-        return price(plan, self.prof_for(plan.processes), t, self.prof_for(t.cores) if t.device == "cpu" else None)
+    def add(self, plan: Plan) -> Estimate:  # serial: the profile of ``cores`` processes, one thread each
+        return price(plan, self.prof_for(plan.processes), self.topo, self.prof_for(self.topo.cores))
 
 
 def spread_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
