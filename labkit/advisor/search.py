@@ -106,9 +106,8 @@ def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
 def pipeline_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer; one process for all with
     ``"processes": "one"``), each ``m`` of :data:`MICROBATCHES` dividing the batch (only ``m = 1`` without a
-    ``"microbatches"`` role), the best balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit.
-    Its ``"options"`` map the roles ``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule`` to
-    the strategy's option names."""
+    ``"microbatches"`` role), the best balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit;
+    ``"options"`` maps roles ``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule`` to options."""
     roles, batch, most = entry["options"], space.batch, min(space.topo.ranks, len(space.prof_for(1).layers))
     micro = [m for m in MICROBATCHES if batch % m == 0 and (m == 1) == ("microbatches" not in roles)]
     for p, m in itertools.product(range(2, most + 1), micro):
