@@ -70,10 +70,6 @@ def _rank_key(est: Estimate) -> tuple:
     return (not est.applicable, not est.feasible, est.step_s if est.applicable else math.inf)
 
 
-def _key(e: Estimate) -> tuple:
-    return (not e.feasible, e.step_s, e.peak_bytes, e.plan.label)
-
-
 @dataclass(frozen=True)
 class Space:
     """What an enumerator searches: the global ``batch`` on ``topo``; ``add(plan)`` prices a plan (:func:`price`)."""
@@ -190,13 +186,14 @@ def meshes(devices: int, model, batch: int) -> list[MeshPlan]:
 def mesh_candidates(model, topo: Topology, batch: int, devices: int | None = None) -> list[Estimate]:
     """Every plan of :func:`meshes` priced (a GPT's :class:`~labkit.parallel.pricing.GPTShape` or a CNN's
     profile), best first (plans that do not fit last; ties to the one of less memory)."""
-    return sorted((price_mesh(p, model, topo, batch) for p in meshes(devices or topo.ranks, model, batch)), key=_key)
+    found = (price_mesh(p, model, topo, batch) for p in meshes(devices or topo.ranks, model, batch))
+    return sorted(found, key=lambda e: (not e.feasible, e.step_s, e.peak_bytes, e.plan.label))
 
 
 def frontier(estimates: list[Estimate]) -> list[Estimate]:
     """The feasible plans no other beats on both step time and memory (fastest first)."""
     out: list[Estimate] = []
-    for e in sorted((e for e in estimates if e.feasible), key=_key):
+    for e in sorted((e for e in estimates if e.feasible), key=lambda e: (e.step_s, e.peak_bytes)):
         if not out or e.peak_bytes < out[-1].peak_bytes:
             out.append(e)
     return out
