@@ -43,6 +43,7 @@ def add_parser(sub) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from labkit.advisor.advise import advise, flexflow_comparison, table
+    from labkit.advisor.validate import validate
     from labkit.results import RunWriter
 
     if args.model.startswith("gpt") or args.topology != "local":
@@ -54,8 +55,6 @@ def _run(args: argparse.Namespace) -> int:
         advice.train_args = ("--base-lr", f"{args.base_lr:g}")
     print(f"labkit advise | {args.model} on {args.dataset} | {advice.topology.name} | global batch {args.batch_size}")
     if args.validate:
-        from labkit.advisor.validate import validate
-
         validate(advice, args.repeats, args.steps, out)
     print(table(advice))
     if args.model.startswith("alexnet") and args.ranks == 2:
