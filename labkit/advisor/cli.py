@@ -4,8 +4,7 @@
     labkit advise --model lenet --ranks 2 --validate --repeats 3
     labkit advise --model resnet20 --dataset synthetic-cifar10 --ranks 2 --memory-limit 0.5
     labkit advise --model gpt-1.3b --topology h100-nvlink --ranks 8 --seq-len 4096   # the mesh search
-    labkit advise --model resnet20 --dataset synthetic-cifar10 --topology a100-pcie --ranks 8   # dp×pp meshes
-"""
+    labkit advise --model resnet20 --dataset synthetic-cifar10 --topology a100-pcie --ranks 8   # dp×pp meshes"""
 from __future__ import annotations
 
 import argparse
@@ -70,8 +69,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _mesh(args: argparse.Namespace) -> int:
-    """The mesh search on a named topology (a GPT's shape, or a CNN's profile measured here at all the cores,
-    scaled by the topology's ``compute_scale``): the explanation, the count, the frontier of memory vs time."""
+    """The mesh search on a named topology for a GPT's shape or a CNN's profile measured here at all the cores."""
     from labkit.advisor.measure import load_or_measure
     from labkit.advisor.search import explain, frontier, mesh_candidates, ms, size
     from labkit.advisor.topology import named
