@@ -184,8 +184,7 @@ def meshes(devices: int, model, batch: int) -> list[MeshPlan]:
 
 
 def mesh_candidates(model, topo: Topology, batch: int, devices: int | None = None) -> list[Estimate]:
-    """Every plan of :func:`meshes` priced (a GPT's :class:`~labkit.parallel.pricing.GPTShape` or a CNN's
-    profile), best first (plans that do not fit last; ties to the one of less memory)."""
+    """Every plan of :func:`meshes` priced (``model``: a GPT's ``GPTShape`` or a CNN's profile), best first."""
     found = (price_mesh(p, model, topo, batch) for p in meshes(devices or topo.ranks, model, batch))
     return sorted(found, key=lambda e: (not e.feasible, e.step_s, e.peak_bytes, e.plan.label))
 
@@ -200,7 +199,6 @@ def frontier(estimates: list[Estimate]) -> list[Estimate]:
 
 
 def size(nbytes: float) -> str:
-    """``12 GB`` at a gigabyte or more, else ``3.4 MB``."""
     return f"{nbytes / GB:.0f} GB" if nbytes >= GB else f"{nbytes / MB:.1f} MB"
 
 
