@@ -191,11 +191,9 @@ def mesh_candidates(model, topo: Topology, batch: int, devices: int | None = Non
 
 def frontier(estimates: list[Estimate]) -> list[Estimate]:
     """The feasible plans no other beats on both step time and memory (fastest first)."""
-    out: list[Estimate] = []
-    for e in sorted((e for e in estimates if e.feasible), key=lambda e: (e.step_s, e.peak_bytes)):
-        if not out or e.peak_bytes < out[-1].peak_bytes:
-            out.append(e)
-    return out
+    ranked = sorted((e for e in estimates if e.feasible), key=lambda e: (e.step_s, e.peak_bytes))
+    least = itertools.accumulate((e.peak_bytes for e in ranked), min, initial=math.inf)  # of the plans before each
+    return [e for e, before in zip(ranked, least) if e.peak_bytes < before]
 
 
 def size(nbytes: float) -> str:
