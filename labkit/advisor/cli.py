@@ -32,8 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=within("int", "[4, inf)"), default=8, help="training steps per validation run")
     p.add_argument("--topology", default="local", choices=["local", "h100-nvlink", "a100-pcie", "h100-2x-ib"],
                    help="this machine's gloo ranks, or a GPU node from public specs (the mesh search)")
-    p.add_argument("--seq-len", type=within("int", "[2, inf)"),
-                   help="a GPT's sequence length for the mesh search (default its block size)")
+    p.add_argument("--seq-len", type=within("int", "[2, inf)"), help="a GPT's sequence length (default its block size)")
     p.add_argument("--cache", default="runs/advisor", help="where profiles and link fits are cached")
     p.add_argument("--refresh", action="store_true", help="profile again even if a cached profile matches")
     p.add_argument("--out", help="results folder (default runs/advise-<model>-<ranks>)")
