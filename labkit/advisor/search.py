@@ -160,10 +160,9 @@ def check_fits(estimates: list[Estimate], limit_gb: float | None) -> None:
 
 
 def _valid(p: MeshPlan, model, batch: int) -> bool:
-    """What the dimensions accept: a CNN dp and pp (at most one stage per layer); a GPT's tp divides the heads, pp
-    the blocks, 2·cp the sequence (zig-zag), cp and pp not together, ep the experts (a MoE takes only dp and ep),
-    SP only with tp; ``dp·ep·m`` divides the batch, ``m ≥ pp`` with a pipeline (else 1), ZeRO only where ranks
-    hold the same weights."""
+    """What the dimensions accept: a CNN dp and pp (at most one stage per layer); a GPT's tp divides the heads, pp the
+    blocks, 2·cp the sequence (zig-zag), cp and pp not together, ep the experts (a MoE takes only dp and ep), SP only
+    with tp; ``dp·ep·m`` divides the batch, ``m ≥ pp`` with a pipeline (else 1), ZeRO over ``dp·cp·ep > 1`` replicas."""
     if isinstance(model, Profile):
         shape = p.tp == p.cp == p.ep == 1 and not p.sequence_parallel and not p.recompute and p.pp <= len(model.layers)
     else:
