@@ -112,8 +112,7 @@ def pipeline_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
         def make(balance, schedule="gpipe"):
             values = {"microbatches": m, "stages": p, "balance": balance, "schedule": schedule,
                       "split_points": tuple(itertools.accumulate(balance[:-1]))}
-            opts = tuple((dest, values[role]) for role, dest in roles.items()
-                         if role != "schedule" or schedule != "gpipe")
+            opts = tuple((dest, values[role]) for role, dest in roles.items() if values[role] != "gpipe")
             return space.add(Plan(name, procs, p, batch, opts))
 
         est = best_balance(make, space.prof_for(procs), p, batch / m)
