@@ -4,8 +4,7 @@
     labkit advise --model lenet --ranks 2 --validate --repeats 3
     labkit advise --model resnet20 --dataset synthetic-cifar10 --ranks 2 --memory-limit 0.5
     labkit advise --model gpt-1.3b --topology h100-nvlink --ranks 8 --seq-len 4096   # the mesh search
-    labkit advise --model resnet20 --dataset synthetic-cifar10 --topology a100-pcie --ranks 8   # dp×pp meshes
-"""
+    labkit advise --model resnet20 --dataset synthetic-cifar10 --topology a100-pcie --ranks 8   # dp×pp meshes"""
 from __future__ import annotations
 
 import argparse
@@ -33,8 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=within("int", "[4, inf)"), default=8, help="training steps per validation run")
     p.add_argument("--topology", default="local", choices=["local", "h100-nvlink", "a100-pcie", "h100-2x-ib"],
                    help="this machine's gloo ranks, or a GPU node from public specs (the mesh search)")
-    p.add_argument("--seq-len", type=within("int", "[2, inf)"),
-                   help="a GPT's sequence length for the mesh search (default its block size)")
+    p.add_argument("--seq-len", type=within("int", "[2, inf)"), help="a GPT's sequence length (default its block size)")
     p.add_argument("--cache", default="runs/advisor", help="where profiles and link fits are cached")
     p.add_argument("--refresh", action="store_true", help="profile again even if a cached profile matches")
     p.add_argument("--out", help="results folder (default runs/advise-<model>-<ranks>)")
@@ -43,6 +41,7 @@ def add_parser(sub) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from labkit.advisor.advise import advise, flexflow_comparison, table
+    from labkit.advisor.validate import validate
     from labkit.results import RunWriter
 
     if args.model.startswith("gpt") or args.topology != "local":
@@ -54,8 +53,6 @@ def _run(args: argparse.Namespace) -> int:
         advice.train_args = ("--base-lr", f"{args.base_lr:g}")
     print(f"labkit advise | {args.model} on {args.dataset} | {advice.topology.name} | global batch {args.batch_size}")
     if args.validate:
-        from labkit.advisor.validate import validate
-
         validate(advice, args.repeats, args.steps, out)
     print(table(advice))
     if args.model.startswith("alexnet") and args.ranks == 2:
@@ -71,8 +68,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _mesh(args: argparse.Namespace) -> int:
-    """The mesh search on a named topology (a GPT's shape, or a CNN's profile measured here at all the cores,
-    scaled by the topology's ``compute_scale``): the explanation, the count, the frontier of memory vs time."""
+    """The mesh search on a named topology for a GPT's shape or a CNN's profile measured here at all the cores."""
     from labkit.advisor.measure import load_or_measure
     from labkit.advisor.search import explain, frontier, mesh_candidates, ms, size
     from labkit.advisor.topology import named

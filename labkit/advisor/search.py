@@ -3,8 +3,7 @@ plans that do not fit in memory last: every device mesh (:func:`mesh_candidates`
 :func:`labkit.parallel.pricing.price_mesh`) and every strategy with its parameters (:func:`candidates`) whose
 module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price": "labkit.strategies.ddp:price_ddp",
 "plans": "spread", "batch": "split"}``: its pricing function ``(plan, profile, topology) -> Estimate``, its
-enumerator in :data:`PLANS`, how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`).
-"""
+enumerator in :data:`PLANS`, how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`)."""
 from __future__ import annotations
 
 import functools
@@ -27,11 +26,11 @@ load = functools.cache(pkgutil.resolve_name)
 
 
 def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
-    """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at the plan's threads per
-    process. On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: ``q > 1`` processes
-    on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes up the difference),
-    and one process costs the cheaper of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is
-    the machine's load, not the plan): ``q`` ranks are never priced more than ``c`` times faster than one."""
+    """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at its threads per process.
+    On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: one process costs the cheaper
+    of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is the machine's load, not the plan);
+    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes
+    up the difference): ``q`` ranks are never priced more than ``c`` times faster than one."""
     entry = strategy_literal(plan.strategy, "ADVISOR") if plan.strategy in STRATEGIES else None
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
@@ -46,12 +45,10 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     if serial is None or topo.device != "cpu" or not est.applicable:
         return est
     if plan.processes == 1:
-        alt = priced(serial) if serial is not prof else est
-        return alt if alt.applicable and alt.step_s < est.step_s else est
+        return min(est, priced(serial), key=lambda e: (not e.applicable, e.step_s))
     b = plan.batch_size
     work = serial.time(b) + serial.update_s_per_byte * serial.param_bytes + serial.data_s_per_sample * b
-    short = work / min(plan.processes, topo.cores) - est.step_s
-    if short > 0:
+    if (short := work / min(plan.processes, topo.cores) - est.step_s) > 0:
         est.time["compute"] = est.time.get("compute", 0.0) + short
     return est
 
@@ -73,22 +70,16 @@ def _rank_key(est: Estimate) -> tuple:
     return (not est.applicable, not est.feasible, est.step_s if est.applicable else math.inf)
 
 
-def _key(e: Estimate) -> tuple:
-    return (not e.feasible, e.step_s, e.peak_bytes, e.plan.label)
-
-
 @dataclass(frozen=True)
 class Space:
-    """What an enumerator searches: the global ``batch`` on ``topo``, ``prof_for(processes)`` the profile;
-    ``add(plan)`` prices a plan (:func:`price`; on a CPU, ``serial`` is the profile of ``cores`` processes)."""
+    """What an enumerator searches: the global ``batch`` on ``topo``; ``add(plan)`` prices a plan (:func:`price`)."""
 
     batch: int
     topo: Topology
     prof_for: Callable[[int], Profile]
 
-    def add(self, plan: Plan) -> Estimate:
-        t = self.topo
-        return price(plan, self.prof_for(plan.processes), t, self.prof_for(t.cores) if t.device == "cpu" else None)
+    def add(self, plan: Plan) -> Estimate:  # serial: the profile of ``cores`` processes, one thread each
+        return price(plan, self.prof_for(plan.processes), self.topo, self.prof_for(self.topo.cores))
 
 
 def spread_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
@@ -96,11 +87,10 @@ def spread_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     [values]}``), or only the cheapest with ``"keep": "cheapest"`` (on a tie the first: ``ddp``'s PyTorch DDP)."""
     grid = entry.get("grid", {})
     for p in range(2, space.topo.ranks + 1):
-        if space.batch % p:
-            continue
-        found = [space.add(Plan(name, p, p, space.batch, tuple(zip(grid, values))))
-                 for values in itertools.product(*grid.values())]
-        yield from [min(found, key=lambda e: e.step_s)] if entry.get("keep") == "cheapest" else found
+        if space.batch % p == 0:
+            found = [space.add(Plan(name, p, p, space.batch, tuple(zip(grid, values))))
+                     for values in itertools.product(*grid.values())]
+            yield from [min(found, key=lambda e: e.step_s)] if entry.get("keep") == "cheapest" else found
 
 
 def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
@@ -112,20 +102,17 @@ def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
 def pipeline_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     """``"plans": "pipeline"``: ``p = 2..N`` stages (at most one per layer; one process for all with
     ``"processes": "one"``), each ``m`` of :data:`MICROBATCHES` dividing the batch (only ``m = 1`` without a
-    ``"microbatches"`` role), the best balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit.
-    Its ``"options"`` map the roles ``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule`` to
-    the strategy's option names."""
+    ``"microbatches"`` role), the best balance of each (:func:`best_balance`), 1f1b where gpipe's does not fit;
+    ``"options"`` maps roles ``microbatches``, ``stages``, ``balance``, ``split_points``, ``schedule`` to options."""
     roles, batch, most = entry["options"], space.batch, min(space.topo.ranks, len(space.prof_for(1).layers))
-    for p, m in itertools.product(range(2, most + 1), MICROBATCHES):
-        if batch % m or (m == 1) != ("microbatches" not in roles):
-            continue
+    micro = [m for m in MICROBATCHES if batch % m == 0 and (m == 1) == ("microbatches" not in roles)]
+    for p, m in itertools.product(range(2, most + 1), micro):
         procs = 1 if entry.get("processes") == "one" else p
 
         def make(balance, schedule="gpipe"):
             values = {"microbatches": m, "stages": p, "balance": balance, "schedule": schedule,
                       "split_points": tuple(itertools.accumulate(balance[:-1]))}
-            opts = tuple((dest, values[role]) for role, dest in roles.items()
-                         if role != "schedule" or schedule != "gpipe")
+            opts = tuple((dest, values[role]) for role, dest in roles.items() if values[role] != "gpipe")
             return space.add(Plan(name, procs, p, batch, opts))
 
         est = best_balance(make, space.prof_for(procs), p, batch / m)
@@ -172,10 +159,9 @@ def check_fits(estimates: list[Estimate], limit_gb: float | None) -> None:
 
 
 def _valid(p: MeshPlan, model, batch: int) -> bool:
-    """What the dimensions accept: a CNN dp and pp (at most one stage per layer); a GPT's tp divides the heads, pp
-    the blocks, 2·cp the sequence (zig-zag), cp and pp not together, ep the experts (a MoE takes only dp and ep),
-    SP only with tp; ``dp·ep·m`` divides the batch, ``m ≥ pp`` with a pipeline (else 1), ZeRO only where ranks
-    hold the same weights."""
+    """What the dimensions accept: a CNN dp and pp (at most one stage per layer); a GPT's tp divides the heads, pp the
+    blocks, 2·cp the sequence (zig-zag), cp and pp not together, ep the experts (a MoE takes only dp and ep), SP only
+    with tp; ``dp·ep·m`` divides the batch, ``m ≥ pp`` with a pipeline (else 1), ZeRO over ``dp·cp·ep > 1`` replicas."""
     if isinstance(model, Profile):
         shape = p.tp == p.cp == p.ep == 1 and not p.sequence_parallel and not p.recompute and p.pp <= len(model.layers)
     else:
@@ -196,22 +182,19 @@ def meshes(devices: int, model, batch: int) -> list[MeshPlan]:
 
 
 def mesh_candidates(model, topo: Topology, batch: int, devices: int | None = None) -> list[Estimate]:
-    """Every plan of :func:`meshes` priced (a GPT's :class:`~labkit.parallel.pricing.GPTShape` or a CNN's
-    profile), best first (plans that do not fit last; ties to the one of less memory)."""
-    return sorted((price_mesh(p, model, topo, batch) for p in meshes(devices or topo.ranks, model, batch)), key=_key)
+    """Every plan of :func:`meshes` priced (``model``: a GPT's ``GPTShape`` or a CNN's profile), best first."""
+    found = (price_mesh(p, model, topo, batch) for p in meshes(devices or topo.ranks, model, batch))
+    return sorted(found, key=lambda e: (not e.feasible, e.step_s, e.peak_bytes, e.plan.label))
 
 
 def frontier(estimates: list[Estimate]) -> list[Estimate]:
     """The feasible plans no other beats on both step time and memory (fastest first)."""
-    out: list[Estimate] = []
-    for e in sorted((e for e in estimates if e.feasible), key=_key):
-        if not out or e.peak_bytes < out[-1].peak_bytes:
-            out.append(e)
-    return out
+    ranked = sorted((e for e in estimates if e.feasible), key=lambda e: (e.step_s, e.peak_bytes))
+    least = itertools.accumulate((e.peak_bytes for e in ranked), min, initial=math.inf)  # of the plans before each
+    return [e for e, before in zip(ranked, least) if e.peak_bytes < before]
 
 
 def size(nbytes: float) -> str:
-    """``12 GB`` at a gigabyte or more, else ``3.4 MB``."""
     return f"{nbytes / GB:.0f} GB" if nbytes >= GB else f"{nbytes / MB:.1f} MB"
 
 
