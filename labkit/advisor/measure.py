@@ -135,8 +135,8 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
     return statistics.median(ratios)
 
 
-def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3,
-                    windows: int = WINDOWS, window_s: float = WINDOW_S) -> Profile:
+def measure_profile(model: str, dataset: str, batch_size: int, threads: int, windows: int = WINDOWS,
+                    window_s: float = WINDOW_S) -> Profile:
     """Profile ``model`` at ``threads`` CPU threads at ``batch_size`` and ``batch_size // 8``; ``windows`` of
     ``window_s`` time each level and κ (fewer and shorter: quicker and noisier)."""
     info = kdata.dataset_info(dataset)
@@ -149,9 +149,9 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     try:
         base = int(process_memory_gb()[0] * 2**30)
         torch.manual_seed(0)
-        times = [_layer_times(copy.deepcopy(seq), torch.randn(b, *shape), repeats) for b in sizes]
+        times = [_layer_times(copy.deepcopy(seq), torch.randn(b, *shape), repeats=3) for b in sizes]
         saved = [s // sizes[0] for s in estimate_layer_memory(seq, torch.randn(sizes[0], *shape), param_scale=0)]
-        data_s, update_s, whole = loop_costs(copy.deepcopy(seq), dataset, sizes, max(5, repeats), windows, window_s)
+        data_s, update_s, whole = loop_costs(copy.deepcopy(seq), dataset, sizes, 5, windows, window_s)
         n = copies(threads)  # κ over the n processes that fill the cores (one: 1)
         kappa = max(1.0, statistics.fmean(run_ranks(_together_rank, n, copy.deepcopy(seq), dataset, sizes[1], windows,
                                                     threads, window_s, timeout=600))) if n > 1 else 1.0
@@ -180,22 +180,21 @@ def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path |
 
 
 def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
-                    refresh: bool = False, repeats: int = 3, **timing) -> Profile:
-    """The cached profile if measured here with these settings, else a fresh one, cached."""
+                    refresh: bool = False, **timing) -> Profile:
+    """The cached profile if measured here with these settings, else a fresh one (:func:`measure_profile`), cached."""
     where, key = _cache(model, dataset, batch_size, threads, root)
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, old or damaged: measure
         summary = None if refresh else load_run(where).summary
         if summary and summary["config"].get("key") == key:
             return profile_from_dict(summary["metrics"]["profile"])
-    prof = measure_profile(model, dataset, batch_size, threads, repeats, **timing)
-    save_profile(prof, batch_size, root)
-    return prof
+    return save_profile(measure_profile(model, dataset, batch_size, threads, **timing), batch_size, root)
 
 
-def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> None:
-    """Write ``prof`` as a run where :func:`load_or_measure` finds it."""
+def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Profile:
+    """Write ``prof`` as a run where :func:`load_or_measure` finds it; returns it."""
     where, key = _cache(prof.model, prof.dataset, batch_size, prof.threads, root)
     RunWriter(where).finish(f"profile {prof.model}", "profile", {"key": key}, {"profile": asdict(prof)})
+    return prof
 
 
 def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
