@@ -199,14 +199,13 @@ def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Pr
 
 def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
     """``(α, β)`` of a ``kind`` collective over ``ranks`` ranks from ``[(n bytes, seconds), ...]``: the line
-    ``T(n) = a + c·n`` through them, ``α = a / m``, ``β = c / s`` with ``(m, s)`` the kind's
-    :func:`~labkit.advisor.topology.ring_counts`."""
+    ``T(n) = a + c·n`` through them; ``α = a / m``, ``β = c / s``, ``(m, s)`` = ``ring_counts(kind, ranks)``."""
     a, c = fit_alpha_beta(*zip(*points))
     messages, share = ring_counts(kind, ranks)
     return a / messages, c / share
 
 
-def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
+def _fit_rank(env, windows: int, calls: int) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
     rank, p, device = env.rank, env.world_size, kdist.comm_device()  # NCCL takes CUDA tensors only
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -239,26 +238,22 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
             for _ in range(windows):  # paired windows: a slow spell of the machine falls on both
                 alone = timed(lambda _: work(), 1, setup=dist.barrier, calls=calls)
                 extra.append(timed(lambda _: (work(), call(), sync()), 1, setup=dist.barrier, calls=calls) - alone)
-            slowest = torch.tensor(statistics.median(extra), dtype=torch.float64)
-            kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            slowest = kdist.all_reduce(torch.tensor(statistics.median(extra), dtype=torch.float64), op=dist.ReduceOp.MAX)
             if slowest.item() > 0 or kind == "p2p":  # a cost lost in the computing's noise says nothing
                 points[kind].append((n * 4, max(slowest.item(), 1e-6)))
     fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS
               if len(points[kind]) >= 2 or kind == "p2p"}
     a, b = torch.zeros(1 << 20), torch.ones(1 << 20)
     gamma = kdist.all_reduce(torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64))
-    return {**fitted["p2p"], "gamma": gamma.item() / p, "p2p": points["p2p"],
-            "kinds": {k: v for k, v in fitted.items() if k != "p2p"}}
+    return {**fitted.pop("p2p"), "gamma": gamma.item() / p, "p2p": points["p2p"], "kinds": fitted}
 
 
 def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FIT_WINDOWS,
                  calls: int = CALLS) -> tuple[CostModel, dict]:
-    """``(link, kinds)``: the α-β-γ fit and the kinds' α-β over ``ranks`` ranks cached at ``out`` with its kinds, else
-    (or with ``refresh``) fitted on spawned gloo ranks and cached there: each kind of collective
-    (:data:`~labkit.advisor.topology.KINDS`) timed at :data:`FIT_SIZES` after :data:`WORK_S` of computing, less the
-    computing alone, on the slowest rank; sizes lost in the noise left out (a kind left with under two pays the
-    point-to-point link); α and β by :func:`fit_kind`. Fewer ``windows`` and ``calls``: quicker, noisier. One rank
-    has no link: all zero."""
+    """``(link, kinds)``: the α-β-γ fit and each kind's α-β over ``ranks`` ranks, read from the run at ``out``, else
+    (or with ``refresh``) fitted on spawned gloo ranks and written there: each of the ``KINDS`` of collective timed
+    at :data:`FIT_SIZES` after :data:`WORK_S` of computing, less the computing alone, on the slowest rank (a kind
+    left with under two sizes out of the noise pays the point-to-point link); α and β by :func:`fit_kind`."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
     fit = None
