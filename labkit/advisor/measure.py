@@ -115,12 +115,11 @@ def copies(threads: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, threads))
 
 
-def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: int, threads: int,
-                   window_s: float) -> float:
+def _together_rank(env, model: nn.Module, dataset: str, b: int, rounds: int, threads: int, window_s: float) -> float:
     """This rank's κ: ``rounds`` rounds of each rank stepping ``model`` alone (:func:`loop_step`, then a barrier),
     then all at once; the median of its ratios (κ is the ranks' mean, at least 1)."""
     torch.set_num_threads(threads)
-    step, _, warm = loop_step(model, _batches(load_split("tensor", dataset, train=True), batch), window_s)
+    step, _, warm = loop_step(model, _batches(load_split("tensor", dataset, train=True), b), window_s)
     slowest = kdist.all_reduce(torch.tensor([warm]), op=dist.ReduceOp.MAX).item()
     calls = max(1, math.ceil(window_s / max(slowest, 1e-6)))  # the same on every rank
 
@@ -137,8 +136,7 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
 
 def measure_profile(model: str, dataset: str, batch_size: int, threads: int, windows: int = WINDOWS,
                     window_s: float = WINDOW_S) -> Profile:
-    """Profile ``model`` at ``threads`` CPU threads at ``batch_size`` and ``batch_size // 8``; ``windows`` of
-    ``window_s`` time each level and κ (fewer and shorter: quicker and noisier)."""
+    """Profile ``model`` at ``threads`` CPU threads at ``batch_size // 8`` (at least 2) and ``batch_size`` samples."""
     info = kdata.dataset_info(dataset)
     net = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
     seq, shape = kmodels.to_sequential(net).train(), (info.in_channels, info.image_size, info.image_size)
