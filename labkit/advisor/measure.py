@@ -75,10 +75,9 @@ def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tu
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         forward = timed(lambda: layer(inp), repeats)
-        y = layer(inp)
-        grad = torch.randn_like(y)
-        backward = timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp)) if y.requires_grad else 0.0
-        x = y.detach()
+        x = layer(inp)  # the next layer's input
+        grad = torch.randn_like(x)
+        backward = timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp)) if x.requires_grad else 0.0
         out.append((forward, backward, x[0].numel() * x.element_size()))
     return out
 
