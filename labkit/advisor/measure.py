@@ -133,9 +133,22 @@ def _together_rank(env, model: nn.Module, dataset: str, b: int, rounds: int, thr
     return statistics.median(ratios)
 
 
-def measure_profile(model: str, dataset: str, batch_size: int, threads: int, windows: int = WINDOWS,
-                    window_s: float = WINDOW_S) -> Profile:
-    """Profile ``model`` at ``threads`` CPU threads at ``batch_size // 8`` (at least 2) and ``batch_size`` samples."""
+def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path | str) -> tuple[Path, dict]:
+    """(folder, key): where a profile is cached and what it must have been measured with to be reused."""
+    return Path(root) / f"profile-{model}-{dataset}-b{batch_size}-t{threads}", {
+        "format": FORMAT, "model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
+        "torch": torch.__version__, "host": os.uname().nodename}
+
+
+def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
+                    refresh: bool = False, windows: int = WINDOWS, window_s: float = WINDOW_S) -> Profile:
+    """``model``'s profile at ``threads`` CPU threads at ``batch_size // 8`` (at least 2) and ``batch_size`` samples:
+    the cached one if measured here with these settings, else one measured now, then cached."""
+    where, key = _cache(model, dataset, batch_size, threads, root)
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, old or damaged: measure
+        summary = None if refresh else load_run(where).summary
+        if summary and summary["config"].get("key") == key:
+            return profile_from_dict(summary["metrics"]["profile"])
     info = kdata.dataset_info(dataset)
     net = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
     seq, shape = kmodels.to_sequential(net).train(), (info.in_channels, info.image_size, info.image_size)
@@ -164,27 +177,10 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, win
                            sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
               for (name, layer), (f0, b0, out), (f1, b1, _), held in zip(seq.named_children(), *times, saved)]
     pairs = linear_pairs(list(seq))
-    return Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
+    prof = Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
                    len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential) else None, pairs,
                    [seq[i].out_features for i, _ in pairs], kappa)
-
-
-def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path | str) -> tuple[Path, dict]:
-    """(folder, key): where a profile is cached and what it must have been measured with to be reused."""
-    return Path(root) / f"profile-{model}-{dataset}-b{batch_size}-t{threads}", {
-        "format": FORMAT, "model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
-        "torch": torch.__version__, "host": os.uname().nodename}
-
-
-def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
-                    refresh: bool = False, **timing) -> Profile:
-    """The cached profile if measured here with these settings, else a fresh one (:func:`measure_profile`), cached."""
-    where, key = _cache(model, dataset, batch_size, threads, root)
-    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, old or damaged: measure
-        summary = None if refresh else load_run(where).summary
-        if summary and summary["config"].get("key") == key:
-            return profile_from_dict(summary["metrics"]["profile"])
-    return save_profile(measure_profile(model, dataset, batch_size, threads, **timing), batch_size, root)
+    return save_profile(prof, batch_size, root)
 
 
 def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Profile:
