@@ -1,8 +1,7 @@
-"""The advisor's measurements (every time taken with :func:`timed`), each cached as a run: this machine's links
-(:func:`measure_link`), and the model's profile (:func:`load_or_measure`): per layer ``i`` of the flat
-``nn.Sequential`` its bytes and its times at two batch sizes, fitted to lines (the shape, layers timed alone); the
-level from ``labkit train``'s own step (:func:`loop_costs`); κ, the slowdown of processes computing at once
-(:func:`_together_rank`):
+"""The advisor's measurements, each cached as a run, every time taken with :func:`timed`: this machine's links
+(:func:`measure_link`) and the model's profile (:func:`load_or_measure`): per layer ``i`` of the flat ``nn.Sequential``
+its bytes and times at two batch sizes fitted to lines (the shape, layers timed alone), the level from the training
+loop's own step (:func:`loop_costs`) and κ, the slowdown of processes computing at once (:func:`_together_rank`):
 
     fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
     scale(b) = (step(b) − u·P − d·b) / Σ_i (fwd_i + bwd_i)(b)      κ = step of each of n at once / its step alone
@@ -125,7 +124,6 @@ def _together_rank(env, model: nn.Module, dataset: str, b: int, rounds: int, thr
     def synced():  # a step of a plan of several processes ends when the last of them is done
         step()
         dist.barrier()
-
     ratios = []
     for _ in range(rounds):  # each rank alone in turn (the others asleep in its barriers), then all at once
         alone = [timed(synced if turn == env.rank else dist.barrier, 1, calls=calls) for turn in range(env.world_size)]
@@ -202,7 +200,6 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
     rank, p, device = env.rank, env.world_size, kdist.comm_device()  # NCCL takes CUDA tensors only
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
     m = torch.randn(128, 128, device=device)
     reps = torch.tensor([max(1, round(WORK_S / timed(lambda: (m @ m, sync()), 5, 0.5, window_s=0.01)))])
     kdist.all_reduce(reps, op=dist.ReduceOp.MIN)  # the same work on every rank
@@ -221,7 +218,6 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
             ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % p), dist.P2POp(dist.isend, send, (rank + 1) % p)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-
         collective = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
                       "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
                       "all_gather": lambda: dist.all_gather_single(full, shard),
