@@ -53,7 +53,6 @@ def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=
         for _ in range(n):
             fn(state) if setup else fn()
         return (perf_counter() - start) / n
-
     calls = calls or max(1, math.ceil(window_s / max(window(1), 1e-6)))
     return sorted(window(calls) for _ in range(windows))[round(quantile * (windows - 1))]
 
@@ -96,8 +95,7 @@ def loop_step(model: nn.Module, batches, window_s: float):
 
 def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, windows: int = WINDOWS,
                window_s: float = WINDOW_S) -> tuple[float, float, list[float]]:
-    """``(d, u, [step(b) for b in sizes])``: ``step(b)`` the lower quartile of ``windows`` windows of
-    :func:`loop_step` on ``labkit train``'s default loader."""
+    """``(d, u, [step(b) for b in sizes])``, ``step(b)`` the lower quartile of ``windows`` windows of :func:`loop_step`."""
     train_set = load_split("tensor", dataset, train=True)
     steps = []
     for b in sizes:
@@ -114,8 +112,7 @@ def copies(threads: int) -> int:
 
 
 def _together_rank(env, model: nn.Module, dataset: str, b: int, rounds: int, threads: int, window_s: float) -> float:
-    """This rank's κ: ``rounds`` rounds of each rank stepping ``model`` alone (:func:`loop_step`, then a barrier),
-    then all at once; the median of its ratios (κ is the ranks' mean, at least 1)."""
+    """This rank's κ: the median over ``rounds`` rounds of its step (:func:`loop_step`) all at once ÷ alone."""
     torch.set_num_threads(threads)
     step, _, warm = loop_step(model, _batches(load_split("tensor", dataset, train=True), b), window_s)
     slowest = kdist.all_reduce(torch.tensor([warm]), op=dist.ReduceOp.MAX).item()
@@ -140,8 +137,7 @@ def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path |
 
 def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
                     refresh: bool = False, windows: int = WINDOWS, window_s: float = WINDOW_S) -> Profile:
-    """``model``'s profile at ``threads`` CPU threads at ``batch_size // 8`` (at least 2) and ``batch_size`` samples:
-    the cached one if measured here with these settings, else one measured now, then cached."""
+    """The profile at ``threads`` CPU threads at ``batch_size // 8`` (at least 2) and ``batch_size`` samples, cached."""
     where, key = _cache(model, dataset, batch_size, threads, root)
     with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, old or damaged: measure
         summary = None if refresh else load_run(where).summary
@@ -160,7 +156,7 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
         times = [_layer_times(copy.deepcopy(seq), torch.randn(b, *shape), repeats=3) for b in sizes]
         saved = [s // sizes[0] for s in estimate_layer_memory(seq, torch.randn(sizes[0], *shape), param_scale=0)]
         data_s, update_s, whole = loop_costs(copy.deepcopy(seq), dataset, sizes, 5, windows, window_s)
-        n = copies(threads)  # κ over the n processes that fill the cores (one: 1)
+        n = copies(threads)  # κ: the mean over the n processes that fill the cores, at least 1 (one process: 1)
         kappa = max(1.0, statistics.fmean(run_ranks(_together_rank, n, copy.deepcopy(seq), dataset, sizes[1], windows,
                                                     threads, window_s, timeout=600))) if n > 1 else 1.0
     finally:
@@ -208,7 +204,6 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
         for _ in range(int(reps.item())):
             m @ m
         sync()
-
     points: dict[str, list] = {kind: [] for kind in KINDS}
     for nbytes in FIT_SIZES:
         n = max(p, nbytes // 4 // p * p)  # elements, divisible by p
@@ -239,10 +234,9 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
 
 def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FIT_WINDOWS,
                  calls: int = CALLS) -> tuple[CostModel, dict]:
-    """``(link, kinds)``: the α-β-γ fit and each kind's α-β over ``ranks`` ranks, read from the run at ``out``, else
-    (or with ``refresh``) fitted on spawned gloo ranks and written there: each of the ``KINDS`` of collective timed
-    at :data:`FIT_SIZES` after :data:`WORK_S` of computing, less the computing alone, on the slowest rank (a kind
-    left with under two sizes out of the noise pays the point-to-point link); α and β by :func:`fit_kind`."""
+    """``(link, kinds)``: the α-β-γ fit and each kind's α-β (:func:`fit_kind`) over ``ranks`` ranks, read from the run
+    at ``out``, else (or with ``refresh``) fitted on spawned gloo ranks and written there: each of ``KINDS`` timed at
+    :data:`FIT_SIZES` after :data:`WORK_S` of computing, less that computing alone, on the slowest rank."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
     fit = None
