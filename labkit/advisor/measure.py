@@ -171,10 +171,9 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
                            sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
               for (name, layer), (f0, b0, out), (f1, b1, _), held in zip(seq.named_children(), *times, saved)]
     pairs = linear_pairs(list(seq))
-    prof = Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
-                   len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs], kappa)
-    return save_profile(prof, batch_size, root)
+    return save_profile(Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
+                                len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential)
+                                else None, pairs, [seq[i].out_features for i, _ in pairs], kappa), batch_size, root)
 
 
 def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Profile:
@@ -225,8 +224,7 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
             slowest = kdist.all_reduce(torch.tensor(statistics.median(extra), dtype=torch.float64), op=dist.ReduceOp.MAX)
             if slowest.item() > 0 or kind == "p2p":  # a cost lost in the computing's noise says nothing
                 points[kind].append((n * 4, max(slowest.item(), 1e-6)))
-    fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS
-              if len(points[kind]) >= 2 or kind == "p2p"}
+    fitted = {k: dict(zip(("alpha", "beta"), fit_kind(k, v, p))) for k, v in points.items() if len(v) >= 2}
     a, b = torch.zeros(1 << 20), torch.ones(1 << 20)
     gamma = kdist.all_reduce(torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64))
     return {**fitted.pop("p2p"), "gamma": gamma.item() / p, "p2p": points["p2p"], "kinds": fitted}
