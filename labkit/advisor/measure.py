@@ -57,10 +57,6 @@ def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=
     return sorted(window(calls) for _ in range(windows))[round(quantile * (windows - 1))]
 
 
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def _batches(train_set, b: int):
     """``labkit train``'s default loader (resident tensors) of ``b`` samples, epoch after epoch."""
     return chain.from_iterable(repeat(kdata.make_loader(train_set, b, shuffle=True, drop_last=True)))
@@ -103,7 +99,7 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
         data = timed(lambda: next(batches), repeats, window_s=window_s) / b
         step, opt, _ = loop_step(model, batches, window_s)
         steps.append(timed(step, windows, 0.25, window_s))
-    return data, timed(opt.step, repeats, window_s=window_s) / max(1, _bytes(model.parameters())), steps
+    return data, timed(opt.step, repeats, window_s=window_s) / max(1, sum(p.nbytes for p in model.parameters())), steps
 
 
 def copies(threads: int) -> int:
@@ -161,14 +157,15 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
                                                     threads, window_s, timeout=600))) if n > 1 else 1.0
     finally:
         torch.set_num_threads(before)
-    s0, s1 = [max(0.0, whole[k] - update_s * _bytes(seq.parameters()) - data_s * sizes[k]) /
+    s0, s1 = [max(0.0, whole[k] - update_s * sum(p.nbytes for p in seq.parameters()) - data_s * sizes[k]) /
               max(1e-12, sum(f + b for f, b, _ in times[k])) for k in range(2)]  # scale(b) at both sizes
     def line(t0: float, t1: float) -> tuple[float, float]:  # (a, c) of t = a + c·b through both sizes, a, c >= 0
         c = max(0.0, (t1 * s1 - t0 * s0) / (sizes[1] - sizes[0]))
         return max(0.0, t0 * s0 - c * sizes[0]), c
-    layers = [LayerProfile(name, type(layer).__name__, line(f0, f1), line(b0, b1), _bytes(layer.parameters()), out,
-                           held, sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
-                           sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
+    layers = [LayerProfile(name, type(layer).__name__, line(f0, f1), line(b0, b1),
+                           sum(p.nbytes for p in layer.parameters()), out, held,
+                           sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
+                           sum(1 for _ in layer.buffers()), sum(t.nbytes for t in layer.buffers()))
               for (name, layer), (f0, b0, out), (f1, b1, _), held in zip(seq.named_children(), *times, saved)]
     pairs = linear_pairs(list(seq))
     return save_profile(Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
