@@ -117,6 +117,7 @@ def _together_rank(env, model: nn.Module, dataset: str, b: int, rounds: int, thr
     def synced():  # a step of a plan of several processes ends when the last of them is done
         step()
         dist.barrier()
+
     ratios = []
     for _ in range(rounds):  # each rank alone in turn (the others asleep in its barriers), then all at once
         alone = [timed(synced if turn == env.rank else dist.barrier, 1, calls=calls) for turn in range(env.world_size)]
@@ -200,6 +201,7 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
         for _ in range(int(reps.item())):
             m @ m
         sync()
+
     points: dict[str, list] = {kind: [] for kind in KINDS}
     for nbytes in FIT_SIZES:
         n = max(p, nbytes // 4 // p * p)  # elements, divisible by p
