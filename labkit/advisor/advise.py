@@ -69,7 +69,7 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
            refresh: bool = False, profile_topology: Topology | None = None, timing: dict | None = None) -> Advice:
     """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``) at
     global batch ``batch_size``, marking those over ``memory_limit_gb`` per device (none fitting: a ConfigError);
-    profiles at ``profile_topology``'s threads; ``timing``: ``measure.measure_profile``'s windows and window_s."""
+    profiles at ``profile_topology``'s threads; ``timing``: ``measure.load_or_measure``'s windows and window_s."""
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     kdata.dataset_info(dataset)

@@ -1,8 +1,7 @@
-"""The advisor's measurements (every time taken with :func:`timed`), each cached as a run: this machine's links
-(:func:`measure_link`), and the model's profile (:func:`load_or_measure`): per layer ``i`` of the flat
-``nn.Sequential`` its bytes and its times at two batch sizes, fitted to lines (the shape, layers timed alone); the
-level from ``labkit train``'s own step (:func:`loop_costs`); κ, the slowdown of processes computing at once
-(:func:`_together_rank`):
+"""The advisor's measurements, each cached as a run, every time taken with :func:`timed`: this machine's links
+(:func:`measure_link`) and the model's profile (:func:`load_or_measure`): per layer ``i`` of the flat ``nn.Sequential``
+its bytes and times at two batch sizes fitted to lines (the shape, layers timed alone), the level from the training
+loop's own step (:func:`loop_costs`) and κ, the slowdown of processes computing at once (:func:`_together_rank`):
 
     fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
     scale(b) = (step(b) − u·P − d·b) / Σ_i (fwd_i + bwd_i)(b)      κ = step of each of n at once / its step alone
@@ -54,13 +53,8 @@ def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=
         for _ in range(n):
             fn(state) if setup else fn()
         return (perf_counter() - start) / n
-
     calls = calls or max(1, math.ceil(window_s / max(window(1), 1e-6)))
     return sorted(window(calls) for _ in range(windows))[round(quantile * (windows - 1))]
-
-
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _batches(train_set, b: int):
@@ -75,10 +69,9 @@ def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tu
     for i, layer in enumerate(model):
         inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
         forward = timed(lambda: layer(inp), repeats)
-        y = layer(inp)
-        grad = torch.randn_like(y)
-        backward = timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp)) if y.requires_grad else 0.0
-        x = y.detach()
+        x = layer(inp)  # the next layer's input
+        grad = torch.randn_like(x)
+        backward = timed(lambda y: y.backward(grad), repeats, setup=lambda: layer(inp)) if x.requires_grad else 0.0
         out.append((forward, backward, x[0].numel() * x.element_size()))
     return out
 
@@ -98,8 +91,7 @@ def loop_step(model: nn.Module, batches, window_s: float):
 
 def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, windows: int = WINDOWS,
                window_s: float = WINDOW_S) -> tuple[float, float, list[float]]:
-    """``(d, u, [step(b) for b in sizes])``: ``step(b)`` the lower quartile of ``windows`` windows of
-    :func:`loop_step` on ``labkit train``'s default loader."""
+    """``(d, u, [step(b) for b in sizes])``, ``step(b)`` the lower quartile of ``windows`` windows of :func:`loop_step`."""
     train_set = load_split("tensor", dataset, train=True)
     steps = []
     for b in sizes:
@@ -107,7 +99,7 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
         data = timed(lambda: next(batches), repeats, window_s=window_s) / b
         step, opt, _ = loop_step(model, batches, window_s)
         steps.append(timed(step, windows, 0.25, window_s))
-    return data, timed(opt.step, repeats, window_s=window_s) / max(1, _bytes(model.parameters())), steps
+    return data, timed(opt.step, repeats, window_s=window_s) / max(1, sum(p.nbytes for p in model.parameters())), steps
 
 
 def copies(threads: int) -> int:
@@ -115,12 +107,10 @@ def copies(threads: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, threads))
 
 
-def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: int, threads: int,
-                   window_s: float) -> float:
-    """This rank's κ: ``rounds`` rounds of each rank stepping ``model`` alone (:func:`loop_step`, then a barrier),
-    then all at once; the median of its ratios (κ is the ranks' mean, at least 1)."""
+def _together_rank(env, model: nn.Module, dataset: str, b: int, rounds: int, threads: int, window_s: float) -> float:
+    """This rank's κ: the median over ``rounds`` rounds of its step (:func:`loop_step`) all at once ÷ alone."""
     torch.set_num_threads(threads)
-    step, _, warm = loop_step(model, _batches(load_split("tensor", dataset, train=True), batch), window_s)
+    step, _, warm = loop_step(model, _batches(load_split("tensor", dataset, train=True), b), window_s)
     slowest = kdist.all_reduce(torch.tensor([warm]), op=dist.ReduceOp.MAX).item()
     calls = max(1, math.ceil(window_s / max(slowest, 1e-6)))  # the same on every rank
 
@@ -135,10 +125,21 @@ def _together_rank(env, model: nn.Sequential, dataset: str, batch: int, rounds: 
     return statistics.median(ratios)
 
 
-def measure_profile(model: str, dataset: str, batch_size: int, threads: int, repeats: int = 3,
-                    windows: int = WINDOWS, window_s: float = WINDOW_S) -> Profile:
-    """Profile ``model`` at ``threads`` CPU threads at ``batch_size`` and ``batch_size // 8``; ``windows`` of
-    ``window_s`` time each level and κ (fewer and shorter: quicker and noisier)."""
+def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path | str) -> tuple[Path, dict]:
+    """(folder, key): where a profile is cached and what it must have been measured with to be reused."""
+    return Path(root) / f"profile-{model}-{dataset}-b{batch_size}-t{threads}", {
+        "format": FORMAT, "model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
+        "torch": torch.__version__, "host": os.uname().nodename}
+
+
+def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
+                    refresh: bool = False, windows: int = WINDOWS, window_s: float = WINDOW_S) -> Profile:
+    """The profile at ``threads`` CPU threads at ``batch_size // 8`` (at least 2) and ``batch_size`` samples, cached."""
+    where, key = _cache(model, dataset, batch_size, threads, root)
+    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, old or damaged: measure
+        summary = None if refresh else load_run(where).summary
+        if summary and summary["config"].get("key") == key:
+            return profile_from_dict(summary["metrics"]["profile"])
     info = kdata.dataset_info(dataset)
     net = kmodels.get_model(model, info.num_classes, info.in_channels, info.image_size)
     seq, shape = kmodels.to_sequential(net).train(), (info.in_channels, info.image_size, info.image_size)
@@ -149,69 +150,49 @@ def measure_profile(model: str, dataset: str, batch_size: int, threads: int, rep
     try:
         base = int(process_memory_gb()[0] * 2**30)
         torch.manual_seed(0)
-        times = [_layer_times(copy.deepcopy(seq), torch.randn(b, *shape), repeats) for b in sizes]
+        times = [_layer_times(copy.deepcopy(seq), torch.randn(b, *shape), repeats=3) for b in sizes]
         saved = [s // sizes[0] for s in estimate_layer_memory(seq, torch.randn(sizes[0], *shape), param_scale=0)]
-        data_s, update_s, whole = loop_costs(copy.deepcopy(seq), dataset, sizes, max(5, repeats), windows, window_s)
-        n = copies(threads)  # κ over the n processes that fill the cores (one: 1)
+        data_s, update_s, whole = loop_costs(copy.deepcopy(seq), dataset, sizes, 5, windows, window_s)
+        n = copies(threads)  # κ: the mean over the n processes that fill the cores, at least 1 (one process: 1)
         kappa = max(1.0, statistics.fmean(run_ranks(_together_rank, n, copy.deepcopy(seq), dataset, sizes[1], windows,
                                                     threads, window_s, timeout=600))) if n > 1 else 1.0
     finally:
         torch.set_num_threads(before)
-    s0, s1 = [max(0.0, whole[k] - update_s * _bytes(seq.parameters()) - data_s * sizes[k]) /
+    s0, s1 = [max(0.0, whole[k] - update_s * sum(p.nbytes for p in seq.parameters()) - data_s * sizes[k]) /
               max(1e-12, sum(f + b for f, b, _ in times[k])) for k in range(2)]  # scale(b) at both sizes
     def line(t0: float, t1: float) -> tuple[float, float]:  # (a, c) of t = a + c·b through both sizes, a, c >= 0
         c = max(0.0, (t1 * s1 - t0 * s0) / (sizes[1] - sizes[0]))
         return max(0.0, t0 * s0 - c * sizes[0]), c
-    layers = [LayerProfile(name, type(layer).__name__, line(f0, f1), line(b0, b1), _bytes(layer.parameters()), out,
-                           held, sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
-                           sum(1 for _ in layer.buffers()), _bytes(layer.buffers()))
+    layers = [LayerProfile(name, type(layer).__name__, line(f0, f1), line(b0, b1),
+                           sum(p.nbytes for p in layer.parameters()), out, held,
+                           sum(1 for m in layer.modules() if any(True for _ in m.parameters(recurse=False))),
+                           sum(1 for _ in layer.buffers()), sum(t.nbytes for t in layer.buffers()))
               for (name, layer), (f0, b0, out), (f1, b1, _), held in zip(seq.named_children(), *times, saved)]
     pairs = linear_pairs(list(seq))
-    return Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
-                   len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential) else None, pairs,
-                   [seq[i].out_features for i, _ in pairs], kappa)
+    return save_profile(Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
+                                len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential)
+                                else None, pairs, [seq[i].out_features for i, _ in pairs], kappa), batch_size, root)
 
 
-def _cache(model: str, dataset: str, batch_size: int, threads: int, root: Path | str) -> tuple[Path, dict]:
-    """(folder, key): where a profile is cached and what it must have been measured with to be reused."""
-    return Path(root) / f"profile-{model}-{dataset}-b{batch_size}-t{threads}", {
-        "format": FORMAT, "model": model, "dataset": dataset, "batch_size": batch_size, "threads": threads,
-        "torch": torch.__version__, "host": os.uname().nodename}
-
-
-def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, root: Path | str = CACHE,
-                    refresh: bool = False, repeats: int = 3, **timing) -> Profile:
-    """The cached profile if measured here with these settings, else a fresh one, cached."""
-    where, key = _cache(model, dataset, batch_size, threads, root)
-    with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):  # none, old or damaged: measure
-        summary = None if refresh else load_run(where).summary
-        if summary and summary["config"].get("key") == key:
-            return profile_from_dict(summary["metrics"]["profile"])
-    prof = measure_profile(model, dataset, batch_size, threads, repeats, **timing)
-    save_profile(prof, batch_size, root)
-    return prof
-
-
-def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> None:
-    """Write ``prof`` as a run where :func:`load_or_measure` finds it."""
+def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Profile:
+    """Write ``prof`` as a run where :func:`load_or_measure` finds it; returns it."""
     where, key = _cache(prof.model, prof.dataset, batch_size, prof.threads, root)
     RunWriter(where).finish(f"profile {prof.model}", "profile", {"key": key}, {"profile": asdict(prof)})
+    return prof
 
 
 def fit_kind(kind: str, points, ranks: int) -> tuple[float, float]:
     """``(α, β)`` of a ``kind`` collective over ``ranks`` ranks from ``[(n bytes, seconds), ...]``: the line
-    ``T(n) = a + c·n`` through them, ``α = a / m``, ``β = c / s`` with ``(m, s)`` the kind's
-    :func:`~labkit.advisor.topology.ring_counts`."""
+    ``T(n) = a + c·n`` through them; ``α = a / m``, ``β = c / s``, ``(m, s)`` = ``ring_counts(kind, ranks)``."""
     a, c = fit_alpha_beta(*zip(*points))
     messages, share = ring_counts(kind, ranks)
     return a / messages, c / share
 
 
-def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
+def _fit_rank(env, windows: int, calls: int) -> dict:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.world_size))  # as the plans' ranks run
     rank, p, device = env.rank, env.world_size, kdist.comm_device()  # NCCL takes CUDA tensors only
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
     m = torch.randn(128, 128, device=device)
     reps = torch.tensor([max(1, round(WORK_S / timed(lambda: (m @ m, sync()), 5, 0.5, window_s=0.01)))])
     kdist.all_reduce(reps, op=dist.ReduceOp.MIN)  # the same work on every rank
@@ -230,7 +211,6 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
             ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % p), dist.P2POp(dist.isend, send, (rank + 1) % p)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
-
         collective = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
                       "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
                       "all_gather": lambda: dist.all_gather_single(full, shard),
@@ -240,26 +220,20 @@ def _fit_rank(env, windows: int = FIT_WINDOWS, calls: int = CALLS) -> dict:
             for _ in range(windows):  # paired windows: a slow spell of the machine falls on both
                 alone = timed(lambda _: work(), 1, setup=dist.barrier, calls=calls)
                 extra.append(timed(lambda _: (work(), call(), sync()), 1, setup=dist.barrier, calls=calls) - alone)
-            slowest = torch.tensor(statistics.median(extra), dtype=torch.float64)
-            kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            slowest = kdist.all_reduce(torch.tensor(statistics.median(extra), dtype=torch.float64), op=dist.ReduceOp.MAX)
             if slowest.item() > 0 or kind == "p2p":  # a cost lost in the computing's noise says nothing
                 points[kind].append((n * 4, max(slowest.item(), 1e-6)))
-    fitted = {kind: dict(zip(("alpha", "beta"), fit_kind(kind, points[kind], p))) for kind in KINDS
-              if len(points[kind]) >= 2 or kind == "p2p"}
+    fitted = {k: dict(zip(("alpha", "beta"), fit_kind(k, v, p))) for k, v in points.items() if len(v) >= 2}
     a, b = torch.zeros(1 << 20), torch.ones(1 << 20)
     gamma = kdist.all_reduce(torch.tensor(timed(lambda: a.add_(b), 5, 0.0) / (a.numel() * 4), dtype=torch.float64))
-    return {**fitted["p2p"], "gamma": gamma.item() / p, "p2p": points["p2p"],
-            "kinds": {k: v for k, v in fitted.items() if k != "p2p"}}
+    return {**fitted.pop("p2p"), "gamma": gamma.item() / p, "p2p": points["p2p"], "kinds": fitted}
 
 
 def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FIT_WINDOWS,
                  calls: int = CALLS) -> tuple[CostModel, dict]:
-    """``(link, kinds)``: the α-β-γ fit and the kinds' α-β over ``ranks`` ranks cached at ``out`` with its kinds, else
-    (or with ``refresh``) fitted on spawned gloo ranks and cached there: each kind of collective
-    (:data:`~labkit.advisor.topology.KINDS`) timed at :data:`FIT_SIZES` after :data:`WORK_S` of computing, less the
-    computing alone, on the slowest rank; sizes lost in the noise left out (a kind left with under two pays the
-    point-to-point link); α and β by :func:`fit_kind`. Fewer ``windows`` and ``calls``: quicker, noisier. One rank
-    has no link: all zero."""
+    """``(link, kinds)``: the α-β-γ fit and each kind's α-β (:func:`fit_kind`) over ``ranks`` ranks, read from the run
+    at ``out``, else (or with ``refresh``) fitted on spawned gloo ranks and written there: each of ``KINDS`` timed at
+    :data:`FIT_SIZES` after :data:`WORK_S` of computing, less that computing alone, on the slowest rank."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
     fit = None
