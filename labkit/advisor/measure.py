@@ -1,7 +1,8 @@
 """The advisor's measurements, each cached as a run, every time taken with :func:`timed`: this machine's links
-(:func:`measure_link`) and the model's profile (:func:`load_or_measure`): per layer ``i`` of the flat ``nn.Sequential``
-its bytes and times at two batch sizes fitted to lines (the shape, layers timed alone), the level from the training
-loop's own step (:func:`loop_costs`) and κ, the slowdown of processes computing at once (:func:`_together_rank`):
+(:func:`measure_link`) and the model's profile (:func:`load_or_measure`): per layer ``i`` of the flat
+``nn.Sequential`` its bytes and times at two batch sizes fitted to lines (the shape, layers timed alone), the level
+from the training loop's own step (:func:`loop_costs`) and κ, the slowdown of processes computing at once
+(:func:`_together_rank`):
 
     fwd_i(b) = fwd0_i + fwd1_i · b          bwd_i(b) = bwd0_i + bwd1_i · b
     scale(b) = (step(b) − u·P − d·b) / Σ_i (fwd_i + bwd_i)(b)      κ = step of each of n at once / its step alone
@@ -53,6 +54,7 @@ def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=
         for _ in range(n):
             fn(state) if setup else fn()
         return (perf_counter() - start) / n
+
     calls = calls or max(1, math.ceil(window_s / max(window(1), 1e-6)))
     return sorted(window(calls) for _ in range(windows))[round(quantile * (windows - 1))]
 
@@ -91,7 +93,8 @@ def loop_step(model: nn.Module, batches, window_s: float):
 
 def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repeats: int, windows: int = WINDOWS,
                window_s: float = WINDOW_S) -> tuple[float, float, list[float]]:
-    """``(d, u, [step(b) for b in sizes])``, ``step(b)`` the lower quartile of ``windows`` windows of :func:`loop_step`."""
+    """``(d, u, [step(b) for b in sizes])``: ``step(b)`` the lower quartile of ``windows`` windows of
+    :func:`loop_step`."""
     train_set = load_split("tensor", dataset, train=True)
     steps = []
     for b in sizes:
@@ -99,7 +102,8 @@ def loop_costs(model: nn.Sequential, dataset: str, sizes: tuple[int, int], repea
         data = timed(lambda: next(batches), repeats, window_s=window_s) / b
         step, opt, _ = loop_step(model, batches, window_s)
         steps.append(timed(step, windows, 0.25, window_s))
-    return data, timed(opt.step, repeats, window_s=window_s) / max(1, sum(p.nbytes for p in model.parameters())), steps
+    update = timed(opt.step, repeats, window_s=window_s) / max(1, sum(p.nbytes for p in model.parameters()))
+    return data, update, steps
 
 
 def copies(threads: int) -> int:
@@ -169,9 +173,10 @@ def load_or_measure(model: str, dataset: str, batch_size: int, threads: int, roo
                            sum(1 for _ in layer.buffers()), sum(t.nbytes for t in layer.buffers()))
               for (name, layer), (f0, b0, out), (f1, b1, _), held in zip(seq.named_children(), *times, saved)]
     pairs = linear_pairs(list(seq))
-    return save_profile(Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base,
-                                len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential)
-                                else None, pairs, [seq[i].out_features for i, _ in pairs], kappa), batch_size, root)
+    features = len(net.features) if isinstance(getattr(net, "features", None), nn.Sequential) else None
+    prof = Profile(model, dataset, threads, sizes, layers, 4 * math.prod(shape), update_s, data_s, base, features,
+                   pairs, [seq[i].out_features for i, _ in pairs], kappa)
+    return save_profile(prof, batch_size, root)
 
 
 def save_profile(prof: Profile, batch_size: int, root: Path | str = CACHE) -> Profile:
@@ -211,6 +216,7 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
             ops = [dist.P2POp(dist.irecv, recv, (rank - 1) % p), dist.P2POp(dist.isend, send, (rank + 1) % p)]
             for request in dist.batch_isend_irecv(ops):
                 request.wait()
+
         collective = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
                       "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
                       "all_gather": lambda: dist.all_gather_single(full, shard),
@@ -220,7 +226,8 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
             for _ in range(windows):  # paired windows: a slow spell of the machine falls on both
                 alone = timed(lambda _: work(), 1, setup=dist.barrier, calls=calls)
                 extra.append(timed(lambda _: (work(), call(), sync()), 1, setup=dist.barrier, calls=calls) - alone)
-            slowest = kdist.all_reduce(torch.tensor(statistics.median(extra), dtype=torch.float64), op=dist.ReduceOp.MAX)
+            slowest = torch.tensor(statistics.median(extra), dtype=torch.float64)
+            slowest = kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if slowest.item() > 0 or kind == "p2p":  # a cost lost in the computing's noise says nothing
                 points[kind].append((n * 4, max(slowest.item(), 1e-6)))
     fitted = {k: dict(zip(("alpha", "beta"), fit_kind(k, v, p))) for k, v in points.items() if len(v) >= 2}
@@ -233,7 +240,8 @@ def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FI
                  calls: int = CALLS) -> tuple[CostModel, dict]:
     """``(link, kinds)``: the α-β-γ fit and each kind's α-β (:func:`fit_kind`) over ``ranks`` ranks, read from the run
     at ``out``, else (or with ``refresh``) fitted on spawned gloo ranks and written there: each of ``KINDS`` timed at
-    :data:`FIT_SIZES` after :data:`WORK_S` of computing, less that computing alone, on the slowest rank."""
+    :data:`FIT_SIZES` after :data:`WORK_S` of computing, less that computing alone, on the slowest rank; sizes lost
+    in that computing's noise left out (a kind left with under two pays the point-to-point link)."""
     if ranks == 1:
         return CostModel(0.0, 0.0, 0.0), {}
     fit = None
