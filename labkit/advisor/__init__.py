@@ -1,2 +1,1 @@
-"""The strategy advisor (``labkit advise``, ``labkit.parallelize(model, "auto")``): profile a model, price every
-strategy on a topology, search, validate, apply, each in a module of its own (the package alone loads no torch)."""
+"""The strategy advisor (``labkit advise``, ``parallelize(model, "auto")``): a module per step; no torch on import."""

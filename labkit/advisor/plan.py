@@ -8,14 +8,13 @@ from labkit.strategies import STRATEGIES, strategy_literal
 
 @dataclass(frozen=True)
 class Plan:
-    """``labkit train --strategy {strategy}`` on ``processes`` ranks using ``devices`` devices. ``options``: the
-    strategy's own flags as ``((dest, value), ...)``, e.g. ``(("num_microbatches", 4), ("balance", (5, 7)))``."""
+    """``labkit train --strategy {strategy}`` on ``processes`` ranks using ``devices`` devices."""
 
     strategy: str
     processes: int
     devices: int
     batch_size: int                    # samples per optimizer step over the whole job (the global batch)
-    options: tuple = ()
+    options: tuple = ()                # the strategy's own flags: ((dest, value), ...), e.g. (("balance", (5, 7)),)
 
     @property
     def option(self) -> dict:
@@ -55,7 +54,6 @@ class Plan:
         return args
 
     def command(self, model: str, dataset: str, extra: list[str] | tuple = ()) -> str:
-        """``torchrun --nproc_per_node N -m labkit train ...`` (plain ``labkit`` for one process)."""
         launch = "labkit" if self.processes == 1 else f"torchrun --nproc_per_node {self.processes} -m labkit"
         return " ".join([launch, *self.train_args(model, dataset), *extra])
 

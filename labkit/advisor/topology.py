@@ -1,12 +1,10 @@
 """The device topology (seed 000's ``D = (D_N, D_E)``: :meth:`Topology.local` gloo ranks, :data:`NAMED` GPU nodes)
 and the prices every strategy pays on it alike (pure: no torch, timing or I/O), in the notation of the pricing
-functions beside the strategies' ``FLAGS``, per step of global batch ``B``:
-
-* ``T_S(b)`` forward + backward seconds of layers ``S`` on ``b`` samples, ``M_S(b)`` the bytes autograd saves there;
-  ``s`` the compute scale of as many processes (:func:`compute_scale`); ``u`` optimizer seconds per byte, ``d`` loading
-  seconds per sample; ``P`` parameter bytes (``P_S`` of layers ``S``), ``A_k`` output bytes of layer ``k`` per sample;
-* ``msg(n) = α + β·n`` one message, reducing ``n`` bytes ``γ·n``; ``AR(n, algo, p)`` an all-reduce of ``n`` bytes
-  over ``p`` ranks (:func:`allreduce_time`), ``C_kind(n, p)`` one of PyTorch's collectives (:func:`collective_time`)."""
+functions beside the strategies' ``FLAGS``, per step of global batch ``B``: ``T_S(b)`` forward + backward seconds of
+layers ``S`` on ``b`` samples, ``M_S(b)`` the bytes autograd saves there; ``u`` optimizer seconds per byte, ``d``
+loading seconds per sample; ``P`` parameter bytes (``P_S`` of layers ``S``), ``A_k`` output bytes of layer ``k`` per
+sample; a link's ``α`` seconds per message, ``β`` per byte sent, ``γ`` per byte reduced; ``s``, ``msg``, ``AR``,
+``C_kind`` and ``BC`` as the functions below define them."""
 from __future__ import annotations
 
 import itertools
@@ -20,6 +18,8 @@ from labkit.collectives.registry import get_schedule
 from labkit.errors import ConfigError
 
 GB, MB = 2**30, 2**20
+#: kinds priced apart: a point-to-point ring step (the kit's schedules, pipeline and PS messages), PyTorch's collectives
+KINDS = ("p2p", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,7 @@ class Topology:
     @classmethod
     def gpu_node(cls, gpus: int, link: CostModel, memory_gb: float = 80.0, compute_scale: float = 0.05, nodes: int = 1,
                  inter: CostModel | None = None, flops: float = 0.0, name: str | None = None) -> Topology:
-        """``gpus`` GPUs per node on ``nodes`` nodes (public figures: :data:`NAMED`); the default ``compute_scale`` is a
-        rough guess of the GPU's speed against a CPU profile (profile on the GPU node itself for real numbers)."""
+        """``gpus`` GPUs per node on ``nodes`` nodes; the default ``compute_scale`` is a guess (profile on the GPU)."""
         return cls(name or f"{nodes} node(s) × {gpus} GPU(s)", gpus * nodes, link, memory_gb * GB, "cuda", 1, nodes,
                    inter, True, compute_scale, flops)
 
@@ -88,10 +87,6 @@ def named(name: str, **changes) -> Topology:
     if name not in NAMED:
         raise ConfigError(f"unknown topology {name!r}; choose one of: {', '.join(NAMED)}")
     return Topology.gpu_node(**{**NAMED[name], **changes})
-
-
-#: kinds priced apart: a point-to-point ring step (the kit's schedules, pipeline and PS messages), PyTorch's collectives
-KINDS = ("p2p", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 
 
 def ring_counts(kind: str, p: int) -> tuple[float, float]:
