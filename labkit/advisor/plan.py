@@ -22,8 +22,7 @@ class Plan:
 
     @property
     def data_parallel(self) -> int:
-        """Ranks training their own share of the batch, by the ``ADVISOR`` literal's ``"batch"``: ``"split"``
-        every rank, ``"workers"`` those that are not servers (its ``"servers"`` option), else one."""
+        """Ranks training their own share of the batch, by the ``ADVISOR`` literal's ``"batch"`` (else one)."""
         entry = strategy_literal(self.strategy, "ADVISOR", {}) if self.strategy in STRATEGIES else {}
         shares = {"split": self.processes, "workers": self.processes - self.option.get(entry.get("servers"), 1)}
         return shares.get(entry.get("batch"), 1)
