@@ -1,10 +1,9 @@
-"""The device topology (seed 000's ``D = (D_N, D_E)``: :meth:`Topology.local` gloo ranks, :data:`NAMED` GPU nodes)
-and the prices every strategy pays on it alike (pure: no torch, timing or I/O), in the notation of the pricing
-functions beside the strategies' ``FLAGS``, per step of global batch ``B``: ``T_S(b)`` forward + backward seconds of
-layers ``S`` on ``b`` samples, ``M_S(b)`` the bytes autograd saves there; ``u`` optimizer seconds per byte, ``d``
-loading seconds per sample; ``P`` parameter bytes (``P_S`` of layers ``S``), ``A_k`` output bytes of layer ``k`` per
-sample; a link's ``α`` seconds per message, ``β`` per byte sent, ``γ`` per byte reduced; ``s``, ``msg``, ``AR``,
-``C_kind`` and ``BC`` as the functions below define them."""
+"""The device topology (seed 000's ``D = (D_N, D_E)``: :meth:`Topology.local` gloo ranks, :data:`NAMED` GPU nodes) and
+the prices every strategy pays on it alike (pure: no torch, timing or I/O), in the notation of the strategies' pricing
+functions, per step of global batch ``B``: ``T_S(b)`` forward + backward seconds of layers ``S`` on ``b`` samples,
+``M_S(b)`` the bytes autograd saves there; ``u`` optimizer seconds per byte, ``d`` loading seconds per sample; ``P``
+parameter bytes (``P_S`` of layers ``S``), ``A_k`` output bytes of layer ``k`` per sample; a link's ``α`` seconds per
+message, ``β`` per byte sent, ``γ`` per byte reduced; ``s``, ``msg``, ``AR``, ``C_kind`` and ``BC`` as defined below."""
 from __future__ import annotations
 
 import itertools
@@ -100,7 +99,7 @@ def ring_counts(kind: str, p: int) -> tuple[float, float]:
 def collective_time(kind: str, nbytes: float, ranks: int, topo, count: int = 1) -> float:
     """``k·C_kind(n, p) = k·(m·α + s·n·β)``: ``k = count`` collectives of an ``n``-byte buffer over ``p`` ranks,
     ``(m, s)`` = :func:`ring_counts`, the kind's α and β; 0 on one rank."""
-    if ranks <= 1 or count == 0:
+    if ranks <= 1:
         return 0.0
     link, (messages, share) = topo.link_of(kind, ranks), ring_counts(kind, ranks)
     return count * (messages * link.alpha + share * nbytes * link.beta)
