@@ -149,10 +149,6 @@ class Profile:
     concurrency: float = 1.0              # κ: each of cores // threads processes' step at once ÷ one alone
 
     @property
-    def param_bytes(self) -> int:  # P
-        return self.params()
-
-    @property
     def buffers(self) -> tuple[int, int]:  # (N_buf, bytes): buffer tensors (batch-norm statistics)
         return sum(layer.buffers for layer in self.layers), sum(layer.buffer_bytes for layer in self.layers)
 
@@ -167,6 +163,8 @@ class Profile:
 
     def params(self, layers: range | None = None) -> int:  # P_S
         return sum(layer.param_bytes for layer in self.select(layers))
+
+    param_bytes = property(params)  # P: every layer's
 
 
 def profile_from_dict(d: dict) -> Profile:
