@@ -18,6 +18,7 @@ from labkit.advisor.topology import GB, MB, Topology
 from labkit.errors import ConfigError
 from labkit.parallel.pricing import price_mesh
 from labkit.strategies import STRATEGIES, registered, strategy_literal
+from labkit.strategies.stage_balance import balance_from_split_points, partition
 
 EXHAUSTIVE_SPLITS = 2000
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
@@ -35,17 +36,12 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
                           f"prices: {', '.join(registered('ADVISOR'))}")
-
-    def priced(prof: Profile) -> Estimate:
-        est = load(entry["price"])(plan, prof, topo)
-        est.limit_bytes, est.threads = topo.memory_bytes, prof.threads if topo.device == "cpu" else 0
-        return est
-
-    est = priced(prof)
+    est = load(entry["price"])(plan, prof, topo)
+    est.limit_bytes, est.threads = topo.memory_bytes, prof.threads if topo.device == "cpu" else 0
     if serial is None or topo.device != "cpu" or not est.applicable:
         return est
     if plan.processes == 1:
-        return min(est, priced(serial), key=lambda e: (not e.applicable, e.step_s))
+        return min(est, price(plan, serial, topo), key=lambda e: (not e.applicable, e.step_s))
     b = plan.batch_size
     work = serial.time(b) + serial.update_s_per_byte * serial.param_bytes + serial.data_s_per_sample * b
     if (short := work / min(plan.processes, topo.cores) - est.step_s) > 0:
@@ -59,11 +55,9 @@ def best_balance(make: Callable[[tuple[int, ...]], Estimate], prof: Profile, sta
     times (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's message size."""
     n = len(prof.layers)
     if math.comb(n - 1, stages - 1) > EXHAUSTIVE_SPLITS:
-        from labkit.strategies.model_parallel import partition
-
         return make(tuple(partition([layer.time(micro) for layer in prof.layers], stages)))
-    bounds = ((0, *cuts, n) for cuts in itertools.combinations(range(1, n), stages - 1))
-    return min((make(tuple(b - a for a, b in itertools.pairwise(c))) for c in bounds), key=_rank_key)
+    cuts = itertools.combinations(range(1, n), stages - 1)
+    return min((make(tuple(balance_from_split_points(n, c))) for c in cuts), key=_rank_key)
 
 
 def _rank_key(est: Estimate) -> tuple:
