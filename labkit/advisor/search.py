@@ -1,9 +1,8 @@
-"""The search over both plan spaces, every plan priced by its own pure function and ranked by predicted step,
-plans that do not fit in memory last: every device mesh (:func:`mesh_candidates`, priced by
-:func:`labkit.parallel.pricing.price_mesh`) and every strategy with its parameters (:func:`candidates`) whose
-module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price": "labkit.strategies.ddp:price_ddp",
-"plans": "spread", "batch": "split"}``: its pricing function ``(plan, profile, topology) -> Estimate``, its
-enumerator in :data:`PLANS`, how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`)."""
+"""The search over both plan spaces, each plan priced by a pure function and ranked by predicted step (those that
+do not fit in memory last): every device mesh (:func:`mesh_candidates`, by :func:`labkit.parallel.pricing.price_mesh`)
+and every strategy with its parameters (:func:`candidates`) whose module declares an ``ADVISOR`` literal beside its
+``FLAGS``: its ``"price"`` function ``(plan, profile, topology) -> Estimate``, its ``"plans"`` enumerator in
+:data:`PLANS`, its ``"batch"``: how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`)."""
 from __future__ import annotations
 
 import functools
@@ -30,8 +29,7 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at its threads per process.
     On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: one process costs the cheaper
     of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is the machine's load, not the plan);
-    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes
-    up the difference): ``q`` ranks are never priced more than ``c`` times faster than one."""
+    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (in compute)."""
     entry = strategy_literal(plan.strategy, "ADVISOR") if plan.strategy in STRATEGIES else None
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
