@@ -1,9 +1,8 @@
-"""The search over both plan spaces, every plan priced by its own pure function and ranked by predicted step,
-plans that do not fit in memory last: every device mesh (:func:`mesh_candidates`, priced by
-:func:`labkit.parallel.pricing.price_mesh`) and every strategy with its parameters (:func:`candidates`) whose
-module declares an ``ADVISOR`` literal beside its ``FLAGS``, e.g. ``{"price": "labkit.strategies.ddp:price_ddp",
-"plans": "spread", "batch": "split"}``: its pricing function ``(plan, profile, topology) -> Estimate``, its
-enumerator in :data:`PLANS`, how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`)."""
+"""The search over both plan spaces, each plan priced by a pure function and ranked by predicted step (those that
+do not fit in memory last): every device mesh (:func:`mesh_candidates`, by :func:`labkit.parallel.pricing.price_mesh`)
+and every strategy with its parameters (:func:`candidates`) whose module declares an ``ADVISOR`` literal beside its
+``FLAGS``: its ``"price"`` function ``(plan, profile, topology) -> Estimate``, its ``"plans"`` enumerator in
+:data:`PLANS`, its ``"batch"``: how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`)."""
 from __future__ import annotations
 
 import functools
@@ -18,6 +17,7 @@ from labkit.advisor.topology import GB, MB, Topology
 from labkit.errors import ConfigError
 from labkit.parallel.pricing import price_mesh
 from labkit.strategies import STRATEGIES, registered, strategy_literal
+from labkit.strategies.stage_balance import balance_from_split_points, partition
 
 EXHAUSTIVE_SPLITS = 2000
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
@@ -29,23 +29,17 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at its threads per process.
     On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: one process costs the cheaper
     of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is the machine's load, not the plan);
-    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes
-    up the difference): ``q`` ranks are never priced more than ``c`` times faster than one."""
+    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (in compute)."""
     entry = strategy_literal(plan.strategy, "ADVISOR") if plan.strategy in STRATEGIES else None
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
                           f"prices: {', '.join(registered('ADVISOR'))}")
-
-    def priced(prof: Profile) -> Estimate:
-        est = load(entry["price"])(plan, prof, topo)
-        est.limit_bytes, est.threads = topo.memory_bytes, prof.threads if topo.device == "cpu" else 0
-        return est
-
-    est = priced(prof)
+    est = load(entry["price"])(plan, prof, topo)
+    est.limit_bytes, est.threads = topo.memory_bytes, prof.threads if topo.device == "cpu" else 0
     if serial is None or topo.device != "cpu" or not est.applicable:
         return est
     if plan.processes == 1:
-        return min(est, priced(serial), key=lambda e: (not e.applicable, e.step_s))
+        return min(est, price(plan, serial, topo), key=lambda e: (not e.applicable, e.step_s))
     b = plan.batch_size
     work = serial.time(b) + serial.update_s_per_byte * serial.param_bytes + serial.data_s_per_sample * b
     if (short := work / min(plan.processes, topo.cores) - est.step_s) > 0:
@@ -59,11 +53,9 @@ def best_balance(make: Callable[[tuple[int, ...]], Estimate], prof: Profile, sta
     times (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's message size."""
     n = len(prof.layers)
     if math.comb(n - 1, stages - 1) > EXHAUSTIVE_SPLITS:
-        from labkit.strategies.model_parallel import partition
-
         return make(tuple(partition([layer.time(micro) for layer in prof.layers], stages)))
-    bounds = ((0, *cuts, n) for cuts in itertools.combinations(range(1, n), stages - 1))
-    return min((make(tuple(b - a for a, b in itertools.pairwise(c))) for c in bounds), key=_rank_key)
+    cuts = itertools.combinations(range(1, n), stages - 1)
+    return min((make(tuple(balance_from_split_points(n, c))) for c in cuts), key=_rank_key)
 
 
 def _rank_key(est: Estimate) -> tuple:
