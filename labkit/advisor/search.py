@@ -29,7 +29,8 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     """``plan`` priced by its strategy's ``ADVISOR`` function with ``prof``, the profile at its threads per process.
     On a CPU, with ``serial`` (the profile at one thread), work is conserved both ways: one process costs the cheaper
     of its ``c``-thread and one-thread profiles (a slower ``c``-thread profile is the machine's load, not the plan);
-    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (in compute)."""
+    ``q > 1`` processes on ``c`` cores take at least ``(T(B) + u·P + d·B) / min(q, c)`` of ``serial`` (compute makes
+    up the difference): ``q`` ranks are never priced more than ``c`` times faster than one."""
     entry = strategy_literal(plan.strategy, "ADVISOR") if plan.strategy in STRATEGIES else None
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
@@ -50,7 +51,7 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
 def best_balance(make: Callable[[tuple[int, ...]], Estimate], prof: Profile, stages: int, micro: float) -> Estimate:
     """The cheapest plan over the balances (layers per stage) of ``stages`` stages: **exhaustively** over the
     ``C(L − 1, p − 1)`` contiguous splits up to :data:`EXHAUSTIVE_SPLITS`; beyond, by the min-max programme on stage
-    times (:func:`labkit.strategies.model_parallel.partition`), which ignores the cut's message size."""
+    times (:func:`labkit.strategies.stage_balance.partition`), which ignores the cut's message size."""
     n = len(prof.layers)
     if math.comb(n - 1, stages - 1) > EXHAUSTIVE_SPLITS:
         return make(tuple(partition([layer.time(micro) for layer in prof.layers], stages)))
