@@ -22,6 +22,9 @@ from labkit.ranges import check
 from labkit.results import atomic_write_text
 from labkit.strategies import Strategy, get_strategy
 
+FLEXFLOW_ALEXNET_2GPU = ("conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: data parallel on gpu 0 and 1\n"
+                         "linear9 linear10 linear11: gpu 0 only")
+
 
 @dataclass
 class Advice:
@@ -68,8 +71,7 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
            memory_limit_gb: float | None = None, topology: Topology | None = None, cache: str | Path = CACHE,
            refresh: bool = False, profile_topology: Topology | None = None, timing: dict | None = None) -> Advice:
     """Rank every plan for ``model`` on ``dataset`` over ``ranks`` devices (this machine unless ``topology``) at
-    global batch ``batch_size``, marking those over ``memory_limit_gb`` per device (none fitting: a ConfigError);
-    profiles at ``profile_topology``'s threads; ``timing``: ``measure.load_or_measure``'s windows and window_s."""
+    global batch ``batch_size``, marking those over ``memory_limit_gb`` per device (none fitting: a ConfigError)."""
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     kdata.dataset_info(dataset)
@@ -90,13 +92,8 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
                   {p: prof_for(p) for p in {1, ranks}})
 
 
-FLEXFLOW_ALEXNET_2GPU = ("conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: data parallel on gpu 0 and 1\n"
-                         "linear9 linear10 linear11: gpu 0 only")
-
-
 def table(advice: Advice) -> str:
-    """Ranked plans: predicted samples/s, step, memory per device, main term; once validated, the measured
-    columns, the ranking and the ``off:`` lines; then each plan's command."""
+    """Ranked plans (predicted; once validated, also measured, the ranking and ``off:`` lines), then their commands."""
     r = ranking(advice)
     lines = [f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"]
     if r["plans"]:
@@ -104,8 +101,7 @@ def table(advice: Advice) -> str:
     for i, est in enumerate(advice.table, 1):
         line = (f"{i:>2} {est.plan.label:<30} {est.samples_per_s:>14.1f} {est.step_s * 1e3:>12.1f} "
                 f"{est.peak_bytes / MB:>11.1f} {est.main_term:<17}")
-        m = advice.measured.get(est.plan.label)
-        if m and "error" in m:
+        if "error" in (m := advice.measured.get(est.plan.label, {})):
             line += f"  run failed: {m['error']}"
         elif m:
             line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} {m['spread']:>6.0%} "
@@ -137,9 +133,8 @@ def flexflow_comparison(advice: Advice) -> str:
     else:
         lines.append(f"hybrid here: {hybrid.step_s * 1e3:.1f} ms/step ({terms(hybrid)}), "
                      f"{hybrid.step_s / best.step_s:.2f}× the best")
-        deltas = sorted(((hybrid.time.get(k, 0.0) - best.time.get(k, 0.0), k) for k in {*hybrid.time, *best.time}),
-                        reverse=True)
-        why = [f"{k} {d * 1e3:+.1f} ms" for d, k in deltas if abs(d) > 0.02 * best.step_s]
+        deltas = sorted((hybrid.time.get(k, 0.0) - best.time.get(k, 0.0), k) for k in {*hybrid.time, *best.time})
+        why = [f"{k} {d * 1e3:+.1f} ms" for d, k in reversed(deltas) if abs(d) > 0.02 * best.step_s]
         lines.append("they differ by: " + (", ".join(why) or "less than 2 % in every term (a tie within noise)"))
     prof = advice.profiles.get(2)
     if prof is None or prof.feature_layers is None:
@@ -156,7 +151,6 @@ def flexflow_comparison(advice: Advice) -> str:
         "computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there."])
 
 
-#: what ``parallelize`` returns: the prepared ``model``, its ``strategy`` (for ``train.fit``), ``plan``, ``command``
 Parallelized = NamedTuple("Parallelized", [("model", nn.Module), ("strategy", Strategy), ("plan", Plan),
                                            ("command", str)])
 

@@ -1,5 +1,4 @@
-"""Validate: run **every** feasible plan of the table through ``labkit train``'s own code at least three times and
-judge the **ranking** (:func:`ranking`); where a plan is off, name the term (:func:`off_terms`), not a factor."""
+"""Run every feasible plan of the table (:func:`validate`), judge the **ranking** and name the term a plan is off by."""
 from __future__ import annotations
 
 import contextlib
@@ -33,29 +32,26 @@ def ranking(advice: Advice) -> dict:
 
 
 def off_terms(advice: Advice, tolerance: float = 0.25) -> list[str]:
-    """A line per measured plan whose ``measured / predicted`` is off the plans' median ratio ``r`` by more than
-    ``tolerance`` and its spread: the residual ``measured − r·predicted`` against its largest own term (not compute,
-    update or data, which every plan pays; else ``compute``)."""
+    """A line per measured plan whose ``measured / predicted`` is off the plans' median ``r`` by over ``tolerance`` and
+    its spread: the residual ``measured − r·predicted`` against its largest term not all plans pay (else compute)."""
     rows = [(e, m) for e in advice.table if "step_s" in (m := advice.measured.get(e.plan.label, {}))]
     if len(rows) < 3:
         return []
     r = statistics.median(m["ratio"] for _, m in rows)
     out = []
     for e, m in rows:
-        if abs(m["ratio"] / r - 1) <= max(tolerance, m["spread"]):
-            continue
-        residual = m["step_s"] - r * e.step_s
-        term = max((k for k in e.time if k not in ("compute", "update", "data")), key=e.time.get, default="compute")
-        head = f"{e.plan.label}: measured {m['ratio']:.2f}x its prediction (the plans' median {r:.2f}x): "
-        priced = f"its {term} term ({r * e.time[term] * 1e3:.1f} ms at the median ratio)"
-        out.append(head + (f"+{residual * 1e3:.1f} ms that {priced} does not price" if residual > 0 else
-                           f"{priced} prices {-residual * 1e3:.1f} ms the run did not spend"))
+        if abs(m["ratio"] / r - 1) > max(tolerance, m["spread"]):
+            residual = m["step_s"] - r * e.step_s
+            term = max((k for k in e.time if k not in ("compute", "update", "data")), key=e.time.get, default="compute")
+            head = f"{e.plan.label}: measured {m['ratio']:.2f}x its prediction (the plans' median {r:.2f}x): "
+            priced = f"its {term} term ({r * e.time[term] * 1e3:.1f} ms at the median ratio)"
+            out.append(head + (f"+{residual * 1e3:.1f} ms that {priced} does not price" if residual > 0 else
+                               f"{priced} prices {-residual * 1e3:.1f} ms the run did not spend"))
     return out
 
 
 def train_runs(env, jobs: list[tuple[str, object, int]]) -> list[tuple[str, dict]]:
-    """On one rank: each ``(label, TrainConfig, threads)`` of ``jobs`` through :func:`labkit.train_run.run` (its
-    output hidden); ``[(label, {metrics…, "run"}), …]``, ended by ``(label, {"error"})`` at the first that fails."""
+    """On one rank: each ``(label, TrainConfig, threads)`` job through ``train_run.run``, to the first failure."""
     out = []
     for label, cfg, threads in jobs:
         torch.set_num_threads(threads)
