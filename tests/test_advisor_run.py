@@ -257,6 +257,11 @@ def test_flexflow_comparison_names_the_terms(tmp_path):
     # the FC layer's 4 MB ring all-reduce: 2 (5 ms + 2 MiB · 1e-8 s/byte); its 32 extra samples: 32 · 3 ms
     assert "hold 4.0 of 4.0 MB" in text and "costs 51.9 ms on this link" in text and "costs 96.0 ms more" in text
     assert "α 5000 µs, 0.10 GB/s)" in text
+    # a model without features: hybrid is priced as not applicable, and the comparison says so instead of a 0 ms plan
+    save_profile(_lenet_profile(1), 64, tmp_path)
+    lenet = flexflow_comparison(advise("lenet", "mnist-sample", 2, 64, topology=topo, cache=tmp_path,
+                                       profile_topology=replace(topo, cores=1)))
+    assert "hybrid does not apply here" in lenet and "hybrid here" not in lenet and "differ by" not in lenet
 
 
 def test_advisor_cost_exercise_checker():

@@ -121,13 +121,14 @@ def flexflow_comparison(advice: Advice) -> str:
     def terms(est: Estimate) -> str:
         return ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in est.time.items() if v > 0)
 
-    hybrid = next((e for e in advice.estimates if e.plan.strategy == "hybrid" and e.plan.processes == 2), None)
+    hybrid = next((e for e in advice.estimates if e.plan.strategy == "hybrid" and e.plan.processes == 2
+                   and e.applicable), None)
     best, topo = advice.best, advice.topology
     lines = ["seed 000, FlexFlow on 2 GeForce 1080Ti:", *("  " + s for s in FLEXFLOW_ALEXNET_2GPU.splitlines()),
              "  = labkit's hybrid strategy (convolutions replicated, classifier on rank 0)",
              f"advisor on {topo.name}: {best.plan.label} ({terms(best)})"]
     if hybrid is None:
-        return "\n".join(lines + ["  hybrid was not priced (it needs 2 ranks)"])
+        return "\n".join(lines + ["  hybrid does not apply here (it needs 2 ranks and a model with features)"])
     if best.plan == hybrid.plan:
         lines.append("  the same placement: here too the cost terms favour it")
     else:
