@@ -219,7 +219,9 @@ def test_cli_table_json_and_bad_input(tmp_path, capsys):
                           (["--model", "gpt-nope", "--ranks", "8", "--topology", "h100-nvlink"],
                            r"the mesh search prices a dense GPT: gpt-1\.3b or gpt-tiny.*; not 'gpt-nope'"),
                           (["--model", "gpt-1.3b", "--ranks", "16", "--topology", "h100-nvlink"],
-                           "--ranks 16: one H100 node with NVLink has 8 GPUs")]:
+                           "--ranks 16: one H100 node with NVLink has 8 GPUs"),
+                          (["--model", "gpt-moe-tiny", "--ranks", "8", "--topology", "h100-nvlink", "--batch-size", "3"],
+                           "no mesh of 8 GPUs divides a batch of 3")]:
         try:
             code = main(["advise", *argv, "--cache", str(cache), "--out", str(out)])
         except SystemExit as exc:  # a flag argparse refuses

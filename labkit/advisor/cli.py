@@ -18,7 +18,8 @@ from labkit.ranges import within
 def add_parser(sub) -> None:
     p = sub.add_parser("advise", help="predict, rank and validate parallel strategies for a model",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small")
+    p.add_argument("--model", required=True,
+                   help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small; gpt-1.3b, gpt-tiny, ... (mesh search)")
     p.add_argument("--dataset", default="mnist-sample",
                    help="mnist, cifar10, mnist-sample, synthetic-mnist, synthetic-cifar10")
     p.add_argument("--ranks", type=within("int", "[1, inf)"), required=True, help="devices (this machine's gloo ranks)")
