@@ -17,7 +17,6 @@ from labkit.advisor.topology import GB, MB, Topology
 from labkit.errors import ConfigError
 from labkit.parallel.pricing import price_mesh
 from labkit.strategies import STRATEGIES, registered, strategy_literal
-from labkit.strategies.stage_balance import balance_from_split_points, partition
 
 EXHAUSTIVE_SPLITS = 2000
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
@@ -52,6 +51,8 @@ def best_balance(make: Callable[[tuple[int, ...]], Estimate], prof: Profile, sta
     """The cheapest plan over the balances (layers per stage) of ``stages`` stages: **exhaustively** over the
     ``C(L − 1, p − 1)`` contiguous splits up to :data:`EXHAUSTIVE_SPLITS`; beyond, by the min-max programme on stage
     times (:func:`labkit.strategies.stage_balance.partition`), which ignores the cut's message size."""
+    from labkit.strategies.stage_balance import balance_from_split_points, partition  # torchgpipe: CNN pipelines only
+
     n = len(prof.layers)
     if math.comb(n - 1, stages - 1) > EXHAUSTIVE_SPLITS:
         return make(tuple(partition([layer.time(micro) for layer in prof.layers], stages)))
