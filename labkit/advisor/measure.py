@@ -200,10 +200,10 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     m = torch.randn(128, 128, device=device)
     reps = torch.tensor([max(1, round(WORK_S / timed(lambda: (m @ m, sync()), 5, 0.5, window_s=0.01)))])
-    kdist.all_reduce(reps, op=dist.ReduceOp.MIN)  # the same work on every rank
+    reps = int(kdist.all_reduce(reps, op=dist.ReduceOp.MIN).item())  # the same work on every rank
 
     def work() -> None:  # what a step computes between two collectives
-        for _ in range(int(reps.item())):
+        for _ in range(reps):
             m @ m
         sync()
 
