@@ -25,10 +25,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from labkit import data as kdata
 from labkit.advisor.advise import advise, table
-from labkit.advisor.topology import Topology
+from labkit.advisor.measure import local_topology
 from labkit.advisor.validate import ranking, validate
+from labkit.data import datasets as kdata
 from labkit.ranges import within
 
 DATASETS = {"lenet": "mnist-sample", "alexnet_small": "synthetic-cifar10", "resnet20": "synthetic-cifar10"}
@@ -57,7 +57,7 @@ def main() -> None:
     summary: dict = {}
     for model in args.models:
         start, load = time.perf_counter(), os.getloadavg()[0]
-        topo = Topology.local(args.ranks, refresh=True)
+        topo = local_topology(args.ranks, refresh=True)
         advice = advise(model, DATASETS.get(model, "synthetic-cifar10"), args.ranks, args.batch_size,
                         refresh=args.refresh, topology=topo,
                         profile_topology=replace(topo, cores=1) if args.one_thread else None)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from labkit.collectives import get_schedule
 from labkit.collectives.bench import bench_rank
-from labkit.testing import run_ranks
+from labkit.dist.testing import run_ranks
 from labkit.viz.allreduce import save_animation
 
 

@@ -57,7 +57,7 @@ out="${LABKIT_OUT:-runs/allreduce-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}
 
 echo "labkit all-reduce job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $ranks ranks on $device"
 # one launch: --verify checks every algorithm first (a mismatch: exit 1, nothing timed), then the same ranks time them
-bench=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$ranks" -m labkit allreduce
+bench=("$python" -m labkit.dist.torchrun --standalone --nnodes 1 --nproc-per-node "$ranks" -m labkit allreduce
        bench --verify --algo "$algo" --sizes "$sizes" --repeats "$repeats" --device "$device" --out "$out")
 echo "+ ${bench[*]}"
 "${bench[@]}"

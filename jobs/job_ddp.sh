@@ -22,7 +22,7 @@
 #
 # Results: <LABKIT_OUT>/summary.json and metrics.jsonl; in Python or a notebook:
 #   labkit.results.load_run("runs/ddp-<jobid>").summary["metrics"]["samples_per_sec"]
-#   or submit and follow from a notebook: labkit.launch.sbatch("jobs/job_ddp.sh", env={"EPOCHS": "5"})
+#   or submit and follow from a notebook: labkit.launch.slurm.sbatch("jobs/job_ddp.sh", env={"EPOCHS": "5"})
 #
 #SBATCH --job-name=labkit-ddp
 #SBATCH --nodes=1
@@ -60,7 +60,7 @@ if (( restarts > 0 )); then
 fi
 
 read -r -a extra <<< "${EXTRA_ARGS:-}"
-cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
+cmd=("$python" -m labkit.dist.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
      --max-restarts "$restarts"
      -m labkit train --strategy ddp --allreduce "${ALLREDUCE:-ddp}" --device "$device" --backend "$backend"
      "${sizes[@]}" --out "$out" "${resume[@]}" "${extra[@]}")

@@ -62,7 +62,7 @@ read -r -a extra <<< "${EXTRA_ARGS:-}"
 train=(-m labkit train --strategy ddp --allreduce "${ALLREDUCE:-ddp}" --device "$device" --backend "$backend"
        "${sizes[@]}" --out "$out" "${resume[@]}" "${extra[@]}")
 
-cmd=("$python" -m labkit.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$restarts"
+cmd=("$python" -m labkit.dist.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" --max-restarts "$restarts"
      "${train[@]}")
 
 echo "labkit ddp job ${SLURM_JOB_ID:-(no SLURM)}: $nnodes node(s) × $nproc rank(s) on $device ($backend)"

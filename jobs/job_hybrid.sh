@@ -48,7 +48,7 @@ else
     sizes=(--dataset "${DATASET:-cifar10}" --epochs "${EPOCHS:-10}" --batch-size "${BATCH_SIZE:-128}" --augment)
 fi
 out="${LABKIT_OUT:-runs/hybrid-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
-launch=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" -m labkit train
+launch=("$python" -m labkit.dist.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc" -m labkit train
         --model alexnet_small --device "$device" --backend "$backend" "${sizes[@]}"
         --optimizer "${OPTIMIZER:-adam}" --base-lr "${BASE_LR:-0.001}")
 

@@ -66,7 +66,7 @@ echo "labkit K-FAC job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $nproc rank(s
 for run in "${runs[@]}"; do
     update=0
     [[ "$run" == kfac ]] && update="$freq"
-    cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
+    cmd=("$python" -m labkit.dist.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
          -m labkit train --strategy ddp --device "$device" --backend "$backend" "${sizes[@]}"
          --optimizer kfac --kfac-update-freq "$update" --name "$run-$nproc-ranks" --out "$out/$run" "${extra[@]}")
     echo "+ ${cmd[*]}"

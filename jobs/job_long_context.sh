@@ -61,7 +61,7 @@ read -r -a extra <<< "${EXTRA_ARGS:-}"
 train=(-m labkit train --mesh "$mesh" --device "$device" --backend "$backend" "${sizes[@]}" --out "$out"
        "${resume[@]}" "${extra[@]}")
 
-cmd=("$python" -m labkit.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" "${train[@]}")
+cmd=("$python" -m labkit.dist.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" "${train[@]}")
 
 echo "labkit long-context job ${SLURM_JOB_ID:-(no SLURM)}: $nnodes node(s) × $nproc rank(s) on $device ($backend), --mesh $mesh"
 echo "+ ${cmd[*]}"

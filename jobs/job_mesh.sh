@@ -60,7 +60,7 @@ read -r -a extra <<< "${EXTRA_ARGS:-}"
 train=(-m labkit train --mesh "$mesh" --device "$device" --backend "$backend" "${sizes[@]}" --out "$out"
        "${resume[@]}" "${extra[@]}")
 
-cmd=("$python" -m labkit.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" "${train[@]}")
+cmd=("$python" -m labkit.dist.torchrun "${rdzv[@]}" --nproc-per-node "$nproc" "${train[@]}")
 
 echo "labkit mesh job ${SLURM_JOB_ID:-(no SLURM)}: $nnodes node(s) × $nproc rank(s) on $device ($backend), --mesh $mesh"
 echo "+ ${cmd[*]}"

@@ -54,7 +54,7 @@ out="${LABKIT_OUT:-runs/pipeline-${SLURM_JOB_ID:-local-$(date +%Y%m%d-%H%M%S)}}"
 
 echo "labkit pipeline job ${SLURM_JOB_ID:-(no SLURM)} on $(hostname): $nproc stage(s) on $device ($backend)"
 for schedule in ${SCHEDULES:-gpipe 1f1b}; do
-    cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
+    cmd=("$python" -m labkit.dist.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
          -m labkit train --strategy pipeline --schedule "$schedule" --device "$device" --backend "$backend"
          "${sizes[@]}" "${balance[@]}" --trace-steps "${TRACE_STEPS:-3}"
          --pipeline-trace "$out/$schedule/timeline.json" --out "$out/$schedule")

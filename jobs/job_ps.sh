@@ -24,7 +24,7 @@
 # Results: <LABKIT_OUT>/summary.json, metrics.jsonl and ps-record.json (every update: worker, clock,
 # staleness, time); in Python or a notebook:
 #   labkit.results.load_run("runs/ps-<jobid>").summary["metrics"]["samples_per_sec"]
-#   or submit and follow from a notebook: labkit.launch.sbatch("jobs/job_ps.sh", env={"PS_MODE": "async"})
+#   or submit and follow from a notebook: labkit.launch.slurm.sbatch("jobs/job_ps.sh", env={"PS_MODE": "async"})
 #
 #SBATCH --job-name=labkit-ps
 #SBATCH --nodes=1
@@ -69,7 +69,7 @@ if [[ -n "${PS_SLOW_WORKER:-}" ]]; then
 fi
 
 read -r -a extra <<< "${EXTRA_ARGS:-}"
-cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
+cmd=("$python" -m labkit.dist.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
      -m labkit train "${ps[@]}" --device "$device" --backend "$backend" "${sizes[@]}" --out "$out" "${resume[@]}"
      "${extra[@]}")
 

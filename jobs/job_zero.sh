@@ -60,7 +60,7 @@ for run in "${runs[@]}"; do
         fsdp) strategy=(--strategy fsdp) ;;
         *) echo "labkit: error: RUNS: unknown run '$run'; use ddp, zero-1, zero-2, zero-3, fsdp" >&2; exit 2 ;;
     esac
-    cmd=("$python" -m labkit.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
+    cmd=("$python" -m labkit.dist.torchrun --standalone --nnodes 1 --nproc-per-node "$nproc"
          -m labkit train "${strategy[@]}" --optimizer "${OPTIMIZER:-adam}" --device "$device" --backend "$backend"
          "${sizes[@]}" --name "$run-$nproc-ranks" --out "$out/$run" "${resume[@]}" "${extra[@]}")
     echo "+ ${cmd[*]}"

@@ -1,11 +1,12 @@
 """labkit: a hands-on kit for distributed deep learning with PyTorch.
 
     import labkit
-    labkit.train_run.run(labkit.train_run.TrainConfig(model="lenet", dataset="mnist-sample", epochs=1))
+    labkit.train.run.run(labkit.train.run.TrainConfig(model="lenet", dataset="mnist-sample", epochs=1))
 
-Modules: dist (process groups), data, models, train (the one loop), meters, results, strategies,
-collectives (all-reduce schedules), viz, optim (K-FAC), launch (torchrun/sbatch from notebooks),
-advisor (profile, price, search and validate strategies; ``labkit.parallelize(model, plan)``).
+Packages, lowest first: dist (process groups, the mesh's shape), data, models, train (the one loop and a run),
+parallel (every axis of ranks: dp, tp, pp, cp, ep), strategies (what is not an axis of ranks), optim (K-FAC, LARS,
+LAMB), collectives (all-reduce schedules), advisor (``labkit.parallelize(model, plan)``), launch (torchrun/sbatch
+from notebooks), lab, exercises, bench, faults, viz.
 """
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import os
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("advisor", "checks", "collectives", "data", "dist", "errors", "launch", "meters", "models", "optim",
-               "results", "strategies", "testing", "train", "viz")
+_SUBMODULES = ("advisor", "collectives", "data", "dist", "errors", "exercises", "lab", "launch", "models", "optim",
+               "parallel", "results", "strategies", "train", "viz")
 
 
 def quick() -> bool:
@@ -24,7 +25,7 @@ def quick() -> bool:
 
 
 def __getattr__(name: str):
-    # Importing labkit stays cheap; `labkit.train` etc. load on first use.
+    # Importing labkit stays cheap; `labkit.train.loop` etc. load on first use.
     if name in _SUBMODULES:
         return importlib.import_module(f"labkit.{name}")
     if name == "parallelize":  # the advisor's wrapper: labkit.parallelize(model, plan="auto")

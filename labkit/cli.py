@@ -27,12 +27,12 @@ from labkit.errors import LabkitError, OutputError, first_to_say, flag_error, re
 #: command name -> (module that defines ``add_parser(subparsers)``, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "tour": ("labkit.tour", "a short CPU tour of the kit (start here)"),
-    "train": ("labkit.train_cli", "train a model with a parallel strategy"),
-    "data": ("labkit.data_cli", "fetch datasets (on a login node) and list what is on disk"),
+    "train": ("labkit.train.cli", "train a model with a parallel strategy"),
+    "data": ("labkit.data.cli", "fetch datasets (on a login node) and list what is on disk"),
     "sample": ("labkit.sample", "print text from a trained language model's run"),
     "allreduce": ("labkit.collectives.cli", "verify, animate and benchmark the all-reduce algorithms"),
     "bench": ("labkit.bench", "benchmarks (labkit vs plain PyTorch, scaling, sweeps)"),
-    "check": ("labkit.checks", "check a workshop exercise"),
+    "check": ("labkit.exercises.cli", "check a workshop exercise"),
     "advise": ("labkit.advisor.cli", "recommend a parallelisation for a model and machine, and validate it"),
     "faults": ("labkit.faults.cli", "broken distributed programs to run, diagnose and fix"),
 }

@@ -24,12 +24,20 @@ import argparse
 import ast
 import functools
 import importlib.util
+import pkgutil
 
 from labkit.errors import ConfigError
 from labkit.ranges import within
 
 _KEYS = {"flag", "help", "default", "type", "range", "choices", "nargs", "metavar", "action", "dest", "hidden"}
 _NUMBERS = ("int", "float")
+
+
+@functools.cache
+def resolve(spec: str):
+    """The object a ``"module:attr"`` registry entry names, imported on first use and kept (every registry of the
+    kit, strategies, dimensions, optimizers, checkers and prices, names its entries this way)."""
+    return pkgutil.resolve_name(spec)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@
 
 The run's checkpoint says which model, dataset, vocabulary and sequence length it trained with (its
 configuration is saved beside the weights); the model is rebuilt, loaded, and extends the prompt one sampled
-token at a time (:meth:`labkit.gpt.GPT.generate`: softmax of the last logits / temperature, the top k kept).
+token at a time (:meth:`labkit.models.gpt.GPT.generate`: softmax of the last logits / temperature, the top k kept).
 The parser imports no torch; a bad run folder, prompt or number is one ``labkit: error:`` line and exit 2.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from labkit.data_cli import ROOT_HELP
+from labkit.data.cli import ROOT_HELP
 from labkit.errors import CheckpointError, ConfigError
 from labkit.ranges import within
 
@@ -45,10 +45,11 @@ def load_run(out: str | Path, data_root: str | None = None):
         ConfigError: no run, no single-file checkpoint, or not a language model's run.
         CheckpointError: the checkpoint is damaged or does not fit the model its configuration names.
     """
-    from labkit import data as kdata
-    from labkit import models as kmodels
-    from labkit.checkpoint import load_checkpoint
-    from labkit.text_data import DEFAULT_SEQ_LEN, tokenizer
+    from labkit.data import datasets as kdata
+    from labkit.data.text import DEFAULT_SEQ_LEN, tokenizer
+    from labkit.models import cnn as kmodels
+    from labkit.models import names
+    from labkit.train.checkpoint import load_checkpoint
 
     out = Path(out)
     path = out / "checkpoint.pt"
@@ -61,9 +62,9 @@ def load_run(out: str | Path, data_root: str | None = None):
     state = load_checkpoint(path)
     cfg = state.get("config") or {}
     model_name = cfg.get("model")
-    if model_name not in kmodels.LANGUAGE_MODELS:
+    if model_name not in names.LANGUAGE_MODELS:
         raise ConfigError(f"--out {out}: the run trained {model_name or 'an unknown model'}, not a language model; "
-                          f"labkit sample needs a run of --model {' | '.join(kmodels.LANGUAGE_MODELS)}")
+                          f"labkit sample needs a run of --model {' | '.join(names.LANGUAGE_MODELS)}")
     root = kdata.data_root(data_root or cfg.get("data_root"))
     info = kdata.dataset_info(cfg["dataset"], root)
     model = kmodels.get_model(model_name, num_classes=info.num_classes, seq_len=cfg.get("seq_len") or DEFAULT_SEQ_LEN)

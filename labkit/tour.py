@@ -90,7 +90,8 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from labkit import results
-    from labkit.train_run import TrainConfig, run
+    from labkit.train.config import TrainConfig
+    from labkit.train.run import run
 
     out = results.make_dirs(args.out)  # an unwritable --out is one line now, not after the training
     _section("1. where you are")
@@ -144,7 +145,7 @@ def _plot(run, path: Path) -> Path:
 def _allreduce(out: Path) -> None:
     from labkit.collectives import get_schedule, simulate
     from labkit.collectives.verify import format_verify, verify_rank
-    from labkit.testing import run_ranks
+    from labkit.dist.testing import run_ranks
     from labkit.viz.allreduce import save_animation
 
     schedule = get_schedule("ring", 4)

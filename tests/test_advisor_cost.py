@@ -271,13 +271,13 @@ def test_gpipe_on_one_cpu_terms_by_hand():
 
 
 def test_profile_levels_are_the_loops_own_step(monkeypatch):
-    """The level at each size is the lower quartile of 9 windows of :func:`labkit.train.train_step` itself
+    """The level at each size is the lower quartile of 9 windows of :func:`labkit.train.loop.train_step` itself
     (really run, with ``labkit train``'s scheduler); the optimizer's price per parameter byte beside it."""
     import torch
     from torch import nn
 
-    from labkit import train
     from labkit.advisor import measure as profile
+    from labkit.train import loop as train
 
     windows = [0.010, 0.012, 0.011, 0.030, 0.010, 0.013, 0.011, 0.012, 0.010,   # 2 samples: 9 windows
                0.020, 0.021, 0.022, 0.020, 0.025, 0.021, 0.020, 0.050, 0.023]   # 8 samples

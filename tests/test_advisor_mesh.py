@@ -120,7 +120,7 @@ def test_expert_parallel_terms_by_hand():
 
 
 def test_moe_meshes_are_brute_force_and_the_shapes_count_the_real_models():
-    from labkit.moe import gpt_moe
+    from labkit.models.moe import gpt_moe
     from labkit.parallel.pricing import gpt_shape
 
     brute = [MeshPlan(d, t, p, c, m, z, sp, rc, e) for d, t, p, c, e in itertools.product(range(1, 5), repeat=5)

@@ -10,17 +10,18 @@ import pytest
 from torch import nn
 
 from labkit.advisor.advise import Advice, advise, flexflow_comparison, parallelize
-from labkit.advisor.measure import save_profile
+from labkit.advisor.measure import local_topology, save_profile
 from labkit.advisor.plan import LayerProfile, Plan, Profile
 from labkit.advisor.search import price
 from labkit.advisor.topology import Topology
 from labkit.advisor.validate import validate
 from labkit.cli import main
 from labkit.collectives.cost import CostModel
+from labkit.data import loader as loaders
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
 from labkit.exercises.pipeline_bubble import STARTER, check, reference
 from labkit.results import RunWriter
-from labkit.testing import run_ranks
 
 STEPS = 4
 
@@ -32,13 +33,13 @@ def _lenet_profile(threads: int) -> Profile:
 
 
 def _train_parallelized(env, plan: dict, steps: int) -> float:
-    from labkit import data as kdata
+    from labkit.data import datasets as kdata
     from labkit.optim import build_optimizer
-    from labkit.train import fit
+    from labkit.train.loop import fit
 
     par = parallelize("lenet", plan, dataset="mnist-sample", env=env)
     train_set = kdata.get_dataset("mnist-sample", train=True)
-    loader = kdata.make_loader(train_set, par.plan.per_rank_batch, shuffle=True,
+    loader = loaders.make_loader(train_set, par.plan.per_rank_batch, shuffle=True,
                                sampler=par.strategy.sampler(train_set, True, 0), seed=0, drop_last=True)
     optimizer, _ = build_optimizer("sgd", par.strategy.unwrap(par.model), 0.05, 0.9, 0.0, {}, env)
     history = fit(par.model, loader, None, optimizer, epochs=1, strategy=par.strategy, max_steps=steps, seed=0,
@@ -47,7 +48,7 @@ def _train_parallelized(env, plan: dict, steps: int) -> float:
 
 
 def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_path):
-    topo = Topology.local(2, link=CostModel(1e-4, 1e-9))
+    topo = local_topology(2, link=CostModel(1e-4, 1e-9))
     est = price(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), _lenet_profile(1), topo)
     advice = Advice("lenet", "mnist-sample", 32, topo, [est], [est])
     measured = validate(advice, repeats=1, steps=STEPS, out=tmp_path, progress=False)  # one spawn in CI

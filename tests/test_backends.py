@@ -1,12 +1,12 @@
-"""The backend/device table (labkit.backends): each refused combination is one line and exit 2 before any work,
+"""The backend/device table (labkit.dist.backends): each refused combination is one line and exit 2 before any work,
 and ``--device auto`` under gloo picks the CPU for a strategy gloo cannot run on CUDA tensors. GPUs are mocked."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import backends
 from labkit.cli import main as cli_main
-from labkit.dist import distributed
+from labkit.dist import backends
+from labkit.dist.group import distributed
 from labkit.errors import DeviceError
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from labkit.cli import main
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
 from labkit.errors import ConfigError
+from labkit.parallel.pipelining import PipelineStrategy
 from labkit.results import RunWriter, atomic_write_text
-from labkit.strategies.pipelining import PipelineStrategy
 
 QUICK = ["--dataset", "synthetic-mnist", "--model", "mlp", "--train-size", "64", "--test-size", "32",
          "--batch-size", "16", "--max-steps", "2", "--device", "cpu", "--log-every", "100"]
@@ -132,7 +132,7 @@ def test_a_crash_under_torchrun_still_shows_its_traceback(tmp_path):
     """Only labkit's exit codes are quietened: a rank that raises shows its traceback and torchrun's report."""
     script = tmp_path / "crash.py"
     script.write_text("raise RuntimeError('not a configuration error')\n")
-    proc = subprocess.run([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "1",
+    proc = subprocess.run([sys.executable, "-m", "labkit.dist.torchrun", "--standalone", "--nproc-per-node", "1",
                            str(script)], env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
@@ -179,7 +179,7 @@ def test_bad_mesh_is_one_line_and_exit_2(capsys, tmp_path, mesh, expected):
 
 
 def test_a_mesh_of_another_rank_count_is_refused_before_any_communication():
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     with pytest.raises(ConfigError, match=r"^--mesh dp=2,tp=2 has 4 ranks \(2 x 2\) but the job has 2; start 4 ranks"):
         MeshStrategy(DistEnv(world_size=2, local_world_size=2), {"mesh": "dp=2,tp=2"})
@@ -220,9 +220,9 @@ def test_a_mesh_dimension_the_model_cannot_take_is_refused_before_any_work(tp, m
 def test_what_cp_cannot_take_is_refused_from_the_flags_before_the_data(monkeypatch, tmp_path):
     """--seq-len and --dropout reach the mesh's checks, which run before any data is loaded: cp's refusals come from
     the flags, not from the built model."""
-    from labkit import train_run
     from labkit.parallel import get_dimension
-    from labkit.train_cli import config_from_argv
+    from labkit.train import run as train_run
+    from labkit.train.cli import config_from_argv
 
     cp = get_dimension("cp")(_Mesh(pp=1, dp=1, ep=1, cp=2, tp=1), {})
     with pytest.raises(ConfigError, match=r"^--mesh cp=2: ring attention has no attention dropout; .*\(--dropout 0.1\)$"):

@@ -13,8 +13,8 @@ from labkit.bench import harness
 from labkit.bench.contenders import PlainLoop
 from labkit.bench.report import PLOTS, load_suite, load_suites, render
 from labkit.cli import main
+from labkit.dist.testing import run_cli_ranks
 from labkit.errors import ConfigError
-from labkit.testing import run_cli_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 REFERENCE = Path(__file__).resolve().parents[1] / "results" / "reference"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit.cli import main
-from labkit.testing import run_cli_ranks
+from labkit.dist.testing import run_cli_ranks
 
 
 def test_help_lists_subcommands(capsys):
@@ -71,7 +71,7 @@ def test_help_and_argument_errors_do_not_import_torch(tmp_path):
     for name in BENCHMARKS:
         assert f"usage: labkit bench {name} [-h]" in proc.stdout, name
     assert f"data root: {tmp_path}" in proc.stdout and "synthetic-mnist    generated" in proc.stdout
-    assert (tmp_path / "ring.py").read_text() == __import__("labkit.collectives.check").collectives.check.STARTER
+    assert (tmp_path / "ring.py").read_text() == __import__("labkit.exercises.allreduce").collectives.check.STARTER
 
 
 def test_bench_flags_agree_with_the_code_they_feed():
@@ -97,7 +97,8 @@ def test_bench_flags_agree_with_the_code_they_feed():
 def test_data_help_names_every_dataset_and_the_root_it_uses(tmp_path, monkeypatch):
     from pathlib import Path
 
-    from labkit import data, data_cli
+    from labkit.data import cli as data_cli
+    from labkit.data import datasets as data
 
     assert tuple(data.DATASETS) == data_cli.DATASET_NAMES
     # the help promises: $LABKIT_DATA, else the checkout's data/ (from any folder), else ./data

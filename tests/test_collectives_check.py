@@ -1,9 +1,9 @@
 """The ring exercise checker: right answers pass, wrong ones get the precise reason, learner bugs never crash."""
 import pytest
 
-from labkit.checks import run_check
-from labkit.collectives.check import check_ring, check_schedule, main, reference_ring
 from labkit.errors import ConfigError
+from labkit.exercises.allreduce import check_ring, check_schedule, main, reference_ring
+from labkit.exercises.cli import run_check
 
 
 def test_reference_solution_passes():
@@ -89,7 +89,7 @@ def test_learner_errors_are_reported_not_raised():
 
 def test_command_line_checks_a_file(tmp_path, capsys):
     good = tmp_path / "good.py"
-    good.write_text("from labkit.collectives.check import reference_ring as ring_schedule\n")
+    good.write_text("from labkit.exercises.allreduce import reference_ring as ring_schedule\n")
     bad = tmp_path / "bad.py"
     bad.write_text("def mine(p):\n    return [[(r, (r + 2) % p, r, 'reduce') for r in range(p)]]\n")
     assert main([str(good)]) == 0

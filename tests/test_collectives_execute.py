@@ -19,9 +19,9 @@ from labkit.collectives import (
     simulate,
     traced_run,
 )
-from labkit.collectives.parameter_server import sgd_step
+from labkit.collectives.execute import sgd_step
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.testing import run_ranks
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 

@@ -1,7 +1,7 @@
 """Collectives on the rank's communication device, and one GPU per NCCL rank, checked without a GPU.
 
 NCCL reduces CUDA tensors only: a CPU tensor handed to it fails on the first GPU job. Every collective in
-labkit goes through labkit.dist's helpers, which move the tensor to ``comm_device()``; the scan below fails on a
+labkit goes through labkit.dist.group's helpers, which move the tensor to ``comm_device()``; the scan below fails on a
 bare ``torch.distributed`` collective anywhere else in ``labkit/`` (the hand-written algorithms aside).
 """
 import ast
@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit import dist as kdist
+from labkit.dist import group as kdist
+from labkit.dist import launch_info
+from labkit.dist.testing import run_ranks
 from labkit.errors import DeviceError
-from labkit.testing import run_ranks
 
 LABKIT = Path(kdist.__file__).resolve().parent
 COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "all_gather_into_tensor", "gather",
@@ -23,7 +24,7 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "al
 #: broken programs of the faults lab that teach torch.distributed, the strategies' own protocols whose buffers the
 #: backend/device table keeps right, and the stop check, which launches its all-reduce without waiting
 #: (``async_op``) on a tensor it keeps on the rank's device itself, sequence parallelism's reduce-scatter, for
-#: which labkit.dist has no helper (it moves the tensor to the communication device itself), and the advisor's link
+#: which labkit.dist.group has no helper (it moves the tensor to the communication device itself), and the advisor's link
 #: fit, whose collectives are what it times (its buffers are made on the communication device)
 ALLOWED_FILES = {"dist.py", "collectives", "exercises", "faults"}
 ALLOWED_FUNCTIONS = {("strategies/zero_units.py", "Comm.all_gather"), ("strategies/zero_units.py", "Comm.reduce_scatter"),
@@ -166,8 +167,8 @@ def _gpus(monkeypatch, count):
 
 def test_ranks_map_to_gpus_by_local_rank(monkeypatch):
     _gpus(monkeypatch, 2)
-    assert [kdist.resolve_device("cuda", r) for r in range(3)] == [torch.device("cuda", i) for i in (0, 1, 0)]
-    assert kdist.resolve_device("cuda:1", 0) == torch.device("cuda", 1)
+    assert [launch_info.resolve_device("cuda", r) for r in range(3)] == [torch.device("cuda", i) for i in (0, 1, 0)]
+    assert launch_info.resolve_device("cuda:1", 0) == torch.device("cuda", 1)
 
 
 def test_more_nccl_ranks_than_gpus_is_refused_before_the_group_starts(monkeypatch):
@@ -182,12 +183,12 @@ def test_more_nccl_ranks_than_gpus_is_refused_before_the_group_starts(monkeypatc
     assert "\n" not in message and message.startswith("4 ranks on this node but 2 GPU(s) visible")
     assert "NCCL_MULTI_RANK_GPU_ENABLE=1" in message and "--backend gloo" in message
     # as many ranks as GPUs, gloo, or NCCL told to share a GPU: allowed
-    kdist.check_gpu_per_rank("nccl", torch.device("cuda", 0), 2, {})
-    kdist.check_gpu_per_rank("gloo", torch.device("cuda", 0), 4, {})
+    launch_info.check_gpu_per_rank("nccl", torch.device("cuda", 0), 2, {})
+    launch_info.check_gpu_per_rank("gloo", torch.device("cuda", 0), 4, {})
     share = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
-    kdist.check_gpu_per_rank("nccl", torch.device("cuda", 0), 4, share, nccl_version=(2, 30, 3))
+    launch_info.check_gpu_per_rank("nccl", torch.device("cuda", 0), 4, share, nccl_version=(2, 30, 3))
     # ... but an NCCL older than 2.30 ignores the variable and stops the ranks later: refused here, in one line
     with pytest.raises(DeviceError) as err:
-        kdist.check_gpu_per_rank("nccl", torch.device("cuda", 0), 4, share, nccl_version=(2, 28, 9))
+        launch_info.check_gpu_per_rank("nccl", torch.device("cuda", 0), 4, share, nccl_version=(2, 28, 9))
     assert str(err.value) == ("NCCL_MULTI_RANK_GPU_ENABLE=1 is set, but the installed NCCL 2.28.9 lets ranks share "
                               "a GPU only from 2.30: start at most 2 rank(s) per node, or use --backend gloo")

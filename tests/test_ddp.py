@@ -1,4 +1,4 @@
-"""labkit.strategies.ddp: DDP on W gloo ranks == one process on the global batch; every --allreduce
+"""labkit.parallel.ddp: DDP on W gloo ranks == one process on the global batch; every --allreduce
 algorithm == DDP's gradients; sampler shards; bad input.
 
 Tolerances (float32, tiny MLP): loss and gradients after one step within 1e-6 absolute (the sums are
@@ -10,11 +10,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from labkit.cli import main as cli_main
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.strategies.data_parallel import ShardSampler
-from labkit.strategies.ddp import ALLREDUCE_MODES, DDPStrategy, check_against_ddp, parse_kill_at
-from labkit.testing import run_ranks
+from labkit.parallel.data_parallel import ShardSampler
+from labkit.parallel.ddp import ALLREDUCE_MODES, DDPStrategy, check_against_ddp, parse_kill_at
 
 B, EPOCHS, STEPS_PER_EPOCH, SEED, LR = 4, 2, 3, 5, 0.1
 
@@ -38,7 +38,7 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 
 def _ddp_rank(env):
     """On every rank: DDP training for EPOCHS epochs, then each hand-made all-reduce for one step."""
-    from labkit.train import evaluate
+    from labkit.train.loop import evaluate
 
     train, test = _data(env.world_size)
     strategy = DDPStrategy(env, {"allreduce": "ddp"})
@@ -75,8 +75,8 @@ def _ddp_rank(env):
 
 
 def _fit_ddp(env) -> tuple[list[dict], list[torch.Tensor]]:
-    """The loop users run: labkit.train.fit with the DDP strategy; its epoch records and final weights."""
-    from labkit.train import fit
+    """The loop users run: labkit.train.loop.fit with the DDP strategy; its epoch records and final weights."""
+    from labkit.train.loop import fit
 
     train, test = _data(env.world_size)
     strategy = DDPStrategy(env, {"allreduce": "ddp"})
@@ -93,7 +93,7 @@ def _fit_single(world_size: int) -> tuple[list[dict], list[torch.Tensor]]:
     DistributedSampler with the same seed permutes the same way, and global batch s is the ranks' batches s."""
     from torch.utils.data.distributed import DistributedSampler
 
-    from labkit.train import fit
+    from labkit.train.loop import fit
 
     train, test = _data(world_size)
     model = _model()

@@ -9,8 +9,10 @@ import math
 import pytest
 import torch
 
-from labkit.models import MODELS
-from labkit.train_run import TrainConfig, run
+from labkit.data import loader as loaders
+from labkit.models.cnn import MODELS
+from labkit.train.config import TrainConfig
+from labkit.train.run import run
 
 #: the offline dataset each model is shown on (the CIFAR networks on CIFAR-shaped data)
 QUICK_DATASET = {"mlp": "mnist-sample", "lenet": "mnist-sample", "resnet8": "synthetic-cifar10",
@@ -53,14 +55,15 @@ def test_kfac_defaults_keep_loss_and_logits_bounded(one_thread, update_freq):
     a run with the default damping sum to about 8.5 against the first 10's 22.8."""
     from torch import nn
 
-    from labkit import data, models
-    from labkit.optim.kfac import from_options
+    from labkit.data import datasets as data
+    from labkit.models import cnn as models
+    from labkit.optim.kfac.preconditioner import from_options
 
     torch.manual_seed(0)
     model = models.get_model("lenet")
     optimizer = torch.optim.SGD(model.parameters(), lr=models.default_lr("lenet"), momentum=0.9)
     kfac = from_options(model, {"kfac_update_freq": update_freq}, optimizer=optimizer)
-    loader = data.make_loader(data.get_dataset("mnist-sample"), 64, shuffle=True, seed=0)
+    loader = loaders.make_loader(data.get_dataset("mnist-sample"), 64, shuffle=True, seed=0)
     losses, logits = [], 0.0
     for step, (x, y) in zip(range(30), loader):
         out = model(x)

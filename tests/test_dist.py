@@ -1,4 +1,4 @@
-"""labkit.dist: launch-variable parsing, device choice, and real process groups via run_ranks."""
+"""labkit.dist.group: launch-variable parsing, device choice, and real process groups via run_ranks."""
 
 import subprocess
 import sys
@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.dist import distributed, first_host, launch_info, resolve_device
+from labkit.dist.group import distributed
+from labkit.dist.launch_info import first_host, launch_info, resolve_device
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError, DeviceError
-from labkit.testing import run_ranks
 
 
 @pytest.mark.parametrize("nodelist, host", [
@@ -119,7 +120,7 @@ def test_run_ranks_at_the_top_of_a_script_without_main_guard_fails_fast(tmp_path
     each rank too: the caller gets one error naming the guard (not a timeout), read from its script's source
     before any rank or forkserver starts."""
     script = tmp_path / "unguarded.py"
-    script.write_text("from labkit.testing import run_ranks\n\n\ndef rank_of(env):\n    return env.rank\n\n\n"
+    script.write_text("from labkit.dist.testing import run_ranks\n\n\ndef rank_of(env):\n    return env.rank\n\n\n"
                       "print(run_ranks(rank_of, 2, timeout=600))\n")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 1 and proc.stdout == ""

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from labkit import results
-from labkit.checkpoint import checkpoint_on_every_rank, load_training_state
 from labkit.cli import main
+from labkit.dist.testing import run_ranks
 from labkit.errors import CheckpointError
 from labkit.strategies.base import Strategy
-from labkit.testing import run_ranks
+from labkit.train.checkpoint import checkpoint_on_every_rank, load_training_state
 
 QUICK = ["--dataset", "synthetic-mnist", "--train-size", "64", "--test-size", "32", "--batch-size", "16",
          "--max-steps", "1", "--device", "cpu", "--log-every", "100"]

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit.checks import CHECKS, STARTERS, run_check, write_starter
 from labkit.errors import ConfigError
 from labkit.exercises import average_gradients, kfac_factors, lr_schedule, online_softmax, row_parallel, training_step
+from labkit.exercises.cli import CHECKS, STARTERS, run_check, write_starter
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -369,7 +369,7 @@ def test_untouched_exercise_cell_fails_its_checker(tmp_path, capsys, notebook, c
 
 def test_every_starting_file_read_from_source_is_the_modules_own():
     """``--init`` reads a starting file from its module's source (no torch); it is the module's attribute."""
-    from labkit.checks import _starter_text, _target
+    from labkit.exercises.cli import _starter_text, _target
 
     for name, spec in STARTERS.items():
         assert _starter_text(spec) == _target(spec), name

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from labkit import faults
-from labkit.checks import run_check
 from labkit.cli import main
+from labkit.exercises.cli import run_check
 from labkit.faults.check import reference
 from labkit.faults.common import toy_data, toy_model
 from labkit.faults.runner import run_fault, run_program

@@ -12,11 +12,11 @@ from torchgpipe import GPipe
 from torchgpipe.worker import spawn_workers
 
 from labkit.cli import main as cli
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
 from labkit.errors import ConfigError
+from labkit.strategies.balance import SavedActivations, compute_balance, estimate_layer_memory
 from labkit.strategies.gpipe import GPipeStrategy, make_gpipe
-from labkit.strategies.gpipe_balance import SavedActivations, compute_balance, estimate_layer_memory
-from labkit.train import fit
+from labkit.train.loop import fit
 
 CPU2 = ["cpu", "cpu"]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torchgpipe.balance
 
-from labkit.checks import run_check
+from labkit.exercises.cli import run_check
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """The GPT model: shapes, parameter counts, causality, the tied head."""
 import torch
 
-from labkit.gpt import GPT_SIZES, gpt
+from labkit.models.gpt import GPT_SIZES, gpt
 
 
 def test_parameter_counts_are_gpt2s():

@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import run_cli_ranks, run_ranks
 from labkit.errors import ConfigError
-from labkit.models import get_model
+from labkit.models.cnn import get_model
 from labkit.strategies.hybrid import HybridStrategy
-from labkit.testing import run_cli_ranks, run_ranks
 
 ATOL = 1e-5  # float32: the convolutions run per shard, the sums run in another order
 SHARDS = [(4, 4), (4, 4), (3, 5)]  # rows per rank at each step; the last step exercises the padding
@@ -65,10 +65,10 @@ def _fit_data():
 
 
 def _fit(strategy, batch: int, sampler=None) -> tuple[list[dict], dict]:
-    """Two epochs of two steps through labkit.train.fit (the loop `labkit train` runs): records, final weights."""
+    """Two epochs of two steps through labkit.train.loop.fit (the loop `labkit train` runs): records, final weights."""
     from torch.utils.data import DataLoader
 
-    from labkit.train import fit
+    from labkit.train.loop import fit
 
     train, test = _fit_data()
     model = strategy.prepare(_model())
@@ -123,7 +123,7 @@ def _check_fit_equals_single_process_fit(ranks: list[dict]) -> None:
     way the ranks' samplers do, so its global batch s holds the ranks' batches s."""
     from torch.utils.data.distributed import DistributedSampler
 
-    from labkit.strategies import Strategy
+    from labkit.strategies.base import Strategy
 
     train, _ = _fit_data()
     history, weights = _fit(Strategy(DistEnv()), 8, DistributedSampler(train, num_replicas=1, rank=0, seed=3))

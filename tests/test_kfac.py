@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.errors import CheckpointError, ConfigError, LabkitError
-from labkit.optim.kfac import KFAC, from_options
-from labkit.optim.kfac_layers import conv_patches
-from labkit.optim.kfac_math import precondition_eigen, symmetric_eigen, unvec, vec
+from labkit.optim.kfac.layers import conv_patches
+from labkit.optim.kfac.linalg import precondition_eigen, symmetric_eigen, unvec, vec
+from labkit.optim.kfac.preconditioner import KFAC, from_options
 
 TOL = dict(rtol=1e-9, atol=1e-12)
 
@@ -362,7 +362,7 @@ def test_bench_kfac_writes_timings(tmp_path, capsys):
 def test_symmetric_eigen_redoes_a_silent_float32_failure_in_float64(monkeypatch):
     """float32 LAPACK can return NaNs for a finite rank-deficient factor without raising (seen on LeNet's fc1
     A with dead units); the decomposition must then come from float64, not spread NaNs into the gradients."""
-    from labkit.optim import kfac_math
+    from labkit.optim.kfac import linalg as kfac_math
 
     factor = torch.tensor([[2.0, 1.0, 0.0], [1.0, 2.0, 0.0], [0.0, 0.0, 0.0]])
     real_eigh = torch.linalg.eigh

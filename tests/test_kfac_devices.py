@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.optim.kfac import KFAC
-from labkit.optim.kfac_clip import inner_product
+from labkit.optim.kfac.clip import inner_product
+from labkit.optim.kfac.preconditioner import KFAC
 
 
 def test_the_inner_product_is_summed_on_the_first_layers_device():
@@ -46,9 +46,9 @@ def test_nu_scales_every_gradient_on_that_gradients_device():
 @pytest.mark.parametrize("how", ["gpipe time", "gpipe memory", "model-parallel time"])
 def test_balancing_profiles_a_copy_that_kfac_does_not_see(how):
     """The profiler runs as many passes as fit in its time, on the first device: K-FAC must capture none."""
-    from labkit.models import get_model
-    from labkit.strategies.gpipe_balance import compute_balance
-    from labkit.strategies.model_parallel import balance_by_time
+    from labkit.models.cnn import get_model
+    from labkit.strategies.balance import compute_balance
+    from labkit.strategies.stage_balance import balance_by_time
 
     model = get_model("mlp", sequential=True)
     kfac = KFAC(model, factor_update_freq=1)

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.optim import kfac_dist
-from labkit.optim.kfac import KFAC
-from labkit.testing import run_ranks
+from labkit.optim.kfac import distributed as kfac_dist
+from labkit.optim.kfac.preconditioner import KFAC
 
 WORLD = 2
 STEPS = 4

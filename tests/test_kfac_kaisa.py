@@ -1,6 +1,6 @@
 """KAISA's grad-worker fraction: every f gives the single-process preconditioned gradients; the bytes each
 rank moves and the decompositions it holds equal numbers worked out by hand (the table of
-``labkit.optim.kfac_kaisa``), as does ``KFAC.communication_per_step`` on each rank.
+``labkit.optim.kfac.kaisa``), as does ``KFAC.communication_per_step`` on each rank.
 
 One 4-rank spawn (each rank a quarter of every batch, gradients averaged with ``dist.all_reduce``) runs
 f = 1/4 (memory-optimal), 1/2 (hybrid: blocks {0,1} {2,3}, columns {0,2} {1,3}) and 1 (communication-optimal).
@@ -11,10 +11,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from test_kfac_dist import full_batch, net
 
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.optim import kfac_kaisa
-from labkit.optim.kfac import KFAC
-from labkit.testing import run_ranks
+from labkit.optim.kfac import kaisa as kfac_kaisa
+from labkit.optim.kfac.preconditioner import KFAC
 
 WORLD, STEPS = 4, 4
 RUNS = [(0.25, "eigen"), (0.5, "eigen"), (0.5, "inverse"), (1.0, "eigen")]

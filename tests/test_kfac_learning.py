@@ -13,10 +13,11 @@ epoch (``start_epoch``) trains exactly as one call over all the epochs: each epo
 import torch
 from torch.utils.data import TensorDataset
 
-from labkit import data, models
-from labkit.optim.kfac import from_options
-from labkit.tensor_data import load_split
-from labkit.train import fit
+from labkit.data import loader as loaders
+from labkit.data.tensor import load_split
+from labkit.models import cnn as models
+from labkit.optim.kfac.preconditioner import from_options
+from labkit.train.loop import fit
 
 TARGET = 0.70
 EPOCHS = 3
@@ -34,8 +35,8 @@ def accuracy_until_target(optimizer_name: str, train_set, test_set, epochs: int)
     model = models.get_model("lenet")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     kfac = from_options(model, {"kfac_update_freq": 10}) if optimizer_name == "kfac" else None
-    train_loader = data.make_loader(train_set, 50, shuffle=True, seed=0)
-    test_loader = data.make_loader(test_set, 500, shuffle=False)
+    train_loader = loaders.make_loader(train_set, 50, shuffle=True, seed=0)
+    test_loader = loaders.make_loader(test_set, 500, shuffle=False)
     accuracy = []
     for epoch in range(epochs):
         history = fit(model, train_loader, test_loader, optimizer, epochs=epoch + 1, start_epoch=epoch,

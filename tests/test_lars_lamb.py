@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.checkpoint import load_checkpoint
 from labkit.errors import ConfigError
 from labkit.optim import build_optimizer
 from labkit.optim.lamb import LAMB
 from labkit.optim.lars import LARS, param_groups
+from labkit.train.checkpoint import load_checkpoint
 
 
 def two_layer(w1, b1, w2, b2, g1, gb1, g2, gb2) -> nn.Module:

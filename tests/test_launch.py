@@ -1,4 +1,4 @@
-"""labkit.launch: torchrun from Python streams the ranks' output and returns the results; failures raise
+"""labkit.launch.local: torchrun from Python streams the ranks' output and returns the results; failures raise
 with the log tail; sbatch submits, follows the job's output file and reads the results back.
 
 The sbatch tests put stand-in ``sbatch``/``scontrol``/``sacct`` commands on PATH that run the script in
@@ -10,8 +10,10 @@ import textwrap
 import pytest
 
 from labkit.errors import ConfigError
-from labkit.launch import RunFailed, _child_env, sbatch, torchrun
-from labkit.meters import ThroughputMeter
+from labkit.launch.common import RunFailed, _child_env
+from labkit.launch.local import torchrun
+from labkit.launch.slurm import sbatch
+from labkit.train.meters import ThroughputMeter
 
 TINY = ["train", "--strategy", "ddp", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "128",
         "--test-size", "50", "--epochs", "1", "--device", "cpu", "--log-every", "2", "--no-checkpoint"]

@@ -1,5 +1,6 @@
 """The pipeline learns real digits: LeNet on the 5,000 shipped MNIST digits reaches >= 90 % test accuracy."""
-from labkit.train_run import TrainConfig, run
+from labkit.train.config import TrainConfig
+from labkit.train.run import run
 
 
 def test_lenet_learns_mnist_sample(tmp_path):

@@ -6,13 +6,15 @@ import urllib.error
 import pytest
 import torch
 
-from labkit import data as kdata
-from labkit import text_data
 from labkit.cli import main
+from labkit.data import datasets as kdata
+from labkit.data import loader as loaders
+from labkit.data import text as text_data
+from labkit.data.tensor import load_split
 from labkit.errors import ConfigError
-from labkit.tasks import get_task
-from labkit.tensor_data import load_split
-from labkit.train_run import TrainConfig, run
+from labkit.train.config import TrainConfig
+from labkit.train.run import run
+from labkit.train.tasks import get_task
 
 
 def test_task_counts_and_metrics():
@@ -48,8 +50,8 @@ def test_text_sample_windows_split_and_loaders():
     assert len(train) == int(len(text) * 0.9) and tok.decode(train.tolist() + val.tolist()) == text
     ds = load_split("tensor", "text-sample", train=False, seq_len=16, limit=40)
     assert len(ds) == 40 and ds.batch(torch.tensor([2]))[0].tolist() == [val[32:48].tolist()]
-    tensor = kdata.make_loader(load_split("tensor", "text-sample", True, seq_len=16, limit=50), 8, True, seed=1)
-    torch_ = kdata.make_loader(load_split("torch", "text-sample", True, seq_len=16, limit=50), 8, True, seed=1)
+    tensor = loaders.make_loader(load_split("tensor", "text-sample", True, seq_len=16, limit=50), 8, True, seed=1)
+    torch_ = loaders.make_loader(load_split("torch", "text-sample", True, seq_len=16, limit=50), 8, True, seed=1)
     assert type(torch_).__name__ == "DataLoader" and len(tensor) == len(torch_) == 7
     for (x1, y1), (x2, y2) in zip(tensor, torch_):  # the same windows in the same order
         assert torch.equal(x1, x2) and torch.equal(y1, y2)

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.gpt import GPT, GPTConfig
+from labkit.models.gpt import GPT, GPTConfig
 from labkit.parallel import megatron_cost as cost
 from labkit.parallel.megatron import (
     VocabParallelCrossEntropy,
@@ -21,7 +22,6 @@ from labkit.parallel.megatron import (
     sequence_parallel_params,
     sync_sequence_parallel_grads,
 )
-from labkit.testing import run_ranks
 
 CFG = GPTConfig(vocab_size=33, block_size=16, n_layer=2, n_head=4, n_embd=32)
 B, T, TOL = 2, 16, 1e-5
@@ -63,7 +63,7 @@ def _max_grad_diff(model, ref_grads, group) -> float:
 
 
 def _counting(log: list):
-    """Wrap the collectives labkit.dist and megatron_ops call; log (name, elements of this rank's part)."""
+    """Wrap the collectives labkit.dist.group and megatron_ops call; log (name, elements of this rank's part)."""
     names = ("all_reduce", "all_gather", "reduce_scatter_single")
     originals = {n: getattr(dist, n) for n in names}
 
@@ -129,7 +129,7 @@ def _tp_rank(env):
         out[key]["torch_loss"] = abs(their_loss.full_tensor().item() - ref_loss)
         out[key]["torch_grad"] = _max_grad_diff(theirs, ref_grads, group)
     # the tp dimension as labkit train --mesh tp=2 --sequence-parallel runs it: a step and an evaluation
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     strategy = MeshStrategy(env, {"mesh": "tp=2", "sequence_parallel": True})
     strategy.check_model("gpt-tiny")

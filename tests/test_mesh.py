@@ -1,4 +1,4 @@
-"""labkit.strategies.mesh on gloo CPU ranks: each composition, through the same ``labkit.train.fit`` a user runs,
+"""labkit.parallel.mesh on gloo CPU ranks: each composition, through the same ``labkit.train.loop.fit`` a user runs,
 equals single-process ``fit`` on the global batch; mesh checkpoints resume bit-identically; another mesh is
 refused on resume.
 
@@ -21,12 +21,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import record_losses, run_ranks
 from labkit.errors import CheckpointError, ConfigError
-from labkit.gpt import GPT, GPTConfig
+from labkit.models.gpt import GPT, GPTConfig
 from labkit.strategies.base import Strategy
-from labkit.tasks import LanguageModelling, Task
-from labkit.testing import record_losses, run_ranks
+from labkit.train.tasks import LanguageModelling, Task
 
 GLOBAL_BATCH, SEED, LR = 8, 5, 0.1
 STEPS = {"cnn": 2, "gpt": 2}  # steps per epoch: the second is the first with momentum
@@ -64,10 +64,10 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _fit(strategy, model, kind, epochs, start_epoch=0, out=None, resume=False):
-    """labkit.train.fit as ``labkit train`` calls it; with ``out``: a checkpoint there after the first epoch (the
+    """labkit.train.loop.fit as ``labkit train`` calls it; with ``out``: a checkpoint there after the first epoch (the
     one ``labkit train`` writes at each epoch's end), or with ``resume`` the run resumed from it."""
-    from labkit.checkpoint import load_training_state, save_training_state
-    from labkit.train import fit
+    from labkit.train.checkpoint import load_training_state, save_training_state
+    from labkit.train.loop import fit
 
     train, test = _data(kind)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
@@ -93,7 +93,7 @@ def _fit(strategy, model, kind, epochs, start_epoch=0, out=None, resume=False):
 def _run(env, kind: str, options: dict, out=None) -> dict:
     """One composition through fit: this rank's losses, weights, data shard and metric ownership; with ``out``,
     its checkpoint after the first of its two epochs there."""
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     strategy = MeshStrategy(env, options)
     strategy.check_model("gpt-tiny" if kind == "gpt" else "lenet")
@@ -133,7 +133,7 @@ def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict
     """The second epoch resumed from the checkpoint in ``out`` that the run on ``options`` wrote after its first,
     beside ``straight`` (that run's weights after both epochs, run without a stop); that checkpoint offered to a
     run on the mesh ``other``. Returns both runs' weights and the refusal."""
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     result = {"straight": straight}
     again = MeshStrategy(env, options)
@@ -151,7 +151,7 @@ def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict
 def _two_ranks(env, out):
     """On each of 2 ranks: the TWO compositions; a CNN on dp=2 --dp-shard fsdp resumed, and its checkpoint
     offered to dp=2 without sharding; --dp-shard zero3 refused."""
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     result = _runs(env, TWO, "cnn dp=2 fsdp", out)
     result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
@@ -252,7 +252,7 @@ def test_dp2_tp2_pp2_on_eight_ranks_equals_one_process(eight, single):
 
 
 def test_padded_evaluation_shards_have_one_length_and_count_each_sample_once():
-    from labkit.strategies.mesh import PaddedShardSampler
+    from labkit.parallel.mesh import PaddedShardSampler
 
     shards = [PaddedShardSampler(range(5), 2, r) for r in range(2)]
     assert [list(s) for s in shards] == [[0, 2, 4], [1, 3, 1]]
@@ -262,6 +262,6 @@ def test_padded_evaluation_shards_have_one_length_and_count_each_sample_once():
 
 def test_the_one_process_note_reads_each_strategy_s_own_literal():
     from labkit.strategies import available
-    from labkit.train_run import spread_over_ranks
+    from labkit.train.run import spread_over_ranks
 
     assert {n for n in available() if spread_over_ranks(n)} == {"ddp", "fsdp", "hybrid", "tensor-parallel", "zero"}

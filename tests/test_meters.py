@@ -1,9 +1,9 @@
-"""labkit.meters: the seed-003 lines, exactly."""
+"""labkit.train.meters: the seed-003 lines, exactly."""
 import re
 
 import torch
 
-from labkit.meters import ThroughputMeter, memory_lines, process_memory_gb, throughput_line
+from labkit.train.meters import ThroughputMeter, memory_lines, process_memory_gb, throughput_line
 
 
 def test_throughput_lines_match_seed_format():

@@ -13,18 +13,16 @@ import torch
 from torch import nn
 
 from labkit.cli import main as cli_main
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
 from labkit.errors import ConfigError
-from labkit.models import get_model
+from labkit.models.cnn import get_model
 from labkit.strategies.model_parallel import (
     BusyInterval,
     ModelParallel,
     ModelParallelStrategy,
-    balance_by_params,
-    balance_from_split_points,
-    partition,
     project_on_separate_devices,
 )
+from labkit.strategies.stage_balance import balance_by_params, balance_from_split_points, partition
 from labkit.viz.timeline import busy_fraction, plot_timeline
 
 matplotlib.use("Agg")
@@ -195,12 +193,12 @@ class _RecordingLoss(nn.CrossEntropyLoss):
 
 @pytest.mark.parametrize("split_size", [None, 4])
 def test_fit_with_model_parallel_equals_single_process_fit(split_size):
-    """Through labkit.train.fit, the loop `labkit train` runs: LeNet cut before layers 4 and 9 over 3 devices
+    """Through labkit.train.loop.fit, the loop `labkit train` runs: LeNet cut before layers 4 and 9 over 3 devices
     (with and without micro-batches of 4) and the same LeNet on one device see the same loss at each of the
     2 × 4 steps and end with the same weights and momentum."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from labkit.train import fit
+    from labkit.train.loop import fit
 
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g))

@@ -1,10 +1,10 @@
-"""labkit.models: shapes, the paper's parameter counts, and flat Sequential == module (forward and backward)."""
+"""labkit.models.cnn: shapes, the paper's parameter counts, and flat Sequential == module (forward and backward)."""
 import pytest
 import torch
 from torch import nn
 
-from labkit import models
 from labkit.errors import ConfigError
+from labkit.models import cnn as models
 
 SIZES = [(1, 28), (3, 32)]  # MNIST-like, CIFAR-like
 

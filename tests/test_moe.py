@@ -1,10 +1,10 @@
-"""Mixture of experts (labkit.moe) and expert parallelism (labkit.parallel.ep).
+"""Mixture of experts (labkit.models.moe) and expert parallelism (labkit.parallel.ep).
 
 Single process: the router's gates and capacity on hand-made probabilities, the balancing loss against a hand
 computation, the loss injector's gradient, the layer against a per-token loop. Two spawns: ``ep=2`` (2 ranks) and
 ``dp=2,ep=2`` (4 ranks) against single-process training on the global batch: loss every step, gradients of step 0,
 weights after STEPS steps, tokens per expert and dropped choices every step, and the test loss after them, all
-through ``MeshStrategy`` and ``labkit.train.fit``: ``ep=2`` for top-1 and for top-2 with a capacity factor that
+through ``MeshStrategy`` and ``labkit.train.loop.fit``: ``ep=2`` for top-1 and for top-2 with a capacity factor that
 drops, ``dp=2,ep=2`` for the latter with replicas and with ``--dp-shard fsdp``. Float64 (tolerance 1e-10), so that no near-tie in the router flips
 between the two runs. The ep=2 spawn also counts the exchange's bytes with the routing forced even.
 """
@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.gpt import gpt
-from labkit.moe import AddAuxLoss, MoE, MoEConfig, balance_loss, gpt_moe, moe_layers, route
+from labkit.models.gpt import gpt
+from labkit.models.moe import AddAuxLoss, MoE, MoEConfig, balance_loss, gpt_moe, moe_layers, route
 from labkit.parallel.ep import ExpertParallel, dense_allreduce_bytes
-from labkit.tasks import LanguageModelling
-from labkit.testing import run_ranks
+from labkit.train.tasks import LanguageModelling
 
 V, T, B, STEPS = 48, 16, 8, 3                           # global batch B sequences of T tokens
 CASES = {"top1": dict(top_k=1, capacity_factor=None), "top2-cap": dict(top_k=2, capacity_factor=1.0)}
@@ -78,7 +78,7 @@ def test_aux_loss_injector_gives_the_gradient_of_loss_plus_aux():
 
 def _forced_moe(cfg_k: int = 1, capacity_factor=None, n_embd: int = 8) -> MoE:
     """A MoE whose router sends a token with x = 3·e_i (+ 2·e_j) to expert i (then j)."""
-    from labkit.gpt import GPTConfig
+    from labkit.models.gpt import GPTConfig
     torch.manual_seed(0)
     moe = MoE(GPTConfig(n_embd=n_embd), MoEConfig(n_expert=4, top_k=cfg_k, capacity_factor=capacity_factor))
     with torch.no_grad():
@@ -142,7 +142,7 @@ def test_ep_refuses_a_model_it_cannot_spread():
 
 @pytest.mark.parametrize("name", ["tp", "cp", "pp"])
 def test_tp_cp_pp_refuse_a_mixture_of_experts_in_one_line(name):
-    from labkit.moe import MOE_SIZES
+    from labkit.models.moe import MOE_SIZES
     from labkit.parallel import get_dimension
     from labkit.parallel.base import MOE_MODELS
 
@@ -188,9 +188,9 @@ def _logged_all_reduces(sync, calls: list):
 
 
 def _fit(strategy, model, rename) -> dict:
-    """labkit.train.fit as ``labkit train`` calls it; every step's loss, tokens per expert and dropped choices,
+    """labkit.train.loop.fit as ``labkit train`` calls it; every step's loss, tokens per expert and dropped choices,
     step 0's gradients after the synchronisation, the weights and test loss after STEPS steps."""
-    from labkit.train import fit
+    from labkit.train.loop import fit
 
     out = {"loss": [], "tokens": [], "dropped": []}
     inner_fb, inner_sync = strategy.forward_backward, strategy.sync_gradients
@@ -240,7 +240,7 @@ def _full(tensors: dict) -> dict:
 
 
 def _mesh_rank(env, mesh: str) -> dict:
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     result = {}
     runs = [(case, case, {}) for case in CASES]

@@ -6,8 +6,8 @@ import types
 import pytest
 import torch
 
-from labkit import monitor
-from labkit.monitor import UtilisationMonitor, nvml_indices
+from labkit.train import monitor
+from labkit.train.monitor import UtilisationMonitor, nvml_indices
 
 
 class _FakeProcess:

@@ -15,7 +15,7 @@ from labkit.cli import COMMANDS, build_parser, main
 from labkit.optim import OPTIMIZERS
 from labkit.ranges import Range, check, within
 from labkit.strategies import STRATEGIES
-from labkit.train_run import TrainConfig
+from labkit.train.config import TrainConfig
 
 #: command line before the flag -> {flag: values outside its range}
 BAD = {

@@ -1,4 +1,4 @@
-"""Multi-process pipeline schedules (labkit.strategies.pipelining) and their charts (labkit.viz.pipeline).
+"""Multi-process pipeline schedules (labkit.parallel.pipelining) and their charts (labkit.viz.pipeline).
 
 One spawn of 3 gloo ranks checks GPipe and 1F1B against single-process training: gradients, loss, outputs,
 the training loop with a smaller last batch and evaluation, and the recorded order of every forward and
@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.strategies.pipelining import PipelineStrategy, even_balance, microbatches_for, stage_layers
-from labkit.testing import run_ranks
-from labkit.train import fit
+from labkit.parallel.pipelining import PipelineStrategy, even_balance, microbatches_for, stage_layers
+from labkit.train.loop import fit
 from labkit.viz import pipeline as viz
 
 matplotlib.use("Agg")

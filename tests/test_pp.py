@@ -1,5 +1,5 @@
 """The mesh's pp dimension (labkit.parallel.pp): a GPT and a CNN cut into stages, trained through the same
-``labkit.train.fit`` a user runs (``labkit.strategies.mesh.MeshStrategy``), each equal to single-process ``fit``
+``labkit.train.loop.fit`` a user runs (``labkit.parallel.mesh.MeshStrategy``), each equal to single-process ``fit``
 on the same global batch.
 
 One spawn of 2 ranks (``--mesh pp=2``): a 2-block GPT (d=32, T=16, vocabulary 64, dropout 0) under GPipe and
@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.gpt import GPT, GPTConfig
-from labkit.models import get_model
+from labkit.models.cnn import get_model
+from labkit.models.gpt import GPT, GPTConfig
 from labkit.parallel.pp import PipelineParallel, p2p_bytes_sent
 from labkit.strategies.base import Strategy
-from labkit.tasks import get_task
-from labkit.testing import run_ranks
+from labkit.train.tasks import get_task
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
 BATCH, STEPS = 8, 3  # global batch, steps of the one epoch
@@ -50,11 +50,11 @@ def _data(kind, n):
 
 
 def _fit(strategy, model, kind, dp=1):
-    """labkit.train.fit as `labkit train` runs it: one epoch of STEPS global batches of BATCH (each of the data-
+    """labkit.train.loop.fit as `labkit train` runs it: one epoch of STEPS global batches of BATCH (each of the data-
     parallel ranks a shard), evaluation; returns the loss every step, the bytes sent p2p every step and the
     epoch's record. One process stands for ``dp`` ranks with a one-replica DistributedSampler: the same
     permutation, so its global batch s is the ranks' batches s."""
-    from labkit.train import fit
+    from labkit.train.loop import fit
 
     losses, sent, inner = [], [], strategy.forward_backward
 
@@ -93,7 +93,7 @@ def _oracle(kind, dp=1, n_layer=2):
 
 def _run(env, mesh, kind, dp=1, n_layer=2, **options):
     """Train on ``mesh`` and in one process; this rank's results beside the single process's."""
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     strategy = MeshStrategy(env, {"mesh": mesh, "num_microbatches": 2, **options})
     stage = strategy.prepare(_gpt(n_layer) if kind == "lm" else _lenet())
@@ -116,7 +116,7 @@ def _run(env, mesh, kind, dp=1, n_layer=2, **options):
 
 
 def _two_ranks(env):
-    from labkit.strategies.mesh import MeshStrategy
+    from labkit.parallel.mesh import MeshStrategy
 
     out = {schedule: _run(env, "pp=2", "lm", schedule=schedule) for schedule in ("gpipe", "1f1b")}
     out["cnn"] = _run(env, "pp=2", "classification", schedule="1f1b")
@@ -130,7 +130,7 @@ def _two_ranks(env):
 
 
 def _four_ranks(env):
-    from labkit.mesh import build_mesh
+    from labkit.dist.mesh import build_mesh
 
     try:
         PipelineParallel(build_mesh({"cp": 2, "pp": 2}), {}).check("gpt-tiny")
@@ -244,7 +244,7 @@ def test_bad_pp_options_are_one_clear_line_before_any_work(two):
 def test_pp_flags_literal_agrees_with_the_schedules():
     from labkit.flags import read_flags
     from labkit.parallel import pp
-    from labkit.strategies.pipeline_stages import SCHEDULES
+    from labkit.parallel.pipeline_stages import SCHEDULES
 
     assert read_flags("labkit.parallel.pp") == tuple(pp.FLAGS)
     assert tuple(next(f["choices"] for f in pp.FLAGS if f["flag"] == "--schedule")) == tuple(SCHEDULES)

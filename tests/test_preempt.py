@@ -16,13 +16,14 @@ import psutil
 import pytest
 import torch
 
-from labkit import train as ktrain
-from labkit import train_run
-from labkit.checkpoint import load_checkpoint
 from labkit.cli import main
-from labkit.preempt import EXIT_PREEMPTED, MARKER, StopSignals
-from labkit.testing import run_cli_ranks, run_ranks
-from labkit.train_run import TrainConfig, run
+from labkit.dist.testing import run_cli_ranks, run_ranks
+from labkit.train import loop as ktrain
+from labkit.train import run as train_run
+from labkit.train.checkpoint import load_checkpoint
+from labkit.train.config import TrainConfig
+from labkit.train.preempt import EXIT_PREEMPTED, MARKER, StopSignals
+from labkit.train.run import run
 
 # 96 samples in batches of 16: 6 steps per epoch
 SMALL = dict(model="mlp", dataset="synthetic-mnist", train_size=96, test_size=32, batch_size=16, epochs=3,
@@ -102,14 +103,14 @@ def _args(strategy, out, *extra):
 
 def _train(strategy, out, *extra, restarts=0):
     """:func:`_args` under torchrun with 2 ranks."""
-    return [sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+    return [sys.executable, "-m", "labkit.dist.torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts",
             str(restarts), "-m", "labkit", *_args(strategy, out, *extra)]
 
 
 def _clean_rank(env, root):
     """In the group run_ranks started: the uninterrupted runs of ``_train``'s configuration (DDP and the pipeline)
     the interrupted ones must end equal to, one after the other in the same two ranks."""
-    from labkit.dist import seed_everything
+    from labkit.dist.group import seed_everything
 
     def same_group(*args, seed=0, **kwargs):
         seed_everything(seed)
@@ -236,7 +237,7 @@ def test_sigterm_to_torchrun_reaches_the_ranks_and_their_75_is_torchruns(tmp_pat
     signal is passed on, torchrun waits for its ranks (which stand for labkit's: they exit 75) and exits 75."""
     (tmp_path / "rank.py").write_text(RANK)
     # signalled once both ranks hold their handler (a rank still starting would die of it: 143)
-    code, log, ranks = _signal_when([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2",
+    code, log, ranks = _signal_when([sys.executable, "-m", "labkit.dist.torchrun", "--standalone", "--nproc-per-node", "2",
                                      str(tmp_path / "rank.py")], "ready", signal.SIGTERM, lines=2)
     assert code == EXIT_PREEMPTED and len(ranks) == 2 and _none_alive(ranks), log
     assert "Traceback" not in log and "torchrun stopped" not in log and "death signal" not in log, log

@@ -1,4 +1,4 @@
-"""The parameter-server strategy through ``labkit.train.fit`` on gloo ranks.
+"""The parameter-server strategy through ``labkit.train.loop.fit`` on gloo ranks.
 
 One 4-rank spawn checks, on one toy net:
 
@@ -30,18 +30,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from labkit.checkpoint import load_training_state, save_training_state
 from labkit.collectives import get_schedule
 from labkit.collectives.simulate import count
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
+from labkit.lab.ps import compare_modes
 from labkit.optim import OptimizerSpec
-from labkit.preempt import Preempted, StopSignals
-from labkit.strategies.ps import ParameterServerStrategy
-from labkit.strategies.ps_lab import compare_modes
-from labkit.strategies.ps_server import PeerFailure, ServerState, wait
-from labkit.testing import run_ranks
-from labkit.train import fit
+from labkit.strategies.ps.server import PeerFailure, ServerState, wait
+from labkit.strategies.ps.strategy import ParameterServerStrategy
+from labkit.train.checkpoint import load_training_state, save_training_state
+from labkit.train.loop import fit
+from labkit.train.preempt import Preempted, StopSignals
 
 STEPS, BATCH, LR = 3, 4, 0.1
 

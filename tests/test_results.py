@@ -7,7 +7,7 @@ import matplotlib
 import pytest
 import torch
 
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
 from labkit.results import SCHEMA, RunWriter, environment, host_environment, load_run, plot_metric
 
 matplotlib.use("Agg")

@@ -2,7 +2,7 @@
 waiting. (A rank SIGKILLed under ``torchrun --max-restarts 1``, restarted and resumed bit-identically, is in
 tests/test_preempt.py, in the same run as a SIGTERM mid-epoch.)
 """
-from labkit.testing import run_cli_ranks
+from labkit.dist.testing import run_cli_ranks
 
 # 96 samples, 2 ranks × 8 per rank: 6 steps per epoch; rank 1 dies before step 2
 TRAIN = ["train", "--strategy", "ddp", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "96",

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import train_run
-from labkit.rng import cuda_rng_states, restore_cuda_rng
-from labkit.testing import run_ranks
-from labkit.train_run import TrainConfig, run
+from labkit.dist.testing import run_ranks
+from labkit.train import run as train_run
+from labkit.train.config import TrainConfig
+from labkit.train.rng import cuda_rng_states, restore_cuda_rng
+from labkit.train.run import run
 
 TINY = dict(model="mlp", dataset="synthetic-mnist", train_size=64, test_size=32, batch_size=16, max_steps=2,
             device="cpu", log_every=100)
@@ -61,9 +62,9 @@ def test_resume_moves_no_layer_after_the_state_is_loaded(strategy, options, opti
 
 
 def test_a_lazily_partitioned_checkpoint_without_its_balance_is_one_clear_error(tmp_path):
-    from labkit.dist import DistEnv
+    from labkit.dist.group import DistEnv
     from labkit.errors import CheckpointError
-    from labkit.models import get_model
+    from labkit.models.cnn import get_model
     from labkit.strategies.gpipe import GPipeStrategy
     from labkit.strategies.model_parallel import ModelParallelStrategy
 
@@ -113,7 +114,7 @@ def _resume_every_multi_rank_strategy(env, root):
     """In the group run_ranks started: each strategy trains an epoch, then resumes with module moves recorded."""
     import contextlib
 
-    from labkit.dist import seed_everything
+    from labkit.dist.group import seed_everything
 
     def same_group(*args, seed=0, **kwargs):
         seed_everything(seed)

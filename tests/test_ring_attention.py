@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from labkit.collectives.kv_ring import Block, KVTransfer, kv_ring
 from labkit.errors import ConfigError
-from labkit.gpt import GPTConfig
+from labkit.models.gpt import GPTConfig
 from labkit.parallel.cp import ContextParallel
 from labkit.parallel.ring_attention import attend, attend_backward, merge, positions, shard, unshard
 

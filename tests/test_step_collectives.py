@@ -1,6 +1,6 @@
 """What one training step of each strategy sends, counted: nothing the plain version of the step lacks.
 
-One 2-rank gloo job runs 6 steps of :func:`labkit.train.fit` per strategy (and a 2-layer GPT on ``--mesh tp=2``
+One 2-rank gloo job runs 6 steps of :func:`labkit.train.loop.fit` per strategy (and a 2-layer GPT on ``--mesh tp=2``
 and ``pp=2``; the 4-rank meshes ``dp=2,cp=2`` and ``dp=2,ep=2`` count their all-reduces in ``tests/test_cp.py``
 and ``tests/test_moe.py``) with every ``torch.distributed`` call
 the step can make wrapped (its name and element count logged; pipelining's batched sends arrive as their isend/
@@ -18,12 +18,12 @@ import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from labkit import train as ktrain
-from labkit.dist import DistEnv
+from labkit.dist.group import DistEnv
+from labkit.dist.testing import run_ranks
 from labkit.optim import OptimizerSpec
-from labkit.preempt import StopSignals
 from labkit.strategies import get_strategy
-from labkit.testing import run_ranks
+from labkit.train import loop as ktrain
+from labkit.train.preempt import StopSignals
 
 STEPS, BATCH = 6, 4
 CALLS = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
@@ -74,7 +74,7 @@ def _data(channels=3, size=2) -> TensorDataset:
 
 
 def _gpt():
-    from labkit.gpt import GPT, GPTConfig
+    from labkit.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=16, block_size=4, n_layer=2, n_head=2, n_embd=8, dropout=0.0))
@@ -90,7 +90,7 @@ def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset,
     strategy = get_strategy(name)(env, options)
     task = None
     if isinstance(data.tensors[1], torch.Tensor) and data.tensors[1].ndim == 2:  # next-token targets: a GPT
-        from labkit.tasks import LanguageModelling
+        from labkit.train.tasks import LanguageModelling
 
         strategy.check_model("gpt-tiny")
         task = LanguageModelling()
@@ -124,7 +124,7 @@ def _ranks(env) -> dict:
     log: list[str] = []
     originals = _counting(log)
     try:
-        from labkit import models
+        from labkit.models import cnn as models
 
         lenet = models.get_model("lenet", num_classes=3, in_channels=1, image_size=28)
         alexnet = models.get_model("alexnet_small", num_classes=3, in_channels=3, image_size=16)
@@ -232,10 +232,10 @@ def test_rank0_turns_its_step_time_into_the_steps_between_two_checks(monkeypatch
     (the cap); the first check comes after one step, before any step was timed."""
     import types
 
-    from labkit.preempt import StopCheck
+    from labkit.train.preempt import StopCheck
 
     now = [0.0]
-    monkeypatch.setattr("labkit.preempt.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("labkit.train.preempt.time.perf_counter", lambda: now[0])
     strategy = types.SimpleNamespace(env=DistEnv())
     check = StopCheck(StopSignals(every_s=0.2), strategy, steps=10 ** 6)
     assert check._interval(0) == 1.0
@@ -248,7 +248,7 @@ def test_rank0_turns_its_step_time_into_the_steps_between_two_checks(monkeypatch
 
 
 def test_the_throughput_window_opens_after_the_warm_up_and_closes_at_the_end_on_a_barrier():
-    from labkit.meters import ThroughputMeter
+    from labkit.train.meters import ThroughputMeter
 
     meets = []
     meter = ThroughputMeter(1, 1, steps=10, printer=lambda line: None, barrier=lambda: meets.append(meter.step))

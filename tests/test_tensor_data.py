@@ -1,4 +1,4 @@
-"""labkit.tensor_data: resident datasets, batched transforms, DataLoader-equal order; --amp and --channels-last."""
+"""labkit.data.tensor: resident datasets, batched transforms, DataLoader-equal order; --amp and --channels-last."""
 import copy
 
 import pytest
@@ -6,14 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data.distributed import DistributedSampler
 
-from labkit import data, models
-from labkit.checkpoint import load_checkpoint
+from labkit.data import loader as loaders
+from labkit.data.loader import TensorLoader
+from labkit.data.tensor import TensorImages, crop_flip, load_split, tensor_dataset
 from labkit.errors import ConfigError
-from labkit.meters import ThroughputMeter
-from labkit.precision import check_amp
-from labkit.tensor_data import TensorImages, TensorLoader, crop_flip, load_split, tensor_dataset
-from labkit.train import fit
-from labkit.train_run import TrainConfig, run
+from labkit.models import cnn as models
+from labkit.train.checkpoint import load_checkpoint
+from labkit.train.config import TrainConfig
+from labkit.train.loop import fit
+from labkit.train.meters import ThroughputMeter
+from labkit.train.precision import check_amp
+from labkit.train.run import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,32 +38,32 @@ def test_tensor_path_yields_the_torchvision_batches(name):
     assert resident.data.dtype == torch.float32  # small: normalised once at load time
     assert torch.equal(resident[7][0], reference[7][0]) and resident[7][1] == reference[7][1]
     assert len(reference) == len(resident) == 192
-    torch_loader = data.make_loader(reference, 48, shuffle=True, seed=3)
-    tensor_loader = data.make_loader(resident, 48, shuffle=True, seed=3)
+    torch_loader = loaders.make_loader(reference, 48, shuffle=True, seed=3)
+    tensor_loader = loaders.make_loader(resident, 48, shuffle=True, seed=3)
     assert isinstance(tensor_loader, TensorLoader)
     for epoch in (0, 1):  # reseeded per epoch, as fit does
-        data.set_loader_epoch(torch_loader, epoch, seed=3)
-        data.set_loader_epoch(tensor_loader, epoch, seed=3)
+        loaders.set_loader_epoch(torch_loader, epoch, seed=3)
+        loaders.set_loader_epoch(tensor_loader, epoch, seed=3)
         _same(_batches(torch_loader), _batches(tensor_loader))
     samplers = [DistributedSampler(ds, num_replicas=3, rank=2, shuffle=True, seed=5, drop_last=True)
                 for ds in (reference, resident)]
     for s in samplers:
         s.set_epoch(4)
-    _same(_batches(data.make_loader(reference, 20, True, samplers[0], drop_last=True)),
-          _batches(data.make_loader(resident, 20, True, samplers[1], drop_last=True)))
-    _same(_batches(data.make_loader(load_split("torch", name, train=False, limit=100), 32, shuffle=False)),
-          _batches(data.make_loader(load_split("tensor", name, train=False, limit=100), 32, shuffle=False)))
+    _same(_batches(loaders.make_loader(reference, 20, True, samplers[0], drop_last=True)),
+          _batches(loaders.make_loader(resident, 20, True, samplers[1], drop_last=True)))
+    _same(_batches(loaders.make_loader(load_split("torch", name, train=False, limit=100), 32, shuffle=False)),
+          _batches(loaders.make_loader(load_split("tensor", name, train=False, limit=100), 32, shuffle=False)))
 
 
 def test_large_uint8_splits_stay_uint8_and_normalise_per_batch(monkeypatch):
-    monkeypatch.setattr("labkit.tensor_data.FLOAT_BYTES", 1000)
+    monkeypatch.setattr("labkit.data.tensor.FLOAT_BYTES", 1000)
     pixels = torch.randint(0, 256, (20, 3, 4, 4), dtype=torch.uint8)
     big = TensorImages(pixels, torch.arange(20), (0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
     assert big.data.dtype == torch.uint8
     expected = (pixels[[3, 7]].float() / 255 - torch.tensor([0.5, 0.4, 0.3]).view(1, 3, 1, 1)) \
         / torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1)
     torch.testing.assert_close(big.batch(torch.tensor([3, 7]))[0], expected)
-    monkeypatch.setattr("labkit.tensor_data.FLOAT_BYTES", 10 ** 6)
+    monkeypatch.setattr("labkit.data.tensor.FLOAT_BYTES", 10 ** 6)
     small = TensorImages(pixels, torch.arange(20), (0.5, 0.4, 0.3), (0.2, 0.25, 0.3))
     assert small.data.dtype == torch.float32 and torch.equal(small.batch(torch.tensor([3, 7]))[0],
                                                                 big.batch(torch.tensor([3, 7]))[0])
@@ -172,7 +175,7 @@ def test_max_steps_beyond_an_epoch_says_so_and_meter_skips_two_steps(monkeypatch
     assert lines[0] == "note: --max-steps 50 is more than the 4 steps of an epoch; each epoch runs its 4 steps"
     assert history[0]["timed_steps"] == 4  # too short to spare a warm-up: timed whole, and said so
     now = [0.0]
-    monkeypatch.setattr("labkit.meters.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("labkit.train.meters.time.perf_counter", lambda: now[0])
     meter = ThroughputMeter(1, 1, steps=8, every=3, printer=lambda line: None)
     for seconds in (10.0, 5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0):  # steps 1 and 2 slow (first call, DDP re-bucketing)
         now[0] += seconds

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.strategies import tensor_parallel as tp
-from labkit.strategies import tensor_parallel_check as check
-from labkit.testing import run_ranks
+from labkit.exercises import column_parallel as check
+from labkit.parallel import tp_linear as tp
 
 ATOL = 1e-5  # float32 sums in a different order
 
@@ -86,11 +86,11 @@ def _tp_rank(env, solution: str | None = None) -> dict:
 
 def _fit_against_single(env) -> dict:
     """Train mlp 4 steps with the tensor-parallel strategy and in one plain process; compare."""
-    from labkit.data import make_loader
-    from labkit.models import get_model
-    from labkit.strategies import Strategy
-    from labkit.strategies.tensor_parallel import TensorParallelStrategy
-    from labkit.train import fit
+    from labkit.data.loader import make_loader
+    from labkit.models.cnn import get_model
+    from labkit.parallel.tp_linear import TensorParallelStrategy
+    from labkit.strategies.base import Strategy
+    from labkit.train.loop import fit
 
     g = torch.Generator().manual_seed(5)
     data = torch.utils.data.TensorDataset(torch.randn(40, 1, 4, 4, generator=g), torch.randint(0, 5, (40,), generator=g))

@@ -8,7 +8,7 @@ One 2-rank spawn, a 2-layer GPT (d=32, T=16, 4 heads, vocabulary 64) at dropout 
   the ranks (their heads are made twins, q/k/v of rank 1's heads a copy of rank 0's, so without dropout, or with
   one shared stream, both ranks' attention outputs would be equal: the eval-mode forward shows they are); after
   the step the default random stream is in the same state on both ranks (the tracker gives it back);
-* ``labkit.train.fit`` on ``--mesh tp=2`` (twice, same seed) and ``tp=2 --sequence-parallel``: the loss is
+* ``labkit.train.loop.fit`` on ``--mesh tp=2`` (twice, same seed) and ``tp=2 --sequence-parallel``: the loss is
   finite and falls, the two tp=2 runs are bit-identical (losses and weights), and the 15 replicated parameters
   (layer norms, row-parallel biases, position table) stay bit-identical on the two ranks: replicated masks that
   differed would make the replicas drift apart.
@@ -20,8 +20,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from labkit.cli import main
-from labkit.gpt import GPT, GPTConfig
-from labkit.testing import run_ranks
+from labkit.dist.testing import run_ranks
+from labkit.models.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.5)
 B, T, STEPS, SEED = 2, 16, 8, 3
@@ -69,9 +69,9 @@ def _data():
 
 
 def _fit(env, options: dict) -> dict:
-    from labkit.strategies.mesh import MeshStrategy
-    from labkit.tasks import LanguageModelling
-    from labkit.train import fit
+    from labkit.parallel.mesh import MeshStrategy
+    from labkit.train.loop import fit
+    from labkit.train.tasks import LanguageModelling
 
     strategy = MeshStrategy(env, options)
     strategy.check_model("gpt-tiny")

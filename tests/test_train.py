@@ -1,4 +1,4 @@
-"""labkit.train: the one loop — LR schedule, metrics, checkpoints, resume, divergence, profiling, config errors."""
+"""labkit.train.loop: the one loop — LR schedule, metrics, checkpoints, resume, divergence, profiling, config errors."""
 import json
 
 import pytest
@@ -6,10 +6,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from labkit.checkpoint import load_checkpoint
 from labkit.errors import CheckpointError, ConfigError
-from labkit.train import TrainingDiverged, fit, lr_factor
-from labkit.train_run import TrainConfig, run
+from labkit.train.checkpoint import load_checkpoint
+from labkit.train.config import TrainConfig
+from labkit.train.loop import TrainingDiverged, fit, lr_factor
+from labkit.train.run import run
 
 
 def small_cfg(tmp_path, **kw):
@@ -115,7 +116,7 @@ def test_bad_names_are_config_errors(tmp_path):
 def test_one_progress_display(monkeypatch, capsys):
     """Plain output (notebooks, jobs): estimated lines then the epoch's 100 % line. In a terminal the estimates
     go to the progress bar instead, and only the epoch's line is printed."""
-    import labkit.train as train_module
+    import labkit.train.loop as train_module
 
     x, y = torch.randn(64, 5), torch.randint(0, 2, (64,))
     loader = DataLoader(TensorDataset(x, y), batch_size=8)

@@ -13,7 +13,7 @@ from labkit.cli import main
 from labkit.flags import read_flags
 from labkit.optim import OPTIMIZERS
 from labkit.strategies import STRATEGIES, strategy_flags
-from labkit.train_cli import _DefaultsFormatter, add_parser, flag_owners
+from labkit.train.cli import _DefaultsFormatter, add_parser, flag_owners
 
 #: a flag (and a value) of each strategy, to hand to every other strategy
 SAMPLE = {"ddp": ["--allreduce", "ring"], "model-parallel": ["--mp-devices", "3"],
@@ -93,7 +93,11 @@ def test_every_flag_has_help_and_every_valued_flag_shows_its_default(strategy):
 
 
 def test_flags_literals_agree_with_the_modules_that_own_them():
-    from labkit.strategies import ddp, gpipe, gpipe_balance, pipelining, ps, ps_server
+    from labkit.parallel import ddp, pipelining
+    from labkit.strategies import balance as gpipe_balance
+    from labkit.strategies import gpipe
+    from labkit.strategies.ps import server as ps_server
+    from labkit.strategies.ps import strategy as ps
 
     for target in STRATEGIES.values():
         module = importlib.import_module(target.partition(":")[0])
@@ -109,7 +113,7 @@ def test_flags_literals_agree_with_the_modules_that_own_them():
 def test_help_and_flag_errors_do_not_import_torch():
     code = """
 import argparse, contextlib, io, sys
-from labkit import train_cli
+from labkit.train import cli as train_cli
 def parse(argv):
     p = argparse.ArgumentParser(prog="labkit"); train_cli.add_parser(p.add_subparsers(dest="command"))
     err = io.StringIO()
@@ -129,8 +133,8 @@ assert "torch" not in sys.modules, "torch was imported"
 
 
 def test_deterministic_reaches_the_config_and_selects_repeatable_kernels(monkeypatch):
-    from labkit import dist as kdist
-    from labkit.train_cli import config_from_argv
+    from labkit.dist import group as kdist
+    from labkit.train.cli import config_from_argv
 
     assert config_from_argv(["--deterministic"]).deterministic and not config_from_argv([]).deterministic
     calls = []

@@ -1,10 +1,10 @@
-"""``labkit.train_ranks``: the notebooks' ``labkit train`` on forked ranks reads its flags as the command line does
+"""``labkit.lab.train_ranks``: the notebooks' ``labkit train`` on forked ranks reads its flags as the command line does
 (the training itself runs in notebooks 03, 04 and 06)."""
 import pytest
 
 from labkit.errors import ConfigError
-from labkit.train_cli import config_from_argv
-from labkit.train_ranks import train_on_ranks
+from labkit.lab.train_ranks import train_on_ranks
+from labkit.train.cli import config_from_argv
 
 
 def test_flags_become_the_config_the_command_line_builds():

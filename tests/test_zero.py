@@ -8,13 +8,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from labkit.checkpoint import load_training_state, save_training_state
 from labkit.cli import main
+from labkit.dist.testing import run_ranks
 from labkit.errors import CheckpointError
 from labkit.optim import OptimizerSpec
 from labkit.strategies import get_strategy
-from labkit.testing import run_ranks
-from labkit.train import fit
+from labkit.train.checkpoint import load_training_state, save_training_state
+from labkit.train.loop import fit
 
 B, SAMPLES, LR = 4, 48, 0.1
 SHARDED = [("zero", {"zero_stage": 1}), ("zero", {"zero_stage": 2}), ("zero", {"zero_stage": 3}),

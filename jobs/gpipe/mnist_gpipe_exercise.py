@@ -26,10 +26,11 @@ from torchgpipe import GPipe  # noqa: F401  (you need it in TODO (4))
 from torchgpipe.balance import balance_by_time  # noqa: F401  (one way to do TODO (3))
 
 import labkit
-from labkit.data import get_dataset, make_loader
-from labkit.meters import ThroughputMeter, memory_lines, peak_memory_gb
-from labkit.models import get_model
+from labkit.data.datasets import get_dataset
+from labkit.data.loader import make_loader
+from labkit.models.cnn import get_model
 from labkit.results import RunWriter
+from labkit.train.meters import ThroughputMeter, memory_lines, peak_memory_gb
 
 # LABKIT_QUICK=1 (CI, a first try on a laptop): a small batch, fewer micro-batches and steps
 BATCH_SIZE, CHUNKS = (16, 4) if labkit.quick() else (512, 8)

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 import labkit
-from labkit.data import get_dataset, make_loader
-from labkit.meters import ThroughputMeter, memory_lines, peak_memory_gb
-from labkit.models import get_model
+from labkit.data.datasets import get_dataset
+from labkit.data.loader import make_loader
+from labkit.models.cnn import get_model
 from labkit.results import RunWriter
+from labkit.train.meters import ThroughputMeter, memory_lines, peak_memory_gb
 
 
 def build_model(device: str) -> nn.Module:

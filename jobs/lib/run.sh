@@ -8,7 +8,7 @@
 #   SIGTERM (scancel, pre-emption, the time limit) also ends the ranks with a checkpoint; only the warning
 #   requeues (a cancelled job stays cancelled; PreemptMode=REQUEUE partitions requeue by themselves).
 #
-# CMD is usually `python -m labkit.torchrun ...` (torchrun that ends a configuration error with labkit's one
+# CMD is usually `python -m labkit.dist.torchrun ...` (torchrun that ends a configuration error with labkit's one
 # line and exit 2, not torchrun's error block) or `python -m labkit ...` for one process. Inside a job it runs
 # as one srun step with one task per node on $run_nodes nodes (default 1; the multi-node script sets it).
 #

@@ -1,70 +1,27 @@
 """``advise`` ranks every plan (table, ``advice.json``, seed 000's FlexFlow comparison); ``parallelize`` applies one."""
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
 from torch import nn
 
-from labkit import data as kdata
-from labkit import models as kmodels
-from labkit.advisor.measure import CACHE, load_or_measure
-from labkit.advisor.plan import Estimate, Plan, Profile
+from labkit.advisor.measure import CACHE, load_or_measure, local_topology
+from labkit.advisor.plan import Advice, Estimate, Plan, Profile
 from labkit.advisor.search import best_per_strategy, candidates, check_fits
 from labkit.advisor.topology import MB, Topology, allreduce_time
 from labkit.advisor.validate import off_terms, ranking
-from labkit.dist import DistEnv
+from labkit.data import datasets as kdata
+from labkit.dist.group import DistEnv
 from labkit.errors import ConfigError
+from labkit.models import cnn as kmodels
 from labkit.ranges import check
-from labkit.results import atomic_write_text
-from labkit.strategies import Strategy, get_strategy
+from labkit.strategies import get_strategy
+from labkit.strategies.base import Strategy
 
 FLEXFLOW_ALEXNET_2GPU = ("conv1 pool2 conv3 pool4 conv5 conv6 conv7 pool8 flat: data parallel on gpu 0 and 1\n"
                          "linear9 linear10 linear11: gpu 0 only")
-
-
-@dataclass
-class Advice:
-    """Ranked estimates (``estimates``: every plan; ``table``: the best plan of each strategy)."""
-
-    model: str
-    dataset: str
-    batch_size: int
-    topology: Topology
-    estimates: list[Estimate]
-    table: list[Estimate]
-    profiles: dict[int, Profile] = field(default_factory=dict)  # processes -> the profile their plans are priced by
-    measured: dict[str, dict] = field(default_factory=dict)   # plan label -> measured values
-    train_args: tuple[str, ...] = ()                            # more `labkit train` flags for every command
-
-    def command(self, est: Estimate) -> str:
-        return est.plan.command(self.model, self.dataset, self.train_args)
-
-    @property
-    def best(self) -> Estimate:
-        return self.table[0]
-
-    def find(self, label: str) -> Estimate:
-        if est := next((e for e in self.estimates if e.plan.label == label), None):
-            return est
-        raise ConfigError(f"no plan {label!r}; plans: {', '.join(e.plan.label for e in self.table)}")
-
-    def to_dict(self) -> dict:
-        t = self.topology
-        return {"schema": "labkit.advice/1", "model": self.model, "dataset": self.dataset,
-                "batch_size": self.batch_size,
-                "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores, **asdict(t.link),
-                             "memory_bytes": t.memory_bytes,
-                             "kinds": {k: {"alpha": v.alpha, "beta": v.beta} for k, v in t.kinds.items()}},
-                "plans": [{**e.to_dict(), "command": self.command(e),
-                           "measured": self.measured.get(e.plan.label)} for e in self.table]}
-
-    def write(self, path: str | Path) -> Path:
-        atomic_write_text(path := Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
-        return path
 
 
 def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size: int = 64,
@@ -75,10 +32,10 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
     if model not in kmodels.MODELS:
         raise ConfigError(f"unknown model {model!r}; choose one of: {', '.join(kmodels.MODELS)}")
     kdata.dataset_info(dataset)
-    check("--ranks", ranks, "int", "[1, inf)")  # also where a topology is given (Topology.local checks its own)
+    check("--ranks", ranks, "int", "[1, inf)")  # also where a topology is given (local_topology checks its own)
     check("--batch-size", batch_size, "int", "[1, inf)")
     check("--memory-limit", memory_limit_gb, "float", "(0, inf)")  # None: no limit
-    topo = (topology or Topology.local(ranks, cache=cache, refresh=refresh)).with_memory(memory_limit_gb)
+    topo = (topology or local_topology(ranks, cache=cache, refresh=refresh)).with_memory(memory_limit_gb)
     measure_on = profile_topology or topo
 
     @lru_cache(maxsize=None)

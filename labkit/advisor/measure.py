@@ -23,19 +23,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import data as kdata
-from labkit import dist as kdist
-from labkit import models as kmodels
 from labkit.advisor.plan import LayerProfile, Profile, profile_from_dict
-from labkit.advisor.topology import KINDS, ring_counts
+from labkit.advisor.topology import KINDS, Topology, ring_counts
 from labkit.collectives.cost import CostModel, fit_alpha_beta
-from labkit.meters import process_memory_gb
+from labkit.data import datasets as kdata
+from labkit.data import loader as loaders
+from labkit.data.tensor import load_split
+from labkit.dist import group as kdist
+from labkit.dist.testing import run_ranks
+from labkit.models import cnn as kmodels
+from labkit.parallel.tp_linear import linear_pairs
 from labkit.results import RunWriter, load_run
-from labkit.strategies.gpipe_balance import estimate_layer_memory
-from labkit.strategies.tensor_parallel import linear_pairs
-from labkit.tensor_data import load_split
-from labkit.testing import run_ranks
-from labkit.train import lr_factor, single_strategy, train_step
+from labkit.strategies.balance import estimate_layer_memory
+from labkit.train.loop import lr_factor, single_strategy, train_step
+from labkit.train.meters import process_memory_gb
 
 CACHE = Path("runs") / "advisor"
 FORMAT = 9  # the profile's; other formats are measured again
@@ -61,7 +62,7 @@ def timed(fn, windows: int, quantile: float = 0.5, window_s: float = 0.0, setup=
 
 def _batches(train_set, b: int):
     """``labkit train``'s default loader (resident tensors) of ``b`` samples, epoch after epoch."""
-    return chain.from_iterable(repeat(kdata.make_loader(train_set, b, shuffle=True, drop_last=True)))
+    return chain.from_iterable(repeat(loaders.make_loader(train_set, b, shuffle=True, drop_last=True)))
 
 
 def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tuple[float, float, int]]:
@@ -79,7 +80,7 @@ def _layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[tu
 
 
 def loop_step(model: nn.Module, batches, window_s: float):
-    """``(step, optimizer, s)``: one :func:`labkit.train.train_step` (SGD with momentum) on the next of ``batches``,
+    """``(step, optimizer, s)``: one :func:`labkit.train.loop.train_step` (SGD with momentum) on the next of ``batches``,
     warmed up by a step (allocations) and two windows of ``window_s`` (first windows run slower), ``s`` the faster."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 1000, [], 0.1, 0.0, 1.0))
@@ -254,3 +255,12 @@ def measure_link(ranks: int, out: Path, refresh: bool = False, windows: int = FI
         writer.finish(f"links {ranks}", "cost-model", {"ranks": ranks}, {k: v for k, v in fit.items() if k != "p2p"})
     return (CostModel(fit["alpha"], fit["beta"], fit.get("gamma", 0.0)),
             {k: CostModel(v["alpha"], v["beta"]) for k, v in fit["kinds"].items()})
+
+
+def local_topology(ranks: int, link: CostModel | None = None, cache: str | Path = CACHE, refresh: bool = False,
+                   fit: dict | None = None) -> Topology:
+    """``ranks`` gloo ranks on this machine; ``link`` for every kind of collective, else one per kind, cached or
+    measured by :func:`measure_link` (``refresh``; ``fit``: its ``windows``, ``calls``)."""
+    link, kinds = (link, {}) if link else measure_link(ranks, Path(cache, f"links-{ranks}"), refresh, **(fit or {}))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
+    return Topology(f"{ranks} gloo rank(s) on this host", ranks, link, memory, "cpu", os.cpu_count() or 1, kinds=kinds)

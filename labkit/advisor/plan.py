@@ -1,8 +1,13 @@
 """The advisor's plain data (no torch): :class:`Plan`, its :class:`Estimate`, :class:`Profile`, :class:`MeshPlan`."""
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+from labkit.advisor.topology import Topology
+from labkit.errors import ConfigError
+from labkit.results import atomic_write_text
 from labkit.strategies import STRATEGIES, strategy_literal
 
 
@@ -197,3 +202,44 @@ class MeshPlan:
         extra = [self.pp > 1 and f"m={self.microbatches}", self.zero and f"zero{self.zero}",
                  self.sequence_parallel and "sp", self.recompute and "recompute"]
         return " ".join([dims or "one device", *filter(None, extra)])
+
+
+@dataclass
+class Advice:
+    """Ranked estimates (``estimates``: every plan; ``table``: the best plan of each strategy)."""
+
+    model: str
+    dataset: str
+    batch_size: int
+    topology: Topology
+    estimates: list[Estimate]
+    table: list[Estimate]
+    profiles: dict[int, Profile] = field(default_factory=dict)  # processes -> the profile their plans are priced by
+    measured: dict[str, dict] = field(default_factory=dict)   # plan label -> measured values
+    train_args: tuple[str, ...] = ()                            # more `labkit train` flags for every command
+
+    def command(self, est: Estimate) -> str:
+        return est.plan.command(self.model, self.dataset, self.train_args)
+
+    @property
+    def best(self) -> Estimate:
+        return self.table[0]
+
+    def find(self, label: str) -> Estimate:
+        if est := next((e for e in self.estimates if e.plan.label == label), None):
+            return est
+        raise ConfigError(f"no plan {label!r}; plans: {', '.join(e.plan.label for e in self.table)}")
+
+    def to_dict(self) -> dict:
+        t = self.topology
+        return {"schema": "labkit.advice/1", "model": self.model, "dataset": self.dataset,
+                "batch_size": self.batch_size,
+                "topology": {"name": t.name, "ranks": t.ranks, "device": t.device, "cores": t.cores, **asdict(t.link),
+                             "memory_bytes": t.memory_bytes,
+                             "kinds": {k: {"alpha": v.alpha, "beta": v.beta} for k, v in t.kinds.items()}},
+                "plans": [{**e.to_dict(), "command": self.command(e),
+                           "measured": self.measured.get(e.plan.label)} for e in self.table]}
+
+    def write(self, path: str | Path) -> Path:
+        atomic_write_text(path := Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+        return path

@@ -5,23 +5,21 @@ and every strategy with its parameters (:func:`candidates`) whose module declare
 :data:`PLANS`, its ``"batch"``: how a plan splits the global batch (:attr:`labkit.advisor.plan.Plan.data_parallel`)."""
 from __future__ import annotations
 
-import functools
 import itertools
 import math
-import pkgutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from labkit.advisor.plan import Estimate, MeshPlan, Plan, Profile
 from labkit.advisor.topology import GB, MB, Topology
 from labkit.errors import ConfigError
+from labkit.flags import resolve
 from labkit.parallel.pricing import price_mesh
 from labkit.strategies import STRATEGIES, registered, strategy_literal
 
 EXHAUSTIVE_SPLITS = 2000
 MICROBATCHES = (1, 2, 4, 8, 16, 32)
 #: the function ``"module:function"`` names
-load = functools.cache(pkgutil.resolve_name)
 
 
 def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = None) -> Estimate:
@@ -34,7 +32,7 @@ def price(plan: Plan, prof: Profile, topo: Topology, serial: Profile | None = No
     if entry is None or "price" not in entry:
         raise ConfigError(f"strategy {plan.strategy!r} has no ADVISOR literal with a 'price' function; the advisor "
                           f"prices: {', '.join(registered('ADVISOR'))}")
-    est = load(entry["price"])(plan, prof, topo)
+    est = resolve(entry["price"])(plan, prof, topo)
     est.limit_bytes, est.threads = topo.memory_bytes, prof.threads if topo.device == "cpu" else 0
     if serial is None or topo.device != "cpu" or not est.applicable:
         return est

@@ -1,4 +1,4 @@
-"""The device topology (seed 000's ``D = (D_N, D_E)``: :meth:`Topology.local` gloo ranks, :data:`NAMED` GPU nodes) and
+"""The device topology (seed 000's ``D = (D_N, D_E)``: :func:`labkit.advisor.measure.local_topology` gloo ranks, :data:`NAMED` GPU nodes) and
 the prices every strategy pays on it alike (pure: no torch, timing or I/O), in the notation of the strategies' pricing
 functions, per step of global batch ``B``: ``T_S(b)`` forward + backward seconds of layers ``S`` on ``b`` samples,
 ``M_S(b)`` the bytes autograd saves there; ``u`` optimizer seconds per byte, ``d`` loading seconds per sample; ``P``
@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from labkit.collectives.cost import CostModel
 from labkit.collectives.registry import get_schedule
@@ -49,17 +47,6 @@ class Topology:
 
     def with_memory(self, gigabytes: float | None) -> Topology:
         return self if gigabytes is None else replace(self, memory_bytes=gigabytes * GB)
-
-    @classmethod
-    def local(cls, ranks: int, link: CostModel | None = None, cache: str | Path = Path("runs") / "advisor",
-              refresh: bool = False, fit: dict | None = None) -> Topology:
-        """``ranks`` gloo ranks on this machine; ``link`` for every kind of collective, else one per kind, cached or
-        measured by :func:`~labkit.advisor.measure.measure_link` (``refresh``; ``fit``: its ``windows``, ``calls``)."""
-        from labkit.advisor.measure import measure_link
-
-        link, kinds = (link, {}) if link else measure_link(ranks, Path(cache, f"links-{ranks}"), refresh, **(fit or {}))
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / ranks
-        return cls(f"{ranks} gloo rank(s) on this host", ranks, link, memory, "cpu", os.cpu_count() or 1, kinds=kinds)
 
     @classmethod
     def gpu_node(cls, gpus: int, link: CostModel, memory_gb: float = 80.0, compute_scale: float = 0.05, nodes: int = 1,

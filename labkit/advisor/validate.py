@@ -5,18 +5,16 @@ import contextlib
 import io
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
+from labkit.advisor.plan import Advice
 from labkit.advisor.topology import GB
-from labkit.testing import run_ranks
-from labkit.train_cli import config_from_argv
-from labkit.train_run import run
-
-if TYPE_CHECKING:
-    from labkit.advisor.advise import Advice
+from labkit.dist.testing import run_ranks
+from labkit.train.cli import config_from_argv
+from labkit.train.run import run
 
 
 def ranking(advice: Advice) -> dict:

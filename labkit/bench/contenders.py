@@ -1,4 +1,4 @@
-"""The two kinds of benchmark contender: labkit through :func:`labkit.train.fit`, and plain PyTorch.
+"""The two kinds of benchmark contender: labkit through :func:`labkit.train.loop.fit`, and plain PyTorch.
 
 The plain baselines are written the way a performance-aware user writes them: the dataset is decoded once
 and held as one normalised float tensor on the device, every call draws a permutation and slices batches
@@ -19,7 +19,7 @@ from labkit.errors import ConfigError
 
 def preload(name: str, device: torch.device | str, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Dataset ``name`` decoded and normalised once: ``(x (N, C, H, W) float32, y (N,) int64)`` on ``device``."""
-    from labkit import data
+    from labkit.data import datasets as data
 
     dataset = data.get_dataset(name, train=train)
     x = torch.stack([dataset[i][0] for i in range(len(dataset))])
@@ -64,16 +64,16 @@ class PlainLoop:
 def labkit_fit(model: nn.Module, loader, strategy, steps: int | None, lr: float = 0.01, epochs: int = 1,
                as_train: bool = False, **fit_options) -> Callable[[], int]:
     """A contender that trains ``epochs`` epochs of ``steps`` steps (None: whole epochs) per call through
-    :func:`labkit.train.fit`, with the strategy's own optimizer (SGD, momentum 0.9).
+    :func:`labkit.train.loop.fit`, with the strategy's own optimizer (SGD, momentum 0.9).
 
     ``as_train``: everything ``labkit train`` adds around a step as well: the learning-rate scheduler, the stop
     signals (with a checkpoint, the default) and the utilisation monitor's sampling thread; not the
     checkpoints, the evaluation or the result files, which the plain loop has no counterpart of.
     """
-    from labkit.monitor import UtilisationMonitor
     from labkit.optim import OptimizerSpec
-    from labkit.preempt import StopSignals
-    from labkit.train import fit
+    from labkit.train.loop import fit
+    from labkit.train.monitor import UtilisationMonitor
+    from labkit.train.preempt import StopSignals
 
     optimizer, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", lr, 0.9, env=strategy.env))
     if steps is not None and steps > len(loader):

@@ -4,7 +4,7 @@
     labkit bench datapath --device cuda --amp bf16 --channels-last --batch-size 256
 
 Contenders, alternated round by round (:mod:`labkit.bench.harness`), all training the same model from the
-same weights with SGD through :func:`labkit.train.fit`:
+same weights with SGD through :func:`labkit.train.loop.fit`:
 
 - ``torch loader``: torchvision's per-sample DataLoader (decode, normalise, crop and flip one image at a time);
 - ``tensor loader``: the dataset resident on the device, batches gathered, normalised and augmented at once;
@@ -21,6 +21,7 @@ import copy
 import torch
 
 from labkit.bench.harness import alternate, config_of
+from labkit.data import loader as loaders
 
 #: ``labkit bench datapath`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -42,11 +43,13 @@ FLAGS = [
 
 def run_datapath(args: argparse.Namespace, writer=None) -> dict:
     """Alternate the three contenders; return summary metrics with ratios to ``model only``."""
-    from labkit import data, models
     from labkit.bench.contenders import labkit_fit
-    from labkit.dist import DistEnv, resolve_device
-    from labkit.strategies import Strategy
-    from labkit.tensor_data import load_split
+    from labkit.data import datasets as data
+    from labkit.data.tensor import load_split
+    from labkit.dist.group import DistEnv
+    from labkit.dist.launch_info import resolve_device
+    from labkit.models import cnn as models
+    from labkit.strategies.base import Strategy
 
     device = resolve_device(args.device)
     if args.threads:
@@ -58,7 +61,7 @@ def run_datapath(args: argparse.Namespace, writer=None) -> dict:
         template = template.to(memory_format=torch.channels_last)
     strategy = Strategy(DistEnv(device=device))
     options = {"amp": args.amp, "channels_last": args.channels_last}
-    loaders = {name: data.make_loader(load_split(kind, args.dataset, True, augment=args.augment, device=device),
+    loaders = {name: loaders.make_loader(load_split(kind, args.dataset, True, augment=args.augment, device=device),
                                       args.batch_size, shuffle=True, drop_last=True)
                for name, kind in (("torch loader", "torch"), ("tensor loader", "tensor"))}
     fixed = next(iter(loaders["tensor loader"]))
@@ -81,7 +84,8 @@ class _Repeat(list):
 
 
 def main(args: argparse.Namespace) -> int:
-    from labkit.dist import DistEnv, resolve_device
+    from labkit.dist.group import DistEnv
+    from labkit.dist.launch_info import resolve_device
     from labkit.results import RunWriter
 
     writer = RunWriter(args.out)

@@ -10,7 +10,7 @@ count is one `labkit train --strategy ddp` run under torchrun.
 
 The comparison starts --compare-ranks ranks once (gloo on CPU); inside that one run every rank alternates the
 contenders round by round (:mod:`labkit.bench.harness`) on the same model, data and batch, each call
---compare-epochs whole epochs: labkit = labkit.train.fit with the DDP strategy and ``--loader``'s data path, with
+--compare-epochs whole epochs: labkit = labkit.train.loop.fit with the DDP strategy and ``--loader``'s data path, with
 what ``labkit train`` adds around a step (scheduler, stop signals, utilisation monitor); zero-2 = the same with
 ``--strategy zero --zero-stage 2``; plain = DistributedDataParallel over the dataset preloaded as one tensor,
 each rank slicing its shard of a shared permutation. A ratio to plain is the median over rounds of each
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from labkit.data import loader as loaders
 from labkit.errors import ConfigError
 
 TARGET = 0.97
@@ -108,7 +109,7 @@ def plot_scaling(rows: list[dict], path: str | Path | None = None):
 def main(args: argparse.Namespace) -> int:
     if args.compare_worker:
         return _compare_worker(args)
-    from labkit.launch import torchrun
+    from labkit.launch.local import torchrun
     from labkit.results import RunWriter
 
     ranks = parse_ranks(args.ranks)
@@ -163,14 +164,15 @@ def _quiet(line: str) -> None:
 
 def _compare_worker(args: argparse.Namespace) -> int:
     """One rank of the comparison: labkit's DDP and ZeRO-2 strategies through fit vs DDP over preloaded tensors."""
-    from labkit import data, models
     from labkit.bench.contenders import PlainLoop, labkit_fit, preload
     from labkit.bench.harness import alternate, config_of
-    from labkit.dist import distributed, print0
+    from labkit.data import datasets as data
+    from labkit.data.tensor import load_split
+    from labkit.dist.group import distributed, print0
+    from labkit.models import cnn as models
+    from labkit.parallel.ddp import DDPStrategy
+    from labkit.parallel.zero import ZeroStrategy
     from labkit.results import RunWriter
-    from labkit.strategies.ddp import DDPStrategy
-    from labkit.strategies.zero import ZeroStrategy
-    from labkit.tensor_data import load_split
 
     with distributed(args.device) as env:
         info = data.dataset_info(args.dataset)
@@ -180,7 +182,7 @@ def _compare_worker(args: argparse.Namespace) -> int:
         contenders = {}
         for name, strategy in (("labkit", DDPStrategy(env, {})), ("zero-2", ZeroStrategy(env, {"zero_stage": 2}))):
             model = strategy.prepare(copy.deepcopy(template))
-            loader = data.make_loader(train_set, args.batch_size, shuffle=True, drop_last=True,
+            loader = loaders.make_loader(train_set, args.batch_size, shuffle=True, drop_last=True,
                                       sampler=strategy.sampler(train_set, True, 0))
             contenders[name] = labkit_fit(model, loader, strategy, None, epochs=args.compare_epochs, as_train=True)
         x, y = preload(args.dataset, env.device)

@@ -4,7 +4,7 @@
     labkit bench gpipe sweep --model resnet50 --batch-size 128 --chunks 1 2 4 8 --checkpoint always never
     labkit bench gpipe point --chunks 4 --checkpoint never      # one sweep point (what sweep runs)
 
-``compare``: the same model, balance, chunks and checkpoint mode; the trainer is ``labkit.train.fit`` with
+``compare``: the same model, balance, chunks and checkpoint mode; the trainer is ``labkit.train.loop.fit`` with
 :class:`~labkit.strategies.gpipe.GPipeStrategy` and ``--loader``'s data path, the raw loop (``raw``) is the
 torchgpipe tutorial's loop over the dataset preloaded as one tensor, on the same kind of pipeline (built by
 :func:`~labkit.strategies.gpipe.make_gpipe`: on CPU its tasks run on the calling thread, see
@@ -34,8 +34,9 @@ from torch import nn
 from torchgpipe import GPipe
 
 from labkit.bench.harness import config_of, sync
+from labkit.data import loader as loaders
+from labkit.strategies.balance import compute_balance
 from labkit.strategies.gpipe import gpipe_devices, make_gpipe
-from labkit.strategies.gpipe_balance import compute_balance
 
 GB = 1024 ** 3
 TARGET = 0.97
@@ -69,15 +70,16 @@ FLAGS = [
 
 
 def _setup(args: argparse.Namespace):
-    from labkit import data, models
-    from labkit.dist import resolve_device
+    from labkit.data import datasets as data
+    from labkit.dist.launch_info import resolve_device
+    from labkit.models import cnn as models
 
     device = resolve_device(args.device)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     devices = gpipe_devices(args.partitions, device)
     info = data.dataset_info(args.dataset)
-    batches = [b for _, b in zip(range(args.steps + 1), data.make_loader(
+    batches = [b for _, b in zip(range(args.steps + 1), loaders.make_loader(
         data.get_dataset(args.dataset, train=True), args.batch_size, shuffle=True, seed=0, drop_last=True))]
 
     def model() -> nn.Sequential:
@@ -102,19 +104,18 @@ def raw_steps(gpipe, batches, optimizer) -> int:
 
 def compare(args: argparse.Namespace) -> int:
     """labkit's GPipe strategy through fit vs the raw torchgpipe loop over preloaded tensors, alternated."""
-    from labkit import data
     from labkit.bench.contenders import PlainLoop, labkit_fit, preload
     from labkit.bench.harness import alternate
-    from labkit.dist import DistEnv
+    from labkit.data.tensor import load_split
+    from labkit.dist.group import DistEnv
     from labkit.results import RunWriter
     from labkit.strategies.gpipe import GPipeStrategy
-    from labkit.tensor_data import load_split
 
     device, devices, _, model, balance = _setup(argparse.Namespace(**{**vars(args), "steps": 0}))
     chunks, checkpoint = args.chunks[0], args.checkpoint[0]
     strategy = GPipeStrategy(DistEnv(device=device), {"num_microbatches": chunks, "checkpoint_mode": checkpoint,
                                                       "balance": balance, "partitions": len(balance)})
-    loader = data.make_loader(load_split(args.loader, args.dataset, True, device=strategy.input_device),
+    loader = loaders.make_loader(load_split(args.loader, args.dataset, True, device=strategy.input_device),
                               args.batch_size, shuffle=True, drop_last=True)
     x, y = preload(args.dataset, devices[0])
     raw = make_gpipe(model(), devices, chunks, checkpoint, balance)
@@ -144,7 +145,7 @@ def compare(args: argparse.Namespace) -> int:
 
 def point(args: argparse.Namespace) -> dict:
     """One (chunks, checkpoint) configuration in this process: samples/s and peak memory."""
-    from labkit.meters import process_memory_gb
+    from labkit.train.meters import process_memory_gb
 
     _, devices, batches, model, balance = _setup(args)
     chunks, checkpoint = args.chunks[0], args.checkpoint[0]

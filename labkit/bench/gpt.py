@@ -2,8 +2,8 @@
 
     labkit bench gpt --model gpt-tiny --seq-len 128 --batch-size 16 --steps 10 --rounds 12
 
-labkit = ``labkit.train.fit`` with the language-modelling task (:mod:`labkit.tasks`) on the single-device
-strategy and the resident token windows of ``text-sample`` (:class:`labkit.text_data.TensorTokens`); plain = the
+labkit = ``labkit.train.loop.fit`` with the language-modelling task (:mod:`labkit.train.tasks`) on the single-device
+strategy and the resident token windows of ``text-sample`` (:class:`labkit.data.text.TensorTokens`); plain = the
 textbook loop over the same windows: a permutation, slices, ``cross_entropy(logits.view(-1, V), y.view(-1))``,
 backward, step. Both start from the same weights with the same optimizer (SGD, momentum 0.9) and alternate round
 by round (:mod:`labkit.bench.harness`); the result is the median of the per-round ratios labkit / plain (target
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.bench.harness import alternate, config_of
+from labkit.data import loader as loaders
 from labkit.errors import ConfigError
 
 TARGET = 0.95
@@ -68,24 +69,27 @@ class PlainLM:
 
 def run_compare(args: argparse.Namespace, writer=None) -> dict:
     """Alternate labkit and plain; return ``summary.json`` metrics (see :meth:`Results.summary`)."""
-    from labkit import data, models
     from labkit.bench.contenders import labkit_fit
-    from labkit.dist import DistEnv, resolve_device
-    from labkit.strategies import Strategy
-    from labkit.tasks import get_task
-    from labkit.text_data import text_split
+    from labkit.data import datasets as data
+    from labkit.data.text import text_split
+    from labkit.dist.group import DistEnv
+    from labkit.dist.launch_info import resolve_device
+    from labkit.models import cnn as models
+    from labkit.models import names
+    from labkit.strategies.base import Strategy
+    from labkit.train.tasks import get_task
 
     device = resolve_device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     info = data.dataset_info(args.dataset)
-    if info.task != "lm" or args.model not in models.LANGUAGE_MODELS:
+    if info.task != "lm" or args.model not in names.LANGUAGE_MODELS:
         raise ConfigError(f"labkit bench gpt needs a language model on a text dataset, got --model {args.model} "
                           f"--dataset {args.dataset}")
     torch.manual_seed(0)
     template = models.get_model(args.model, info.num_classes, seq_len=args.seq_len).to(device)
     windows = text_split(args.dataset, True, data.data_root(), args.seq_len, device=device)
-    loader = data.make_loader(windows, args.batch_size, shuffle=True, drop_last=True)
+    loader = loaders.make_loader(windows, args.batch_size, shuffle=True, drop_last=True)
     strategy = Strategy(DistEnv(device=device))
     contenders = {"labkit": labkit_fit(copy.deepcopy(template), loader, strategy, args.steps, task=get_task("lm")),
                   "plain": PlainLM(copy.deepcopy(template), windows.data, windows.targets, args.batch_size,
@@ -99,7 +103,8 @@ def run_compare(args: argparse.Namespace, writer=None) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from labkit.dist import DistEnv, resolve_device
+    from labkit.dist.group import DistEnv
+    from labkit.dist.launch_info import resolve_device
     from labkit.results import RunWriter
 
     writer = RunWriter(args.out)

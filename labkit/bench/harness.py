@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from labkit import dist as kdist
+from labkit.dist import group as kdist
 
 
 def sync(devices: Iterable[torch.device | str]) -> None:

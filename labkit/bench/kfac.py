@@ -6,7 +6,7 @@
 
 Every contender (SGD; K-FAC with each method and update frequency) trains its own copy of the same model,
 from the same weights, on the same CIFAR-10-shaped batch (synthetic-cifar10, 3x32x32), through
-``labkit.train.fit``. Contenders alternate round by round (:mod:`labkit.bench.harness`, one untimed warm-up
+``labkit.train.loop.fit``. Contenders alternate round by round (:mod:`labkit.bench.harness`, one untimed warm-up
 call each); the time per step is the total over all rounds divided by the steps, and ``--steps`` is a multiple of every frequency, so updates are amortised exactly.
 K-FAC's extra time is split with ``KFAC.timings`` into *factors* (capturing A and G in the hooks),
 *decomposition* (eigh or Cholesky) and *precondition* (applying them, KL clip); the rest is the
@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from labkit.bench.harness import alternate, config_of
-from labkit.dist import DistEnv, resolve_device, seed_everything
+from labkit.dist.group import DistEnv, seed_everything
+from labkit.dist.launch_info import resolve_device
 from labkit.errors import ConfigError
-from labkit.optim.kfac import KFAC
-from labkit.strategies import Strategy
+from labkit.optim.kfac.preconditioner import KFAC
+from labkit.strategies.base import Strategy
 
 PHASES = ("factors", "decomposition", "precondition")
 
@@ -72,7 +73,7 @@ class Contender:
             self.kfac.clock = time.process_time  # phases in CPU time, comparable with the cpu ms column
 
     def __call__(self) -> int:
-        from labkit.train import fit
+        from labkit.train.loop import fit
 
         fit(self.model, [self.batch] * self.steps, None, self.optimizer, epochs=1, strategy=self.strategy,
             preconditioner=self.kfac, log_every=10 ** 9, printer=lambda line: None)
@@ -84,7 +85,8 @@ class Contender:
 
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, writer) -> list[dict]:
     """Time every contender on one model; return one row per contender."""
-    from labkit import data, models
+    from labkit.data import datasets as data
+    from labkit.models import cnn as models
 
     info = data.dataset_info("synthetic-cifar10")
     seed_everything(0)

@@ -94,10 +94,11 @@ def optim_options(optimizer: str, scale: int) -> dict:
 def sweep(out: str | Path, *, model: str = "mlp", dataset: str = "mnist-sample", optimizers=tuple(RECIPES),
           scales=(1, 4, 16, 64), batch_size: int = 16, epochs: int = 3, train_size: int | None = None,
           test_size: int | None = 1000, seed: int = 0, device: str = "auto") -> list[dict]:
-    """Train every (scale, optimizer) once through :func:`labkit.train_run.run`; one row per run with the test
+    """Train every (scale, optimizer) once through :func:`labkit.train.run.run`; one row per run with the test
     accuracy after each epoch (``test_acc``), also logged to ``out/metrics.jsonl``."""
     from labkit.results import RunWriter, load_run
-    from labkit.train_run import TrainConfig, run
+    from labkit.train.config import TrainConfig
+    from labkit.train.run import run
 
     if any(s < 1 for s in scales) or batch_size < 1 or epochs < 1:
         raise ConfigError("--scales, --batch-size and --epochs must be >= 1")

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from labkit.bench.harness import alternate, config_of
-from labkit.dist import DistEnv, print0, resolve_device, seed_everything
-from labkit.strategies import Strategy
+from labkit.data import loader as loaders
+from labkit.dist.group import DistEnv, print0, seed_everything
+from labkit.dist.launch_info import resolve_device
+from labkit.strategies.base import Strategy
 
 #: ``labkit bench model-parallel`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -69,14 +71,15 @@ def split_size_sweep(model_name: str = "alexnet_small", dataset: str = "syntheti
 
 
 def _sweep(model_name, dataset, batch_size, split_sizes, stages, steps, rounds, dev, writer, progress) -> dict:
-    from labkit import data, models
+    from labkit.data import datasets as data
+    from labkit.models import cnn as models
     from labkit.strategies.model_parallel import ModelParallel
-    from labkit.train import fit
+    from labkit.train.loop import fit
 
     devices = ([torch.device("cuda", i % torch.cuda.device_count()) for i in range(stages)] if dev.type == "cuda"
                else [dev] * stages)
     info = data.dataset_info(dataset)
-    x, y = next(iter(data.make_loader(data.get_dataset(dataset), batch_size, shuffle=False)))
+    x, y = next(iter(loaders.make_loader(data.get_dataset(dataset), batch_size, shuffle=False)))
     seed_everything(0)
     template = models.get_model(model_name, info.num_classes, info.in_channels, info.image_size, sequential=True)
     contenders = {"single": None, "naive": None, **{f"split {s}": s for s in split_sizes}}
@@ -157,11 +160,12 @@ def plot_sweep(result: dict, ax=None):
 def hybrid_vs_ddp(env: DistEnv, dataset: str = "synthetic-cifar10", batch_size: int = 32, steps: int = 5,
                   rounds: int = 3, writer=None) -> dict[str, float]:
     """Global samples/s of the hybrid strategy and of DDP on this job's ranks (call on every rank)."""
-    from labkit import data, models
     from labkit.bench.contenders import labkit_fit
-    from labkit.strategies.ddp import DDPStrategy
+    from labkit.data import datasets as data
+    from labkit.data.tensor import load_split
+    from labkit.models import cnn as models
+    from labkit.parallel.ddp import DDPStrategy
     from labkit.strategies.hybrid import HybridStrategy
-    from labkit.tensor_data import load_split
 
     info = data.dataset_info(dataset)
     train_set = load_split("tensor", dataset, True, device=env.device)
@@ -171,7 +175,7 @@ def hybrid_vs_ddp(env: DistEnv, dataset: str = "synthetic-cifar10", batch_size: 
         strategy = cls(env, {})
         model = strategy.prepare(models.get_model("alexnet_small", info.num_classes, info.in_channels,
                                                   info.image_size))
-        loader = data.make_loader(train_set, batch_size, shuffle=True, sampler=strategy.sampler(train_set, True, 0),
+        loader = loaders.make_loader(train_set, batch_size, shuffle=True, sampler=strategy.sampler(train_set, True, 0),
                                   drop_last=True)
         return labkit_fit(model, loader, strategy, steps)
 
@@ -186,7 +190,8 @@ def hybrid_vs_ddp(env: DistEnv, dataset: str = "synthetic-cifar10", batch_size: 
 
 
 def main(args: argparse.Namespace) -> int:
-    from labkit.dist import distributed, launch_info
+    from labkit.dist.group import distributed
+    from labkit.dist.launch_info import launch_info
     from labkit.results import RunWriter
 
     config = config_of(args)
@@ -214,7 +219,7 @@ def main(args: argparse.Namespace) -> int:
                        best_over_single=rates[best] / rates["single"], sweep_devices=result["devices"])
         _save_plot(result, out / "split_size_sweep.png")
     if args.part in ("all", "hybrid-ddp"):
-        from labkit.launch import torchrun
+        from labkit.launch.local import torchrun
 
         sub = out / "hybrid-ddp"
         run = torchrun(["bench", "model-parallel", "--part", "hybrid-ddp", "--dataset", args.dataset,

@@ -11,7 +11,7 @@ runs without one. Contenders alternate in order between rounds; the reported num
 rounds. *samples/s* is training throughput (all workers together); *time to target* the wall time until
 the test accuracy first reaches ``--target-acc`` (evaluation after each epoch), or none. Every contender
 gets ``--base-lr`` and momentum 0.9; the async and SSP servers take off the momentum asynchrony adds
-(:mod:`labkit.strategies.ps`), without which SSP at lr 0.05 diverged.
+(:mod:`labkit.strategies.ps.strategy`), without which SSP at lr 0.05 diverged.
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def time_to_target(epochs: list[dict], target: float) -> float | None:
 
 def main(args: argparse.Namespace) -> int:
     from labkit.bench.harness import config_of
-    from labkit.launch import torchrun
+    from labkit.launch.local import torchrun
     from labkit.results import RunWriter
 
     if args.workers < 1 or args.rounds < 1 or args.slow_factor < 1:

@@ -2,7 +2,7 @@
 
     labkit bench single --model lenet --dataset mnist-sample --batch-size 64 --steps 60 --rounds 16
 
-labkit = ``labkit.train.fit`` on the single-device strategy with ``--loader`` (default: the resident tensor
+labkit = ``labkit.train.loop.fit`` on the single-device strategy with ``--loader`` (default: the resident tensor
 path); plain = the textbook loop over the dataset preloaded as one normalised tensor. Both start from the
 same weights and alternate round by round (:mod:`labkit.bench.harness`); the result is the median of the
 per-round ratios labkit / plain (target >= 0.97).
@@ -15,6 +15,7 @@ import copy
 import torch
 
 from labkit.bench.harness import alternate, config_of
+from labkit.data import loader as loaders
 
 TARGET = 0.97
 
@@ -38,11 +39,13 @@ FLAGS = [
 
 def run_compare(args: argparse.Namespace, writer=None) -> dict:
     """Alternate labkit and plain; return ``summary.json`` metrics (see :meth:`Results.summary`)."""
-    from labkit import data, models
     from labkit.bench.contenders import PlainLoop, labkit_fit, preload
-    from labkit.dist import DistEnv, resolve_device
-    from labkit.strategies import Strategy
-    from labkit.tensor_data import load_split
+    from labkit.data import datasets as data
+    from labkit.data.tensor import load_split
+    from labkit.dist.group import DistEnv
+    from labkit.dist.launch_info import resolve_device
+    from labkit.models import cnn as models
+    from labkit.strategies.base import Strategy
 
     device = resolve_device(args.device)
     if device.type == "cpu":
@@ -51,7 +54,7 @@ def run_compare(args: argparse.Namespace, writer=None) -> dict:
     torch.manual_seed(0)
     template = models.get_model(args.model, info.num_classes, info.in_channels, info.image_size).to(device)
     strategy = Strategy(DistEnv(device=device))
-    loader = data.make_loader(load_split(args.loader, args.dataset, True, device=device), args.batch_size,
+    loader = loaders.make_loader(load_split(args.loader, args.dataset, True, device=device), args.batch_size,
                               shuffle=True, drop_last=True)
     x, y = preload(args.dataset, device)
     contenders = {"labkit": labkit_fit(copy.deepcopy(template), loader, strategy, args.steps),
@@ -62,7 +65,8 @@ def run_compare(args: argparse.Namespace, writer=None) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    from labkit.dist import DistEnv, resolve_device
+    from labkit.dist.group import DistEnv
+    from labkit.dist.launch_info import resolve_device
     from labkit.results import RunWriter
 
     writer = RunWriter(args.out)

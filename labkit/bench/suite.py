@@ -90,7 +90,8 @@ def _cpu_name() -> str:
 
 def _labkit(args: list[str], nproc: int, out: Path) -> dict:
     """Run ``labkit ARGS --out OUT`` (under torchrun for several ranks); return its summary."""
-    from labkit.launch import RunFailed, torchrun
+    from labkit.launch.common import RunFailed
+    from labkit.launch.local import torchrun
     from labkit.results import load_run
 
     args = [*args, "--out", str(out)]

@@ -7,9 +7,9 @@ One ``torchrun`` job of ``--ranks`` ranks (one tp group); inside it every rank a
 round by round (:mod:`labkit.bench.harness`), each call ``--steps`` optimizer steps (SGD) over the same
 preloaded random token batches:
 
-- ``labkit``: the ``tp`` dimension of ``--mesh tp=N`` (:class:`labkit.strategies.mesh.MeshStrategy`): its
+- ``labkit``: the ``tp`` dimension of ``--mesh tp=N`` (:class:`labkit.parallel.mesh.MeshStrategy`): its
   ``forward_backward`` (vocabulary-parallel cross-entropy), ``sync_gradients``, the optimizer step: the step
-  ``labkit.train.train_step`` runs, without its metric sums;
+  ``labkit.train.loop.train_step`` runs, without its metric sums;
 - ``torch``: the same GPT sharded by ``parallelize_module`` (:mod:`labkit.parallel.megatron_dtensor`),
   ``F.cross_entropy`` under ``loss_parallel``, the same optimizer step;
 - ``labkit-sp`` / ``torch-sp``: the same with sequence parallelism.
@@ -51,8 +51,8 @@ def main(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
     from labkit.errors import ConfigError
-    from labkit.gpt import GPT_SIZES
-    from labkit.launch import torchrun
+    from labkit.launch.local import torchrun
+    from labkit.models.gpt import GPT_SIZES
 
     heads = GPT_SIZES[args.model].n_head
     checks = (("--vocab-size", args.vocab_size), ("--block-size", args.block_size), (f"{args.model}'s heads", heads))
@@ -79,11 +79,11 @@ def _worker(args: argparse.Namespace) -> int:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from labkit.bench.harness import alternate, config_of
-    from labkit.dist import distributed, print0
-    from labkit.gpt import GPT, GPT_SIZES
+    from labkit.dist.group import distributed, print0
+    from labkit.models.gpt import GPT, GPT_SIZES
     from labkit.parallel.megatron_dtensor import parallelize_gpt_dtensor
+    from labkit.parallel.mesh import MeshStrategy
     from labkit.results import RunWriter
-    from labkit.strategies.mesh import MeshStrategy
 
     with distributed(args.device) as env:
         torch.set_num_threads(args.threads)

@@ -5,9 +5,9 @@
 
 For each rank count one job runs under torchrun; inside it every contender (ddp, zero-1, zero-2, zero-3,
 fsdp) is built once and the harness alternates them round by round (:mod:`labkit.bench.harness`), each call
-``--steps`` steps of :func:`labkit.train.fit`. Memory is what each rank holds after a step, counted tensor by
+``--steps`` steps of :func:`labkit.train.loop.fit`. Memory is what each rank holds after a step, counted tensor by
 tensor (parameters, gradients, optimizer state), largest over the ranks, beside the formula of
-:mod:`labkit.strategies.zero` with Ψ the model's parameters, N the ranks, K = 4 (SGD + momentum) or 8 (Adam)
+:mod:`labkit.parallel.zero` with Ψ the model's parameters, N the ranks, K = 4 (SGD + momentum) or 8 (Adam)
 bytes of optimizer state per parameter. Target: measured within 15 % of the formula. On GPUs the peak
 allocated memory of each contender's step (``torch.cuda.max_memory_allocated``) is reported too; on a CPU
 one process runs every contender, so its peak is not theirs and is left out.
@@ -39,7 +39,7 @@ FLAGS = [
 
 
 def formula_bytes(contender: str, psi: int, world: int, k: int) -> dict[str, float]:
-    """ZeRO's per-rank bytes in fp32: ``{"params", "grads", "optimizer"}`` (see :mod:`labkit.strategies.zero`)."""
+    """ZeRO's per-rank bytes in fp32: ``{"params", "grads", "optimizer"}`` (see :mod:`labkit.parallel.zero`)."""
     stage = {"ddp": 0, "zero-1": 1, "zero-2": 2, "zero-3": 3, "fsdp": 3}[contender]
     return {"params": 4 * psi / (world if stage >= 3 else 1), "grads": 4 * psi / (world if stage >= 2 else 1),
             "optimizer": k * psi / (world if stage >= 1 else 1)}
@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
     from labkit.bench.ddp import parse_ranks
-    from labkit.launch import torchrun
+    from labkit.launch.local import torchrun
 
     for n in parse_ranks(args.ranks):
         torchrun(["bench", "zero", "--worker", "--model", args.model, "--dataset", args.dataset, "--optimizer",
@@ -59,15 +59,17 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from labkit import data, models
-    from labkit import dist as kdist
     from labkit.bench.harness import alternate, config_of
-    from labkit.dist import distributed, print0
+    from labkit.data import datasets as data
+    from labkit.data import loader as loaders
+    from labkit.dist import group as kdist
+    from labkit.dist.group import distributed, print0
+    from labkit.lab.sharding import CONTENDERS, held_bytes
+    from labkit.models import cnn as models
     from labkit.optim import OptimizerSpec
     from labkit.results import RunWriter
     from labkit.strategies import get_strategy
-    from labkit.strategies.sharding_measure import CONTENDERS, held_bytes
-    from labkit.train import fit
+    from labkit.train.loop import fit
 
     with distributed(args.device, strategy="zero") as env:
         info = data.dataset_info(args.dataset)
@@ -80,7 +82,7 @@ def _worker(args: argparse.Namespace) -> int:
             psi = sum(p.numel() for p in template.parameters() if p.requires_grad)
             model = strategy.prepare(template)
             optimizer, _ = strategy.build_optimizer(model, OptimizerSpec(args.optimizer, 0.01, 0.9, 0.0, {}, env))
-            loader = data.make_loader(train_set, args.batch_size, shuffle=True,
+            loader = loaders.make_loader(train_set, args.batch_size, shuffle=True,
                                       sampler=strategy.sampler(train_set, True, 0), drop_last=True)
             runs[name] = (strategy, model, optimizer, loader)
 

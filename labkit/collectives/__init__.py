@@ -20,8 +20,7 @@ from labkit.collectives.registry import ALGORITHMS, SCHEDULES, get_schedule, par
 from labkit.collectives.schedule import Op, Schedule, ScheduleError, Step, Transfer, from_steps  # noqa: F401
 
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(("StepRecord", "Trace", "all_reduce", "run_schedule", "traced_run"), "execute"),
-    "push_pull": "parameter_server",
+    **dict.fromkeys(("StepRecord", "Trace", "all_reduce", "push_pull", "run_schedule", "traced_run"), "execute"),
     **dict.fromkeys(("Counts", "SimResult", "count", "coverage", "simulate"), "simulate"),
 }
 

@@ -29,7 +29,7 @@ from labkit.collectives.execute import all_reduce, traced_run
 from labkit.collectives.registry import get_schedule
 from labkit.collectives.verify import verify_rank
 from labkit.errors import ConfigError
-from labkit.meters import interactive
+from labkit.train.meters import interactive
 
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 10 ** 3, "MB": 10 ** 6,
           "GB": 10 ** 9}
@@ -68,7 +68,7 @@ def bench_rank(env, algorithms: list[str], sizes: list[int], repeats: int = 5, d
     """Measure on every rank; returns (on every rank) the fitted model, its points, the records and a trace.
 
     Args:
-        env: this rank's :class:`labkit.dist.DistEnv`.
+        env: this rank's :class:`labkit.dist.group.DistEnv`.
         algorithms: names from :data:`labkit.collectives.ALGORITHMS`; ``"native"`` is always added.
         sizes: vector sizes in bytes.
         repeats: timed runs per contender and size.

@@ -38,7 +38,7 @@ def _launched() -> bool:
 
 
 def _in_job(fn, device: str, *args):
-    from labkit.dist import distributed
+    from labkit.dist.group import distributed
 
     with distributed(device=device) as env:
         if env.world_size < 2:
@@ -54,7 +54,7 @@ def verify(args: argparse.Namespace) -> int:
         env, rows = _in_job(verify_rank, args.device, algorithms)
         results = [(env.world_size, rows)] if env.is_main else []
     else:
-        from labkit.testing import run_ranks
+        from labkit.dist.testing import run_ranks
 
         results = [(p, run_ranks(verify_rank, p, algorithms, timeout=args.timeout)[0]) for p in _ranks(args.ranks)]
     ok = True
@@ -103,7 +103,7 @@ def bench(args: argparse.Namespace) -> int:
         env, out = _in_job(rank_fn, args.device, algorithms, sizes, args.repeats, args.dtype)
         outs, main = ([(env.world_size, out)] if env.is_main else []), env.is_main
     else:
-        from labkit.testing import run_ranks
+        from labkit.dist.testing import run_ranks
 
         env, main = None, True
         outs = [(p, run_ranks(rank_fn, p, algorithms, sizes, args.repeats, args.dtype, timeout=args.timeout)[0])

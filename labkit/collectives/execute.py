@@ -17,6 +17,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from labkit.collectives.parameter_server import parameter_server
 from labkit.collectives.registry import ALGORITHMS, get_schedule
 from labkit.collectives.schedule import Op, Schedule, Transfer, reduce_groups, sum_in_rank_order
 from labkit.errors import ConfigError
@@ -239,6 +240,42 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "ring", group=None) -> tor
     if world_size == 1:
         return tensor
     return run_schedule(tensor, get_schedule(algorithm, world_size), group=group)
+
+
+def push_pull(tensor: torch.Tensor, num_servers: int = 1, group=None) -> torch.Tensor:
+    """Run :func:`labkit.collectives.parameter_server.parameter_server` over the default process group, in place.
+
+    On a worker ``tensor`` is its gradient and becomes the sum over all workers. On a server it is the
+    buffer of its shard: it is zeroed, and afterwards its chunk ``s`` holds that shard's sum.
+    """
+    schedule = parameter_server(dist.get_world_size(group), num_servers)
+    run_schedule(tensor, schedule, group=group)
+    return tensor
+
+
+def sgd_step(param: torch.Tensor, grad: torch.Tensor, lr: float, num_servers: int = 1, group=None) -> torch.Tensor:
+    """One synchronous parameter-server SGD step on flat vectors, in place on ``param``.
+
+    Workers push ``grad``; server ``s`` updates its shard ``param_s <- param_s - lr * sum_w(grad_w)_s / W``;
+    workers pull the updated shard into ``param``. Servers keep the authoritative parameters, so workers'
+    ``param`` values before the step are ignored (they are overwritten by the pull).
+
+    Args:
+        param: ``(n,)`` parameters (on servers: the parameters; on workers: overwritten).
+        grad: ``(n,)`` gradient of this worker (ignored on servers).
+        lr: learning rate.
+    """
+    p = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    schedule = parameter_server(p, num_servers)
+    bounds = schedule.chunk_bounds(param.numel())
+    buf = grad.detach().clone().reshape(-1)
+    run_schedule(buf, schedule, group=group, steps=range(0, 1))  # push
+    if rank in schedule.servers:
+        a, b = bounds[rank]
+        param.view(-1)[a:b].sub_(buf[a:b], alpha=lr / (p - num_servers))
+    run_schedule(param.view(-1), schedule, group=group, steps=range(1, 2))  # pull
+    return param
 
 
 def traced_run(tensor: torch.Tensor, schedule: Schedule, group=None) -> Trace:

@@ -31,7 +31,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from labkit.dist import comm_device
+from labkit.dist.group import comm_device
 from labkit.errors import ConfigError
 
 LAYOUTS = ("zigzag", "contiguous")

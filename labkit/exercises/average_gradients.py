@@ -98,7 +98,7 @@ def check_functions(path: str | Path | None, names: list[str], world_size: int =
                     timeout: float = 120.0) -> dict[str, list[str]]:
     """Run each function ``names`` of the file ``path`` (the reference when None) on ``world_size`` ranks, in
     one start of the ranks; per name the problems found, [] when right."""
-    from labkit.testing import run_ranks
+    from labkit.dist.testing import run_ranks
 
     try:
         ranks = run_ranks(_rank, world_size, str(Path(path).resolve()) if path else None, list(names),

@@ -40,7 +40,7 @@ def captured(seed: int = 0):
     import torch
     from torch import nn
 
-    from labkit.optim.kfac import KFAC
+    from labkit.optim.kfac.preconditioner import KFAC
 
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()

@@ -30,7 +30,7 @@ CASES = [  # (base_lr, world_size, steps_per_epoch, warmup_epochs)
 
 def expected(step: int, base_lr: float, world_size: int, steps_per_epoch: int, warmup_epochs: float) -> float:
     """What ``labkit train --scale-lr --warmup-epochs`` sets at ``step`` on ``world_size`` >= 2 ranks."""
-    from labkit.train import lr_factor
+    from labkit.train.loop import lr_factor
 
     return base_lr * world_size * lr_factor(step, steps_per_epoch, [], 1.0, warmup_epochs, 1 / world_size)
 

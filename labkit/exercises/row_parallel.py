@@ -56,7 +56,7 @@ def reference(x_part, weight, bias, group):
     """The solution: rank r's columns of the weight, the library's ``g`` (:func:`reduce_from_tp`), the bias once."""
     import torch.distributed as dist
 
-    from labkit.parallel.megatron_ops import reduce_from_tp
+    from labkit.parallel.mappings import reduce_from_tp
 
     r, t = dist.get_rank(group), dist.get_world_size(group)
     k = weight.shape[1] // t
@@ -186,7 +186,7 @@ def diagnose(ranks: list[dict], lib: list[dict]) -> list[str]:
 def check_functions(path: str | Path | None, names: list[str], timeout: float = 120.0) -> dict[str, list[str]]:
     """Judge each function ``names`` of the file ``path`` (the reference when None) on 2 ranks, in one start of
     the ranks; per name the problems found, [] when right."""
-    from labkit.testing import run_ranks
+    from labkit.dist.testing import run_ranks
 
     try:
         ranks = run_ranks(_rank, WORLD, str(Path(path).resolve()) if path else None, list(names), timeout=timeout)

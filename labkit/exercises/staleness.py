@@ -7,7 +7,7 @@ server applied between the worker's last pull and this push, i.e. ``version now 
 Synchronous training gives all zeros within a round's first push; asynchronous training does not.
 
 The checker replays random logs and compares with the definition the parameter-server strategy records
-(``labkit.strategies.ps_server``: ``staleness = version − sent_version[worker]``).
+(``labkit.strategies.ps.server``: ``staleness = version − sent_version[worker]``).
 """
 from __future__ import annotations
 

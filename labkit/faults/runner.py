@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from labkit.dist.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, start, unguarded
 from labkit.faults import findings, fixed_source, get
-from labkit.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, start, unguarded
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labkit.faults.common", "labkit.faults.recorder",
             "labkit.faults.watchdog"]

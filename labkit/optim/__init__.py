@@ -10,18 +10,18 @@ flags before deciding whether to train at all.
 from __future__ import annotations
 
 import argparse
-import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from labkit.errors import ConfigError
+from labkit.flags import resolve
 from labkit.optim.trust_options import BASES, DEFAULTS
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from labkit.dist import DistEnv
+    from labkit.dist.group import DistEnv
 
 #: optimizer name -> torch-free ``"module:function"`` that adds its own ``labkit train`` flags to a group
 OPTIMIZERS: dict[str, str | None] = {"sgd": None, "adam": None,
@@ -36,8 +36,7 @@ def add_arguments(group: argparse._ArgumentGroup, name: str = "kfac") -> None:
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")
     if OPTIMIZERS[name]:
-        module, _, function = OPTIMIZERS[name].partition(":")
-        getattr(importlib.import_module(module), function)(group)
+        resolve(OPTIMIZERS[name])(group)
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
@@ -60,8 +59,9 @@ def build_optimizer(name: str, model: nn.Module, lr: float, momentum: float = 0.
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if name == "kfac":
-        kfac = importlib.import_module("labkit.optim.kfac")
-        return optimizer, kfac.from_options(model, options, env, optimizer=optimizer)
+        from labkit.optim.kfac.preconditioner import from_options  # torch: only when K-FAC is asked for
+
+        return optimizer, from_options(model, options, env, optimizer=optimizer)
     return optimizer, None
 
 

@@ -1,6 +1,6 @@
 """The flags of the layer-wise trust-ratio optimizers (LARS, LAMB) and of K-FAC's base optimizer.
 
-Torch-free, like :mod:`labkit.optim.kfac_options`: ``labkit train`` reads them before it imports torch.
+Torch-free, like :mod:`labkit.optim.kfac.options`: ``labkit train`` reads them before it imports torch.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def add_lamb_arguments(group: argparse._ArgumentGroup) -> None:
 
 def add_kfac_arguments(group: argparse._ArgumentGroup) -> None:
     """``--optimizer kfac``: K-FAC's ``--kfac-*`` flags, ``--kfac-base`` and the flags of every base it can feed."""
-    from labkit.optim import kfac_options
+    from labkit.optim.kfac import options as kfac_options
 
     kfac_options.add_arguments(group)
     group.add_argument("--kfac-grad-worker-fraction", type=within("float", "(0, 1]"), default=None, metavar="F",

@@ -1,6 +1,6 @@
 """Dimensions of a device mesh, one per module; ``get_dimension(name)`` imports only the one asked for.
 
-``labkit train --mesh dp=2,tp=2`` builds the mesh (:mod:`labkit.mesh`) and one
+``labkit train --mesh dp=2,tp=2`` builds the mesh (:mod:`labkit.dist.mesh`) and one
 :class:`~labkit.parallel.base.Dimension` per name, applied to the model in the order of :data:`DIMENSIONS`:
 ``tp`` shards the layers, ``cp`` / ``ep`` swap in ring attention / expert routing, ``pp`` cuts what is left
 into stages, ``dp`` wraps each stage for data parallelism.
@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 
 from labkit.errors import ConfigError
-from labkit.flags import read_flags, read_literal
+from labkit.flags import read_flags, read_literal, resolve
 
 #: name -> "module:Class", in APPLY order (tp first, dp last)
 DIMENSIONS: dict[str, str] = {
@@ -46,10 +46,9 @@ def get_dimension(name: str):
     Raises:
         ConfigError: unknown name, or its module is not in this installation.
     """
-    module, _, attr = _check(name).partition(":")
     if not installed(name):
         raise ConfigError(f"mesh dimension {name!r} is not available in this version of labkit")
-    return getattr(importlib.import_module(module), attr)
+    return resolve(_check(name))
 
 
 def dimension_flags(name: str) -> tuple[dict, ...]:

@@ -1,6 +1,6 @@
 """The dimension interface: what one axis of the device mesh does to the model, the batch and the gradients.
 
-:class:`labkit.strategies.mesh.MeshStrategy` holds one :class:`Dimension` per mesh name and calls, in
+:class:`labkit.parallel.mesh.MeshStrategy` holds one :class:`Dimension` per mesh name and calls, in
 the APPLY order of :data:`labkit.parallel.DIMENSIONS` (``tp, cp, ep, pp, dp``)::
 
     for d in dims: d.check(model_name)                 # before any work: ConfigError -> one line, exit 2
@@ -24,9 +24,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.errors import ConfigError
-from labkit.model_names import LANGUAGE_MODELS
+from labkit.models.names import LANGUAGE_MODELS
 
-#: the mixture-of-experts GPTs (``labkit.moe.MOE_SIZES``; only ``ep`` spreads them, dp replicates them)
+#: the mixture-of-experts GPTs (``labkit.models.moe.MOE_SIZES``; only ``ep`` spreads them, dp replicates them)
 MOE_MODELS = frozenset(n for n in LANGUAGE_MODELS if n.startswith("gpt-moe"))
 
 
@@ -42,7 +42,7 @@ class Dimension:
     """One named axis of the device mesh.
 
     Args:
-        mesh: the job's whole mesh (all of ``labkit.mesh.MESH_ORDER``, sizes of 1 included).
+        mesh: the job's whole mesh (all of ``labkit.dist.mesh.MESH_ORDER``, sizes of 1 included).
         options: every parsed ``labkit train`` option, by ``dest`` name (each dimension reads its own).
 
     Attributes:
@@ -57,7 +57,7 @@ class Dimension:
     data_parallel_size: int = 1
     #: does ``sync_gradients`` average the (non-expert) gradients over this dimension's group (dp with replicas,
     #: cp, ep)? Two or more such dimensions average once over their flattened group instead
-    #: (:meth:`labkit.strategies.mesh.MeshStrategy.sync_gradients`): one all-reduce, not one per dimension.
+    #: (:meth:`labkit.parallel.mesh.MeshStrategy.sync_gradients`): one all-reduce, not one per dimension.
     averages_gradients: bool = False
 
     def __init__(self, mesh: DeviceMesh, options: dict):

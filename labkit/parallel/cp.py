@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from labkit.collectives.kv_ring import KVRing, kv_ring
-from labkit.dist import all_gather
+from labkit.dist.group import all_gather
 from labkit.errors import ConfigError
 from labkit.parallel.base import Dimension, refuse_moe
+from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB, average_gradients
 from labkit.parallel.ring_attention import positions, ring_attention, shard, unshard
-from labkit.strategies.data_parallel import DEFAULT_BUCKET_MB, average_gradients
 
 #: ``labkit train --mesh ...cp=N...`` flags of this dimension, plain data read without importing it (labkit.flags)
 FLAGS = [

@@ -42,7 +42,7 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor]
 
 
 def activation_bytes(cfg, batch: int, seq_len: int, cp: int = 1) -> int:
-    """The formula of the module docstring for a :class:`~labkit.gpt.GPTConfig` (float32, dropout 0)."""
+    """The formula of the module docstring for a :class:`~labkit.models.gpt.GPTConfig` (float32, dropout 0)."""
     tokens = seq_len // cp
     C, H, V, L = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer
     return batch * tokens * (4 * (L * (16 * C + H + 4) + 2 * C + 2 + V) + 16) + 8 * tokens + 4

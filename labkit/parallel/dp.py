@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import dist as kdist
+from labkit.dist import group as kdist
 from labkit.errors import ConfigError
 from labkit.parallel.base import Dimension
-from labkit.strategies.data_parallel import DEFAULT_BUCKET_MB, average_gradients
+from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB, average_gradients
 
 #: ``labkit train --mesh ...`` flags of this dimension, plain data read without importing it (labkit.flags)
 FLAGS = [

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 2 -m labkit train --mesh ep=2 --model gpt-moe-tiny --dataset text-sample
 
 The ``ep`` ranks see different sequences (ep shards the batch as dp does: ``data_parallel_size`` = N) and hold
-the same non-expert weights. In every :class:`labkit.moe.MoE` layer a rank routes its own tokens, then
+the same non-expert weights. In every :class:`labkit.models.moe.MoE` layer a rank routes its own tokens, then
 (:class:`AllToAllExchange`):
 
 1. counts first: an ``all_to_all_single`` of the (E,) numbers of rows this rank sends to each expert, so every
@@ -16,7 +16,7 @@ Backward runs the two exchanges in reverse (:class:`AllToAll`). The split sizes 
 any uneven all-to-all; the single-process MoE syncs too, to find each expert's rows).
 
 Gradients (:meth:`ExpertParallel.sync_gradients`) so that a step equals single-process ``fit`` on the global
-batch with the same routing (same routing: groups are sequences, :mod:`labkit.moe`): non-expert gradients are
+batch with the same routing (same routing: groups are sequences, :mod:`labkit.models.moe`): non-expert gradients are
 averaged over the ep group (one all-reduce of them all flattened); an expert's gradient already sums the
 gradients of the mean losses of all N ranks (their rows came to it), so it is divided by N.
 
@@ -38,9 +38,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from labkit import dist as kdist
+from labkit.dist import group as kdist
 from labkit.errors import ConfigError
-from labkit.moe import MOE_SIZES, MoE, moe_layers, run_experts
+from labkit.models.moe import MOE_SIZES, MoE, moe_layers, run_experts
 from labkit.parallel.base import Dimension
 
 FLAGS: list = []
@@ -72,7 +72,7 @@ def _exchange(rows, recv, send, group, rank, counter) -> torch.Tensor:
 
 
 class AllToAllExchange:
-    """The ``exchange`` of an expert-parallel :class:`~labkit.moe.MoE`: rows sorted by global expert id go to the
+    """The ``exchange`` of an expert-parallel :class:`~labkit.models.moe.MoE`: rows sorted by global expert id go to the
     rank holding the expert and come back computed (module docstring, steps 1-4).
 
     ``sent`` counts what this rank sent to other ranks since the last :meth:`reset`: ``rows`` and ``bytes`` of

@@ -1,4 +1,4 @@
-"""Megatron tensor parallelism (+ sequence parallelism) of :class:`labkit.gpt.GPT`, written out by hand.
+"""Megatron tensor parallelism (+ sequence parallelism) of :class:`labkit.models.gpt.GPT`, written out by hand.
 
     model = parallelize_gpt(GPT(cfg), group, sequence_parallel=True)   # in place; the same weights, sharded
     loss = VocabParallelCrossEntropy(group)(model(idx), targets)       # (B, T, V/t) logits shard -> mean loss
@@ -24,7 +24,7 @@ every rank; cut them along the sequence instead, (B, T/t, C), so the layer norms
 ``f`` becomes an all-gather of the sequence (forward) / reduce-scatter (backward) and ``g`` a reduce-scatter /
 all-gather. The parameters used on a sequence shard (layer norms, the row layers' biases, the position table)
 get only their shard's gradient: :func:`sync_sequence_parallel_grads` sums them over the group, in one
-all-reduce. The modules keep the names of :class:`labkit.gpt.GPT`'s (``blocks.0.attn.q.weight`` ...), so a
+all-reduce. The modules keep the names of :class:`labkit.models.gpt.GPT`'s (``blocks.0.attn.q.weight`` ...), so a
 checkpoint's keys and an optimiser's parameter order match the single-process model's.
 
 Dropout (``GPTConfig.dropout`` > 0): a mask on a rank's own heads or sequence slice comes from the rank's own
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.errors import ConfigError
-from labkit.gpt import GPT
-from labkit.parallel.megatron_ops import (
+from labkit.models.gpt import GPT
+from labkit.parallel.mappings import (
     all_reduce_copy,
     copy_to_tp,
     gather_sequence,
@@ -164,7 +164,7 @@ class SequenceShardEmbedding(nn.Embedding):
 
 
 def parallelize_gpt(model: GPT, group, sequence_parallel: bool = False) -> GPT:
-    """Shard ``model`` (a :class:`labkit.gpt.GPT`) over the ranks of ``group``, in place; returns it.
+    """Shard ``model`` (a :class:`labkit.models.gpt.GPT`) over the ranks of ``group``, in place; returns it.
 
     Every rank must hold the same full model (the same seed) before: each keeps its shard of those weights, so
     the sharded model computes what the full one does. Its output is this rank's (B, T, V/t) slice of the logits,

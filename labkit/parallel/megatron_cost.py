@@ -38,7 +38,7 @@ pair, to reach ``17·sbh/t``; this kit does not.)
 """
 from __future__ import annotations
 
-from labkit.gpt import GPTConfig
+from labkit.models.gpt import GPTConfig
 
 
 def sequence_parallel_param_count(cfg: GPTConfig) -> int:

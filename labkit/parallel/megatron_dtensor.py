@@ -26,11 +26,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from labkit.gpt import GPT
+from labkit.models.gpt import GPT
 
 
 def dtensor_plan(n_layer: int, sequence_parallel: bool = False) -> dict:
-    """``parallelize_module``'s plan for a :class:`labkit.gpt.GPT` of ``n_layer`` blocks."""
+    """``parallelize_module``'s plan for a :class:`labkit.models.gpt.GPT` of ``n_layer`` blocks."""
     if not sequence_parallel:
         plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
                 "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}

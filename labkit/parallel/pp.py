@@ -36,15 +36,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from labkit import dist as kdist
-from labkit.dist import print0
+from labkit.dist import group as kdist
+from labkit.dist.group import print0
 from labkit.errors import ConfigError
-from labkit.gpt import GPT_SIZES
-from labkit.model_names import LANGUAGE_MODELS
+from labkit.models.gpt import GPT_SIZES
+from labkit.models.names import LANGUAGE_MODELS
 from labkit.parallel.base import Dimension, refuse_moe
+from labkit.parallel.pipeline_stages import SCHEDULES, StageSchedules, even_balance, stage_layers, torch_pipelining
 from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
 from labkit.strategies.gpipe import check_balance, check_sequential, num_microbatches
-from labkit.strategies.pipeline_stages import SCHEDULES, StageSchedules, even_balance, stage_layers, torch_pipelining
 
 #: ``labkit train --mesh ...pp=P`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -206,7 +206,7 @@ def p2p_bytes_sent():
     """Count the bytes this rank's pipeline schedules send point-to-point inside the block (not the one-time
     shape exchange of a stage's first step): ``with p2p_bytes_sent() as sent: ...; sent["bytes"]``.
 
-    Wraps the schedules module's ``_batch_p2p`` (a PyTorch internal, as :class:`~labkit.strategies.pipelining.
+    Wraps the schedules module's ``_batch_p2p`` (a PyTorch internal, as :class:`~labkit.parallel.pipelining.
     Timeline` does); every send of a schedule goes through it.
     """
     schedules = torch_pipelining().schedules

@@ -4,7 +4,7 @@
     stage = GPTStage(model, balance=[1, 1], index=1)   # blocks.1, ln_f, head
 
 Stage 0 holds ``tok_emb``, ``pos_emb``, ``drop`` and its blocks; the last stage holds its blocks, ``ln_f`` and
-``head``; a middle stage holds only blocks. The cut goes by the names :class:`labkit.gpt.GPT` gives its layers,
+``head``; a middle stage holds only blocks. The cut goes by the names :class:`labkit.models.gpt.GPT` gives its layers,
 not by their types, so a GPT already sharded by the ``tp`` dimension (column/row-parallel linears,
 vocabulary-parallel embedding) cuts the same way. The stage's parameter names are the whole model's
 (``blocks.3.attn.q.weight`` stays ``blocks.3...``): checkpoints and comparisons line up name by name.
@@ -27,7 +27,7 @@ _PARTS = ("tok_emb", "pos_emb", "drop", "blocks", "ln_f", "head")
 
 
 def is_gpt(model: nn.Module) -> bool:
-    """Does ``model`` have a GPT's layer names (:class:`labkit.gpt.GPT`, sharded or not)?"""
+    """Does ``model`` have a GPT's layer names (:class:`labkit.models.gpt.GPT`, sharded or not)?"""
     return all(hasattr(model, part) for part in _PARTS)
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from labkit.advisor.plan import Estimate, MeshPlan, Profile
 from labkit.advisor.topology import Topology, common_terms, compute_scale, memory_terms, stages_of
+from labkit.flags import resolve
 
 E = 2                #: bytes per element of a GPT's weights, activations and messages (bf16)
 ADAM = 12            #: bytes per parameter of a GPT's optimizer: fp32 master copy, momentum, variance
@@ -81,7 +82,7 @@ class GPTShape:
         return self.params - self.expert_params + self.n_layer * self.top_k * self.mlp_params
 
     def config(self, n_layer: int | None = None):
-        from labkit.gpt import GPTConfig
+        from labkit.models.gpt import GPTConfig
 
         return GPTConfig(self.vocab_size, self.seq, n_layer or self.n_layer, self.n_head, self.n_embd)
 
@@ -91,12 +92,12 @@ GPT_1_3B = GPTShape(24, 16, 2048, 50304, 4096, "1.3B")
 
 
 def gpt_shape(model: str, seq: int | None = None) -> GPTShape:
-    """``--model``'s GPT (``gpt-1.3b``, one of :data:`labkit.gpt.GPT_SIZES` or :data:`labkit.moe.MOE_SIZES` by its
+    """``--model``'s GPT (``gpt-1.3b``, one of :data:`labkit.models.gpt.GPT_SIZES` or :data:`labkit.models.moe.MOE_SIZES` by its
     ``LANGUAGE_MODELS`` name) with GPT-2's vocabulary (50304) at sequence ``seq`` (default its block size)."""
     from labkit.errors import ConfigError
-    from labkit.gpt import GPT_SIZES
-    from labkit.model_names import LANGUAGE_MODELS
-    from labkit.moe import MOE_SIZES
+    from labkit.models.gpt import GPT_SIZES
+    from labkit.models.moe import MOE_SIZES
+    from labkit.models.names import LANGUAGE_MODELS
 
     if model == "gpt-1.3b":
         return GPTShape(**{**GPT_1_3B.__dict__, "seq": seq or GPT_1_3B.seq})
@@ -171,10 +172,9 @@ class CNNStep(MeshStep):
 @functools.lru_cache(maxsize=None)
 def pricers() -> dict:
     """``{dimension: its pricing function}`` from the ``ADVISOR`` literals beside the dimensions' ``FLAGS``."""
-    from labkit.advisor.search import load
     from labkit.parallel import registered
 
-    return {dim: load(entry["price"]) for dim, entry in registered("ADVISOR").items()}
+    return {dim: resolve(entry["price"]) for dim, entry in registered("ADVISOR").items()}
 
 
 def _weights(plan: MeshPlan, replicas, optimizer: float) -> dict[str, float]:
@@ -211,7 +211,7 @@ def price_mesh(plan: MeshPlan, model: GPTShape | Profile, topo: Topology, batch:
 
 
 def _price_cnn(plan: MeshPlan, prof: Profile, topo: Topology, batch: int) -> Estimate:
-    from labkit.strategies.pipeline_stages import even_balance
+    from labkit.parallel.pipeline_stages import even_balance
 
     stages = tuple(stages_of(even_balance(len(prof.layers), plan.pp)))
     cut = max((prof.layers[s[-1]].out_bytes for s in stages[:-1]), default=0)

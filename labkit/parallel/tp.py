@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit import dist as kdist
+from labkit.dist import group as kdist
 from labkit.errors import ConfigError
-from labkit.gpt import GPT, GPT_SIZES
+from labkit.models.gpt import GPT, GPT_SIZES
 from labkit.parallel.base import Dimension, refuse_moe
+from labkit.parallel.mappings import part
 from labkit.parallel.megatron import VocabParallelCrossEntropy, parallelize_gpt, sync_sequence_parallel_grads
 from labkit.parallel.megatron_cost import ring_wire_bytes, tp_step_bytes
-from labkit.parallel.megatron_ops import part
 
 #: ``labkit train --mesh ...`` flags of this dimension, plain data read without importing it (labkit.flags)
 FLAGS = [

@@ -9,7 +9,7 @@ The rule (Megatron's "model-parallel RNG tracker", Shoeybi et al. 2019, §B):
 
 * a dropout on an activation every tp rank holds whole — the residual and embedding dropouts of a block without
   sequence parallelism, on the (B, T, C) output of an all-reduce — must drop the SAME elements on every tp rank,
-  or the replicas drift apart: it draws from the default stream, which :func:`labkit.train.fit` seeds the same
+  or the replicas drift apart: it draws from the default stream, which :func:`labkit.train.loop.fit` seeds the same
   on the ranks of a tp group (``Strategy.seed_rank``: a rank's tp coordinate does not enter the seed);
 * a dropout on a part of an activation — attention on a rank's own ``n_head/t`` heads, and with
   ``--sequence-parallel`` the residual and embedding dropouts on a rank's (B, T/t, C) slice of the sequence — must
@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from labkit.parallel.megatron_ops import group_rank
+from labkit.parallel.mappings import group_rank
 
 #: added to the drawn seed before the tp rank, so a sharded stream never restarts the default one
 OFFSET = 2718

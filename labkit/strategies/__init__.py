@@ -8,7 +8,7 @@ from its source without importing it (:func:`labkit.flags.read_literal`):
 * ``ADVISOR``: how ``labkit advise`` searches and prices it (:mod:`labkit.advisor.search`; the pricing
   function it names holds the formula in its docstring);
 * ``BENCH``: its run in ``labkit bench suite`` (:mod:`labkit.bench.suite`);
-* ``BACKENDS``: the backend/device combinations it cannot run on (:mod:`labkit.backends`).
+* ``BACKENDS``: the backend/device combinations it cannot run on (:mod:`labkit.dist.backends`).
 
 Each but ``FLAGS`` is optional: a strategy without ``ADVISOR`` is not searched, one without ``BENCH`` not in
 the suite. This package imports no torch, so ``labkit train --help`` and flag errors answer without it.
@@ -19,22 +19,22 @@ import importlib
 import importlib.util
 
 from labkit.errors import ConfigError
-from labkit.flags import read_flags, read_literal
+from labkit.flags import read_flags, read_literal, resolve
 from labkit.parallel import available as dimensions_available
 from labkit.parallel import dimension_flags
 
 STRATEGIES: dict[str, str] = {
     "single": "labkit.strategies.base:Strategy",
-    "ddp": "labkit.strategies.ddp:DDPStrategy",
+    "ddp": "labkit.parallel.ddp:DDPStrategy",
     "model-parallel": "labkit.strategies.model_parallel:ModelParallelStrategy",
-    "tensor-parallel": "labkit.strategies.tensor_parallel:TensorParallelStrategy",
+    "tensor-parallel": "labkit.parallel.tp_linear:TensorParallelStrategy",
     "hybrid": "labkit.strategies.hybrid:HybridStrategy",
     "gpipe": "labkit.strategies.gpipe:GPipeStrategy",
-    "pipeline": "labkit.strategies.pipelining:PipelineStrategy",
-    "zero": "labkit.strategies.zero:ZeroStrategy",
-    "fsdp": "labkit.strategies.fsdp:FSDPStrategy",
-    "ps": "labkit.strategies.ps:ParameterServerStrategy",
-    "mesh": "labkit.strategies.mesh:MeshStrategy",
+    "pipeline": "labkit.parallel.pipelining:PipelineStrategy",
+    "zero": "labkit.parallel.zero:ZeroStrategy",
+    "fsdp": "labkit.parallel.fsdp:FSDPStrategy",
+    "ps": "labkit.strategies.ps.strategy:ParameterServerStrategy",
+    "mesh": "labkit.parallel.mesh:MeshStrategy",
 }
 
 
@@ -50,8 +50,7 @@ def get_strategy(name: str):
     Raises:
         ConfigError: unknown name (the message lists the valid ones).
     """
-    module, _, attr = _check(name).partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return resolve(_check(name))
 
 
 def strategy_flags(name: str) -> tuple[dict, ...]:
@@ -91,11 +90,5 @@ def available() -> list[str]:
             if importlib.util.find_spec(target.partition(":")[0]) is not None]
 
 
-def __getattr__(name: str):
-    if name == "Strategy":  # the base class imports torch: only when asked for
-        return importlib.import_module("labkit.strategies.base").Strategy
-    raise AttributeError(f"module 'labkit.strategies' has no attribute {name!r}")
-
-
-__all__ = ["Strategy", "STRATEGIES", "get_strategy", "strategy_flags", "available", "module_of", "strategy_literal",
+__all__ = ["STRATEGIES", "get_strategy", "strategy_flags", "available", "module_of", "strategy_literal",
            "registered"]

@@ -1,6 +1,6 @@
 """The strategy interface: where the model and data live, how gradients meet, what a checkpoint holds.
 
-A strategy never runs its own training loop; :func:`labkit.train_run.run` and :func:`labkit.train.fit` call::
+A strategy never runs its own training loop; :func:`labkit.train.run.run` and :func:`labkit.train.loop.fit` call::
 
     model = strategy.prepare(model)
     optimizer, preconditioner = strategy.build_optimizer(model, spec)
@@ -23,10 +23,10 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
-from labkit import dist as kdist
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import common_terms, compute_scale, memory_terms
-from labkit.dist import DistEnv
+from labkit.dist import group as kdist
+from labkit.dist.group import DistEnv
 from labkit.errors import CheckpointError
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ How the partitions are chosen (``--balance`` by hand, otherwise measured on the 
   ``torchgpipe.balance.balance_by_time`` does, plus one uncounted warm-up pass); the layers are split so
   the partitions' sums are as equal as possible.
 * ``memory``: on CUDA torchgpipe's allocation profiler (what ``balance_by_size`` does, parameters × 2 +
-  activations). On CPU, where that needs CUDA, :func:`~labkit.strategies.gpipe_balance.estimate_layer_memory`:
+  activations). On CPU, where that needs CUDA, :func:`~labkit.strategies.balance.estimate_layer_memory`:
   parameter bytes × 2 + the bytes autograd saves for backward while the layer runs one micro-batch (counted
   with saved-tensor hooks).
 
@@ -36,10 +36,10 @@ from torchgpipe import GPipe
 
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import common_terms, compute_scale, memory_terms, message_time, pipeline_terms, stages_of
-from labkit.dist import DistEnv, print0
+from labkit.dist.group import DistEnv, print0
 from labkit.errors import CheckpointError, ConfigError
+from labkit.strategies.balance import compute_balance
 from labkit.strategies.base import Strategy
-from labkit.strategies.gpipe_balance import compute_balance
 from labkit.strategies.gpipe_workers import InlineGPipe
 from labkit.strategies.stage_balance import balance_from_split_points
 
@@ -69,7 +69,7 @@ def check_sequential(model: nn.Module) -> nn.Sequential:
     """Return ``model`` if it is an ``nn.Sequential`` that can be cut into partitions, else raise."""
     if not isinstance(model, nn.Sequential):
         raise ConfigError(f"pipelining cuts an nn.Sequential into partitions, got {type(model).__name__}; build it "
-                          "with labkit.models.get_model(name, sequential=True) or list its layers in nn.Sequential")
+                          "with labkit.models.cnn.get_model(name, sequential=True) or list its layers in nn.Sequential")
     return model
 
 

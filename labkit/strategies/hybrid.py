@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
-from labkit import dist as kdist
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import allreduce_time, common_terms, compute_scale, memory_terms, message_time
+from labkit.dist import group as kdist
 from labkit.errors import ConfigError
-from labkit.strategies.data_parallel import DataParallelStrategy, average_gradients, broadcast_from_rank0
+from labkit.parallel.data_parallel import DataParallelStrategy, average_gradients, broadcast_from_rank0
 
 #: ``labkit advise`` (labkit.advisor.search): ``p`` ranks, the features' batch split over them
 ADVISOR = {"price": "labkit.strategies.hybrid:price_hybrid", "plans": "spread", "batch": "split"}

@@ -22,15 +22,7 @@ from torch import nn
 
 from labkit.errors import CheckpointError, ConfigError
 from labkit.strategies.base import Strategy
-from labkit.strategies.stage_balance import (  # noqa: F401 (re-exported)
-    _check_stages,
-    balance_by_params,
-    balance_by_time,
-    balance_from_split_points,
-    layer_times,
-    partition,
-    without_hooks,
-)
+from labkit.strategies.stage_balance import _check_stages, balance_by_params, balance_by_time, balance_from_split_points
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     facts = run_ranks(rank_facts, 4, "dp=2,tp=2", vocab_size=103, batch=4, seq_len=32)   # one dict per rank
     plot_mesh({"dp": 2, "tp": 2}); plot_shards(facts); plt.show()
 
-:func:`rank_facts` builds the GPT on the mesh through :class:`labkit.strategies.mesh.MeshStrategy` (the code
+:func:`rank_facts` builds the GPT on the mesh through :class:`labkit.parallel.mesh.MeshStrategy` (the code
 ``labkit train --mesh`` runs), then, on each rank: where it sits on the mesh, which rows and columns of each
 weight it holds (found by locating its tensor in the whole model's), the bytes it hands to each collective in
 one training step (``forward_backward`` and ``sync_gradients``, counted per process group), the bytes its
@@ -63,11 +63,11 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     import torch
     import torch.distributed as dist
 
-    from labkit import models as kmodels
-    from labkit.gpt import Block
-    from labkit.mesh import coordinates
-    from labkit.strategies.mesh import MeshStrategy
-    from labkit.tasks import get_task
+    from labkit.dist.mesh import coordinates
+    from labkit.models import cnn as kmodels
+    from labkit.models.gpt import Block
+    from labkit.parallel.mesh import MeshStrategy
+    from labkit.train.tasks import get_task
 
     options = {"mesh": mesh, "sequence_parallel": sequence_parallel, "num_microbatches": microbatches}
     strategy = MeshStrategy(env, options)
@@ -127,11 +127,11 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
 
 
 def train_and_facts(env, cfg, vocab_size: int) -> dict:
-    """Train ``cfg`` (a :class:`labkit.train_run.TrainConfig` with ``strategy="mesh"``: what ``labkit train
-    --mesh`` builds from its flags) through ``labkit.train_run.run`` on this rank's process group, its results
+    """Train ``cfg`` (a :class:`labkit.train.run.TrainConfig` with ``strategy="mesh"``: what ``labkit train
+    --mesh`` builds from its flags) through ``labkit.train.run.run`` on this rank's process group, its results
     written to ``cfg.out`` as usual, then return this rank's :func:`rank_facts` of the same mesh: one start of
     the ranks for both."""
-    from labkit.train_run import run
+    from labkit.train.run import run
 
     run(cfg, env=env)
     opts = cfg.strategy_options
@@ -152,7 +152,7 @@ def plot_mesh(shape: dict[str, int], axes=None):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from labkit.mesh import coordinates, full_shape
+    from labkit.dist.mesh import coordinates, full_shape
 
     shape = full_shape(shape)
     named, rows, cols = _layout(shape)

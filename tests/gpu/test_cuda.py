@@ -14,10 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import data, models
+from labkit.data import datasets as data
+from labkit.data.loader import TensorLoader
+from labkit.data.tensor import tensor_dataset
+from labkit.models import cnn as models
 from labkit.results import load_run
-from labkit.tensor_data import TensorLoader, tensor_dataset
-from labkit.train_run import TrainConfig, run
+from labkit.train.config import TrainConfig
+from labkit.train.run import run
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.device("cuda", 0)
@@ -86,7 +89,7 @@ def test_gpipe_on_cuda0_twice_equals_the_unpartitioned_model():
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_kfac_on_cuda_preconditions_like_on_cpu(method):
-    from labkit.optim.kfac import KFAC
+    from labkit.optim.kfac.preconditioner import KFAC
 
     x, y = tensor_dataset("synthetic-mnist", size=64).batch(torch.arange(64))
     torch.manual_seed(0)

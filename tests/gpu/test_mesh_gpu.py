@@ -1,12 +1,12 @@
 """The device mesh on one GPU (``pytest -m gpu``): ranks sharing cuda:0 over gloo, each mesh through the same
-``labkit.train.fit`` a user runs, against the same mesh on CPU ranks.
+``labkit.train.loop.fit`` a user runs, against the same mesh on CPU ranks.
 
 NCCL refuses two ranks on one GPU, so the ranks run gloo with CUDA tensors, as ``labkit train --device cuda
---backend gloo`` does: labkit.dist's collectives go through the CPU, ring attention stages each KV message
+--backend gloo`` does: labkit.dist.group's collectives go through the CPU, ring attention stages each KV message
 through it. A rank's DistEnv there is the one ``distributed(device="cuda", backend="gloo")`` gives: cuda:0, made
 the current device. Pipeline stages and parameter servers send CUDA tensors point to point, which gloo cannot
 (its transport fails, "writev ... Bad address"): ``--mesh pp=2``, ``--strategy pipeline`` and ``--strategy ps``
-on gloo with CUDA are refused in one line before any work (labkit.backends), checked here through ``labkit
+on gloo with CUDA are refused in one line before any work (labkit.dist.backends), checked here through ``labkit
 train``.
 
 One 2-rank spawn runs, on CPU tensors and then on CUDA tensors, a 2-layer GPT (d=32, T=16, 4 heads, vocabulary 64,
@@ -36,8 +36,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from labkit.gpt import GPT, GPTConfig
-from labkit.testing import record_losses, run_ranks
+from labkit.dist.testing import record_losses, run_ranks
+from labkit.models.gpt import GPT, GPTConfig
 
 GPU = "cuda"  # the device of the runs compared with CPU ones (this file's logic was checked with "cpu" here)
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
@@ -52,7 +52,7 @@ REPLICATED = ("ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "attn.proj.bia
 def _model(key: str, dropout: float = 0.0):
     torch.manual_seed(1)
     if key == "ep=2":
-        from labkit.moe import gpt_moe
+        from labkit.models.moe import gpt_moe
 
         return gpt_moe("gpt-moe-tiny", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32,
                        dropout=0.0).double()
@@ -75,9 +75,9 @@ def _on(env, device: str):
 
 def _fit(env, key: str, options: dict, dropout: float = 0.0) -> dict:
     """``fit`` on the mesh ``options``: this rank's loss every step (None off the loss's owner), its weights."""
-    from labkit.strategies.mesh import MeshStrategy
-    from labkit.tasks import LanguageModelling
-    from labkit.train import fit
+    from labkit.parallel.mesh import MeshStrategy
+    from labkit.train.loop import fit
+    from labkit.train.tasks import LanguageModelling
 
     strategy = MeshStrategy(env, dict(options))
     strategy.check_model("gpt-moe-tiny" if key == "ep=2" else "gpt-tiny")
@@ -136,7 +136,7 @@ def _ranks(env, table: dict, gpu: str, out: str, dropout: bool = False) -> None:
     """Every mesh of ``table`` on CPU tensors ("... cpu"), then on ``gpu`` tensors ("... gpu"); with ``dropout``,
     :func:`_dropout` on ``gpu`` after them. The results so far go to ``out/rank{r}.pkl`` after each
     run, so that a run that fails (or crashes its rank) leaves the earlier ones to be checked."""
-    from labkit.dist import deterministic_kernels
+    from labkit.dist.group import deterministic_kernels
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     deterministic_kernels()
@@ -232,7 +232,7 @@ def test_tp_dropout_on_the_gpu_draws_replicated_masks_alike_and_sharded_ones_apa
                                   ["--strategy", "ps", "--ps-mode", "sync", "--model", "mlp", "--dataset",
                                    "synthetic-mnist"]])
 def test_point_to_point_messages_on_gloo_with_cuda_tensors_are_refused_in_one_line(args, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", "2", "-m",
+    proc = subprocess.run([sys.executable, "-m", "labkit.dist.torchrun", "--standalone", "--nproc-per-node", "2", "-m",
                            "labkit", "train", *args, "--device", GPU, "--backend", "gloo", "--max-steps", "2",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("labkit: error:")]

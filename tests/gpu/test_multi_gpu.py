@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from labkit.launch import torchrun
+from labkit.launch.local import torchrun
 from labkit.results import load_run
 
 TWO = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -38,7 +38,7 @@ STRATEGIES = {
 
 def _cli(args, out, nproc=1):
     """``labkit ARGS`` (one process) or under torchrun; returns the process (not raising)."""
-    launcher = ([sys.executable, "-m", "labkit.torchrun", "--standalone", "--nproc-per-node", str(nproc)]
+    launcher = ([sys.executable, "-m", "labkit.dist.torchrun", "--standalone", "--nproc-per-node", str(nproc)]
                 if nproc > 1 else [sys.executable])
     return subprocess.run([*launcher, "-m", "labkit", *args, "--out", str(out)], capture_output=True, text=True,
                           timeout=600, check=False)

@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import data as kdata
-from labkit import train as ktrain
-from labkit.dist import distributed
+from labkit.data import loader as loaders
+from labkit.data.tensor import TensorImages
+from labkit.dist.group import distributed
+from labkit.dist.testing import free_port
 from labkit.optim import OptimizerSpec
-from labkit.preempt import StopCheck, StopSignals
 from labkit.strategies import get_strategy
-from labkit.tensor_data import TensorImages
-from labkit.testing import free_port
+from labkit.train import loop as ktrain
+from labkit.train.preempt import StopCheck, StopSignals
 
 STEPS = 8
 
@@ -48,7 +48,7 @@ def test_a_step_and_the_stop_check_never_wait_for_the_gpu(strategy_name, monkeyp
         model = strategy.prepare(nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 4)))
         optimizer, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", 0.05, 0.9, env=env))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        loader = kdata.make_loader(images, 16, shuffle=True, sampler=strategy.sampler(images, True, 0))
+        loader = loaders.make_loader(images, 16, shuffle=True, sampler=strategy.sampler(images, True, 0))
         history = ktrain.fit(model, loader, None, optimizer, epochs=1, strategy=strategy, scheduler=scheduler,
                              log_every=10 ** 6, printer=lambda line: None, stop=StopSignals(every_steps=1))
     assert len(steps) == STEPS and history[0]["timed_steps"] == STEPS - 2

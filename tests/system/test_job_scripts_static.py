@@ -78,7 +78,7 @@ def test_ranks_start_through_labkits_torchrun(script: Path) -> None:
     """Plain torchrun follows a rank's one-line configuration error with its own error block and exit 1."""
     plain = [line for line in commands(script)
              if "torch.distributed.run" in line or re.search(r"(?<![\w.])torchrun\b", line)]
-    assert not plain, f"{script.relative_to(REPO)}: start ranks with `python -m labkit.torchrun`, not {plain}"
+    assert not plain, f"{script.relative_to(REPO)}: start ranks with `python -m labkit.dist.torchrun`, not {plain}"
 
 
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if s != JUPYTER_JOB], ids=script_id)

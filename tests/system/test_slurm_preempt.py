@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from labkit.checkpoint import load_checkpoint
+from labkit.train.checkpoint import load_checkpoint
 
 from .batch import BATCH_TIMEOUT_S, WARNED, Batch
 

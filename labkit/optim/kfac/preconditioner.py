@@ -1,0 +1,294 @@
+r"""K-FAC: a Kronecker-factored natural-gradient preconditioner for any torch optimizer.
+
+The math, in the order :meth:`KFAC.step` codes it
+-------------------------------------------------
+**Second order.** SGD steps along ``-∇L``; a natural-gradient step ``w ← w - α F⁻¹ ∇L`` first rescales the
+gradient by the inverse Fisher ``F = E[∇ log p ∇ log pᵀ]`` (for our losses the Gauss-Newton matrix, a PSD
+stand-in for the Hessian), so flat directions get longer steps and sharp ones shorter. F has (#params)²
+entries: far too big to store, let alone invert.
+
+**Block diagonal.** K-FAC keeps one block per layer, ``F ≈ diag(F_1, …, F_L)``, so ``F⁻¹ = diag(F_ℓ⁻¹)``.
+
+**Kronecker factors.** A layer computes ``s = W ā`` (``ā = [a; 1]``, bias = last column of W), so with
+``g = ∂ℓ/∂s`` its gradient is ``∇W = g āᵀ`` and ``vec(∇W) = ā ⊗ g``. Hence
+``F_ℓ = E[ā āᵀ ⊗ g gᵀ] ≈ E[ā āᵀ] ⊗ E[g gᵀ] = A ⊗ G``, estimated from the batch with the real labels (the
+empirical Fisher, as the seed's kfac_pytorch does; details in :mod:`labkit.optim.kfac.layers`, where Conv2d
+uses unfolded patches as in Grosse & Martens 2016).
+
+**Cheap inverse.** ``(A ⊗ G)⁻¹ = A⁻¹ ⊗ G⁻¹`` and ``(A ⊗ G) vec(X) = vec(G X A)``, so
+``F_ℓ⁻¹ vec(∇W) = vec(G⁻¹ ∇W A⁻¹)``: two inverses of size d_in and d_out instead of one of d_in·d_out.
+
+**Damping.** ``(F_ℓ + γI)⁻¹`` keeps tiny eigenvalues from blowing the step up. Two methods:
+
+* ``eigen``: ``A = Q_A Λ_A Q_Aᵀ``, ``G = Q_G Λ_G Q_Gᵀ`` and
+  ``P = Q_G [(Q_Gᵀ ∇W Q_A) / (λ_G λ_Aᵀ + γ)] Q_Aᵀ`` — *exactly* ``(A ⊗ G + γI)⁻¹ vec(∇W)``.
+* ``inverse``: ``P = (G + √γ/π I)⁻¹ ∇W (A + π√γ I)⁻¹`` with ``π² = (tr A/d_in)/(tr G/d_out)`` — the
+  inverse of ``A⊗G + γI + √γ(π I⊗G + A⊗I/π)``: cheaper (Cholesky) but damped more than ``γI``.
+
+**Running averages and intervals.** Every ``factor_update_freq`` steps ``A ← ε A + (1-ε) A_batch`` (same
+for G, ε = ``factor_decay``); every ``inv_update_freq`` steps the decompositions are recomputed; every
+step the gradient is preconditioned with the latest ones.
+
+**KL clipping** (Ba et al. 2017): the step is scaled by ``ν = min(1, √(κ / (α² Σ_ℓ ⟨P_ℓ, ∇W_ℓ⟩)))`` with
+α the learning rate, bounding the change of the model's output distribution.
+
+The gradients are rewritten *in place* between ``loss.backward()`` (and DDP's gradient all-reduce) and
+``optimizer.step()``, so K-FAC works with SGD, Adam or any torch optimizer::
+
+    kfac = KFAC(model, optimizer=optimizer)
+    loss.backward(); kfac.step(); optimizer.step()
+
+Under ``torch.distributed`` the factors are averaged over the ranks and the decompositions are split
+between them (:mod:`labkit.optim.kfac.distributed`).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from labkit.dist.group import DistEnv, print0
+from labkit.errors import ConfigError, LabkitError
+from labkit.optim.kfac import distributed as kfac_dist
+from labkit.optim.kfac import kaisa as kfac_kaisa
+from labkit.optim.kfac.capture import KFACCapture
+from labkit.optim.kfac.clip import KLClip, inner_product
+from labkit.optim.kfac.layers import LayerFactors, supports
+from labkit.optim.kfac.options import (
+    Approx,
+    Broadcast,
+    Method,
+    add_arguments,
+    kwargs_from_options,
+    parse_enum,
+    validate,
+)
+from labkit.optim.kfac.state import KFACState
+
+__all__ = ["KFAC", "Approx", "Broadcast", "Method", "add_arguments", "from_options"]
+
+
+class KFAC(KFACCapture, KFACState):
+    """K-FAC gradient preconditioner for the Linear and Conv2d layers of ``model``.
+
+    Args:
+        model: the unwrapped model (not the DDP wrapper); its Linear and Conv2d layers are registered.
+        damping: γ > 0, see the module docstring for how each method applies it.
+        factor_decay: ε in [0, 1): weight of the old running average.
+        kl_clip: κ >= 0; 0 disables KL clipping.
+        factor_update_freq: steps between factor updates (>= 1); ``--kfac-update-freq``.
+        inv_update_freq: steps between decomposition updates (>= 1; default ``factor_update_freq``).
+        method: ``"eigen"`` or ``"inverse"``.
+        approx: ``"expand"`` (Grosse & Martens 2016) or ``"reduce"`` (cheaper Conv2d factors).
+        broadcast: ``"decompositions"`` or ``"gradients"`` (only matters on several ranks).
+        grad_worker_fraction: KAISA's f in [1/W, 1] (f·W must divide W): the fraction of ranks that hold
+            each layer's decomposition (:mod:`labkit.optim.kfac.kaisa`); replaces ``broadcast`` when given.
+        optimizer: where KL clipping reads the learning rate; if omitted, the first optimizer that steps
+            this model's parameters is attached (and that step's clipping applied just before it).
+        skip_layers: module names or class names not to precondition.
+        timed: synchronise the GPU around each phase so :attr:`timings` are exact (benchmarks).
+
+    The loss must be a mean over the batch and unscaled (bf16 autocast is fine; an fp16 ``GradScaler``
+    would scale G). On several ranks every rank must hold the whole model (``single`` or ``ddp``): the
+    factors are averaged over all ranks of the default process group.
+
+    Attributes:
+        timings: seconds per phase (factors, communication, decomposition, precondition) measured with
+            :attr:`clock` (``time.perf_counter``; a benchmark on a shared CPU may use ``time.process_time``).
+        bytes_sent: payload bytes of K-FAC's own collectives, per kind.
+    """
+
+    def __init__(self, model: nn.Module, *, damping: float = 0.3, factor_decay: float = 0.95,
+                 kl_clip: float = 0.001, factor_update_freq: int = 10, inv_update_freq: int | None = None,
+                 method: str | Method = "eigen", approx: str | Approx = "expand",
+                 broadcast: str | Broadcast = "decompositions", grad_worker_fraction: float | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, skip_layers: Sequence[str] = (),
+                 timed: bool = False):
+        inv_update_freq = factor_update_freq if inv_update_freq is None else inv_update_freq
+        validate(damping, factor_decay, kl_clip, factor_update_freq, inv_update_freq)
+        self.damping, self.factor_decay, self.kl_clip = float(damping), float(factor_decay), float(kl_clip)
+        self.factor_update_freq, self.inv_update_freq = factor_update_freq, inv_update_freq
+        self.method = parse_enum(Method, method, "--kfac-method")
+        self.approx = parse_enum(Approx, approx, "--kfac-approx")
+        self.broadcast = parse_enum(Broadcast, broadcast, "--kfac-broadcast")
+        self.timed = timed
+        self.steps = 0
+        self._handles: list = []
+        self.layers = self._register(model, set(skip_layers))
+        self.world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        if self.world_size > 1:
+            self._check_same_model()
+        self.owners = kfac_dist.assign_owners([l.decomposition_cost() for l in self.layers], self.world_size)
+        self.grad_worker_fraction = grad_worker_fraction
+        self.kaisa = None
+        if grad_worker_fraction is not None:
+            g = kfac_kaisa.grad_workers(self.world_size, grad_worker_fraction)
+            self.kaisa = kfac_kaisa.GradWorkerLayout(self.world_size, g, self.rank) if self.world_size > 1 else None
+        self.clock = time.perf_counter
+        self.timings = {"factors": 0.0, "communication": 0.0, "decomposition": 0.0, "precondition": 0.0}
+        self.bytes_sent = {"factors": 0, "decompositions": 0, "gradients": 0}
+        self._stale = True  # decompositions must be (re)computed at the next step
+        self.clip = (KLClip(self.kl_clip, self.layers[0].module.weight, self._scale_grads, optimizer)
+                     if self.kl_clip > 0 else None)
+
+    # ----- set-up ------------------------------------------------------------------------------------------
+
+    def _register(self, model: nn.Module, skip: set[str]) -> list[LayerFactors]:
+        layers = []
+        for name, module in model.named_modules():
+            if name in skip or type(module).__name__ in skip or not supports(module):
+                continue
+            dtype = torch.float64 if module.weight.dtype == torch.float64 else torch.float32
+            layer = LayerFactors(name, module, dtype, self.approx.value)
+            self._handles.append(module.register_forward_hook(
+                lambda m, inputs, output, layer=layer: self._forward_hook(layer, inputs, output)))
+            layers.append(layer)
+        if not layers:
+            kinds = sorted({type(m).__name__ for m in model.modules()} - {type(model).__name__})
+            raise ConfigError(f"K-FAC found no Linear or Conv2d layer to precondition in {type(model).__name__} "
+                              f"(it has: {', '.join(kinds) or 'no submodules'}); use --optimizer sgd for this model")
+        return layers
+
+    def _check_same_model(self) -> None:
+        # Factor all-reduces need the same layers on every rank; a pipeline stage would hang them instead.
+        signature = [(l.name, l.d_in, l.d_out) for l in self.layers]
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, signature)
+        if any(s != signature for s in gathered):
+            raise ConfigError("K-FAC needs the whole model on every rank (data parallelism: --strategy single or "
+                              "ddp), but the ranks hold different layers")
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Read the learning rate for KL clipping from ``optimizer`` from now on."""
+        if self.clip is not None:
+            self.clip.attach(optimizer)
+
+    def close(self) -> None:
+        """Remove every hook K-FAC installed (the model trains as if K-FAC had never been attached)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self.clip is not None:
+            self.clip.close()
+
+    # ----- the step --------------------------------------------------------------------------------------------
+
+    def step(self, lr: float | None = None) -> None:
+        """Update factors/decompositions when due and precondition every registered gradient in place.
+
+        Call once per optimizer step, after ``loss.backward()`` (and the gradient all-reduce) and before
+        ``optimizer.step()``. ``lr`` overrides the attached optimizer's learning rate for KL clipping.
+        """
+        if self.steps % self.factor_update_freq == 0:
+            self._update_factors()
+        if self._stale or self.steps % self.inv_update_freq == 0:
+            self._update_decompositions()
+        self._precondition(lr)
+        self.steps += 1
+
+    def _update_factors(self) -> None:
+        started = self._clock()
+        active = [l for l in self.layers if l.has_batch()]
+        if not active:
+            raise LabkitError(f"K-FAC step {self.steps} found no captured activations: call kfac.step() once after "
+                              "each loss.backward() of a forward pass in training mode")
+        batches = [l.pop_batch() for l in active]
+        for layer in self.layers:
+            layer.clear_batch()
+        self.timings["factors"] += self._clock() - started
+        if self.world_size > 1:
+            started = self._clock()
+            mats, sent = kfac_dist.all_reduce_mean_symmetric([a for a, _ in batches] + [g for _, g in batches])
+            batches = list(zip(mats[:len(active)], mats[len(active):]))
+            self.bytes_sent["factors"] += sent
+            self.timings["communication"] += self._clock() - started
+        started = self._clock()
+        for layer, (a, g) in zip(active, batches):
+            layer.update_factors(a, g, self.factor_decay)
+        self.timings["factors"] += self._clock() - started
+
+    def _update_decompositions(self) -> None:
+        started = self._clock()
+        ready = [(l, o) for l, o in zip(self.layers, self.owners) if l.A is not None]
+        for layer, owner in ready:
+            if owner == self.rank:
+                layer.decompose(self.method.value, self.damping)
+        self.timings["decomposition"] += self._clock() - started
+        if self.kaisa is not None:
+            started = self._clock()
+            self.bytes_sent["decompositions"] += kfac_kaisa.share_decompositions(
+                [l for l, _ in ready], [o for _, o in ready], self.kaisa, self.method.value)
+            self.timings["communication"] += self._clock() - started
+        elif self.world_size > 1 and self.broadcast is Broadcast.DECOMPOSITIONS:
+            started = self._clock()
+            self.bytes_sent["decompositions"] += kfac_dist.share_decompositions(
+                [l for l, _ in ready], [o for _, o in ready], self.rank, self.method.value)
+            self.timings["communication"] += self._clock() - started
+        self._stale = False
+
+    def _precondition(self, lr: float | None) -> None:
+        started = self._clock()
+        shared_grads = self.world_size > 1 and self.broadcast is Broadcast.GRADIENTS and self.kaisa is None
+        work = [(l, o) for l, o in zip(self.layers, self.owners) if l.has_grad() and l.A is not None]
+        grads = [l.grad_matrix() for l, _ in work]
+        holds = [self.kaisa.holds(o) if self.kaisa is not None else not shared_grads or o == self.rank
+                 for _, o in work]
+        precond = [l.precondition(g, self.damping) if h else torch.empty_like(g)
+                   for (l, _), g, h in zip(work, grads, holds)]
+        self.timings["precondition"] += self._clock() - started
+        if self.kaisa is not None:
+            started = self._clock()
+            self.bytes_sent["gradients"] += kfac_kaisa.share_gradients(precond, [o for _, o in work], self.kaisa)
+            self.timings["communication"] += self._clock() - started
+        elif shared_grads:
+            started = self._clock()
+            self.bytes_sent["gradients"] += kfac_dist.broadcast_from_owners([[p] for p in precond],
+                                                                            [o for _, o in work])
+            self.timings["communication"] += self._clock() - started
+        started = self._clock()
+        # Σ⟨P, ∇W⟩ before set_grad: a bias-free layer's grad_matrix is a view of weight.grad
+        vg = inner_product(precond, grads, self.clip.anchor.device) if self.clip is not None and work else None
+        for (layer, _), p in zip(work, precond):
+            layer.set_grad(p)
+        if vg is not None:
+            self.clip.apply(vg, lr)  # ν = min(1, √(κ / (α² |Σ⟨P, ∇W⟩|))), see labkit.optim.kfac.clip
+        self.timings["precondition"] += self._clock() - started
+
+    def _scale_grads(self, nu: Tensor) -> None:
+        """ν (on the first layer's device) scales every layer's gradients on that layer's device."""
+        for layer in self.layers:
+            if layer.has_grad():
+                for grad in [layer.module.weight.grad] + ([layer.module.bias.grad] if layer.bias else []):
+                    grad.mul_(nu.to(grad.device, grad.dtype))
+
+    def __repr__(self) -> str:
+        return (f"KFAC({len(self.layers)} layers, method={self.method.value}, approx={self.approx.value}, "
+                f"damping={self.damping}, factor_decay={self.factor_decay}, kl_clip={self.kl_clip}, "
+                f"factor_update_freq={self.factor_update_freq}, inv_update_freq={self.inv_update_freq}, "
+                f"world_size={self.world_size}, broadcast={self.broadcast.value})")
+
+
+# ----- the `labkit train --optimizer kfac` side (flags in labkit.optim.kfac.options) ---------------------------
+
+
+def from_options(model: nn.Module, options: dict, env: DistEnv | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> KFAC | None:
+    """Build K-FAC from the ``--kfac-*`` values (by ``dest``); ``None`` when ``kfac_update_freq`` is 0.
+
+    ``optimizer`` (optional) is where KL clipping reads the learning rate; without it the first optimizer
+    stepping the model's parameters is attached automatically.
+    """
+    kwargs = kwargs_from_options(options)
+    if kwargs is None:
+        return None
+    kfac = KFAC(model, optimizer=optimizer, grad_worker_fraction=options.get("kfac_grad_worker_fraction"), **kwargs)
+    if env is None or env.is_main:
+        print0(f"K-FAC: {len(kfac.layers)} layers, {kfac.method.value}, {kfac.approx.value}, decompositions every "
+               f"{kfac.inv_update_freq} steps, factors every {kfac.factor_update_freq}, damping {kfac.damping}, "
+               f"KL clip {kfac.kl_clip}, {kfac.world_size} rank(s)"
+               + (f", broadcast {kfac.broadcast.value}" if kfac.world_size > 1 else ""))
+    return kfac

@@ -1,0 +1,240 @@
+"""``--mesh dp=2,tp=2``: the ranks laid out on a named device mesh, one :mod:`labkit.parallel` dimension per axis.
+
+    torchrun --nproc_per_node 2 -m labkit train --mesh dp=2 --model lenet --dataset mnist-sample
+    torchrun --nproc_per_node 4 -m labkit train --mesh dp=2,tp=2 --model gpt-tiny --dataset text-sample
+    torchrun --nproc_per_node 8 -m labkit train --mesh dp=2,tp=2,pp=2 --model gpt-tiny --dataset text-sample
+
+The strategy holds the mesh (:func:`labkit.dist.mesh.build_mesh`) and the dimensions of size > 1, in the apply
+order of :data:`labkit.parallel.DIMENSIONS` (tp, cp, ep, pp, dp), and runs each step as
+:mod:`labkit.parallel.base` describes: shard the batch, forward (or pp's schedule), the dimensions' loss,
+backward, the gradient synchronisations in reverse order. It adds no collective of its own to a step.
+
+Checkpoints: every rank writes ``checkpoint.rank{r}.pt`` (its shards, plain tensors) with the mesh shape;
+``--resume`` on another mesh is refused with one line.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from labkit.dist.mesh import MESH_ORDER, build_mesh, check_world, format_mesh, full_shape, parse_mesh
+from labkit.errors import CheckpointError
+from labkit.models.names import LANGUAGE_MODELS
+from labkit.parallel import DIMENSIONS, get_dimension
+from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB, DataParallelStrategy, ShardSampler, average_gradients
+from labkit.parallel.fsdp import load_local_state, local_state
+from labkit.parallel.zero import refuse_layerwise
+
+#: ``labkit train`` flags, plain data read without importing this module (labkit.flags); each dimension's
+#: own flags (``labkit.parallel.<name>.FLAGS``) come with them
+FLAGS = [
+    {"flag": "--mesh", "default": None, "metavar": "DIM=N,...",
+     "help": "the device mesh, e.g. dp=2,tp=2 (dimensions pp, dp, ep, cp, tp; their product = the number of "
+             "ranks; None: dp over every rank)"},
+]
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run (the CNN on a dp mesh)
+BENCH = {"ranks": 2, "flags": ["--mesh", "dp=2"]}
+#: backend/device combinations refused before any work (labkit.dist.backends); gloo's send/recv take CPU tensors only
+#: (on CUDA ones it fails in its transport: "writev ... Bad address")
+BACKENDS = [
+    {"dims": ["pp"], "backend": "gloo", "device": "cuda",
+     "why": "--mesh {mesh}: the pipeline's stages send activations point to point, which gloo does on CPU tensors "
+            "only; use --backend nccl (one GPU per rank), or --device cpu (or leave --device auto)"},
+]
+
+
+class PaddedShardSampler(ShardSampler):
+    """Evaluation shard ``r, r + W, r + 2W, ...`` padded to ``ceil(N / W)`` indices on every rank.
+
+    A mesh's evaluation forward has collectives (tp, cp, ep, pp), so every data-parallel rank must run the same
+    number of batches: a rank with one batch fewer would leave the others waiting in a collective forever. The
+    padding repeats the shard's first index (index 0 for an empty shard); :func:`labkit.train.loop.evaluate` counts only
+    the first ``real`` samples, so every test sample is counted exactly once over the ranks.
+    """
+
+    def __init__(self, dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas, rank)
+        self.real = super().__len__()
+        self.padded = -(-self.size // num_replicas)
+
+    def __iter__(self):
+        shard = list(super().__iter__())
+        return iter(shard + [shard[0] if shard else 0] * (self.padded - self.real))
+
+    def __len__(self) -> int:
+        return self.padded
+
+
+class MeshStrategy(DataParallelStrategy):
+    """The dimensions of ``--mesh`` stacked on one model.
+
+    Attributes:
+        shape: every mesh dimension's size, in :data:`labkit.dist.mesh.MESH_ORDER` (sizes of 1 included).
+        mesh: the DeviceMesh (``None`` in a single process without a process group).
+        dims: the dimensions of size > 1, in apply order.
+    """
+
+    name = "mesh"
+    replicated = False
+
+    def __init__(self, env, options=None):
+        super().__init__(env, options)
+        spec = self.options.get("mesh") or f"dp={env.world_size}"
+        named = parse_mesh(spec)
+        check_world(named, env.world_size, spec)
+        self.shape = full_shape(named)
+        self.options["mesh"] = format_mesh(self.shape)
+        classes = [get_dimension(n) for n in DIMENSIONS if self.shape[n] > 1]  # unavailable: ConfigError now
+        self.mesh = build_mesh(self.shape, env.device.type) if env.distributed else None
+        self.dims = [cls(self.mesh, self.options) for cls in classes]
+        self.pipeline = next((d for d in self.dims if d.name == "pp"), None)
+        # the dimensions that average gradients, when two or more: one all-reduce over their flattened group
+        self.averaged = [d for d in self.dims if d.averages_gradients]
+        self.averaged = self.averaged if len(self.averaged) > 1 else []
+        self.averaged_group = None
+        if self.averaged:  # collective: every rank flattens the same dimensions (torchtitan's way to a "dp_cp" group)
+            names = tuple(n for n in MESH_ORDER if n in {d.name for d in self.averaged})
+            self.averaged_group = self.mesh[names]._flatten("_".join(names)).get_group()
+        self.sequential_model = False  # check_model: a CNN on a pipeline is built as a flat nn.Sequential
+        self._criteria: dict[int, nn.Module] = {}
+
+    def check_model(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
+        """Every dimension's :meth:`~labkit.parallel.base.Dimension.check` (ConfigError before any work)."""
+        for d in self.dims:
+            d.check(model_name, seq_len, dropout)
+        # pp cuts a GPT by its layer names, any other model as the flat nn.Sequential it is then built as
+        self.sequential_model = self.pipeline is not None and model_name not in LANGUAGE_MODELS
+
+    # ----- data: shards by the data-parallel coordinates ----------------------------------------------
+
+    @property
+    def data_parallel_size(self) -> int:
+        return math.prod(d.data_parallel_size for d in self.dims)
+
+    def data_shard(self) -> tuple[int, int]:
+        """``(shards, this rank's shard)``: mixed radix over the data-parallel dimensions in mesh order, so the
+        ranks of one tp (pp, ...) group read the same samples."""
+        index = 0
+        for name in MESH_ORDER:
+            d = next((d for d in self.dims if d.name == name), None)
+            if d is not None and d.data_parallel_size > 1:
+                index = index * d.data_parallel_size + d.rank
+        return self.data_parallel_size, index
+
+    def sampler(self, dataset, train: bool, seed: int):
+        world, index = self.data_shard()
+        if train or world == 1:
+            return super().sampler(dataset, train, seed)
+        return PaddedShardSampler(dataset, world, index)
+
+    # ----- the model and the step ---------------------------------------------------------------------
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.env.device)
+        for d in self.dims:
+            model = d.parallelize(model)
+        return model
+
+    def _criterion(self, criterion: nn.Module) -> nn.Module:
+        key = id(criterion)
+        if key not in self._criteria:  # built once: a step creates no module
+            for d in self.dims:
+                criterion = d.criterion(criterion)
+            self._criteria[key] = criterion
+        return self._criteria[key]
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: nn.Module):
+        for d in self.dims:
+            x, y = d.shard_batch(x, y)
+        criterion = self._criterion(criterion)
+        if self.pipeline is not None:
+            return self.pipeline.forward_backward(model, x, y, criterion)
+        out = model(x)  # (B, classes) or (B, T, vocab / tp)
+        loss = criterion(out, y)
+        loss.backward()
+        return loss.detach(), out.detach()
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Every dimension's synchronisation in reverse apply order; the averaging dimensions (dp, cp, ep), when
+        two or more, together in :meth:`_average_once` (averages over different groups commute with the other
+        dimensions' sums, so the order does not change the result)."""
+        if self.averaged:
+            self._average_once(model)
+        for d in reversed(self.dims):
+            if d not in self.averaged:
+                d.sync_gradients(model)
+
+    def _average_once(self, model: nn.Module) -> None:
+        """Gradients averaged over the flattened group of the averaging dimensions in one bucketed all-reduce
+        (what one data-parallel group of their product would do). Under ep the experts are not replicated over
+        it: an expert's gradient already sums the ep ranks' losses (their rows came to it), so it is averaged
+        over dp alone (a second all-reduce, of the experts only, as a plain expert-parallel step has) and
+        divided by ep."""
+        from labkit.parallel.ep import expert_params
+
+        names = {d.name: d for d in self.averaged}
+        experts = expert_params(model) if "ep" in names else set()
+        params = [p for p in model.parameters() if p.requires_grad]
+        bucket = int(DEFAULT_BUCKET_MB * 2**20)
+        average_gradients([p for p in params if id(p) not in experts], "native", bucket, group=self.averaged_group)
+        if experts:
+            ours = [p for p in params if id(p) in experts]
+            if "dp" in names:
+                average_gradients(ours, "native", bucket, group=names["dp"].group)
+            for p in ours:
+                if p.grad is not None:
+                    p.grad /= names["ep"].size
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """Evaluation: the whole output on the ranks that own it (pp: its schedule's forward)."""
+        out = self.pipeline.forward(model, x) if self.pipeline is not None else model(x)
+        if out is None:
+            return None
+        for d in self.dims:
+            out = d.full_output(out)
+        return out
+
+    def seed_rank(self, rank: int) -> int:
+        """The first rank of this rank's tp group (tp is innermost: its ranks are neighbours), so the replicated
+        dropouts of a tp group draw the same masks (:mod:`labkit.parallel.tp_rng`); dp, pp, ... differ as before."""
+        tp = next((d for d in self.dims if d.name == "tp"), None)
+        return rank if tp is None else rank - tp.rank
+
+    def metric_owner(self) -> bool:
+        return all(d.owns_metrics() for d in self.dims)
+
+    def build_optimizer(self, model: nn.Module, spec):
+        if any(d.name == "dp" and getattr(d, "shard", "none") == "fsdp" for d in self.dims):
+            refuse_layerwise(spec.name, "mesh --dp-shard fsdp", "a shard of each tensor")
+        return spec.build(model)
+
+    # ----- checkpoints: one file per rank, with the mesh ---------------------------------------------
+
+    def mesh_key(self) -> dict:
+        """What a checkpoint must match: every dimension's ``state_key`` (and the full shape)."""
+        key = dict(self.shape)
+        for d in self.dims:
+            key.update(d.state_key())
+        return key
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return {**local_state(model, optimizer), "world_size": self.env.world_size, "mesh": self.mesh_key()}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        saved = state.get("mesh")
+        if saved != self.mesh_key():
+            written = _describe(saved) if isinstance(saved, dict) else "no mesh"
+            raise CheckpointError(f"it was written on --mesh {written} but this run has --mesh "
+                                  f"{_describe(self.mesh_key())}; resume with --mesh {written} or start without "
+                                  "--resume")
+        load_local_state(model, optimizer, state)
+
+
+def _describe(key: dict) -> str:
+    """``{"dp": 2, "dp_shard": "fsdp", "tp": 1, ...}`` -> ``"dp=2 --dp-shard fsdp"`` (options at their default
+    ``none``/``False`` left out)."""
+    options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in key.items()
+               if k not in MESH_ORDER and v not in (None, False, "none")]
+    return " ".join([format_mesh(key), *options])

@@ -1,0 +1,119 @@
+"""The pieces of a multi-process pipeline that every form of it shares: cutting a model into stages and
+running one stage's ``torch.distributed.pipelining`` schedule.
+
+Used by ``--strategy pipeline`` (:mod:`labkit.parallel.pipelining`: one stage per rank of the job) and by the
+mesh's ``pp`` dimension (:mod:`labkit.parallel.pp`: one stage per rank of each ``pp`` group).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labkit.errors import ConfigError
+from labkit.strategies.gpipe import check_chunks
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def torch_pipelining():
+    """torch.distributed.pipelining, imported on first use: it costs seconds, and a process that only
+    reads the pipeline's flags or helpers should not pay them."""
+    import torch.distributed.pipelining as pipelining
+    import torch.distributed.pipelining.schedules  # noqa: F401  (the module whose p2p helpers are timed)
+
+    return pipelining
+
+
+def even_balance(num_layers: int, num_stages: int) -> list[int]:
+    """Layer counts as equal as possible, earlier stages taking the remainder: ``(7, 3) -> [3, 2, 2]``."""
+    if num_stages > num_layers:
+        raise ConfigError(f"{num_stages} stages but the model has only {num_layers} layers; use fewer ranks")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (i < extra) for i in range(num_stages)]
+
+
+def stage_layers(model: nn.Sequential, balance: list[int], stage: int) -> nn.Sequential:
+    """The layers of ``stage``: ``model[sum(balance[:stage]) : sum(balance[:stage + 1])]`` (same objects)."""
+    start = sum(balance[:stage])
+    return model[start:start + balance[stage]]
+
+
+def microbatches_for(batch: int, wanted: int, minimum: int = 1) -> int | None:
+    """Largest ``m <= wanted`` with ``batch % m == 0`` and ``m >= minimum``, or None."""
+    return next((m for m in range(min(wanted, batch), minimum - 1, -1) if batch % m == 0), None)
+
+
+class StageSchedules:
+    """One pipeline stage's schedules: stage ``index`` of ``num_stages`` over ``group`` (None: the world).
+
+    A schedule is built on first use for each batch size, around the module it is given then (a data-parallel
+    wrapper of the stage, if one was applied after the cut): stages have fixed shapes. A smaller last batch
+    uses the largest ``m <= M`` micro-batches that divides it (1F1B needs ``m >= num_stages``, else GPipe).
+    Shared by ``--strategy pipeline`` (one stage per rank) and the mesh's ``pp`` dimension. ``timeline``: a
+    :class:`~labkit.parallel.pipelining.Timeline` that times every forward and backward (None: not timed).
+    """
+
+    def __init__(self, index: int, num_stages: int, device: torch.device, schedule: str, num_microbatches: int,
+                 group: dist.ProcessGroup | None = None, timeline=None):
+        self.index, self.num_stages, self.device, self.group = index, num_stages, device, group
+        self.schedule_name, self.num_microbatches, self.timeline = schedule, num_microbatches, timeline
+        self._schedules: dict[tuple[int, bool], tuple] = {}
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def schedule(self, model: nn.Module, batch: int, train: bool, criterion: nn.Module | None):
+        """The (schedule, micro-batches) for this batch size, built once per size."""
+        key = (batch, train)
+        if key not in self._schedules:
+            pp = torch_pipelining()
+            cls = getattr(pp, SCHEDULES[self.schedule_name]) if train else pp.ScheduleGPipe
+            if not train:
+                m = 1
+            elif not any(is_train for _, is_train in self._schedules):
+                if batch % self.num_microbatches:
+                    raise ConfigError(f"batch of {batch} samples does not split into {self.num_microbatches} equal "
+                                      "micro-batches; choose --batch-size divisible by --num-microbatches")
+                m = self.num_microbatches
+            else:  # a smaller last batch
+                m = microbatches_for(batch, self.num_microbatches, self.num_stages if cls is pp.Schedule1F1B else 1)
+                if m is None:
+                    cls, m = pp.ScheduleGPipe, microbatches_for(batch, self.num_microbatches)
+            stage = pp.PipelineStage(model, self.index, self.num_stages, self.device, group=self.group)
+            if self.timeline is not None and train:
+                self.timeline.instrument(stage)
+            self._schedules[key] = (cls(stage, m, loss_fn=criterion if train else None), m)
+        return self._schedules[key]
+
+    def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: nn.Module,
+                         context=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run one training step's schedule (inside ``context``, e.g. a :meth:`Timeline.record`); the last stage
+        returns ``(mean loss, outputs)``, the others ``(None, None)``."""
+        if not self._schedules:
+            check_chunks(self.num_microbatches, len(x))
+        schedule, _ = self.schedule(model, len(x), True, criterion)
+        losses: list[torch.Tensor] = []
+        with context or contextlib.nullcontext():
+            if self.is_first:
+                out = schedule.step(x)
+            elif self.is_last:
+                out = schedule.step(target=y, losses=losses)
+            else:
+                out = schedule.step()
+        if not self.is_last:
+            return None, None
+        return torch.stack(losses).mean().detach(), out.detach()  # equal micro-batches: mean of means
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """Evaluation: the whole batch as one micro-batch; the outputs on the last stage, None elsewhere."""
+        schedule, _ = self.schedule(model, len(x), False, None)
+        out = schedule.eval(x) if self.is_first else schedule.eval()
+        return out if self.is_last else None

@@ -1,0 +1,275 @@
+"""Tensor parallelism: slice fully-connected layers vertically, "the left half of each layer on one device,
+the right half on the other" (Megatron-LM style column/row pairs).
+
+A Linear computes ``Y = X W^T + b`` with ``X (B, i)``, ``W (o, i)``. Over ``p`` ranks:
+
+* column-parallel: rank r holds rows ``W_r = W[r·o/p:(r+1)·o/p]`` (a slice of the *output* features) and
+  computes ``Y_r = X W_r^T + b_r`` (B, o/p). Its input must be the full X on every rank.
+* row-parallel: rank r holds columns ``W_r = W[:, r·i/p:(r+1)·i/p]`` (a slice of the *input* features),
+  takes its slice ``X_r`` (B, i/p) and computes a partial ``X_r W_r^T`` (B, o); the sum over ranks is Y.
+
+A column layer followed by a row layer needs no communication in between (the row layer wants exactly the
+slice the column layer produced), so an MLP costs one all-reduce forward and one backward per pair:
+
+    launch:   torchrun --nproc_per_node 2 -m labkit train --strategy tensor-parallel --model mlp
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import allreduce_time, common_terms, compute_scale, memory_terms
+from labkit.errors import ConfigError
+from labkit.parallel.tp_comm import (
+    CommLog,
+    all_reduce,
+    count_bytes,
+    fc_layer_bytes,
+    rank_world,
+)
+from labkit.parallel.tp_regions import (
+    copy_to_parallel_region,
+    gather_from_parallel_region,
+    reduce_from_parallel_region,
+    scatter_to_parallel_region,
+)
+from labkit.strategies.base import Strategy
+
+__all__ = [
+    "ColumnParallelLinear",
+    "CommLog",
+    "RowParallelLinear",
+    "TensorParallelStrategy",
+    "all_reduce",
+    "copy_to_parallel_region",
+    "count_bytes",
+    "fc_layer_bytes",
+    "gather_from_parallel_region",
+    "measure_fc_bytes",
+    "parallelize_linears",
+    "reduce_from_parallel_region",
+    "scatter_to_parallel_region",
+]
+
+#: ``labkit advise`` (labkit.advisor.search) and ``labkit bench suite`` (ranks, extra flags)
+ADVISOR = {"price": "labkit.parallel.tp_linear:price_tensor_parallel", "plans": "spread"}
+BENCH = {"ranks": 2, "flags": []}
+
+#: modules that act on each feature independently: a column slice can pass through them unchanged
+ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity)
+
+
+# ----- the layers ----------------------------------------------------------------------------------------
+
+
+def _shard_size(features: int, world_size: int, what: str) -> int:
+    if features % world_size:
+        raise ConfigError(f"{what} has {features} features, not divisible by world size {world_size}; "
+                          f"run on a number of ranks that divides {features}")
+    return features // world_size
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X W^T + b`` with the output features split over ranks.
+
+    Args:
+        in_features, out_features: sizes of the whole (dense) layer; ``out_features % world_size == 0``.
+        gather_output: all-gather the slices into the full Y (B, o); else return Y_r (B, o/p).
+        rank, world_size: default to the process group's.
+
+    Shapes: X (B, i) the same on every rank -> Y_r (B, o/p), or Y (B, o) with ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group=None, rank: int | None = None, world_size: int | None = None):
+        super().__init__()
+        default_rank, default_world = rank_world(group)
+        self.rank = default_rank if rank is None else rank
+        self.world_size = default_world if world_size is None else world_size
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.group = gather_output, group
+        shard = _shard_size(out_features, self.world_size, "column-parallel Linear output")
+        self.weight = nn.Parameter(torch.empty(shard, in_features))  # (o/p, i)
+        self.bias = nn.Parameter(torch.zeros(shard)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, gather_output: bool = False, group=None,
+                   rank: int | None = None, world_size: int | None = None) -> ColumnParallelLinear:
+        """This rank's slice of ``linear`` (same function once gathered)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
+                    rank, world_size).to(linear.weight.device)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.chunk(layer.world_size, 0)[layer.rank])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.chunk(layer.world_size, 0)[layer.rank])
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_parallel_region(x, self.group), self.weight, self.bias)  # (B, o/p)
+        return gather_from_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features} (this rank: {self.weight.shape[0]})"
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = Σ_r X_r W_r^T + b`` with the input features split over ranks.
+
+    Args:
+        in_features, out_features: sizes of the dense layer; ``in_features % world_size == 0``.
+        input_is_parallel: the input is already this rank's slice X_r (B, i/p), as a column layer
+            produces; else the full X (B, i) is sliced here.
+
+    Shapes: X_r (B, i/p) -> Y (B, o), the same on every rank. The bias is whole on every rank and added
+    after the all-reduce (adding it on each rank would count it p times).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 group=None, rank: int | None = None, world_size: int | None = None):
+        super().__init__()
+        default_rank, default_world = rank_world(group)
+        self.rank = default_rank if rank is None else rank
+        self.world_size = default_world if world_size is None else world_size
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.group = input_is_parallel, group
+        shard = _shard_size(in_features, self.world_size, "row-parallel Linear input")
+        self.weight = nn.Parameter(torch.empty(out_features, shard))  # (o, i/p)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = True, group=None,
+                   rank: int | None = None, world_size: int | None = None) -> RowParallelLinear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
+                    rank, world_size).to(linear.weight.device)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.chunk(layer.world_size, 1)[layer.rank])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_parallel_region(x, self.group)  # (B, i/p)
+        y = reduce_from_parallel_region(F.linear(x, self.weight), self.group)  # (B, o)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features} (this rank: {self.weight.shape[1]}), out={self.out_features}"
+
+
+def linear_pairs(layers) -> list[tuple[int, int]]:
+    """``(i, j)``: the ``Linear → elementwise… → Linear`` pairs of ``layers``, in order, none sharing a layer."""
+    pairs, i = [], 0
+    while i < len(layers):
+        j = i + 1
+        while j < len(layers) and isinstance(layers[j], ELEMENTWISE):
+            j += 1
+        if isinstance(layers[i], nn.Linear) and j < len(layers) and isinstance(layers[j], nn.Linear):
+            pairs.append((i, j))
+            i = j + 1
+        else:
+            i += 1
+    return pairs
+
+
+def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = None,
+                        world_size: int | None = None) -> nn.Sequential:
+    """Replace each ``Linear → elementwise… → Linear`` pair of a flat Sequential by column → row layers.
+
+    A Linear left without a partner (e.g. a 10-class head) stays whole on every rank: its input and its
+    output gradient are identical everywhere, so its gradient is too and it needs no communication.
+
+    Raises:
+        ConfigError: no pair to slice, or a hidden size not divisible by the world size.
+    """
+    layers = list(model)
+    pairs = linear_pairs(layers)
+    if not pairs:
+        raise ConfigError("tensor-parallel found no Linear → activation → Linear pair to slice in this model; "
+                          "use --model mlp")
+    out, done = [], 0
+    for i, j in pairs:
+        try:
+            out += [*layers[done:i], ColumnParallelLinear.from_dense(layers[i], False, group, rank, world_size),
+                    *layers[i + 1:j], RowParallelLinear.from_dense(layers[j], True, group, rank, world_size)]
+        except ConfigError as exc:
+            raise ConfigError(f"layer {i} ({layers[i]}): {exc}") from None
+        done = j + 1
+    return nn.Sequential(*out, *layers[done:])
+
+
+def measure_fc_bytes(env, batch: int, in_features: int, out_features: int) -> dict[str, float]:
+    """Run one training step of one FC layer both ways on this job's ranks; count the collectives' bytes.
+
+    Data parallel: rank r takes rows ``r·B/p ..`` of the batch through the whole layer, then all-reduces
+    the gradients. Model parallel: every rank takes the whole batch through its column slice, all-gathers
+    Y, and (backward) all-reduces dX. Call on every rank, e.g. ``run_ranks(measure_fc_bytes, 2, 32, 2048, 512)``.
+
+    Returns:
+        payload and ring wire bytes per rank for each way; compare with :func:`fc_layer_bytes`.
+    """
+    p = env.world_size
+    torch.manual_seed(0)
+    dense = nn.Linear(in_features, out_features).to(env.device)
+    x = torch.randn(batch, in_features, device=env.device)  # (B, i), the same on every rank
+    with count_bytes() as dp:
+        F.linear(x.chunk(p)[env.rank], dense.weight, dense.bias).sum().backward()  # (B/p, o)
+        for param in dense.parameters():
+            all_reduce(param.grad, "gradient")
+    column = ColumnParallelLinear.from_dense(dense, gather_output=True)
+    with count_bytes() as mp:
+        column(x.clone().requires_grad_()).sum().backward()  # a hidden layer: dX flows on to the layer below
+    return {"data_parallel_payload": dp.total(), "data_parallel_wire": dp.ring_wire_bytes(p),
+            "model_parallel_payload": mp.total(), "model_parallel_wire": mp.ring_wire_bytes(p)}
+
+
+class TensorParallelStrategy(Strategy):
+    """Every rank sees the whole batch and holds a slice of each FC pair (``--model mlp``).
+
+    Outputs are identical on every rank, so only rank 0 counts metrics. Parameters differ per rank
+    (``replicated = False``): each rank checkpoints its own slices to ``checkpoint.rank{r}.pt``.
+    """
+
+    name = "tensor-parallel"
+    sequential_model = True
+    replicated = False
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        if not isinstance(model, nn.Sequential):
+            raise ConfigError("tensor-parallel needs a flat nn.Sequential model (get_model(..., sequential=True))")
+        return parallelize_linears(model.to(self.env.device))
+
+    def metric_owner(self) -> bool:
+        return self.env.rank == 0
+
+
+def price_tensor_parallel(plan, prof, topo) -> Estimate:
+    """Column/row pairs of Linears sliced over ``p`` ranks; every rank runs the whole batch ``B``.
+
+    Sliced layers ``S`` (each pair and the elementwise layers between) cost ``T_k(B/p)``, the rest
+    ``T_k(B)``: ``compute = s·(T_rest(B) + Σ_{k∈S} T_k(B/p))``. Per pair (column i, row j):
+    ``communication = AR(B·A_{i−1}, native, p)`` (backward, input gradient) ``+ AR(B·A_j, native, p)``
+    (forward, partial sums). Memory ``3·P_dev + M_rest(B) + M_S(B)/p`` with
+    ``P_dev = P − (1 − 1/p)·P_S``.
+    """
+    p, B = plan.processes, plan.batch_size
+    if not prof.tp_pairs:
+        return Estimate(plan, note="no Linear → activation → Linear pair to slice")
+    if any(h % p for h in prof.tp_hidden):
+        return Estimate(plan, note=f"hidden sizes {prof.tp_hidden} not divisible by {p}")
+    sliced = {k for i, j in prof.tp_pairs for k in range(i, j + 1)}
+    rest = [k for k in range(len(prof.layers)) if k not in sliced]
+    compute = sum(prof.layers[k].time(B) for k in rest) + sum(prof.layers[k].time(B / p) for k in sliced)
+    inputs = [prof.layers[i - 1].out_bytes if i else prof.input_bytes for i, _ in prof.tp_pairs]
+    comm = sum(allreduce_time(B * a, p, "native", topo) + allreduce_time(B * prof.layers[j].out_bytes, p, "native",
+                                                                          topo)
+               for a, (_, j) in zip(inputs, prof.tp_pairs))
+    p_sliced = sum(prof.layers[k].param_bytes for k in sliced)
+    p_dev = prof.param_bytes - (1 - 1 / p) * p_sliced
+    time = {"compute": compute_scale(topo, p, prof) * compute, "communication": comm, **common_terms(prof, topo, p_dev, B)}
+    acts = sum(prof.layers[k].saved_bytes for k in rest) * B + sum(prof.layers[k].saved_bytes for k in sliced) * B / p
+    return Estimate(plan, time, memory_terms(prof, topo, p_dev, acts))

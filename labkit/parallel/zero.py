@@ -1,0 +1,277 @@
+"""ZeRO (Rajbhandari et al. 2020) from scratch: data parallelism whose per-rank memory falls as ranks are added.
+
+    torchrun --nproc_per_node 4 -m labkit train --strategy zero --zero-stage 2 --model resnet20 --dataset cifar10
+
+Every rank still trains on its own shard of each batch (as DDP), but the training *state* is split:
+
+* stage 1 — optimizer state: each rank steps only its slice of every parameter buffer, then all-gathers;
+* stage 2 — + gradients: reduce-scattered as backward produces them, so each rank keeps only its slice;
+* stage 3 — + parameters: each layer's weights are all-gathered just before its forward, again just before
+  its backward, and freed after (``--zero-prefetch`` gathers the next layer while this one computes).
+
+Memory per rank, in the paper's notation: Ψ parameters, N ranks, K bytes of optimizer state per parameter.
+The paper counts mixed precision, (2 + 2 + K)Ψ with K = 12 for Adam; labkit trains in fp32, so
+
+    DDP       (4 + 4 + K) Ψ
+    stage 1   (4 + 4) Ψ + K Ψ / N          K = 4 SGD with momentum, 8 Adam, 0 plain SGD
+    stage 2   4 Ψ + (4 + K) Ψ / N
+    stage 3   (4 + 4 + K) Ψ / N
+
+Each unit (a module that owns parameters) is one flat buffer padded to a multiple of N, so Ψ here is
+P = Σ_unit N·⌈Ψ_unit / N⌉ (at most N − 1 extra elements per unit).
+
+Communication per step, per rank (ring collectives: a reduce-scatter or all-gather over a buffer of P
+elements sends (N − 1)/N · P; an all-reduce is one of each):
+
+    DDP, stage 1, stage 2   reduce-scatter gradients + all-gather parameters   2 (N − 1)/N · P  (an all-reduce)
+    stage 3                 all-gather (forward) + all-gather (backward) + reduce-scatter   3 (N − 1)/N · P  (1.5×)
+
+K-FAC, LARS and LAMB are refused (:func:`refuse_layerwise`): they need each layer's whole gradient (K-FAC also
+its activations) or whole-weight norms on one rank, which a rank's slice of a flat buffer does not give.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from labkit.advisor.plan import Estimate
+from labkit.advisor.topology import broadcast_time, collective_time, common_terms, compute_scale, memory_terms
+from labkit.dist import group as kdist
+from labkit.dist.backends import check as check_backend
+from labkit.errors import CheckpointError, ConfigError
+from labkit.parallel.data_parallel import DataParallelStrategy, broadcast_from_rank0
+from labkit.parallel.zero_units import Comm, Unit
+
+#: ``labkit train --strategy zero`` flags, plain data read without importing this module (labkit.flags)
+FLAGS = [
+    {"flag": "--zero-stage", "type": "int", "range": "[1, 3]", "default": 1, "metavar": "1|2|3",
+     "help": "what is sharded: 1 optimizer state, 2 + gradients, 3 + parameters"},
+    {"flag": "--zero-prefetch", "action": "store_true",
+     "help": "stage 3: all-gather the next layer's parameters while this layer computes"},
+]
+#: ``labkit advise``: ``p`` ranks each on ``B/p`` samples, every stage (labkit.advisor.search)
+ADVISOR = {"price": "labkit.parallel.zero:price_sharded", "plans": "spread", "batch": "split",
+           "grid": {"zero_stage": [1, 2, 3]}}
+#: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
+BENCH = {"ranks": 2, "flags": ["--zero-stage", "3"]}
+#: backend/device combinations it cannot run on (labkit.dist.backends)
+BACKENDS = [
+    {"backend": "gloo", "device": "cuda",
+     "why": "--strategy zero's all-gathers and reduce-scatters run on CPU tensors only under gloo; use --backend "
+            "nccl on GPUs, or --device cpu (or leave --device auto)"},
+]
+
+
+def refuse_layerwise(optimizer: str, strategy: str, holds: str) -> None:
+    """ConfigError for an optimizer that needs whole layers on one rank (K-FAC's factors, LARS/LAMB's norms)."""
+    needs = {"kfac": "K-FAC needs each layer's whole gradient and activations",
+             "lars": "LARS scales each layer's step by its whole weight and gradient norms",
+             "lamb": "LAMB scales each layer's step by its whole weight and update norms"}
+    if optimizer in needs or optimizer.startswith("kfac"):
+        raise ConfigError(f"--optimizer {optimizer} with --strategy {strategy}: {needs.get(optimizer, needs['kfac'])}"
+                          f" on one rank, but each rank holds only {holds}; use --strategy ddp, or sgd/adam")
+
+
+class ZeroStrategy(DataParallelStrategy):
+    """ZeRO stage 1, 2 or 3 over labkit's data-parallel shards (see the module docstring for the formulas)."""
+
+    name = "zero"
+    replicated = False
+
+    def __init__(self, env, options=None):
+        super().__init__(env, options)
+        stage = self.options.get("zero_stage")
+        self.stage = 1 if stage is None else stage
+        if self.stage not in (1, 2, 3):
+            raise ConfigError(f"--zero-stage must be 1, 2 or 3 (optimizer state, + gradients, + parameters), "
+                              f"got {self.stage}")
+        self.prefetch = bool(self.options.get("zero_prefetch"))
+        if self.prefetch and self.stage != 3:
+            raise ConfigError(f"--zero-prefetch gathers parameters ahead of use, which only stage 3 shards; "
+                              f"got --zero-stage {self.stage}")
+        if env.backend is not None:  # labkit train checked this already; a strategy built by hand is checked here
+            check_backend("zero", env.backend, env.device.type)
+        self.comm = Comm(env.world_size, env.distributed)
+        self.units: list[Unit] = []
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.env.device)
+        if self.env.distributed:
+            broadcast_from_rank0(model)
+        owners = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.units = [Unit(m, self.env.world_size, self.env.rank, self.comm, self.stage == 1) for m in owners]
+        for i, unit in enumerate(self.units):
+            if self.stage >= 2:
+                for p in unit.params:
+                    p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
+            if self.stage == 3:
+                unit.shard_own_storage()
+                unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
+                unit.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+        return model
+
+    def sampler(self, dataset, train: bool, seed: int):
+        if train or self.stage < 3:
+            return super().sampler(dataset, train, seed)
+        return None  # stage 3 evaluation all-gathers in every forward: every rank runs the same batches
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        out = model(x)
+        return out if self.stage < 3 or self.env.is_main else None  # stage 3: rank 0 counts the metrics
+
+    # ----- the step ----------------------------------------------------------------------------------
+
+    def _before_forward(self, i: int) -> None:
+        self.units[i].gather()
+        if self.prefetch and i + 1 < len(self.units):
+            self.units[i + 1].gather(wait=False)
+
+    def _after_forward(self, i: int, out) -> None:
+        self.units[i].free()
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self._before_backward(i))
+
+    def _before_backward(self, i: int) -> None:
+        self.units[i].gather()
+        if self.prefetch and i > 0:
+            self.units[i - 1].gather(wait=False)
+
+    def _grad_ready(self, unit: Unit) -> None:
+        unit.pending -= 1
+        if unit.pending == 0:  # the unit's whole gradient exists: reduce-scatter it now, inside backward
+            unit.reduce_gradients()
+            if self.stage == 3:
+                unit.free()
+
+    def forward_backward(self, model, x, y, criterion):
+        if self.stage == 1:
+            for unit in self.units:
+                unit.zero_grad()
+        if self.env.distributed:  # buffers (e.g. batch-norm statistics) follow rank 0, as DDP does
+            with torch.no_grad():
+                for b in model.buffers():
+                    kdist.broadcast(b, src=0)
+        return super().forward_backward(model, x, y, criterion)
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        for unit in self.units:
+            if self.stage == 1 or unit.pending != len(unit.params):  # stage 1, or a unit with unused parameters
+                unit.reduce_gradients()
+            if self.stage == 3 and unit.gathered:
+                unit.gather()  # wait for a prefetch still in flight before freeing
+                unit.free()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self.stage < 3:  # stage 3 gathers at the next forward
+            for unit in self.units:
+                unit.gather(force=True)
+        for unit in self.units:
+            unit.shard.grad = None
+
+    def build_optimizer(self, model: nn.Module, spec):
+        refuse_layerwise(spec.name, "zero", "a slice of each layer's flat buffer")
+        optimizer, preconditioner = spec.build(nn.ParameterList([u.shard for u in self.units]))
+        optimizer.register_step_post_hook(self._after_step)
+        return optimizer, preconditioner
+
+    # ----- memory and checkpoints ---------------------------------------------------------------------
+
+    def memory_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this rank holds now: ``{"params", "grads", "optimizer"}`` (distinct storages; the 0-d step
+        counters excluded), to set beside the formulas."""
+        storages: dict[str, dict[int, int]] = {"params": {}, "grads": {}, "optimizer": {}}
+        for unit in self.units:
+            for t in [*unit.params, unit.shard]:
+                storages["params"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            for t in [unit.grad, *(p.grad for p in unit.params if p.grad is not None)]:
+                storages["grads"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        for state in optimizer.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:
+                    storages["optimizer"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        storages["params"].pop(0, None)  # a freed stage-3 buffer
+        return {k: sum(v.values()) for k, v in storages.items()}
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """Every parameter, whole, on every rank (all-gathered for stage 3): for tests and notebooks."""
+        out = []
+        for unit in self.units:
+            was = unit.gathered
+            unit.gather()
+            out += [p.detach().clone() for p in unit.params]
+            if not was:
+                unit.free()
+        return out
+
+    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return {"model": {f"shard.{i}": u.shard.detach().clone() for i, u in enumerate(self.units)}
+                | {f"buffer.{n}": b for n, b in model.named_buffers()},
+                "optimizer": optimizer.state_dict(), "world_size": self.env.world_size, "zero_stage": self.stage}
+
+    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        if state.get("world_size") != self.env.world_size:
+            raise CheckpointError(f"the ZeRO shards were written by {state.get('world_size')} ranks but this job "
+                                  f"has {self.env.world_size}; resume with the same number of ranks")
+        saved = state["model"]
+        for i, unit in enumerate(self.units):
+            shard = saved.get(f"shard.{i}")
+            if shard is None or shard.shape != unit.shard.shape:
+                raise CheckpointError(f"shard {i} is missing or has the wrong size for this model "
+                                      f"({None if shard is None else tuple(shard.shape)} vs {tuple(unit.shard.shape)})")
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"the optimizer state does not fit: {exc}") from None
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[f"buffer.{name}"])
+            for i, unit in enumerate(self.units):
+                unit.shard.copy_(saved[f"shard.{i}"])
+        if self.stage < 3:
+            for unit in self.units:
+                unit.gather(force=True)
+
+
+def _units(prof) -> list[float]:
+    return [layer.param_bytes / layer.units for layer in prof.layers if layer.param_bytes for _ in range(layer.units)]
+
+
+def stage_of(plan) -> int:
+    """ZeRO's stage, or FSDP's equivalent: 3 (reshard after forward) or 2 (``--fsdp-no-reshard``)."""
+    if plan.strategy == "fsdp":
+        return 2 if plan.option.get("fsdp_no_reshard") else 3
+    return plan.option.get("zero_stage", 1)
+
+
+def price_sharded(plan, prof, topo) -> Estimate:
+    """ZeRO (``--zero-stage 1|2|3``) and FSDP (reshard after forward, or ``--fsdp-no-reshard``), ``b = B/p``:
+
+    ``compute = s·T_all(b)``; ``communication = Σ_units C_reduce_scatter(U) + g·C_all_gather(U)``
+    (:func:`labkit.advisor.topology.collective_time`: each collective pays its messages' α, unit by unit) with
+    ``g = 1`` (ZeRO 1, 2: gather the stepped parameters; FSDP no-reshard: gather once before forward) or
+    ``g = 2`` (ZeRO 3, FSDP: gather before forward and again before backward), ``+ BC(N_buf, n_buf)`` for ZeRO,
+    which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every forward
+    (:func:`labkit.advisor.topology.broadcast_time`; FSDP leaves buffers alone). FSDP2's own work beyond its
+    collectives (its hooks, the optimizer over DTensors) is not priced. Memory (fp32, momentum: optimizer state = P):
+    stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
+    prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
+    plus activations ``M_all(b)``.
+    """
+    p, b, P = plan.processes, plan.batch_size / plan.processes, prof.param_bytes
+    stage = stage_of(plan)
+    units = _units(prof)
+    gathers = 2 if stage == 3 else 1
+    comm = sum(collective_time("reduce_scatter", u, p, topo) + collective_time("all_gather", u, p, topo, gathers)
+               for u in units)
+    if plan.strategy == "zero":
+        comm += broadcast_time(*prof.buffers, p, topo)
+    time = {"compute": compute_scale(topo, p, prof) * prof.time(b), "communication": comm,
+            **common_terms(prof, topo, P / p, b)}
+    memory = memory_terms(prof, topo, P, prof.saved_bytes(b))
+    if stage == 1:
+        memory["optimizer"] = P / p
+    elif stage == 2:
+        memory["gradients"] = memory["optimizer"] = P / p
+    else:
+        memory.update(parameters=P / p, gradients=P / p, optimizer=P / p, buffers=2 * max(units, default=0.0))
+    return Estimate(plan, time, memory)

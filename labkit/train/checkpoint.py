@@ -1,0 +1,136 @@
+"""Checkpoints of ``labkit train``: written atomically, read back with ``weights_only=True``, and refused with
+one message that every rank words alike (so a torchrun job prints it once, :func:`labkit.errors.report`).
+
+A strategy decides what a checkpoint holds and where (``checkpoint.pt`` written by rank 0, or one file per rank:
+:meth:`~labkit.strategies.base.Strategy.checkpoint_file`); :func:`labkit.train.run.run` decides when to write one.
+With one file per rank, the ranks agree (one all-reduce of a flag per rank, at resume only) before any of them
+goes on, so no rank is left waiting in a collective for a rank that stopped.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from labkit.errors import CheckpointError
+from labkit.results import atomic_write
+
+
+def checkpoint_path(out_dir: Path, strategy) -> Path:
+    """Where this rank's checkpoint lives: the strategy decides (``checkpoint.pt`` or one file per rank)."""
+    return strategy.checkpoint_file(out_dir)
+
+
+def save_training_state(path: Path, strategy, model: nn.Module, optimizer, scheduler, preconditioner,
+                        progress: dict, config: dict) -> None:
+    """Checkpoint everything a resumed run needs, if this rank writes one.
+
+    What the model and optimizer parts hold (whole or this rank's shard) is the strategy's
+    :meth:`~labkit.strategies.base.Strategy.state_dict`; ``progress`` says where training stands
+    (``{"epoch": finished epochs}``); the loop decides when to call this.
+    """
+    if not strategy.writes_checkpoint():
+        return
+    state = strategy.state_dict(model, optimizer)
+    state.update(scheduler=scheduler.state_dict(), config=config,
+                 preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
+    save_checkpoint(path, state)
+
+
+def _ranks_where(flag: bool, strategy) -> list[int]:
+    """The ranks of the job for which ``flag`` holds (every rank calls this: one all-reduce)."""
+    env = strategy.env
+    if not env.distributed:
+        return [0] if flag else []
+    mine = torch.zeros(env.world_size)
+    mine[env.rank] = float(flag)
+    return [r for r, v in enumerate(strategy.all_reduce_sum(mine).tolist()) if v]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def checkpoint_on_every_rank(path: Path, strategy) -> bool:
+    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error."""
+    if strategy.replicated or not strategy.env.distributed:
+        return path.exists()
+    have = _ranks_where(path.exists(), strategy)
+    world = strategy.env.world_size
+    if 0 < len(have) < world:
+        missing = [r for r in range(world) if r not in have]
+        raise CheckpointError(f"{_ranks(missing)} of this {world}-rank job find{'s' if len(missing) == 1 else ''} no "
+                              f"checkpoint file in {path.parent} "
+                              f"({len(have)} do): it was written by a run of another rank count, or the set is "
+                              "incomplete; resume with the rank count that wrote it, or delete "
+                              f"{path.parent}/checkpoint.rank*.pt or run without --resume")
+    return bool(have)
+
+
+def load_training_state(path: Path, strategy, model: nn.Module, optimizer, scheduler, preconditioner,
+                        config: dict | None = None) -> dict:
+    """Restore a checkpoint written by :func:`save_training_state`; return it (``state["epoch"]`` etc.).
+
+    ``config`` (the run's ``asdict(TrainConfig)``): a checkpoint of another model or dataset is refused by name
+    before its tensors are tried. With one file per rank, the ranks first agree that every file loads and fits,
+    so a bad shard on one rank stops them all with the same :class:`CheckpointError`.
+    """
+    sharded = not strategy.replicated and strategy.env.distributed
+    try:
+        state, error = load_checkpoint(path), None
+    except CheckpointError as exc:
+        state, error = None, exc
+    if sharded:
+        failed = _ranks_where(error is not None, strategy)
+        if failed:
+            error = CheckpointError(f"the checkpoint file of {_ranks(failed)} in {path.parent} is corrupt or not a "
+                                    f"labkit checkpoint; delete {path.parent}/checkpoint.rank*.pt or run without "
+                                    "--resume")
+    if error is not None:
+        raise error
+    _check_same_run(state.get("config") or {}, config or {}, path)
+    try:
+        strategy.load_state_dict(model, optimizer, state)
+    except CheckpointError as exc:
+        error = CheckpointError(f"checkpoint in {path.parent}: {' '.join(str(exc).split())}")
+    if sharded:
+        failed = _ranks_where(error is not None, strategy)
+        if failed and (error is None or len(failed) < strategy.env.world_size):
+            error = CheckpointError(f"the checkpoint shard of {_ranks(failed)} in {path.parent} does not fit this "
+                                    "run; resume with the command that wrote it, or run without --resume")
+    if error is not None:
+        raise error
+    scheduler.load_state_dict(state["scheduler"])
+    if preconditioner is not None and state.get("preconditioner") is not None:
+        preconditioner.load_state_dict(state["preconditioner"])
+    return state
+
+
+def _check_same_run(saved: dict, config: dict, path: Path) -> None:
+    """A checkpoint of another model or dataset, or of a GPT built with another dropout or sequence length: say
+    which, instead of torch's list of mismatched keys, or of training on at another dropout rate unawares."""
+    for key in ("model", "dataset", "dropout", "seq_len"):
+        if saved.get(key) is not None and config.get(key) is not None and saved[key] != config[key]:
+            flag = "--" + key.replace("_", "-")
+            raise CheckpointError(f"the checkpoint in {path.parent} holds {key} {saved[key]}, this run builds "
+                                  f"{config[key]}: use {flag} {saved[key]} to continue it, or another --out, or run "
+                                  "without --resume")
+
+
+def save_checkpoint(path: Path, state: dict) -> None:
+    """Write ``state`` atomically: a crash mid-write leaves the previous checkpoint intact."""
+    atomic_write(path, lambda f: torch.save(state, f), binary=True)
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Load a checkpoint with ``weights_only=True``; a corrupt file raises :class:`CheckpointError`."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated/garbled files
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a labkit checkpoint ({type(exc).__name__}); "
+                              "delete it or run without --resume") from None
+    if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
+        raise CheckpointError(f"checkpoint {path} is not a labkit checkpoint (no model/epoch); "
+                              "delete it or run without --resume")
+    return state
