@@ -106,7 +106,7 @@ def test_data_help_names_every_dataset_and_the_root_it_uses(tmp_path, monkeypatc
     monkeypatch.setenv("LABKIT_DATA", str(tmp_path / "mine"))
     assert data.data_root() == tmp_path / "mine" and "$LABKIT_DATA" in data_cli.ROOT_HELP
     monkeypatch.delenv("LABKIT_DATA")
-    assert data.data_root() == Path(data.__file__).resolve().parents[1] / "data"
+    assert data.data_root() == Path(data.__file__).resolve().parents[2] / "data"
     assert "data/ folder of the labkit checkout" in data_cli.ROOT_HELP
 
 

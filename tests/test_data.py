@@ -63,7 +63,7 @@ def test_data_root_precedence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LABKIT_DATA", raising=False)
     # from a checkout: the kit's own data/ folder, wherever the notebook or job runs
-    assert data.data_root() == Path(data.__file__).resolve().parents[1] / "data"
+    assert data.data_root() == Path(data.__file__).resolve().parents[2] / "data"
     monkeypatch.setattr(data_disk, "_CHECKOUT_DATA", tmp_path / "not-a-checkout")
     assert data.data_root() == tmp_path / "data"
     monkeypatch.setenv("LABKIT_DATA", str(tmp_path / "env"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from labkit.data.check import verify
 
-_CHECKOUT_DATA = Path(__file__).resolve().parents[1] / "data"
+_CHECKOUT_DATA = Path(__file__).resolve().parents[2] / "data"
 
 
 def data_root(root: str | os.PathLike | None = None) -> Path:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.errors import ConfigError
-from labkit.strategies.gpipe import check_chunks
+from labkit.strategies.gpipe import check_chunks, num_microbatches
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
@@ -25,6 +25,31 @@ def torch_pipelining():
     import torch.distributed.pipelining.schedules  # noqa: F401  (the module whose p2p helpers are timed)
 
     return pipelining
+
+
+def pipeline_options(options: dict, stages: int, stages_are: str) -> tuple[str, int]:
+    """``(schedule, micro-batches)`` of a ``stages``-stage pipeline, its options checked once for every form of it
+    (``--strategy pipeline`` and the mesh's ``pp``); ``stages_are`` names what the stages are in the messages
+    (``"2 ranks"``, ``"pp=2"``).
+
+    Raises:
+        ConfigError: an unknown ``--schedule``; 1F1B with fewer micro-batches than stages (its warm-up would
+            have nothing to run); a ``--balance`` with a count per stage missing or extra.
+    """
+    schedule = options.get("schedule") or "gpipe"
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    chunks = num_microbatches(options)
+    count = stages_are.split()[0].removeprefix("pp=")
+    if stages > 1 and schedule == "1f1b" and chunks < stages:
+        where = f"({stages_are})" if stages_are.startswith("pp=") else f"({count})"
+        raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages {where}, got {chunks}")
+    given = options.get("balance")
+    if stages > 1 and given and len(given) != stages:
+        there = stages_are if stages_are.startswith("pp=") else f"there are {stages_are}"
+        raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but {there}; "
+                          "give one count per stage")
+    return schedule, chunks
 
 
 def even_balance(num_layers: int, num_stages: int) -> list[int]:

@@ -41,17 +41,17 @@ from labkit.advisor.topology import common_terms, compute_scale, memory_terms, p
 from labkit.dist.group import DistEnv, print0
 from labkit.errors import ConfigError
 from labkit.parallel.pipeline_stages import (
-    SCHEDULES,
     StageSchedules,
     even_balance,
     microbatches_for,
+    pipeline_options,
     stage_layers,
     torch_pipelining,
 )
 from labkit.results import atomic_write_text
 from labkit.strategies.balance import SavedActivations
 from labkit.strategies.base import Strategy
-from labkit.strategies.gpipe import check_balance, check_sequential, num_microbatches
+from labkit.strategies.gpipe import check_balance, check_sequential
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -185,16 +185,11 @@ class PipelineStrategy(Strategy):
 
     def __init__(self, env: DistEnv, options: dict | None = None):
         super().__init__(env, options)
-        self.schedule_name = self.options.get("schedule") or "gpipe"
-        if self.schedule_name not in SCHEDULES:
-            raise ConfigError(f"--schedule {self.schedule_name!r}: choose one of {', '.join(SCHEDULES)}")
         if env.world_size < 2:
             raise ConfigError("--strategy pipeline puts one stage on each rank and needs >= 2 ranks: "
                               "torchrun --nproc_per_node 2 -m labkit train --strategy pipeline ...")
-        self.num_microbatches = num_microbatches(self.options)
-        if self.schedule_name == "1f1b" and self.num_microbatches < env.world_size:
-            raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages "
-                              f"({env.world_size}), got {self.num_microbatches}")
+        self.schedule_name, self.num_microbatches = pipeline_options(self.options, env.world_size,
+                                                                     f"{env.world_size} ranks")
         self.trace_path = self.options.get("pipeline_trace")
         trace_steps = self.options.get("trace_steps")
         self.trace_steps = int(trace_steps if trace_steps is not None else (3 if self.trace_path else 0))
@@ -215,9 +210,6 @@ class PipelineStrategy(Strategy):
     def prepare(self, model: nn.Module) -> nn.Module:
         model = check_sequential(model)
         given = self.options.get("balance")
-        if given and len(given) != self.env.world_size:
-            raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but there are "
-                              f"{self.env.world_size} ranks; give one layer count per rank")
         ranks = [f"rank {r}" for r in range(self.env.world_size)]
         self.balance = (check_balance(given, len(model), ranks) if given
                         else even_balance(len(model), self.env.world_size))

@@ -42,9 +42,15 @@ from labkit.errors import ConfigError
 from labkit.models.gpt import GPT_SIZES
 from labkit.models.names import LANGUAGE_MODELS
 from labkit.parallel.base import Dimension, refuse_moe
-from labkit.parallel.pipeline_stages import SCHEDULES, StageSchedules, even_balance, stage_layers, torch_pipelining
+from labkit.parallel.pipeline_stages import (
+    StageSchedules,
+    even_balance,
+    pipeline_options,
+    stage_layers,
+    torch_pipelining,
+)
 from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
-from labkit.strategies.gpipe import check_balance, check_sequential, num_microbatches
+from labkit.strategies.gpipe import check_balance, check_sequential
 
 #: ``labkit train --mesh ...pp=P`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -66,23 +72,13 @@ class PipelineParallel(Dimension):
 
     def __init__(self, mesh: DeviceMesh, options: dict):
         super().__init__(mesh, options)
-        self.schedule_name = self.options.get("schedule") or "gpipe"
-        if self.schedule_name not in SCHEDULES:
-            raise ConfigError(f"--schedule {self.schedule_name!r}: choose one of {', '.join(SCHEDULES)}")
-        self.num_microbatches = num_microbatches(self.options)
-        if self.size > 1 and self.schedule_name == "1f1b" and self.num_microbatches < self.size:
-            raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages (pp={self.size}), "
-                              f"got {self.num_microbatches}")
+        self.schedule_name, self.num_microbatches = pipeline_options(self.options, self.size, f"pp={self.size}")
         device = torch.device(mesh.device_type)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.stages = StageSchedules(self.rank, self.size, device, self.schedule_name, self.num_microbatches,
                                      group=self.group)
-        given = self.options.get("balance")
-        if self.size > 1 and given and len(given) != self.size:
-            raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but pp={self.size}; "
-                              "give one count per stage")
         self.balance: list[int] | None = None
         self.embedding_group: dist.ProcessGroup | None = None
         self._tied_name: str | None = None
