@@ -3,10 +3,10 @@
     import labkit
     labkit.train.run.run(labkit.train.run.TrainConfig(model="lenet", dataset="mnist-sample", epochs=1))
 
-Packages, lowest first: dist (process groups, the mesh's shape), data, models, train (the one loop and a run),
-parallel (every axis of ranks: dp, tp, pp, cp, ep), strategies (what is not an axis of ranks), optim (K-FAC, LARS,
-LAMB), collectives (all-reduce schedules), advisor (``labkit.parallelize(model, plan)``), launch (torchrun/sbatch
-from notebooks), lab, exercises, bench, faults, viz.
+Packages, lowest first (docs/ARCHITECTURE.md): dist (process groups, the mesh's shape), data, models, collectives
+(all-reduce schedules), launch (torchrun/sbatch from notebooks), parallel (every axis of ranks: dp, tp, pp, cp, ep),
+strategies (what is not an axis of ranks), optim (K-FAC, LARS, LAMB), train (the one loop and a run), then advisor
+(``labkit.parallelize(model, plan)``), lab, exercises, bench, faults, viz.
 """
 from __future__ import annotations
 
