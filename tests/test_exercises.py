@@ -369,7 +369,8 @@ def test_untouched_exercise_cell_fails_its_checker(tmp_path, capsys, notebook, c
 
 def test_every_starting_file_read_from_source_is_the_modules_own():
     """``--init`` reads a starting file from its module's source (no torch); it is the module's attribute."""
-    from labkit.exercises.cli import _starter_text, _target
+    from labkit.exercises.cli import _starter_text
+    from labkit.flags import resolve
 
     for name, spec in STARTERS.items():
-        assert _starter_text(spec) == _target(spec), name
+        assert _starter_text(spec) == resolve(spec), name

@@ -93,7 +93,7 @@ def test_every_flag_has_help_and_every_valued_flag_shows_its_default(strategy):
 
 
 def test_flags_literals_agree_with_the_modules_that_own_them():
-    from labkit.parallel import ddp, pipelining
+    from labkit.parallel import ddp, pipeline_stages, pipelining
     from labkit.strategies import balance as gpipe_balance
     from labkit.strategies import gpipe
     from labkit.strategies.ps import server as ps_server
@@ -106,7 +106,7 @@ def test_flags_literals_agree_with_the_modules_that_own_them():
     assert tuple(choices["--allreduce"]) == ddp.ALLREDUCE_MODES
     assert tuple(choices["--balance-by"]) == gpipe_balance.BALANCE_METHODS
     assert tuple(choices["--checkpoint-mode"]) == gpipe.CHECKPOINT_MODES
-    assert tuple(choices["--schedule"]) == tuple(pipelining.SCHEDULES)
+    assert tuple(choices["--schedule"]) == tuple(pipeline_stages.SCHEDULES)
     assert tuple(next(f["choices"] for f in ps.FLAGS if f["flag"] == "--ps-mode")) == ps_server.MODES
 
 

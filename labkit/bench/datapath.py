@@ -21,7 +21,7 @@ import copy
 import torch
 
 from labkit.bench.harness import alternate, config_of
-from labkit.data import loader as loaders
+from labkit.data.loader import make_loader
 
 #: ``labkit bench datapath`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -61,7 +61,7 @@ def run_datapath(args: argparse.Namespace, writer=None) -> dict:
         template = template.to(memory_format=torch.channels_last)
     strategy = Strategy(DistEnv(device=device))
     options = {"amp": args.amp, "channels_last": args.channels_last}
-    loaders = {name: loaders.make_loader(load_split(kind, args.dataset, True, augment=args.augment, device=device),
+    loaders = {name: make_loader(load_split(kind, args.dataset, True, augment=args.augment, device=device),
                                       args.batch_size, shuffle=True, drop_last=True)
                for name, kind in (("torch loader", "torch"), ("tensor loader", "tensor"))}
     fixed = next(iter(loaders["tensor loader"]))

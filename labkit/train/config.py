@@ -12,7 +12,7 @@ from labkit.data import datasets as kdata
 from labkit.data.tensor import LOADERS
 from labkit.data.text import TEXT_NAMES, check_available
 from labkit.errors import ConfigError
-from labkit.models import cnn as kmodels
+from labkit.models.names import LANGUAGE_MODELS, default_optimizer
 from labkit.ranges import check
 from labkit.train.precision import check_amp
 
@@ -77,7 +77,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.optimizer is None:
-            self.optimizer = kmodels.default_optimizer(self.model)
+            self.optimizer = default_optimizer(self.model)
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad value."""
@@ -99,16 +99,16 @@ class TrainConfig:
         if self.dataset not in kdata.DATASETS:
             kdata.dataset_info(self.dataset)  # the unknown-dataset error
         text = kdata.DATASETS[self.dataset].task == "lm"
-        if self.model in kmodels.LANGUAGE_MODELS and not text:
+        if self.model in LANGUAGE_MODELS and not text:
             raise ConfigError(f"--model {self.model} is a language model: train it on a text dataset, e.g. "
                               f"--dataset text-sample (text datasets: {', '.join(TEXT_NAMES)})")
-        if text and self.model not in kmodels.LANGUAGE_MODELS:
+        if text and self.model not in LANGUAGE_MODELS:
             raise ConfigError(f"--dataset {self.dataset} is text: train a language model on it, "
-                              f"--model {' | '.join(kmodels.LANGUAGE_MODELS)}")
+                              f"--model {' | '.join(LANGUAGE_MODELS)}")
         if self.seq_len is not None and not text:
             raise ConfigError(f"--seq-len applies to text datasets ({', '.join(TEXT_NAMES)}), not {self.dataset}")
-        if self.dropout and self.model not in kmodels.LANGUAGE_MODELS:
-            raise ConfigError(f"--dropout applies to the GPT models (--model {' | '.join(kmodels.LANGUAGE_MODELS)}), "
+        if self.dropout and self.model not in LANGUAGE_MODELS:
+            raise ConfigError(f"--dropout applies to the GPT models (--model {' | '.join(LANGUAGE_MODELS)}), "
                               f"not {self.model}")
         if text:
             check_available(self.dataset)
