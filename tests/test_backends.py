@@ -1,13 +1,13 @@
-"""The backend/device table (labkit.dist.backends): each refused combination is one line and exit 2 before any work,
+"""The backend/device table (labkit.strategies.backends): each refused combination is one line and exit 2 before any work,
 and ``--device auto`` under gloo picks the CPU for a strategy gloo cannot run on CUDA tensors. GPUs are mocked."""
 import pytest
 import torch
 import torch.distributed as dist
 
 from labkit.cli import main as cli_main
-from labkit.dist import backends
 from labkit.dist.group import distributed
 from labkit.errors import DeviceError
+from labkit.strategies import backends
 
 
 @pytest.mark.parametrize("strategy, options, table_key", [
@@ -64,13 +64,14 @@ def test_distributed_applies_the_table_before_touching_a_gpu(monkeypatch):
     two = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     for strategy in ("zero", "ps:ps_mode=ssp"):
         with pytest.raises(DeviceError, match="gloo"):
-            with distributed(device="cuda", backend="gloo", environ=two, strategy=strategy):
+            with distributed(device="cuda", backend="gloo", environ=two, refusal=backends.refusal_of(strategy)):
                 pass
     started = []
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: started.append(kw) or pytest.skip("stop here"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
     with pytest.raises(pytest.skip.Exception):
-        with distributed(device="auto", backend="gloo", environ=two, strategy=ASYNC):
+        with distributed(device=backends.auto_device(ASYNC, "gloo", "auto"), backend="gloo", environ=two,
+                         refusal=backends.refusal_of(ASYNC)):
             pass
     assert started[0]["backend"] == "gloo" and started[0]["device_id"] is None  # auto became the CPU
 

@@ -12,10 +12,10 @@ from labkit import parallel, strategies
 from labkit.advisor.plan import Plan
 from labkit.advisor.search import PLANS, candidates
 from labkit.bench import suite
-from labkit.dist import backends
 from labkit.errors import ConfigError
 from labkit.flags import dest, read_literal
 from labkit.ranges import within
+from labkit.strategies import backends
 from labkit.train.cli import add_parser
 
 FAKE = "labkit_registry_fake"

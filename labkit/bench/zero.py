@@ -68,10 +68,10 @@ def _worker(args: argparse.Namespace) -> int:
     from labkit.models import cnn as models
     from labkit.optim import OptimizerSpec
     from labkit.results import RunWriter
-    from labkit.strategies import get_strategy
+    from labkit.strategies import backends, get_strategy
     from labkit.train.loop import fit
 
-    with distributed(args.device, strategy="zero") as env:
+    with distributed(backends.auto_device("zero", None, args.device), refusal=backends.refusal_of("zero")) as env:
         info = data.dataset_info(args.dataset)
         train_set = data.get_dataset(args.dataset, train=True)
         runs, psi = {}, 0

@@ -22,13 +22,11 @@ import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from labkit.dist.backends import ANY, auto_device
-from labkit.dist.backends import check as check_backend
 from labkit.dist.launch_info import (
     MULTI_RANK_GPU,
     MULTI_RANK_GPU_NCCL,
@@ -37,7 +35,7 @@ from labkit.dist.launch_info import (
     launch_info,
     resolve_device,
 )
-from labkit.errors import ConfigError
+from labkit.errors import ConfigError, DeviceError
 
 
 @dataclass(frozen=True)
@@ -94,10 +92,14 @@ def _cpu_threads(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
+#: the refusal every run shares, whatever it computes
+NCCL_ON_CPU = "backend nccl needs GPUs but the device is cpu; use --backend gloo on CPU nodes"
+
+
 @contextmanager
 def distributed(device: str = "auto", backend: str | None = None, seed: int | None = 0,
                 timeout_s: float = 1800.0, environ: Mapping[str, str] | None = None,
-                strategy: str = ANY) -> Iterator[DistEnv]:
+                refusal: Callable[[str, str], str | None] | None = None) -> Iterator[DistEnv]:
     """Set up the process group (if launched as several ranks), yield a :class:`DistEnv`, always tear down.
 
     Args:
@@ -106,18 +108,22 @@ def distributed(device: str = "auto", backend: str | None = None, seed: int | No
         seed: seeds every rank with the same value (identical initial weights); ``None`` skips seeding.
         timeout_s: collective timeout; a dead peer makes the others fail after this long, not hang.
         environ: variables to read instead of ``os.environ`` (tests).
-        strategy: the strategy's key in :mod:`labkit.dist.backends`' table (``labkit.dist.backends.key``); a backend and
-            device it refuses raise :class:`DeviceError` before the group starts.
+        refusal: ``refusal(backend, device_type)``: why the run's messages cannot travel that way (one line), or
+            None; a refused pair raises :class:`DeviceError` before the group starts (``labkit train`` passes its
+            strategy's rows of :mod:`labkit.strategies.backends`; this layer reads no strategy).
     """
     environ = os.environ if environ is None else environ
     info = launch_info(environ)
     local_rank = info["local_rank"] if info else 0
     if backend not in (None, "nccl", "gloo"):
         raise ConfigError(f"unknown backend {backend!r}; use nccl (GPUs) or gloo (CPU)")
-    dev = resolve_device(auto_device(strategy, backend, device), local_rank)
+    dev = resolve_device(device, local_rank)
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
-    check_backend(strategy, backend, dev.type)
+    if backend == "nccl" and dev.type == "cpu":
+        raise DeviceError(NCCL_ON_CPU)
+    if refusal is not None and (why := refusal(backend, dev.type)) is not None:
+        raise DeviceError(why)
     if info is not None and str(device) in ("auto", "cuda"):  # a GPU picked by local rank
         check_gpu_per_rank(backend, dev, info["local_world_size"], environ)
     if dev.type == "cuda":

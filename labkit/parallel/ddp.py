@@ -66,7 +66,7 @@ ADVISOR = {"price": "labkit.parallel.ddp:price_ddp", "plans": "spread", "batch":
                                  "round-robin"]}}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 2, "flags": []}
-#: backend/device combinations it cannot run on (labkit.dist.backends): the kit's schedules send point to point
+#: backend/device combinations it cannot run on (labkit.strategies.backends): the kit's schedules send point to point
 BACKENDS = [
     {"unless": {"allreduce": ["ddp", "native"]}, "backend": "gloo", "device": "cuda",
      "why": "labkit's --allreduce schedules send and receive point to point, which gloo does on CPU tensors only; "

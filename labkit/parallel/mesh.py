@@ -36,7 +36,7 @@ FLAGS = [
 ]
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run (the CNN on a dp mesh)
 BENCH = {"ranks": 2, "flags": ["--mesh", "dp=2"]}
-#: backend/device combinations refused before any work (labkit.dist.backends); gloo's send/recv take CPU tensors only
+#: backend/device combinations refused before any work (labkit.strategies.backends); gloo's send/recv take CPU tensors only
 #: (on CUDA ones it fails in its transport: "writev ... Bad address")
 BACKENDS = [
     {"dims": ["pp"], "backend": "gloo", "device": "cuda",

@@ -70,7 +70,7 @@ FLAGS = [
     {"flag": "--trace-steps", "type": "int", "range": "[0, inf)", "default": None, "metavar": "N",
      "help": "steps to record after the first (None: 3 with --pipeline-trace, else 0)"},
 ]
-#: backend/device combinations refused before any work (labkit.dist.backends): gloo's send/recv take CPU tensors only
+#: backend/device combinations refused before any work (labkit.strategies.backends): gloo's send/recv take CPU tensors only
 BACKENDS = [
     {"backend": "gloo", "device": "cuda",
      "why": "--strategy pipeline's stages send activations point to point, which gloo does on CPU tensors only; use "

@@ -37,10 +37,10 @@ from torch import nn
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import broadcast_time, collective_time, common_terms, compute_scale, memory_terms
 from labkit.dist import group as kdist
-from labkit.dist.backends import check as check_backend
 from labkit.errors import CheckpointError, ConfigError
 from labkit.parallel.data_parallel import DataParallelStrategy, broadcast_from_rank0
 from labkit.parallel.zero_units import Comm, Unit
+from labkit.strategies.backends import check as check_backend
 
 #: ``labkit train --strategy zero`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -54,7 +54,7 @@ ADVISOR = {"price": "labkit.parallel.zero:price_sharded", "plans": "spread", "ba
            "grid": {"zero_stage": [1, 2, 3]}}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 2, "flags": ["--zero-stage", "3"]}
-#: backend/device combinations it cannot run on (labkit.dist.backends)
+#: backend/device combinations it cannot run on (labkit.strategies.backends)
 BACKENDS = [
     {"backend": "gloo", "device": "cuda",
      "why": "--strategy zero's all-gathers and reduce-scatters run on CPU tensors only under gloo; use --backend "

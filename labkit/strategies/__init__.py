@@ -8,7 +8,7 @@ from its source without importing it (:func:`labkit.flags.read_literal`):
 * ``ADVISOR``: how ``labkit advise`` searches and prices it (:mod:`labkit.advisor.search`; the pricing
   function it names holds the formula in its docstring);
 * ``BENCH``: its run in ``labkit bench suite`` (:mod:`labkit.bench.suite`);
-* ``BACKENDS``: the backend/device combinations it cannot run on (:mod:`labkit.dist.backends`).
+* ``BACKENDS``: the backend/device combinations it cannot run on (:mod:`labkit.strategies.backends`).
 
 Each but ``FLAGS`` is optional: a strategy without ``ADVISOR`` is not searched, one without ``BENCH`` not in
 the suite. This package imports no torch, so ``labkit train --help`` and flag errors answer without it.

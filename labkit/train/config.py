@@ -1,4 +1,5 @@
 """What ``labkit train`` takes, as one dataclass checked once: :class:`TrainConfig` and the ranges of its numbers.
+Torch-free: the parser reads :data:`NUMBERS` here; :meth:`TrainConfig.validate` loads what it checks against.
 
     cfg = TrainConfig(model="lenet", dataset="mnist-sample", epochs=2)
     cfg.validate()                      # a ConfigError naming the first bad value, before any work
@@ -8,13 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from labkit.data import datasets as kdata
-from labkit.data.tensor import LOADERS
-from labkit.data.text import TEXT_NAMES, check_available
 from labkit.errors import ConfigError
 from labkit.models.names import LANGUAGE_MODELS, default_optimizer
 from labkit.ranges import check
-from labkit.train.precision import check_amp
 
 #: ``labkit train``'s own numbers, by dest: their kind and the values allowed (:mod:`labkit.ranges`), checked as
 #: the flags are read and again by ``TrainConfig.validate`` for a configuration built in Python
@@ -81,6 +78,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad value."""
+        from labkit.data.tensor import LOADERS  # torch: the flags' own checks above ran without it
+        from labkit.train.precision import check_amp
+
         for key, (kind, interval) in NUMBERS.items():  # what the flags check as they are read
             check(f"--{key.replace('_', '-')}", getattr(self, key), kind, interval)
         if list(self.lr_decay) != sorted(set(self.lr_decay)):
@@ -96,6 +96,9 @@ class TrainConfig:
 
     def _check_task(self) -> None:
         """A language model needs a text dataset and an image model an image dataset; --seq-len is for text."""
+        from labkit.data import datasets as kdata
+        from labkit.data.text import TEXT_NAMES, check_available
+
         if self.dataset not in kdata.DATASETS:
             kdata.dataset_info(self.dataset)  # the unknown-dataset error
         text = kdata.DATASETS[self.dataset].task == "lm"

@@ -21,14 +21,13 @@ from labkit.data import datasets as kdata
 from labkit.data import loader as loaders
 from labkit.data.tensor import load_split
 from labkit.data.text import DEFAULT_SEQ_LEN
-from labkit.dist import backends
 from labkit.dist import group as kdist
 from labkit.dist.group import distributed, print0
 from labkit.errors import ConfigError
 from labkit.models import cnn as kmodels
 from labkit.optim import OptimizerSpec
 from labkit.results import RunWriter, make_dirs
-from labkit.strategies import get_strategy, strategy_literal
+from labkit.strategies import backends, get_strategy, strategy_literal
 from labkit.train.checkpoint import checkpoint_on_every_rank, checkpoint_path, load_training_state, save_training_state
 from labkit.train.config import TrainConfig
 from labkit.train.loop import fit, lr_factor
@@ -56,8 +55,9 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
     make_dirs(cfg.out_dir)  # an unwritable --out fails now, not after the data is loaded
     if cfg.base_lr is None:
         cfg.base_lr = kmodels.default_lr(cfg.model, cfg.optimizer)
-    with (distributed(cfg.device, cfg.backend, seed=cfg.seed, timeout_s=cfg.timeout_s,
-                      strategy=backends.key(cfg.strategy, cfg.strategy_options))
+    table_key = backends.key(cfg.strategy, cfg.strategy_options)
+    with (distributed(backends.auto_device(table_key, cfg.backend, cfg.device), cfg.backend, seed=cfg.seed,
+                      timeout_s=cfg.timeout_s, refusal=backends.refusal_of(table_key))
           if env is None else _given(env, cfg.seed)) as env:
         if cfg.deterministic:
             kdist.deterministic_kernels()

@@ -6,7 +6,7 @@ NCCL refuses two ranks on one GPU, so the ranks run gloo with CUDA tensors, as `
 through it. A rank's DistEnv there is the one ``distributed(device="cuda", backend="gloo")`` gives: cuda:0, made
 the current device. Pipeline stages and parameter servers send CUDA tensors point to point, which gloo cannot
 (its transport fails, "writev ... Bad address"): ``--mesh pp=2``, ``--strategy pipeline`` and ``--strategy ps``
-on gloo with CUDA are refused in one line before any work (labkit.dist.backends), checked here through ``labkit
+on gloo with CUDA are refused in one line before any work (labkit.strategies.backends), checked here through ``labkit
 train``.
 
 One 2-rank spawn runs, on CPU tensors and then on CUDA tensors, a 2-layer GPT (d=32, T=16, 4 heads, vocabulary 64,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from labkit.dist.backends import check as check_backend
-from labkit.dist.backends import key
 from labkit.dist.group import DistEnv
 from labkit.errors import ConfigError, OutputError
 from labkit.results import check_writable
+from labkit.strategies.backends import check as check_backend
+from labkit.strategies.backends import key
 from labkit.strategies.ps.server import MODES
 
 

@@ -83,7 +83,7 @@ FLAGS = [
 #: ``labkit advise``: ``p`` ranks, ``S`` of them servers (the option named), the batch split over the workers
 ADVISOR = {"price": "labkit.strategies.ps.strategy:price_ps", "plans": "servers", "servers": "ps_servers",
            "batch": "workers"}
-#: backend/device combinations it cannot run on (labkit.dist.backends): asynchronous servers receive from anyone; every
+#: backend/device combinations it cannot run on (labkit.strategies.backends): asynchronous servers receive from anyone; every
 #: mode sends point to point, which gloo does on CPU tensors only (on CUDA ones its transport fails: "writev ...
 #: Bad address", seen on an H200 with --ps-mode sync)
 BACKENDS = [

@@ -31,16 +31,19 @@ its flags' defaults filled in, and ``dims`` its ``--mesh`` (one of those dimensi
 is ``cpu``, ``cuda`` or ``*``; ``why`` is the one line the user sees, formatted with the options (``{ps_mode}``).
 Only the first row above, NCCL on a CPU, is this module's own.
 
-:func:`labkit.dist.group.distributed` applies it with the strategy :func:`key` names (``labkit train`` passes it).
+:func:`labkit.dist.group.distributed` applies it through the ``refusal`` ``labkit train`` hands it
+(:func:`refusal_of` the strategy :func:`key` names), and :func:`auto_device` picks the device it is given.
 """
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
+from labkit.dist.group import NCCL_ON_CPU
 from labkit.errors import ConfigError, DeviceError
 from labkit.flags import defaults
 
 ANY = "*"
-#: the refusal every strategy shares
-NCCL_ON_CPU = "backend nccl needs GPUs but the device is cpu; use --backend gloo on CPU nodes"
 
 
 def _rows(strategy: str) -> list[dict]:
@@ -116,3 +119,8 @@ def auto_device(strategy_key: str, backend: str | None, device: str) -> str:
     if str(device) == "auto" and backend == "gloo" and refusal(strategy_key, "gloo", "cuda"):
         return "cpu"
     return str(device)
+
+
+def refusal_of(strategy_key: str) -> Callable[[str, str], str | None]:
+    """``refusal(backend, device_type)`` of ``strategy_key``, the form :func:`labkit.dist.group.distributed` takes."""
+    return functools.partial(refusal, strategy_key)
