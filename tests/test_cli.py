@@ -71,7 +71,7 @@ def test_help_and_argument_errors_do_not_import_torch(tmp_path):
     for name in BENCHMARKS:
         assert f"usage: labkit bench {name} [-h]" in proc.stdout, name
     assert f"data root: {tmp_path}" in proc.stdout and "synthetic-mnist    generated" in proc.stdout
-    assert (tmp_path / "ring.py").read_text() == __import__("labkit.exercises.allreduce").collectives.check.STARTER
+    assert (tmp_path / "ring.py").read_text() == __import__("labkit.exercises.allreduce").exercises.allreduce.STARTER
 
 
 def test_bench_flags_agree_with_the_code_they_feed():
