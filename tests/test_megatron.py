@@ -63,7 +63,7 @@ def _max_grad_diff(model, ref_grads, group) -> float:
 
 
 def _counting(log: list):
-    """Wrap the collectives labkit.dist.group and megatron_ops call; log (name, elements of this rank's part)."""
+    """Wrap the collectives labkit.dist.group and labkit.parallel.mappings call; log (name, elements of this rank's part)."""
     names = ("all_reduce", "all_gather", "reduce_scatter_single")
     originals = {n: getattr(dist, n) for n in names}
 

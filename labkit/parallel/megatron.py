@@ -13,7 +13,7 @@ A linear layer ``Y = X Wᵀ + b`` with ``W (out, in)`` splits over ``t`` ranks t
 
 A column layer feeds a row layer with no communication between them. In a block, attention is split by heads
 (q, k, v column-parallel: ``n_head/t`` heads per rank; ``proj`` row-parallel) and the MLP ``fc`` column → ``proj``
-row, so a block costs the operator ``f`` before each pair and ``g`` after it (:mod:`.megatron_ops`): one
+row, so a block costs the operator ``f`` before each pair and ``g`` after it (:mod:`.mappings`): one
 all-reduce forward and one backward per pair. The embedding is split by vocabulary rows (ids outside a rank's
 rows are masked, the partial embeddings all-reduced), the tied head is a column-parallel projection onto the
 same rows, and :class:`VocabParallelCrossEntropy` reduces the max, the sum of exponentials and the target logit
@@ -94,7 +94,7 @@ class ParallelInputLayerNorm(nn.LayerNorm):
 class ColumnParallelLinear(nn.Linear):
     """Rank r's rows of a full ``nn.Linear``: (..., in) -> (..., out/t). Its input must already be the whole X on
     every rank, entered through ``f`` (:class:`ParallelInputLayerNorm`, or ``enter=True`` here). When ``t`` does
-    not divide ``out`` the parts differ by one row (:func:`~.megatron_ops.split_range`)."""
+    not divide ``out`` the parts differ by one row (:func:`~.mappings.split_range`)."""
 
     def __init__(self, linear: nn.Linear, group, enter: bool = False, sequence_parallel: bool = False):
         start, stop = split_range(linear.out_features, group)
@@ -268,7 +268,7 @@ class VocabParallelCrossEntropy(nn.Module):
     of ``group``, without gathering the (B, T, V) logits (see :class:`_VocabParallelCE`).
 
     ``vocab_size``: the whole vocabulary, where ``t`` does not divide it (the parts of
-    :func:`~.megatron_ops.split_range`); ``None``: ``t`` times the shard's width."""
+    :func:`~.mappings.split_range`); ``None``: ``t`` times the shard's width."""
 
     def __init__(self, group, vocab_size: int | None = None):
         super().__init__()

@@ -22,35 +22,25 @@ from torch import nn
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import allreduce_time, common_terms, compute_scale, memory_terms
 from labkit.errors import ConfigError
-from labkit.parallel.tp_comm import (
-    CommLog,
-    all_reduce,
+from labkit.parallel.mappings import (
+    all_reduce_copy,
+    copy_to_tp,
     count_bytes,
-    fc_layer_bytes,
-    rank_world,
-)
-from labkit.parallel.tp_regions import (
-    copy_to_parallel_region,
-    gather_from_parallel_region,
-    reduce_from_parallel_region,
-    scatter_to_parallel_region,
+    gather_from_tp,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    scatter_to_tp,
 )
 from labkit.strategies.base import Strategy
 
 __all__ = [
     "ColumnParallelLinear",
-    "CommLog",
     "RowParallelLinear",
     "TensorParallelStrategy",
-    "all_reduce",
-    "copy_to_parallel_region",
-    "count_bytes",
     "fc_layer_bytes",
-    "gather_from_parallel_region",
     "measure_fc_bytes",
     "parallelize_linears",
-    "reduce_from_parallel_region",
-    "scatter_to_parallel_region",
 ]
 
 #: ``labkit advise`` (labkit.advisor.search) and ``labkit bench suite`` (ranks, extra flags)
@@ -85,7 +75,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  group=None, rank: int | None = None, world_size: int | None = None):
         super().__init__()
-        default_rank, default_world = rank_world(group)
+        default_rank, default_world = group_rank(group), group_size(group)
         self.rank = default_rank if rank is None else rank
         self.world_size = default_world if world_size is None else world_size
         self.in_features, self.out_features = in_features, out_features
@@ -108,8 +98,8 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_parallel_region(x, self.group), self.weight, self.bias)  # (B, o/p)
-        return gather_from_parallel_region(y, self.group) if self.gather_output else y
+        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)  # (B, o/p)
+        return gather_from_tp(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features} (this rank: {self.weight.shape[0]})"
@@ -130,7 +120,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  group=None, rank: int | None = None, world_size: int | None = None):
         super().__init__()
-        default_rank, default_world = rank_world(group)
+        default_rank, default_world = group_rank(group), group_size(group)
         self.rank = default_rank if rank is None else rank
         self.world_size = default_world if world_size is None else world_size
         self.in_features, self.out_features = in_features, out_features
@@ -153,8 +143,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_parallel_region(x, self.group)  # (B, i/p)
-        y = reduce_from_parallel_region(F.linear(x, self.weight), self.group)  # (B, o)
+            x = scatter_to_tp(x, self.group)  # (B, i/p)
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)  # (B, o)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -202,6 +192,29 @@ def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = Non
     return nn.Sequential(*out, *layers[done:])
 
 
+def fc_layer_bytes(batch: int, in_features: int, out_features: int, world_size: int,
+                   bytes_per_value: int = 4) -> dict[str, float]:
+    """Seed 000's comparison for one FC layer ``Y = X W^T + b`` (X (B, i), W (o, i)) per training step,
+    p = ``world_size``: what does it cost to split the batch (dim 0) versus the features (dim 1)?
+
+    * data parallel (split the batch, dim 0): all-reduce the gradient, ``o·i + o`` values per rank;
+      ring wire bytes per rank ``2(p-1)/p · (o·i + o)``.
+    * model parallel (split the features, dim 1, column-parallel + gather): forward all-gather of Y
+      (each rank's shard ``B·o/p``, wire ``(p-1)·B·o/p``), backward all-reduce of dX (``B·i``, wire
+      ``2(p-1)/p · B·i``).
+
+    Data parallel moves parameters; model parallel moves activations: FC layers (many weights, small
+    activations) favour model parallel, convolutions (few weights, big activations) data parallel.
+    :func:`measure_fc_bytes` counts a real step.
+    """
+    p, s = world_size, bytes_per_value
+    dp_payload = (out_features * in_features + out_features) * s
+    mp_gather, mp_reduce = batch * out_features // p * s, batch * in_features * s
+    return {"data_parallel_payload": dp_payload, "data_parallel_wire": 2 * (p - 1) / p * dp_payload,
+            "model_parallel_payload": mp_gather + mp_reduce,
+            "model_parallel_wire": (p - 1) * mp_gather + 2 * (p - 1) / p * mp_reduce}
+
+
 def measure_fc_bytes(env, batch: int, in_features: int, out_features: int) -> dict[str, float]:
     """Run one training step of one FC layer both ways on this job's ranks; count the collectives' bytes.
 
@@ -219,7 +232,7 @@ def measure_fc_bytes(env, batch: int, in_features: int, out_features: int) -> di
     with count_bytes() as dp:
         F.linear(x.chunk(p)[env.rank], dense.weight, dense.bias).sum().backward()  # (B/p, o)
         for param in dense.parameters():
-            all_reduce(param.grad, "gradient")
+            all_reduce_copy(param.grad, where="gradient")
     column = ColumnParallelLinear.from_dense(dense, gather_output=True)
     with count_bytes() as mp:
         column(x.clone().requires_grad_()).sum().backward()  # a hidden layer: dX flows on to the layer below
