@@ -9,7 +9,8 @@ A Linear computes ``Y = X W^T + b`` with ``X (B, i)``, ``W (o, i)``. Over ``p`` 
   takes its slice ``X_r`` (B, i/p) and computes a partial ``X_r W_r^T`` (B, o); the sum over ranks is Y.
 
 A column layer followed by a row layer needs no communication in between (the row layer wants exactly the
-slice the column layer produced), so an MLP costs one all-reduce forward and one backward per pair:
+slice the column layer produced), so an MLP costs one all-reduce forward and one backward per pair. The layers
+are the GPT's (:mod:`labkit.parallel.layers`), their operators those of :mod:`labkit.parallel.mappings`:
 
     launch:   torchrun --nproc_per_node 2 -m labkit train --strategy tensor-parallel --model mlp
 """
@@ -22,21 +23,11 @@ from torch import nn
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import allreduce_time, common_terms, compute_scale, memory_terms
 from labkit.errors import ConfigError
-from labkit.parallel.mappings import (
-    all_reduce_copy,
-    copy_to_tp,
-    count_bytes,
-    gather_from_tp,
-    group_rank,
-    group_size,
-    reduce_from_tp,
-    scatter_to_tp,
-)
+from labkit.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from labkit.parallel.mappings import all_reduce_copy, count_bytes, group_size
 from labkit.strategies.base import Strategy
 
 __all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
     "TensorParallelStrategy",
     "fc_layer_bytes",
     "measure_fc_bytes",
@@ -49,106 +40,6 @@ BENCH = {"ranks": 2, "flags": []}
 
 #: modules that act on each feature independently: a column slice can pass through them unchanged
 ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity)
-
-
-# ----- the layers ----------------------------------------------------------------------------------------
-
-
-def _shard_size(features: int, world_size: int, what: str) -> int:
-    if features % world_size:
-        raise ConfigError(f"{what} has {features} features, not divisible by world size {world_size}; "
-                          f"run on a number of ranks that divides {features}")
-    return features // world_size
-
-
-class ColumnParallelLinear(nn.Module):
-    """``Y = X W^T + b`` with the output features split over ranks.
-
-    Args:
-        in_features, out_features: sizes of the whole (dense) layer; ``out_features % world_size == 0``.
-        gather_output: all-gather the slices into the full Y (B, o); else return Y_r (B, o/p).
-        rank, world_size: default to the process group's.
-
-    Shapes: X (B, i) the same on every rank -> Y_r (B, o/p), or Y (B, o) with ``gather_output``.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group=None, rank: int | None = None, world_size: int | None = None):
-        super().__init__()
-        default_rank, default_world = group_rank(group), group_size(group)
-        self.rank = default_rank if rank is None else rank
-        self.world_size = default_world if world_size is None else world_size
-        self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.group = gather_output, group
-        shard = _shard_size(out_features, self.world_size, "column-parallel Linear output")
-        self.weight = nn.Parameter(torch.empty(shard, in_features))  # (o/p, i)
-        self.bias = nn.Parameter(torch.zeros(shard)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, gather_output: bool = False, group=None,
-                   rank: int | None = None, world_size: int | None = None) -> ColumnParallelLinear:
-        """This rank's slice of ``linear`` (same function once gathered)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
-                    rank, world_size).to(linear.weight.device)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight.chunk(layer.world_size, 0)[layer.rank])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias.chunk(layer.world_size, 0)[layer.rank])
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp(x, self.group), self.weight, self.bias)  # (B, o/p)
-        return gather_from_tp(y, self.group) if self.gather_output else y
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features} (this rank: {self.weight.shape[0]})"
-
-
-class RowParallelLinear(nn.Module):
-    """``Y = Σ_r X_r W_r^T + b`` with the input features split over ranks.
-
-    Args:
-        in_features, out_features: sizes of the dense layer; ``in_features % world_size == 0``.
-        input_is_parallel: the input is already this rank's slice X_r (B, i/p), as a column layer
-            produces; else the full X (B, i) is sliced here.
-
-    Shapes: X_r (B, i/p) -> Y (B, o), the same on every rank. The bias is whole on every rank and added
-    after the all-reduce (adding it on each rank would count it p times).
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group=None, rank: int | None = None, world_size: int | None = None):
-        super().__init__()
-        default_rank, default_world = group_rank(group), group_size(group)
-        self.rank = default_rank if rank is None else rank
-        self.world_size = default_world if world_size is None else world_size
-        self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel, self.group = input_is_parallel, group
-        shard = _shard_size(in_features, self.world_size, "row-parallel Linear input")
-        self.weight = nn.Parameter(torch.empty(out_features, shard))  # (o, i/p)
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = True, group=None,
-                   rank: int | None = None, world_size: int | None = None) -> RowParallelLinear:
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
-                    rank, world_size).to(linear.weight.device)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight.chunk(layer.world_size, 1)[layer.rank])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = scatter_to_tp(x, self.group)  # (B, i/p)
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)  # (B, o)
-        return y + self.bias if self.bias is not None else y
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features} (this rank: {self.weight.shape[1]}), out={self.out_features}"
 
 
 def linear_pairs(layers) -> list[tuple[int, int]]:
@@ -181,13 +72,15 @@ def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = Non
     if not pairs:
         raise ConfigError("tensor-parallel found no Linear → activation → Linear pair to slice in this model; "
                           "use --model mlp")
+    p = group_size(group) if world_size is None else world_size
     out, done = [], 0
     for i, j in pairs:
-        try:
-            out += [*layers[done:i], ColumnParallelLinear.from_dense(layers[i], False, group, rank, world_size),
-                    *layers[i + 1:j], RowParallelLinear.from_dense(layers[j], True, group, rank, world_size)]
-        except ConfigError as exc:
-            raise ConfigError(f"layer {i} ({layers[i]}): {exc}") from None
+        hidden = layers[i].out_features
+        if hidden % p:
+            raise ConfigError(f"layer {i} ({layers[i]}): {hidden} features, not divisible by world size {p}; "
+                              f"run on a number of ranks that divides {hidden}")
+        out += [*layers[done:i], ColumnParallelLinear(layers[i], group, enter=True, rank=rank, world_size=world_size),
+                *layers[i + 1:j], RowParallelLinear(layers[j], group, rank=rank, world_size=world_size)]
         done = j + 1
     return nn.Sequential(*out, *layers[done:])
 
@@ -233,7 +126,7 @@ def measure_fc_bytes(env, batch: int, in_features: int, out_features: int) -> di
         F.linear(x.chunk(p)[env.rank], dense.weight, dense.bias).sum().backward()  # (B/p, o)
         for param in dense.parameters():
             all_reduce_copy(param.grad, where="gradient")
-    column = ColumnParallelLinear.from_dense(dense, gather_output=True)
+    column = ColumnParallelLinear(dense, enter=True, gather_output=True)
     with count_bytes() as mp:
         column(x.clone().requires_grad_()).sum().backward()  # a hidden layer: dX flows on to the layer below
     return {"data_parallel_payload": dp.total(), "data_parallel_wire": dp.ring_wire_bytes(p),
