@@ -15,6 +15,7 @@ from labkit.exercises import column_parallel as check
 from labkit.parallel import tp_linear as tp
 from labkit.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from labkit.parallel.mappings import count_bytes
+from labkit.parallel.tp import linear_pairs, parallelize_linears
 
 ATOL = 1e-5  # float32 sums in a different order
 
@@ -48,7 +49,7 @@ def _max_diff(pairs) -> float:
 def _tp_rank(env, solution: str | None = None) -> dict:
     rank, world = env.rank, env.world_size
     dense = _dense_mlp()
-    sliced = tp.parallelize_linears(copy.deepcopy(dense))
+    sliced = parallelize_linears(copy.deepcopy(dense))
     kinds = [type(m).__name__ for m in sliced if not isinstance(m, (nn.Flatten, nn.ReLU, nn.Tanh, nn.GELU))]
     x = torch.randn(6, 2, 4, generator=torch.Generator().manual_seed(1))  # same batch on every rank
     x_dense, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -175,10 +176,10 @@ def test_features_not_divisible_by_world_size():
     with pytest.raises(ConfigError, match="6 features, not divisible by world size 4"):
         RowParallelLinear(nn.Linear(6, 3), input_is_parallel=False, rank=0, world_size=4)
     with pytest.raises(ConfigError, match=r"layer 1 .*not divisible by world size 3"):
-        tp.parallelize_linears(nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        parallelize_linears(nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
                                rank=0, world_size=3)
     with pytest.raises(ConfigError, match="no Linear → activation → Linear pair"):
-        tp.parallelize_linears(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2)))
+        parallelize_linears(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2)))
 
 
 def test_column_parallel_checker_diagnoses():
@@ -206,8 +207,8 @@ def test_linear_pairs_are_what_parallelize_linears_slices_and_the_advisor_prices
     """Linear → elementwise… → Linear pairs, none sharing a layer; a Dropout ends the elementwise run."""
     layers = [nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 4), nn.GELU(), nn.Identity(), nn.Linear(4, 2),
               nn.Linear(2, 4), nn.Dropout(), nn.Linear(4, 2)]
-    assert tp.linear_pairs(layers) == [(0, 2), (3, 6)]
-    sliced = tp.parallelize_linears(nn.Sequential(*layers), rank=0, world_size=2)
+    assert linear_pairs(layers) == [(0, 2), (3, 6)]
+    sliced = parallelize_linears(nn.Sequential(*layers), rank=0, world_size=2)
     kinds = [type(m).__name__ for m in sliced]
     assert kinds == ["ColumnParallelLinear", "ReLU", "RowParallelLinear", "ColumnParallelLinear", "GELU", "Identity",
                      "RowParallelLinear", "Linear", "Dropout", "Linear"]

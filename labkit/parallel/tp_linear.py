@@ -10,9 +10,14 @@ A Linear computes ``Y = X W^T + b`` with ``X (B, i)``, ``W (o, i)``. Over ``p`` 
 
 A column layer followed by a row layer needs no communication in between (the row layer wants exactly the
 slice the column layer produced), so an MLP costs one all-reduce forward and one backward per pair. The layers
-are the GPT's (:mod:`labkit.parallel.layers`), their operators those of :mod:`labkit.parallel.mappings`:
+are the GPT's (:mod:`labkit.parallel.layers`), their operators those of :mod:`labkit.parallel.mappings`, the plan
+over the pairs the ``tp`` mesh dimension's (:func:`labkit.parallel.tp.parallelize_linears`):
 
     launch:   torchrun --nproc_per_node 2 -m labkit train --strategy tensor-parallel --model mlp
+    the same: torchrun --nproc_per_node 2 -m labkit train --mesh tp=2 --model mlp
+
+This module holds the preset (:class:`TensorParallelStrategy`), seed 000's bytes of one FC layer
+(:func:`fc_layer_bytes`, :func:`measure_fc_bytes`) and the advisor's price (:func:`price_tensor_parallel`).
 """
 from __future__ import annotations
 
@@ -22,67 +27,19 @@ from torch import nn
 
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import allreduce_time, common_terms, compute_scale, memory_terms
-from labkit.errors import ConfigError
-from labkit.parallel.layers import ColumnParallelLinear, RowParallelLinear
-from labkit.parallel.mappings import all_reduce_copy, count_bytes, group_size
-from labkit.strategies.base import Strategy
+from labkit.parallel.layers import ColumnParallelLinear
+from labkit.parallel.mappings import all_reduce_copy, count_bytes
+from labkit.parallel.mesh import MeshStrategy
 
 __all__ = [
     "TensorParallelStrategy",
     "fc_layer_bytes",
     "measure_fc_bytes",
-    "parallelize_linears",
 ]
 
 #: ``labkit advise`` (labkit.advisor.search) and ``labkit bench suite`` (ranks, extra flags)
 ADVISOR = {"price": "labkit.parallel.tp_linear:price_tensor_parallel", "plans": "spread"}
 BENCH = {"ranks": 2, "flags": []}
-
-#: modules that act on each feature independently: a column slice can pass through them unchanged
-ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity)
-
-
-def linear_pairs(layers) -> list[tuple[int, int]]:
-    """``(i, j)``: the ``Linear → elementwise… → Linear`` pairs of ``layers``, in order, none sharing a layer."""
-    pairs, i = [], 0
-    while i < len(layers):
-        j = i + 1
-        while j < len(layers) and isinstance(layers[j], ELEMENTWISE):
-            j += 1
-        if isinstance(layers[i], nn.Linear) and j < len(layers) and isinstance(layers[j], nn.Linear):
-            pairs.append((i, j))
-            i = j + 1
-        else:
-            i += 1
-    return pairs
-
-
-def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = None,
-                        world_size: int | None = None) -> nn.Sequential:
-    """Replace each ``Linear → elementwise… → Linear`` pair of a flat Sequential by column → row layers.
-
-    A Linear left without a partner (e.g. a 10-class head) stays whole on every rank: its input and its
-    output gradient are identical everywhere, so its gradient is too and it needs no communication.
-
-    Raises:
-        ConfigError: no pair to slice, or a hidden size not divisible by the world size.
-    """
-    layers = list(model)
-    pairs = linear_pairs(layers)
-    if not pairs:
-        raise ConfigError("tensor-parallel found no Linear → activation → Linear pair to slice in this model; "
-                          "use --model mlp")
-    p = group_size(group) if world_size is None else world_size
-    out, done = [], 0
-    for i, j in pairs:
-        hidden = layers[i].out_features
-        if hidden % p:
-            raise ConfigError(f"layer {i} ({layers[i]}): {hidden} features, not divisible by world size {p}; "
-                              f"run on a number of ranks that divides {hidden}")
-        out += [*layers[done:i], ColumnParallelLinear(layers[i], group, enter=True, rank=rank, world_size=world_size),
-                *layers[i + 1:j], RowParallelLinear(layers[j], group, rank=rank, world_size=world_size)]
-        done = j + 1
-    return nn.Sequential(*out, *layers[done:])
 
 
 def fc_layer_bytes(batch: int, in_features: int, out_features: int, world_size: int,
@@ -133,24 +90,19 @@ def measure_fc_bytes(env, batch: int, in_features: int, out_features: int) -> di
             "model_parallel_payload": mp.total(), "model_parallel_wire": mp.ring_wire_bytes(p)}
 
 
-class TensorParallelStrategy(Strategy):
-    """Every rank sees the whole batch and holds a slice of each FC pair (``--model mlp``).
+class TensorParallelStrategy(MeshStrategy):
+    """``--strategy tensor-parallel``: a preset of ``--mesh tp=N`` over every rank of the job.
 
-    Outputs are identical on every rank, so only rank 0 counts metrics. Parameters differ per rank
-    (``replicated = False``): each rank checkpoints its own slices to ``checkpoint.rank{r}.pt``.
+    Every rank sees the whole batch and holds a slice of each FC pair (``--model mlp``, the ``tp`` dimension's plan
+    over ``Linear`` pairs, :func:`labkit.parallel.tp.parallelize_linears`); a GPT is split as ``--mesh tp=N`` splits
+    it. Outputs are identical on every rank, so only rank 0 counts metrics; each rank checkpoints its own slices to
+    ``checkpoint.rank{r}.pt``.
     """
 
     name = "tensor-parallel"
-    sequential_model = True
-    replicated = False
 
-    def prepare(self, model: nn.Module) -> nn.Module:
-        if not isinstance(model, nn.Sequential):
-            raise ConfigError("tensor-parallel needs a flat nn.Sequential model (get_model(..., sequential=True))")
-        return parallelize_linears(model.to(self.env.device))
-
-    def metric_owner(self) -> bool:
-        return self.env.rank == 0
+    def __init__(self, env, options=None):
+        super().__init__(env, {**(options or {}), "mesh": f"tp={env.world_size}"})
 
 
 def price_tensor_parallel(plan, prof, topo) -> Estimate:
