@@ -108,12 +108,14 @@ def test_the_scan_finds_a_second_definition(tmp_path):
         "class ColumnParallelLinear(nn.Module):\n    pass\n"
         "class _CopyToParallel(torch.autograd.Function):\n"
         "    @staticmethod\n    def forward(ctx, x, group):\n        return x.view_as(x)\n"
-        "    @staticmethod\n    def backward(ctx, grad):\n        return all_reduce(grad, 'backward', ctx.group), None\n"
+        "    @staticmethod\n    def backward(ctx, grad):\n"
+        "        return all_reduce(grad, 'backward', ctx.group), None\n"
         "class _ReduceFromParallel(torch.autograd.Function):\n"
         "    @staticmethod\n    def forward(ctx, x, group):\n        return all_reduce(x, 'forward', group)\n"
         "    @staticmethod\n    def backward(ctx, grad):\n        return grad, None\n")
-    assert operators(tmp_path) == {"f": ["parallel/mappings.py:CopyToTensorParallel", "parallel/tp_regions.py:_CopyToParallel"],
-                                   "g": ["parallel/tp_regions.py:_ReduceFromParallel"]}
+    assert operators(tmp_path) == {
+        "f": ["parallel/mappings.py:CopyToTensorParallel", "parallel/tp_regions.py:_CopyToParallel"],
+        "g": ["parallel/tp_regions.py:_ReduceFromParallel"]}
     assert definitions("ColumnParallelLinear", tmp_path) == ["parallel/tp_regions.py:3"]
     assert tp_functions_outside_mappings(tmp_path) == ["parallel/tp_regions.py:_CopyToParallel",
                                                        "parallel/tp_regions.py:_ReduceFromParallel"]

@@ -1,5 +1,6 @@
 """Tensor parallelism's layers: a dense ``nn.Linear`` split over the ranks of a group, the one pair the GPT
-(:mod:`labkit.parallel.megatron`) and the CNN/MLP ``Linear`` pairs (:mod:`labkit.parallel.tp_linear`) both use.
+(:mod:`labkit.parallel.megatron`) and the CNN/MLP ``Linear`` pairs (:func:`labkit.parallel.tp.parallelize_linears`)
+both use.
 
 A linear layer ``Y = X Wᵀ + b`` with ``W (out, in)`` splits over ``t`` ranks two ways (Shoeybi et al. 2019):
 

@@ -2,7 +2,7 @@
 each counted while a :func:`count_bytes` is open.
 
 A tensor-parallel group of ``t`` ranks splits a layer's matrices (:mod:`labkit.parallel.layers`: the GPT's blocks in
-:mod:`labkit.parallel.megatron`, an MLP's ``Linear`` pairs in :mod:`labkit.parallel.tp_linear`). Where the activations
+:mod:`labkit.parallel.megatron`, an MLP's ``Linear`` pairs in :mod:`labkit.parallel.tp`). Where the activations
 cross from "every rank holds the same tensor" to "each rank holds a part" and back, one operator and its conjugate
 (the same collective moved to the other pass) keep forward and backward exact (Shoeybi et al. 2019, "Megatron-LM",
 §3; Korthikanti et al. 2022, "Reducing Activation Recomputation", §4.2):

@@ -108,8 +108,8 @@ class TensorParallel(Dimension):
                    "block has experts in its place")
         if not model_name.startswith("gpt"):
             if self.sequence_parallel:
-                raise ConfigError(f"--mesh tp={self.size} --sequence-parallel cuts a transformer's sequence: it needs --model "
-                                  f"gpt-tiny|gpt-small|gpt-100m, not {model_name}")
+                raise ConfigError(f"--mesh tp={self.size} --sequence-parallel cuts a transformer's sequence: it needs "
+                                  f"--model gpt-tiny|gpt-small|gpt-100m, not {model_name}")
             return  # a CNN/MLP: its Linear pairs (parallelize checks there are some)
         cfg = GPT_SIZES.get(model_name)
         if cfg is not None and cfg.n_head % self.size:

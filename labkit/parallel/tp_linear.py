@@ -103,6 +103,8 @@ class TensorParallelStrategy(MeshStrategy):
 
     def __init__(self, env, options=None):
         super().__init__(env, {**(options or {}), "mesh": f"tp={env.world_size}"})
+        # a flat nn.Sequential until check_model says otherwise (a GPT), for callers that build the model without it
+        self.sequential_model = True
 
 
 def price_tensor_parallel(plan, prof, topo) -> Estimate:
