@@ -27,7 +27,8 @@ SP ``ḡ``: :func:`scatter_sequence`  reduce-scatter along the sequence: all-gat
 ``g`` and ``ḡ``) the replicated (B, T, C) activations between the layers are cut along the sequence instead:
 an all-reduce is a reduce-scatter followed by an all-gather, so ``f``/``g`` become the all-gather /
 reduce-scatter pair above and the same bytes cross the wire while the layer norms and dropout in between work
-on T/t tokens.
+on T/t tokens. Expert parallelism's exchange of rows between the ranks holding the experts, an all-to-all whose
+backward is the all-to-all back (:class:`AllToAll`, :mod:`labkit.parallel.ep`), is the same kind of operator.
 
 Bytes: each collective logs ``(op, where, payload bytes)`` in every open :class:`CommLog`, ``where`` the pass
 ("forward" / "backward") or the caller's label; :meth:`CommLog.ring_wire_bytes` turns the payloads into the bytes a
@@ -37,6 +38,7 @@ device); the reduce-scatter, which :mod:`labkit.dist.group` lacks, is done here 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,9 +62,10 @@ class CommLog:
 
     def ring_wire_bytes(self, world_size: int) -> float:
         """Bytes each rank sends with ring algorithms: all-reduce ``2(p-1)/p · n`` (``n`` its input), all-gather
-        ``(p-1) · n`` (``n`` the rank's own shard), reduce-scatter ``(p-1)/p · n`` (``n`` its whole input)."""
+        ``(p-1) · n`` (``n`` the rank's own shard), reduce-scatter ``(p-1)/p · n`` (``n`` its whole input);
+        all-to-all ``n`` (logged as the bytes it sends to other ranks)."""
         p = world_size
-        factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": p - 1, "reduce_scatter": (p - 1) / p}
+        factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": p - 1, "reduce_scatter": (p - 1) / p, "all_to_all": 1}
         return sum(b * factor[o] for o, _, b in self.entries)
 
 
@@ -258,6 +261,35 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
 def scatter_sequence(x: torch.Tensor, group) -> torch.Tensor:
     """Reduce-scatter forward / all-gather backward along dim 1 (see :class:`ReduceScatterSequence`)."""
     return x if group_size(group) == 1 else ReduceScatterSequence.apply(x, group)
+
+
+class AllToAll(torch.autograd.Function):
+    """Expert parallelism's exchange of rows (R, C) by ``all_to_all_single``: ``send[j]`` rows to rank j, ``recv[j]``
+    rows from it, ``(Σ_j send[j], C) -> (Σ_j recv[j], C)``; backward sends the gradients back the other way (the
+    splits swapped), ``dX = exchange(dY; send ↔ recv)``. Bytes: ``(Σ_{j≠rank} send[j]) · C · b`` sent to other
+    ranks each way, added to ``counter`` (a dict: ``rows``, ``bytes``) and logged as ``all_to_all``."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, recv: list[int], send: list[int], group, rank: int, counter: dict):
+        ctx.recv, ctx.send, ctx.group, ctx.rank, ctx.counter = recv, send, group, rank, counter
+        return _exchange(rows, recv, send, group, rank, counter, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = _exchange(grad, ctx.send, ctx.recv, ctx.group, ctx.rank, ctx.counter, "backward")
+        return out, None, None, None, None, None
+
+
+def _exchange(rows, recv, send, group, rank, counter, where) -> torch.Tensor:
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    kdist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    remote = sum(send) - send[rank]
+    sent = remote * math.prod(rows.shape[1:]) * rows.element_size()
+    counter["rows"] += remote
+    counter["bytes"] += sent
+    for log in _ACTIVE:
+        log.entries.append(("all_to_all", where, sent))
+    return out
 
 
 # ----- which rows are this rank's ------------------------------------------------------------------------
