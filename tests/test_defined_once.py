@@ -92,7 +92,10 @@ def test_one_copy_to_parallel_and_one_reduce_from_parallel_operator_in_mappings(
 def test_every_tensor_parallel_autograd_function_is_in_mappings():
     assert tp_functions_outside_mappings() == []
     defined = [cls.name for path, cls in classes() if path == MAPPINGS and is_autograd_function(cls)]
-    assert len(defined) >= 6, defined  # f, g, the last-dimension gather / scatter, the sequence's pair
+    # f, g, the last-dimension gather / scatter, the sequence's pair, and expert parallelism's all-to-all
+    assert len(defined) >= 7 and "AllToAll" in defined, defined
+    assert definitions("AllToAll") == [f"{MAPPINGS}:{n.lineno}" for p, n in classes() if p == MAPPINGS
+                                       and n.name == "AllToAll"]
 
 
 def test_the_scan_finds_a_second_definition(tmp_path):
