@@ -206,15 +206,16 @@ class _Mesh:
         return 0
 
 
-@pytest.mark.parametrize("tp, model, expected", [
-    (2, "lenet", "--mesh tp=2 splits a transformer's attention heads and MLP: it needs --model gpt"),
-    (3, "gpt-tiny", "--mesh tp=3 does not divide gpt-tiny's 4 attention heads"),
+@pytest.mark.parametrize("tp, model, options, expected", [
+    (2, "lenet", {"sequence_parallel": True}, "--mesh tp=2 --sequence-parallel cuts a transformer's sequence: it "
+                                              "needs --model gpt"),
+    (3, "gpt-tiny", {}, "--mesh tp=3 does not divide gpt-tiny's 4 attention heads"),
 ])
-def test_a_mesh_dimension_the_model_cannot_take_is_refused_before_any_work(tp, model, expected):
+def test_a_mesh_dimension_the_model_cannot_take_is_refused_before_any_work(tp, model, options, expected):
     from labkit.parallel import get_dimension
 
     with pytest.raises(ConfigError, match=f"^{expected}"):
-        get_dimension("tp")(_Mesh(pp=1, dp=1, ep=1, cp=1, tp=tp), {}).check(model)
+        get_dimension("tp")(_Mesh(pp=1, dp=1, ep=1, cp=1, tp=tp), options).check(model)
 
 
 def test_what_cp_cannot_take_is_refused_from_the_flags_before_the_data(monkeypatch, tmp_path):

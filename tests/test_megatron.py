@@ -63,7 +63,7 @@ def _max_grad_diff(model, ref_grads, group) -> float:
 
 
 def _counting(log: list):
-    """Wrap the collectives labkit.dist.group and megatron_ops call; log (name, elements of this rank's part)."""
+    """Wrap the collectives labkit.dist.group and labkit.parallel.mappings call; log (name, elements of this rank's part)."""
     names = ("all_reduce", "all_gather", "reduce_scatter_single")
     originals = {n: getattr(dist, n) for n in names}
 
@@ -179,7 +179,7 @@ def test_tp_and_sp_on_two_ranks_equal_single_and_parallelize_module():
             assert res["torch_loss"] < TOL and res["torch_grad"] < TOL, (key, res["torch_loss"], res["torch_grad"])
         assert max(r["steps"]) < TOL and r["weights"] < TOL, (r["steps"], r["weights"])
         assert r["mesh"]["loss"] < TOL and r["mesh"]["grad"] < TOL and r["mesh"]["eval"] < TOL, r["mesh"]
-        assert r["refused"] == ("--mesh tp=2 splits a transformer's attention heads and MLP: it needs --model "
+        assert r["refused"] == ("--mesh tp=2 --sequence-parallel cuts a transformer's sequence: it needs --model "
                                 "gpt-tiny|gpt-small|gpt-100m, not lenet")
     assert [r["mesh"]["owner"] for r in results] == [True, False]  # the tp group's loss counted once
     tp, sp = results[0]["tp"], results[0]["sp"]

@@ -13,6 +13,9 @@ from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
 from labkit.exercises import column_parallel as check
 from labkit.parallel import tp_linear as tp
+from labkit.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from labkit.parallel.mappings import count_bytes
+from labkit.parallel.tp import linear_pairs, parallelize_linears
 
 ATOL = 1e-5  # float32 sums in a different order
 
@@ -28,10 +31,10 @@ def _pairs(dense: nn.Sequential, sliced: nn.Sequential, rank: int, world: int, g
     """(this rank's tensor, the matching slice of the dense one) for every parameter (or its gradient)."""
     get = (lambda p: p.grad) if grad else (lambda p: p.detach())
     for d, s in zip(dense, sliced):
-        if isinstance(s, tp.ColumnParallelLinear):
+        if isinstance(s, ColumnParallelLinear):
             yield get(s.weight), get(d.weight).chunk(world, 0)[rank]
             yield get(s.bias), get(d.bias).chunk(world, 0)[rank]
-        elif isinstance(s, tp.RowParallelLinear):
+        elif isinstance(s, RowParallelLinear):
             yield get(s.weight), get(d.weight).chunk(world, 1)[rank]
             yield get(s.bias), get(d.bias)
         elif isinstance(s, nn.Linear):
@@ -46,14 +49,14 @@ def _max_diff(pairs) -> float:
 def _tp_rank(env, solution: str | None = None) -> dict:
     rank, world = env.rank, env.world_size
     dense = _dense_mlp()
-    sliced = tp.parallelize_linears(copy.deepcopy(dense))
+    sliced = parallelize_linears(copy.deepcopy(dense))
     kinds = [type(m).__name__ for m in sliced if not isinstance(m, (nn.Flatten, nn.ReLU, nn.Tanh, nn.GELU))]
     x = torch.randn(6, 2, 4, generator=torch.Generator().manual_seed(1))  # same batch on every rank
     x_dense, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
     target = torch.randn(6, 3, generator=torch.Generator().manual_seed(2))
     out_dense, out_tp = dense(x_dense), sliced(x_tp)
     (out_dense - target).pow(2).sum().backward()
-    with tp.count_bytes() as log:
+    with count_bytes() as log:
         (out_tp - target).pow(2).sum().backward()
     errors = {"out": (out_tp - out_dense).abs().max().item(), "x.grad": (x_tp.grad - x_dense.grad).abs().max().item(),
               "params": _max_diff(_pairs(dense, sliced, rank, world)),
@@ -62,12 +65,12 @@ def _tp_rank(env, solution: str | None = None) -> dict:
     # a column layer that gathers, then a row layer that slices its (full) input itself
     torch.manual_seed(3)
     d1, d2 = nn.Linear(5, 8), nn.Linear(8, 4)
-    c1 = tp.ColumnParallelLinear.from_dense(d1, gather_output=True)
-    r2 = tp.RowParallelLinear.from_dense(d2, input_is_parallel=False)
+    c1 = ColumnParallelLinear(d1, enter=True, gather_output=True)
+    r2 = RowParallelLinear(d2, input_is_parallel=False)
     h = torch.randn(7, 5, generator=torch.Generator().manual_seed(4))
     h_dense, h_tp = h.clone().requires_grad_(), h.clone().requires_grad_()
     d2(torch.relu(d1(h_dense))).sum().backward()
-    with tp.count_bytes() as fc_log:
+    with count_bytes() as fc_log:
         y = c1(h_tp)  # (7, 8) whole on every rank
         r2(torch.relu(y)).sum().backward()
     errors["gather/scatter x.grad"] = (h_tp.grad - h_dense.grad).abs().max().item()
@@ -169,14 +172,14 @@ def test_fc_layer_bytes_formulas():
 
 def test_features_not_divisible_by_world_size():
     with pytest.raises(ConfigError, match="10 features, not divisible by world size 4"):
-        tp.ColumnParallelLinear(16, 10, rank=0, world_size=4)
+        ColumnParallelLinear(nn.Linear(16, 10), gather_output=True, rank=0, world_size=4)
     with pytest.raises(ConfigError, match="6 features, not divisible by world size 4"):
-        tp.RowParallelLinear(6, 3, rank=0, world_size=4)
+        RowParallelLinear(nn.Linear(6, 3), input_is_parallel=False, rank=0, world_size=4)
     with pytest.raises(ConfigError, match=r"layer 1 .*not divisible by world size 3"):
-        tp.parallelize_linears(nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        parallelize_linears(nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
                                rank=0, world_size=3)
     with pytest.raises(ConfigError, match="no Linear → activation → Linear pair"):
-        tp.parallelize_linears(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2)))
+        parallelize_linears(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2)))
 
 
 def test_column_parallel_checker_diagnoses():
@@ -204,8 +207,8 @@ def test_linear_pairs_are_what_parallelize_linears_slices_and_the_advisor_prices
     """Linear → elementwise… → Linear pairs, none sharing a layer; a Dropout ends the elementwise run."""
     layers = [nn.Linear(2, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 4), nn.GELU(), nn.Identity(), nn.Linear(4, 2),
               nn.Linear(2, 4), nn.Dropout(), nn.Linear(4, 2)]
-    assert tp.linear_pairs(layers) == [(0, 2), (3, 6)]
-    sliced = tp.parallelize_linears(nn.Sequential(*layers), rank=0, world_size=2)
+    assert linear_pairs(layers) == [(0, 2), (3, 6)]
+    sliced = parallelize_linears(nn.Sequential(*layers), rank=0, world_size=2)
     kinds = [type(m).__name__ for m in sliced]
     assert kinds == ["ColumnParallelLinear", "ReLU", "RowParallelLinear", "ColumnParallelLinear", "GELU", "Identity",
                      "RowParallelLinear", "Linear", "Dropout", "Linear"]

@@ -32,7 +32,7 @@ from labkit.data.tensor import load_split
 from labkit.dist import group as kdist
 from labkit.dist.testing import run_ranks
 from labkit.models import cnn as kmodels
-from labkit.parallel.tp_linear import linear_pairs
+from labkit.parallel.tp import linear_pairs
 from labkit.results import RunWriter, load_run
 from labkit.strategies.balance import estimate_layer_memory
 from labkit.train.loop import lr_factor, single_strategy, train_step

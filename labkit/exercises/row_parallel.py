@@ -7,7 +7,7 @@ products (all-reduce in forward) and passes the gradient through unchanged in ba
 holds the whole ``dY``); the bias is added once, after the sum.
 
 The learner writes ``row_parallel_linear(x_part, weight, bias, group)`` (with ``g`` as an autograd function).
-The checker runs it on 2 gloo ranks beside the library's :class:`labkit.parallel.megatron.RowParallelLinear`
+The checker runs it on 2 gloo ranks beside the library's :class:`labkit.parallel.layers.RowParallelLinear`
 on the same weights and compares the output and the gradients of the input slice, the weight and the bias; a
 wrong answer is named by the slip that gives it (no all-reduce, the all-reduce in backward instead of forward,
 the wrong columns of the weight, the bias added on every rank).
@@ -77,7 +77,7 @@ def _library(group, rank: int) -> dict:
     import torch
     from torch import nn
 
-    from labkit.parallel.megatron import RowParallelLinear
+    from labkit.parallel.layers import RowParallelLinear
 
     X, W, b, G = _tensors()
     full = nn.Linear(IN, OUT)

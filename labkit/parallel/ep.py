@@ -12,8 +12,8 @@ the same non-expert weights. In every :class:`labkit.models.moe.MoE` layer a ran
 3. the rank's experts run on the rows they received;
 4. combine: the outputs go back the same way (the splits swapped), and the sender sums them with its gates.
 
-Backward runs the two exchanges in reverse (:class:`AllToAll`). The split sizes come to the host (a sync, as in
-any uneven all-to-all; the single-process MoE syncs too, to find each expert's rows).
+Backward runs the two exchanges in reverse (:class:`labkit.parallel.mappings.AllToAll`). The split sizes come to the
+host (a sync, as in any uneven all-to-all; the single-process MoE syncs too, to find each expert's rows).
 
 Gradients (:meth:`ExpertParallel.sync_gradients`) so that a step equals single-process ``fit`` on the global
 batch with the same routing (same routing: groups are sequences, :mod:`labkit.models.moe`): non-expert gradients are
@@ -32,8 +32,6 @@ parallelism over the same N ranks instead all-reduces its P parameters: ``2 (N â
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -42,33 +40,11 @@ from labkit.dist import group as kdist
 from labkit.errors import ConfigError
 from labkit.models.moe import MOE_SIZES, MoE, moe_layers, run_experts
 from labkit.parallel.base import Dimension
+from labkit.parallel.mappings import AllToAll
 
 FLAGS: list = []
 #: ``labkit advise --model gpt-moe-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.ep:mesh_time"}
-
-
-class AllToAll(torch.autograd.Function):
-    """Rows (R, C) exchanged by ``all_to_all_single``: ``send[j]`` rows to rank j, ``recv[j]`` rows from it;
-    backward sends the gradients back the other way. ``counter`` (a dict) adds the rows sent to other ranks."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, recv: list[int], send: list[int], group, rank: int, counter: dict):
-        ctx.recv, ctx.send, ctx.group, ctx.rank, ctx.counter = recv, send, group, rank, counter
-        return _exchange(rows, recv, send, group, rank, counter)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _exchange(grad, ctx.send, ctx.recv, ctx.group, ctx.rank, ctx.counter), None, None, None, None, None
-
-
-def _exchange(rows, recv, send, group, rank, counter) -> torch.Tensor:
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    kdist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
-    remote = sum(send) - send[rank]
-    counter["rows"] += remote
-    counter["bytes"] += remote * math.prod(rows.shape[1:]) * rows.element_size()
-    return out
 
 
 class AllToAllExchange:

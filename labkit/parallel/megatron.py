@@ -4,16 +4,10 @@
     loss = VocabParallelCrossEntropy(group)(model(idx), targets)       # (B, T, V/t) logits shard -> mean loss
     loss.backward(); sync_sequence_parallel_grads(model, group)        # SP only: layer norms saw T/t tokens
 
-A linear layer ``Y = X Wᵀ + b`` with ``W (out, in)`` splits over ``t`` ranks two ways (Shoeybi et al. 2019):
-
-* column-parallel: rank r keeps rows ``W_r = W[r·out/t:(r+1)·out/t]`` and computes its slice of the output
-  features, ``Y_r = X W_rᵀ + b_r``, from the whole X;
-* row-parallel: rank r keeps columns ``W[:, r·in/t:(r+1)·in/t]``, takes its slice of the input features and
-  computes a partial sum ``X_r W_rᵀ``; ``Y = Σ_r X_r W_rᵀ + b``.
-
-A column layer feeds a row layer with no communication between them. In a block, attention is split by heads
+The linear layers split column-parallel and row-parallel (:mod:`.layers`; a column layer feeds a row layer with
+no communication between them). In a block, attention is split by heads
 (q, k, v column-parallel: ``n_head/t`` heads per rank; ``proj`` row-parallel) and the MLP ``fc`` column → ``proj``
-row, so a block costs the operator ``f`` before each pair and ``g`` after it (:mod:`.megatron_ops`): one
+row, so a block costs the operator ``f`` before each pair and ``g`` after it (:mod:`.mappings`): one
 all-reduce forward and one backward per pair. The embedding is split by vocabulary rows (ids outside a rank's
 rows are masked, the partial embeddings all-reduced), the tied head is a column-parallel projection onto the
 same rows, and :class:`VocabParallelCrossEntropy` reduces the max, the sum of exponentials and the target logit
@@ -39,10 +33,15 @@ from torch import nn
 
 from labkit.errors import ConfigError
 from labkit.models.gpt import GPT
+from labkit.parallel.layers import (
+    ColumnParallelLinear,
+    EnterTensorParallel,
+    RowParallelLinear,
+    mark_sequence_parallel,
+    shard_rows,
+)
 from labkit.parallel.mappings import (
     all_reduce_copy,
-    copy_to_tp,
-    gather_sequence,
     group_size,
     reduce_from_tp,
     scatter_sequence,
@@ -50,28 +49,6 @@ from labkit.parallel.mappings import (
     split_range,
 )
 from labkit.parallel.tp_rng import ShardDropout, TensorParallelRNG
-
-
-def _rows(w: torch.Tensor, group) -> torch.Tensor:
-    start, stop = split_range(w.shape[0], group)
-    return w.detach()[start:stop].clone()
-
-
-def _mark(p: nn.Parameter) -> nn.Parameter:
-    p.sequence_parallel = True  # its gradient is summed over the tp group (sync_sequence_parallel_grads)
-    return p
-
-
-class EnterTensorParallel(nn.Module):
-    """Where a replicated activation enters a column-parallel layer: ``f`` (identity forward, all-reduce
-    backward); with sequence parallelism the all-gather of the sequence, (B, T/t, C) -> (B, T, C)."""
-
-    def __init__(self, group, sequence_parallel: bool = False):
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
 
 
 class ParallelInputLayerNorm(nn.LayerNorm):
@@ -84,47 +61,11 @@ class ParallelInputLayerNorm(nn.LayerNorm):
                          bias=ln.bias is not None)
         self.weight, self.bias = ln.weight, ln.bias
         for p in self.parameters() if sequence_parallel else ():
-            _mark(p)
+            mark_sequence_parallel(p)
         self.enter = EnterTensorParallel(group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.enter(super().forward(x))
-
-
-class ColumnParallelLinear(nn.Linear):
-    """Rank r's rows of a full ``nn.Linear``: (..., in) -> (..., out/t). Its input must already be the whole X on
-    every rank, entered through ``f`` (:class:`ParallelInputLayerNorm`, or ``enter=True`` here). When ``t`` does
-    not divide ``out`` the parts differ by one row (:func:`~.megatron_ops.split_range`)."""
-
-    def __init__(self, linear: nn.Linear, group, enter: bool = False, sequence_parallel: bool = False):
-        start, stop = split_range(linear.out_features, group)
-        super().__init__(linear.in_features, stop - start, bias=linear.bias is not None)
-        self.weight = nn.Parameter(_rows(linear.weight, group))                          # (out/t, in)
-        if linear.bias is not None:
-            self.bias = nn.Parameter(_rows(linear.bias, group))                          # (out/t,)
-        self.enter = EnterTensorParallel(group, sequence_parallel) if enter else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.enter(x), self.weight, self.bias)                           # (..., out/t)
-
-
-class RowParallelLinear(nn.Linear):
-    """Rank r's columns of a full ``nn.Linear``: (..., in/t) -> (..., out), the partial products summed by ``g``
-    (all-reduce), or reduce-scattered along the sequence with sequence parallelism. The bias is added once,
-    after the sum (with SP on the (B, T/t, out) shard, so its gradient is marked for the group sum)."""
-
-    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool = False):
-        start, stop = split_range(linear.in_features, group)
-        super().__init__(stop - start, linear.out_features, bias=linear.bias is not None)
-        self.weight = nn.Parameter(_rows(linear.weight.t(), group).t().contiguous())     # (out, in/t)
-        if linear.bias is not None:
-            self.bias = linear.bias if not sequence_parallel else _mark(linear.bias)      # (out,) replicated
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)                                                     # (B, T, out) partial
-        y = scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
-        return y if self.bias is None else y + self.bias                                 # (B, T or T/t, out)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -135,7 +76,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, emb: nn.Embedding, group, sequence_parallel: bool = False):
         self.start, stop = split_range(emb.num_embeddings, group)
         super().__init__(stop - self.start, emb.embedding_dim)
-        self.weight = nn.Parameter(_rows(emb.weight, group))                             # (V/t, C)
+        self.weight = nn.Parameter(shard_rows(emb.weight, group))                             # (V/t, C)
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -152,7 +93,7 @@ class SequenceShardEmbedding(nn.Embedding):
 
     def __init__(self, emb: nn.Embedding, group):
         super().__init__(emb.num_embeddings, emb.embedding_dim)
-        self.weight = _mark(emb.weight)
+        self.weight = mark_sequence_parallel(emb.weight)
         self.group = group
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
@@ -268,7 +209,7 @@ class VocabParallelCrossEntropy(nn.Module):
     of ``group``, without gathering the (B, T, V) logits (see :class:`_VocabParallelCE`).
 
     ``vocab_size``: the whole vocabulary, where ``t`` does not divide it (the parts of
-    :func:`~.megatron_ops.split_range`); ``None``: ``t`` times the shard's width."""
+    :func:`~.mappings.split_range`); ``None``: ``t`` times the shard's width."""
 
     def __init__(self, group, vocab_size: int | None = None):
         super().__init__()

@@ -104,8 +104,9 @@ class MeshStrategy(DataParallelStrategy):
         """Every dimension's :meth:`~labkit.parallel.base.Dimension.check` (ConfigError before any work)."""
         for d in self.dims:
             d.check(model_name, seq_len, dropout)
-        # pp cuts a GPT by its layer names, any other model as the flat nn.Sequential it is then built as
-        self.sequential_model = self.pipeline is not None and model_name not in LANGUAGE_MODELS
+        # pp cuts a GPT by its layer names and tp splits its blocks; any other model they cut or split as the flat
+        # nn.Sequential it is then built as
+        self.sequential_model = model_name not in LANGUAGE_MODELS and any(d.name in ("pp", "tp") for d in self.dims)
 
     # ----- data: shards by the data-parallel coordinates ----------------------------------------------
 

@@ -1,7 +1,9 @@
-"""The ``tp`` dimension of a mesh: Megatron tensor parallelism (+ sequence parallelism) of the GPT.
+"""The ``tp`` dimension of a mesh: Megatron tensor parallelism (+ sequence parallelism) of the GPT, and of a CNN/MLP's
+``Linear`` pairs.
 
     torchrun --nproc_per_node 2 -m labkit train --mesh tp=2 --model gpt-tiny --dataset text-sample
     torchrun --nproc_per_node 4 -m labkit train --mesh dp=2,tp=2 --sequence-parallel --model gpt-tiny ...
+    torchrun --nproc_per_node 2 -m labkit train --mesh tp=2 --model mlp      # = --strategy tensor-parallel
 
 The ranks of one ``tp`` group (neighbours: ``tp`` is the mesh's innermost dimension) hold the same batch and
 each a ``1/tp`` of every block's matrices (:func:`labkit.parallel.megatron.parallelize_gpt`): attention heads,
@@ -10,6 +12,10 @@ vocabulary-parallel cross-entropy; evaluation gathers the slices. ``--sequence-p
 activations between the layers along the sequence and sums the layer norms' gradients over the group after
 backward. Bytes per step and activation memory: :mod:`labkit.parallel.megatron_cost`. With ``--dropout`` the
 masks on a rank's own heads or sequence slice come from its own stream (:mod:`labkit.parallel.tp_rng`).
+
+Any other model is built as a flat ``nn.Sequential`` and its ``Linear → elementwise… → Linear`` pairs are split
+column → row (:func:`parallelize_linears`, the same layers, :mod:`labkit.parallel.layers`): one all-reduce forward
+and one backward per pair; its output is whole on every rank, so the loss and evaluation are unchanged.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from labkit.dist import group as kdist
 from labkit.errors import ConfigError
 from labkit.models.gpt import GPT, GPT_SIZES
 from labkit.parallel.base import Dimension, refuse_moe
-from labkit.parallel.mappings import part
+from labkit.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from labkit.parallel.mappings import group_size, part
 from labkit.parallel.megatron import VocabParallelCrossEntropy, parallelize_gpt, sync_sequence_parallel_grads
 from labkit.parallel.megatron_cost import ring_wire_bytes, tp_step_bytes
 
@@ -34,9 +41,58 @@ FLAGS = [
 #: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.tp:mesh_time"}
 
+#: modules that act on each feature independently: a column slice can pass through them unchanged
+ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity)
+
+
+def linear_pairs(layers) -> list[tuple[int, int]]:
+    """``(i, j)``: the ``Linear → elementwise… → Linear`` pairs of ``layers``, in order, none sharing a layer."""
+    pairs, i = [], 0
+    while i < len(layers):
+        j = i + 1
+        while j < len(layers) and isinstance(layers[j], ELEMENTWISE):
+            j += 1
+        if isinstance(layers[i], nn.Linear) and j < len(layers) and isinstance(layers[j], nn.Linear):
+            pairs.append((i, j))
+            i = j + 1
+        else:
+            i += 1
+    return pairs
+
+
+def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = None,
+                        world_size: int | None = None) -> nn.Sequential:
+    """Replace each ``Linear → elementwise… → Linear`` pair of a flat Sequential by column → row layers.
+
+    A Linear left without a partner (e.g. a 10-class head) stays whole on every rank: its input and its
+    output gradient are identical everywhere, so its gradient is too and it needs no communication.
+
+    Raises:
+        ConfigError: no pair to slice, or a hidden size not divisible by the world size.
+    """
+    layers = list(model)
+    pairs = linear_pairs(layers)
+    if not pairs:
+        raise ConfigError("tensor-parallel found no Linear → activation → Linear pair to slice in this model; "
+                          "use --model mlp")
+    p = group_size(group) if world_size is None else world_size
+    out, done = [], 0
+    for i, j in pairs:
+        hidden = layers[i].out_features
+        if hidden % p:
+            raise ConfigError(f"layer {i} ({layers[i]}): {hidden} features, not divisible by world size {p}; "
+                              f"run on a number of ranks that divides {hidden}")
+        out += [*layers[done:i], ColumnParallelLinear(layers[i], group, enter=True, rank=rank, world_size=world_size),
+                *layers[i + 1:j], RowParallelLinear(layers[j], group, rank=rank, world_size=world_size)]
+        done = j + 1
+    return nn.Sequential(*out, *layers[done:])
+
+
+
 
 class TensorParallel(Dimension):
-    """The GPT's layers split over the ``tp`` group; the loss reduced over the vocabulary shards."""
+    """The GPT's layers split over the ``tp`` group, the loss reduced over the vocabulary shards; or a flat
+    ``nn.Sequential``'s ``Linear`` pairs split, the loss unchanged."""
 
     name = "tp"
 
@@ -45,13 +101,16 @@ class TensorParallel(Dimension):
         self.sequence_parallel = bool(self.options.get("sequence_parallel"))
         self._criterion = VocabParallelCrossEntropy(self.group)
         self.vocab_size: int | None = None
+        self.vocab_parallel = False  # a GPT: its output is this rank's slice of the logits
 
     def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         refuse_moe("tp", self.size, model_name, "tensor parallelism splits a dense MLP, and a mixture-of-experts "
                    "block has experts in its place")
         if not model_name.startswith("gpt"):
-            raise ConfigError(f"--mesh tp={self.size} splits a transformer's attention heads and MLP: it needs "
-                              f"--model gpt-tiny|gpt-small|gpt-100m, not {model_name}")
+            if self.sequence_parallel:
+                raise ConfigError(f"--mesh tp={self.size} --sequence-parallel cuts a transformer's sequence: it needs "
+                                  f"--model gpt-tiny|gpt-small|gpt-100m, not {model_name}")
+            return  # a CNN/MLP: its Linear pairs (parallelize checks there are some)
         cfg = GPT_SIZES.get(model_name)
         if cfg is not None and cfg.n_head % self.size:
             raise ConfigError(f"--mesh tp={self.size} does not divide {model_name}'s {cfg.n_head} attention heads; "
@@ -60,13 +119,17 @@ class TensorParallel(Dimension):
     def parallelize(self, model: nn.Module) -> nn.Module:
         if self.size == 1:
             return model
+        if isinstance(model, nn.Sequential):
+            return parallelize_linears(model, self.group)
         if not isinstance(model, GPT):
-            raise ConfigError(f"--mesh tp={self.size} needs a labkit GPT, got {type(model).__name__}")
+            raise ConfigError(f"--mesh tp={self.size} needs a labkit GPT or a flat nn.Sequential, got "
+                              f"{type(model).__name__}")
         self.vocab_size = self._criterion.vocab_size = model.cfg.vocab_size
+        self.vocab_parallel = True
         return parallelize_gpt(model, self.group, self.sequence_parallel)
 
     def criterion(self, criterion: nn.Module) -> nn.Module:
-        return criterion if self.size == 1 else self._criterion
+        return self._criterion if self.vocab_parallel else criterion
 
     def sync_gradients(self, model: nn.Module) -> None:
         if self.sequence_parallel and self.size > 1:
@@ -75,7 +138,7 @@ class TensorParallel(Dimension):
     def full_output(self, out: torch.Tensor) -> torch.Tensor:
         """Evaluation: the (B, T, V) logits from every rank's (B, T, V/tp) slice (slices of unequal width padded
         to the widest for the all-gather, then cut back)."""
-        if self.size == 1:
+        if not self.vocab_parallel:
             return out
         V = self.vocab_size or out.shape[-1] * self.size
         widths = [stop - start for start, stop in (part(V, self.size, r) for r in range(self.size))]

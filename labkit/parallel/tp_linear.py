@@ -9,9 +9,15 @@ A Linear computes ``Y = X W^T + b`` with ``X (B, i)``, ``W (o, i)``. Over ``p`` 
   takes its slice ``X_r`` (B, i/p) and computes a partial ``X_r W_r^T`` (B, o); the sum over ranks is Y.
 
 A column layer followed by a row layer needs no communication in between (the row layer wants exactly the
-slice the column layer produced), so an MLP costs one all-reduce forward and one backward per pair:
+slice the column layer produced), so an MLP costs one all-reduce forward and one backward per pair. The layers
+are the GPT's (:mod:`labkit.parallel.layers`), their operators those of :mod:`labkit.parallel.mappings`, the plan
+over the pairs the ``tp`` mesh dimension's (:func:`labkit.parallel.tp.parallelize_linears`):
 
     launch:   torchrun --nproc_per_node 2 -m labkit train --strategy tensor-parallel --model mlp
+    the same: torchrun --nproc_per_node 2 -m labkit train --mesh tp=2 --model mlp
+
+This module holds the preset (:class:`TensorParallelStrategy`), seed 000's bytes of one FC layer
+(:func:`fc_layer_bytes`, :func:`measure_fc_bytes`) and the advisor's price (:func:`price_tensor_parallel`).
 """
 from __future__ import annotations
 
@@ -21,185 +27,42 @@ from torch import nn
 
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import allreduce_time, common_terms, compute_scale, memory_terms
-from labkit.errors import ConfigError
-from labkit.parallel.tp_comm import (
-    CommLog,
-    all_reduce,
-    count_bytes,
-    fc_layer_bytes,
-    rank_world,
-)
-from labkit.parallel.tp_regions import (
-    copy_to_parallel_region,
-    gather_from_parallel_region,
-    reduce_from_parallel_region,
-    scatter_to_parallel_region,
-)
-from labkit.strategies.base import Strategy
+from labkit.parallel.layers import ColumnParallelLinear
+from labkit.parallel.mappings import all_reduce_copy, count_bytes
+from labkit.parallel.mesh import MeshStrategy
 
 __all__ = [
-    "ColumnParallelLinear",
-    "CommLog",
-    "RowParallelLinear",
     "TensorParallelStrategy",
-    "all_reduce",
-    "copy_to_parallel_region",
-    "count_bytes",
     "fc_layer_bytes",
-    "gather_from_parallel_region",
     "measure_fc_bytes",
-    "parallelize_linears",
-    "reduce_from_parallel_region",
-    "scatter_to_parallel_region",
 ]
 
 #: ``labkit advise`` (labkit.advisor.search) and ``labkit bench suite`` (ranks, extra flags)
 ADVISOR = {"price": "labkit.parallel.tp_linear:price_tensor_parallel", "plans": "spread"}
 BENCH = {"ranks": 2, "flags": []}
 
-#: modules that act on each feature independently: a column slice can pass through them unchanged
-ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity)
 
+def fc_layer_bytes(batch: int, in_features: int, out_features: int, world_size: int,
+                   bytes_per_value: int = 4) -> dict[str, float]:
+    """Seed 000's comparison for one FC layer ``Y = X W^T + b`` (X (B, i), W (o, i)) per training step,
+    p = ``world_size``: what does it cost to split the batch (dim 0) versus the features (dim 1)?
 
-# ----- the layers ----------------------------------------------------------------------------------------
+    * data parallel (split the batch, dim 0): all-reduce the gradient, ``o·i + o`` values per rank;
+      ring wire bytes per rank ``2(p-1)/p · (o·i + o)``.
+    * model parallel (split the features, dim 1, column-parallel + gather): forward all-gather of Y
+      (each rank's shard ``B·o/p``, wire ``(p-1)·B·o/p``), backward all-reduce of dX (``B·i``, wire
+      ``2(p-1)/p · B·i``).
 
-
-def _shard_size(features: int, world_size: int, what: str) -> int:
-    if features % world_size:
-        raise ConfigError(f"{what} has {features} features, not divisible by world size {world_size}; "
-                          f"run on a number of ranks that divides {features}")
-    return features // world_size
-
-
-class ColumnParallelLinear(nn.Module):
-    """``Y = X W^T + b`` with the output features split over ranks.
-
-    Args:
-        in_features, out_features: sizes of the whole (dense) layer; ``out_features % world_size == 0``.
-        gather_output: all-gather the slices into the full Y (B, o); else return Y_r (B, o/p).
-        rank, world_size: default to the process group's.
-
-    Shapes: X (B, i) the same on every rank -> Y_r (B, o/p), or Y (B, o) with ``gather_output``.
+    Data parallel moves parameters; model parallel moves activations: FC layers (many weights, small
+    activations) favour model parallel, convolutions (few weights, big activations) data parallel.
+    :func:`measure_fc_bytes` counts a real step.
     """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group=None, rank: int | None = None, world_size: int | None = None):
-        super().__init__()
-        default_rank, default_world = rank_world(group)
-        self.rank = default_rank if rank is None else rank
-        self.world_size = default_world if world_size is None else world_size
-        self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.group = gather_output, group
-        shard = _shard_size(out_features, self.world_size, "column-parallel Linear output")
-        self.weight = nn.Parameter(torch.empty(shard, in_features))  # (o/p, i)
-        self.bias = nn.Parameter(torch.zeros(shard)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, gather_output: bool = False, group=None,
-                   rank: int | None = None, world_size: int | None = None) -> ColumnParallelLinear:
-        """This rank's slice of ``linear`` (same function once gathered)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
-                    rank, world_size).to(linear.weight.device)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight.chunk(layer.world_size, 0)[layer.rank])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias.chunk(layer.world_size, 0)[layer.rank])
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_parallel_region(x, self.group), self.weight, self.bias)  # (B, o/p)
-        return gather_from_parallel_region(y, self.group) if self.gather_output else y
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features} (this rank: {self.weight.shape[0]})"
-
-
-class RowParallelLinear(nn.Module):
-    """``Y = Σ_r X_r W_r^T + b`` with the input features split over ranks.
-
-    Args:
-        in_features, out_features: sizes of the dense layer; ``in_features % world_size == 0``.
-        input_is_parallel: the input is already this rank's slice X_r (B, i/p), as a column layer
-            produces; else the full X (B, i) is sliced here.
-
-    Shapes: X_r (B, i/p) -> Y (B, o), the same on every rank. The bias is whole on every rank and added
-    after the all-reduce (adding it on each rank would count it p times).
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group=None, rank: int | None = None, world_size: int | None = None):
-        super().__init__()
-        default_rank, default_world = rank_world(group)
-        self.rank = default_rank if rank is None else rank
-        self.world_size = default_world if world_size is None else world_size
-        self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel, self.group = input_is_parallel, group
-        shard = _shard_size(in_features, self.world_size, "row-parallel Linear input")
-        self.weight = nn.Parameter(torch.empty(out_features, shard))  # (o, i/p)
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = True, group=None,
-                   rank: int | None = None, world_size: int | None = None) -> RowParallelLinear:
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
-                    rank, world_size).to(linear.weight.device)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight.chunk(layer.world_size, 1)[layer.rank])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = scatter_to_parallel_region(x, self.group)  # (B, i/p)
-        y = reduce_from_parallel_region(F.linear(x, self.weight), self.group)  # (B, o)
-        return y + self.bias if self.bias is not None else y
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features} (this rank: {self.weight.shape[1]}), out={self.out_features}"
-
-
-def linear_pairs(layers) -> list[tuple[int, int]]:
-    """``(i, j)``: the ``Linear → elementwise… → Linear`` pairs of ``layers``, in order, none sharing a layer."""
-    pairs, i = [], 0
-    while i < len(layers):
-        j = i + 1
-        while j < len(layers) and isinstance(layers[j], ELEMENTWISE):
-            j += 1
-        if isinstance(layers[i], nn.Linear) and j < len(layers) and isinstance(layers[j], nn.Linear):
-            pairs.append((i, j))
-            i = j + 1
-        else:
-            i += 1
-    return pairs
-
-
-def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = None,
-                        world_size: int | None = None) -> nn.Sequential:
-    """Replace each ``Linear → elementwise… → Linear`` pair of a flat Sequential by column → row layers.
-
-    A Linear left without a partner (e.g. a 10-class head) stays whole on every rank: its input and its
-    output gradient are identical everywhere, so its gradient is too and it needs no communication.
-
-    Raises:
-        ConfigError: no pair to slice, or a hidden size not divisible by the world size.
-    """
-    layers = list(model)
-    pairs = linear_pairs(layers)
-    if not pairs:
-        raise ConfigError("tensor-parallel found no Linear → activation → Linear pair to slice in this model; "
-                          "use --model mlp")
-    out, done = [], 0
-    for i, j in pairs:
-        try:
-            out += [*layers[done:i], ColumnParallelLinear.from_dense(layers[i], False, group, rank, world_size),
-                    *layers[i + 1:j], RowParallelLinear.from_dense(layers[j], True, group, rank, world_size)]
-        except ConfigError as exc:
-            raise ConfigError(f"layer {i} ({layers[i]}): {exc}") from None
-        done = j + 1
-    return nn.Sequential(*out, *layers[done:])
+    p, s = world_size, bytes_per_value
+    dp_payload = (out_features * in_features + out_features) * s
+    mp_gather, mp_reduce = batch * out_features // p * s, batch * in_features * s
+    return {"data_parallel_payload": dp_payload, "data_parallel_wire": 2 * (p - 1) / p * dp_payload,
+            "model_parallel_payload": mp_gather + mp_reduce,
+            "model_parallel_wire": (p - 1) * mp_gather + 2 * (p - 1) / p * mp_reduce}
 
 
 def measure_fc_bytes(env, batch: int, in_features: int, out_features: int) -> dict[str, float]:
@@ -219,32 +82,29 @@ def measure_fc_bytes(env, batch: int, in_features: int, out_features: int) -> di
     with count_bytes() as dp:
         F.linear(x.chunk(p)[env.rank], dense.weight, dense.bias).sum().backward()  # (B/p, o)
         for param in dense.parameters():
-            all_reduce(param.grad, "gradient")
-    column = ColumnParallelLinear.from_dense(dense, gather_output=True)
+            all_reduce_copy(param.grad, where="gradient")
+    column = ColumnParallelLinear(dense, enter=True, gather_output=True)
     with count_bytes() as mp:
         column(x.clone().requires_grad_()).sum().backward()  # a hidden layer: dX flows on to the layer below
     return {"data_parallel_payload": dp.total(), "data_parallel_wire": dp.ring_wire_bytes(p),
             "model_parallel_payload": mp.total(), "model_parallel_wire": mp.ring_wire_bytes(p)}
 
 
-class TensorParallelStrategy(Strategy):
-    """Every rank sees the whole batch and holds a slice of each FC pair (``--model mlp``).
+class TensorParallelStrategy(MeshStrategy):
+    """``--strategy tensor-parallel``: a preset of ``--mesh tp=N`` over every rank of the job.
 
-    Outputs are identical on every rank, so only rank 0 counts metrics. Parameters differ per rank
-    (``replicated = False``): each rank checkpoints its own slices to ``checkpoint.rank{r}.pt``.
+    Every rank sees the whole batch and holds a slice of each FC pair (``--model mlp``, the ``tp`` dimension's plan
+    over ``Linear`` pairs, :func:`labkit.parallel.tp.parallelize_linears`); a GPT is split as ``--mesh tp=N`` splits
+    it. Outputs are identical on every rank, so only rank 0 counts metrics; each rank checkpoints its own slices to
+    ``checkpoint.rank{r}.pt``.
     """
 
     name = "tensor-parallel"
-    sequential_model = True
-    replicated = False
 
-    def prepare(self, model: nn.Module) -> nn.Module:
-        if not isinstance(model, nn.Sequential):
-            raise ConfigError("tensor-parallel needs a flat nn.Sequential model (get_model(..., sequential=True))")
-        return parallelize_linears(model.to(self.env.device))
-
-    def metric_owner(self) -> bool:
-        return self.env.rank == 0
+    def __init__(self, env, options=None):
+        super().__init__(env, {**(options or {}), "mesh": f"tp={env.world_size}"})
+        # a flat nn.Sequential until check_model says otherwise (a GPT), for callers that build the model without it
+        self.sequential_model = True
 
 
 def price_tensor_parallel(plan, prof, topo) -> Estimate:
