@@ -12,6 +12,9 @@ gradients and an all-gather of the parameters, ``2 (N − 1)/N · P`` sent (stag
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 from torch import nn
 
@@ -109,13 +112,22 @@ class ZeroSharding:
         optimizer.register_step_post_hook(self.after_step)
         return optimizer, preconditioner
 
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter whole for the block (stage 3: the freed units all-gathered, and after the block their
+        shards set from what it left in them, e.g. a checkpoint loaded, and freed again)."""
+        freed = [unit for unit in self.units if not unit.gathered]
+        for unit in freed:
+            unit.gather()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for unit in freed:
+                    unit.shard.copy_(unit.full[unit.slice])
+                    unit.free()
+
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter, whole, on every rank of the group (all-gathered for stage 3)."""
-        out = []
-        for unit in self.units:
-            was = unit.gathered
-            unit.gather()
-            out += [p.detach().clone() for p in unit.params]
-            if not was:
-                unit.free()
-        return out
+        with self.gathered():
+            return [p.detach().clone() for unit in self.units for p in unit.params]
