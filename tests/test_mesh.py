@@ -6,7 +6,7 @@ One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas +
 ``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group) and on ``dp=2 --dp-shard zero3`` (labkit's ZeRO over
 it), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0) on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone); the CNN on
 fsdp runs two epochs and is resumed from the checkpoint it wrote after the first, that checkpoint offered to
-another mesh. One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP), on
+another mesh; the CNN on zero3 the same (its parameters gathered over dp to be saved, loaded and compared). One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP), on
 ``tp=2,pp=2``, on ``dp=2,tp=2 --dp-shard zero2`` and ``dp=2,pp=2 --dp-shard zero1`` (labkit's ZeRO over the dp
 groups); the GPT on ``dp=2,tp=2`` resumed the same way, its checkpoint offered to ``dp=4``. One 8-rank
 spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and ``dp=2,pp=2`` is ``tests/test_pp.py``'s.) Each fit is
@@ -17,6 +17,8 @@ losses of the ranks that own metrics, one per data shard. Tolerances (float32): 
 1e-6 absolute (only the order of the sums changes), the weights after the last step within 1e-5; a resumed
 run's weights are bit-identical (==) to those of the run that was not interrupted.
 """
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -146,7 +148,8 @@ def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict
     again = MeshStrategy(env, options)
     model = again.prepare(_model(kind))
     _fit(again, model, kind, RESUMED_EPOCHS, start_epoch=1, out=out, resume=True)
-    result["resumed"] = _weights(model)
+    with again.whole_parameters():
+        result["resumed"] = _weights(model)
     wrong = MeshStrategy(env, other)
     try:
         _fit(wrong, wrong.prepare(_model(kind)), kind, RESUMED_EPOCHS, start_epoch=1, out=out, resume=True)
@@ -157,10 +160,14 @@ def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict
 
 def _two_ranks(env, out):
     """On each of 2 ranks: the TWO compositions; a CNN on dp=2 --dp-shard fsdp resumed, and its checkpoint
-    offered to dp=2 without sharding."""
+    offered to dp=2 without sharding; the same with zero3, offered to zero1."""
     result = _runs(env, TWO, "cnn dp=2 fsdp", out)
     result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
                                result["cnn dp=2 fsdp"]["weights"])
+    zero3, zero_out = {"mesh": "dp=2", "dp_shard": "zero3"}, os.path.join(out, "zero3")
+    os.makedirs(zero_out, exist_ok=True)
+    straight = _run(env, "cnn", zero3, zero_out)["weights"]
+    result["resume zero3"] = _resume(env, "cnn", zero3, {"mesh": "dp=2", "dp_shard": "zero1"}, zero_out, straight)
     return result
 
 
@@ -239,6 +246,11 @@ def test_mesh_checkpoints_resume_bit_identically_and_another_mesh_is_refused(two
         assert straight.keys() == resumed.keys()
         assert all(torch.equal(resumed[name], w) for name, w in straight.items())
     for r in two:
+        straight, resumed = r["resume zero3"]["straight"], r["resume zero3"]["resumed"]
+        assert straight.keys() == resumed.keys()
+        assert all(torch.equal(resumed[name], w) for name, w in straight.items())
+        assert ": it was written on --mesh dp=2 --dp-shard zero3 but this run has --mesh dp=2 --dp-shard zero1;" \
+            in r["resume zero3"]["mismatch"]
         assert ": it was written on --mesh dp=2 --dp-shard fsdp but this run has --mesh dp=2; resume with --mesh " \
                "dp=2 --dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
     for r in four:
