@@ -2,7 +2,8 @@
 equals single-process ``fit`` on the global batch; mesh checkpoints resume bit-identically; another mesh is
 refused on resume.
 
-One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce), on
+One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce; and with
+``--allreduce ring``, labkit's ring over the dp group), on
 ``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group) and on ``dp=2 --dp-shard zero3`` (labkit's ZeRO over
 it), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0) on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone); the CNN on
 fsdp runs two epochs and is resumed from the checkpoint it wrote after the first, that checkpoint offered to
@@ -125,6 +126,7 @@ def _single(kind: str, epochs: int) -> tuple[torch.Tensor, dict[str, torch.Tenso
 TWO = {"cnn dp=2": ("cnn", {"mesh": "dp=2"}),
        "cnn dp=2 fsdp": ("cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}),
        "cnn dp=2 zero3": ("cnn", {"mesh": "dp=2", "dp_shard": "zero3"}),
+       "cnn dp=2 ring": ("cnn", {"mesh": "dp=2", "allreduce": "ring"}),
        "gpt dp=2": ("gpt", {"mesh": "dp=2"}),
        "gpt pp=2": ("gpt", {"mesh": "pp=2", "num_microbatches": 2}),
        "gpt tp=2": ("gpt", {"mesh": "tp=2"}),
@@ -159,8 +161,10 @@ def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict
 
 
 def _two_ranks(env, out):
+    from labkit.parallel.mesh import MeshStrategy
+
     """On each of 2 ranks: the TWO compositions; a CNN on dp=2 --dp-shard fsdp resumed, and its checkpoint
-    offered to dp=2 without sharding; the same with zero3, offered to zero1."""
+    offered to dp=2 without sharding; the same with zero3, offered to zero1; --allreduce ring with zero2 refused."""
     result = _runs(env, TWO, "cnn dp=2 fsdp", out)
     result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
                                result["cnn dp=2 fsdp"]["weights"])
@@ -168,6 +172,10 @@ def _two_ranks(env, out):
     os.makedirs(zero_out, exist_ok=True)
     straight = _run(env, "cnn", zero3, zero_out)["weights"]
     result["resume zero3"] = _resume(env, "cnn", zero3, {"mesh": "dp=2", "dp_shard": "zero1"}, zero_out, straight)
+    try:
+        MeshStrategy(env, {"mesh": "dp=2", "dp_shard": "zero2", "allreduce": "ring"})
+    except ConfigError as exc:
+        result["ring zero2"] = str(exc)
     return result
 
 
@@ -255,6 +263,11 @@ def test_mesh_checkpoints_resume_bit_identically_and_another_mesh_is_refused(two
                "dp=2 --dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
     for r in four:
         assert ": it was written on --mesh dp=2,tp=2 but this run has --mesh dp=4;" in r["resume"]["mismatch"]
+
+
+def test_an_allreduce_algorithm_with_a_sharded_dp_is_refused_in_one_line(two):
+    assert all(r["ring zero2"] == "--allreduce ring chooses how replicas' gradients are all-reduced, but --dp-shard "
+               "zero2 reduce-scatters them; leave --allreduce out or use --dp-shard none" for r in two)
 
 
 def test_zero3_under_a_pipeline_is_refused_in_one_line(four):

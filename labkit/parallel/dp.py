@@ -16,9 +16,10 @@ algorithm: ``ddp`` (default) and ``native`` both call ``dist.all_reduce`` per bu
 reduced after backward, not overlapped with it as DistributedDataParallel's are), ``ring``, ``tree``, ... run
 labkit's own schedule over the group.
 ``--dp-shard zero1|zero2|zero3``: labkit's ZeRO (:mod:`labkit.parallel.zero_sharding`) over the ``dp`` group of
-``d`` ranks: stage 1 shards the optimizer state, 2 also the gradients (reduce-scattered inside backward; after it,
-once the other dimensions have summed them, under pp, cp, ep or tp's sequence parallelism), 3 also the parameters; per step
-``2 (d − 1)/d · P`` sent for stages 1, 2 and ``3 (d − 1)/d · P`` for 3 (``P``: this rank's tp/pp part, padded).
+``d`` ranks: stage 1 shards the optimizer state, 2 also the gradients (reduce-scattered inside backward; after
+it, once the other dimensions have summed them, under pp, cp, ep or tp's sequence parallelism), 3 also the
+parameters; per step ``2 (d − 1)/d · P`` sent for stages 1, 2 and ``3 (d − 1)/d · P`` for 3 (``P``: this rank's
+tp/pp part, padded). ``--allreduce`` other than ``ddp``/``native`` is refused with a sharded dp.
 Stage 3 is refused under ``pp``: its gathers around each layer's forward and backward would run once per
 micro-batch.
 ``--dp-shard fsdp``: FSDP2 ``fully_shard`` over ``mesh["dp"]``: every parameter — a tp shard already, when
@@ -94,6 +95,10 @@ class DataParallel(Dimension):
         self.allreduce = self.options.get("allreduce") or "ddp"
         if self.allreduce not in ALLREDUCE_MODES:
             raise ConfigError(f"unknown --allreduce {self.allreduce!r}; choose one of {', '.join(ALLREDUCE_MODES)}")
+        if self.shard != "none" and self.allreduce not in ("ddp", "native"):
+            raise ConfigError(f"--allreduce {self.allreduce} chooses how replicas' gradients are all-reduced, but "
+                              f"--dp-shard {self.shard} reduce-scatters them; leave --allreduce out or use "
+                              "--dp-shard none")
         self.algorithm = "native" if self.allreduce == "ddp" else self.allreduce
         self.averages_gradients = self.size > 1 and self.shard == "none"
         self.bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
