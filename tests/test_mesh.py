@@ -161,10 +161,10 @@ def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict
 
 
 def _two_ranks(env, out):
-    from labkit.parallel.mesh import MeshStrategy
-
     """On each of 2 ranks: the TWO compositions; a CNN on dp=2 --dp-shard fsdp resumed, and its checkpoint
     offered to dp=2 without sharding; the same with zero3, offered to zero1; --allreduce ring with zero2 refused."""
+    from labkit.parallel.mesh import MeshStrategy
+
     result = _runs(env, TWO, "cnn dp=2 fsdp", out)
     result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
                                result["cnn dp=2 fsdp"]["weights"])
