@@ -2,12 +2,14 @@
 equals single-process ``fit`` on the global batch; mesh checkpoints resume bit-identically; another mesh is
 refused on resume.
 
-One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce) and on
-``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0)
-on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone); the CNN on
+One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce; and with
+``--allreduce ring``, labkit's ring over the dp group), on
+``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group) and on ``dp=2 --dp-shard zero3`` (labkit's ZeRO over
+it), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0) on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone); the CNN on
 fsdp runs two epochs and is resumed from the checkpoint it wrote after the first, that checkpoint offered to
-another mesh. One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP) and on
-``tp=2,pp=2``; the GPT on ``dp=2,tp=2`` resumed the same way, its checkpoint offered to ``dp=4``. One 8-rank
+another mesh; the CNN on zero3 the same (its parameters gathered over dp to be saved, loaded and compared). One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP), on
+``tp=2,pp=2``, on ``dp=2,tp=2 --dp-shard zero2`` and ``dp=2,pp=2 --dp-shard zero1`` (labkit's ZeRO over the dp
+groups); the GPT on ``dp=2,tp=2`` resumed the same way, its checkpoint offered to ``dp=4``. One 8-rank
 spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and ``dp=2,pp=2`` is ``tests/test_pp.py``'s.) Each fit is
 one epoch of 2 steps (with evaluation), the two resumed ones two epochs.
 
@@ -16,6 +18,8 @@ losses of the ranks that own metrics, one per data shard. Tolerances (float32): 
 1e-6 absolute (only the order of the sums changes), the weights after the last step within 1e-5; a resumed
 run's weights are bit-identical (==) to those of the run that was not interrupted.
 """
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -25,6 +29,7 @@ from labkit.dist.group import DistEnv
 from labkit.dist.testing import record_losses, run_ranks
 from labkit.errors import CheckpointError, ConfigError
 from labkit.models.gpt import GPT, GPTConfig
+from labkit.optim import OptimizerSpec
 from labkit.strategies.base import Strategy
 from labkit.train.tasks import LanguageModelling, Task
 
@@ -70,7 +75,7 @@ def _fit(strategy, model, kind, epochs, start_epoch=0, out=None, resume=False):
     from labkit.train.loop import fit
 
     train, test = _data(kind)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    optimizer, _ = strategy.build_optimizer(model, OptimizerSpec("sgd", LR, 0.9))  # ZeRO: over its shards
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if resume:
         load_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None)
@@ -100,7 +105,9 @@ def _run(env, kind: str, options: dict, out=None) -> dict:
     model = strategy.prepare(_model(kind))
     epochs = EPOCHS if out is None else RESUMED_EPOCHS
     losses = _fit(strategy, model, kind, epochs, out=out)
-    return dict(losses=losses, epochs=epochs, weights=_weights(model), data=strategy.data_shard(), owner=strategy.metric_owner(),
+    with strategy.whole_parameters():  # --dp-shard zero3: gathered over dp
+        weights = _weights(model)
+    return dict(losses=losses, epochs=epochs, weights=weights, data=strategy.data_shard(), owner=strategy.metric_owner(),
                 coords={d.name: d.rank for d in strategy.dims}, sizes={d.name: d.size for d in strategy.dims})
 
 
@@ -118,6 +125,8 @@ def _single(kind: str, epochs: int) -> tuple[torch.Tensor, dict[str, torch.Tenso
 #: (kind, options) of each composition, by the spawn that runs it
 TWO = {"cnn dp=2": ("cnn", {"mesh": "dp=2"}),
        "cnn dp=2 fsdp": ("cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}),
+       "cnn dp=2 zero3": ("cnn", {"mesh": "dp=2", "dp_shard": "zero3"}),
+       "cnn dp=2 ring": ("cnn", {"mesh": "dp=2", "allreduce": "ring"}),
        "gpt dp=2": ("gpt", {"mesh": "dp=2"}),
        "gpt pp=2": ("gpt", {"mesh": "pp=2", "num_microbatches": 2}),
        "gpt tp=2": ("gpt", {"mesh": "tp=2"}),
@@ -125,7 +134,9 @@ TWO = {"cnn dp=2": ("cnn", {"mesh": "dp=2"}),
        "gpt cp=2": ("gpt", {"mesh": "cp=2"})}
 FOUR = {"gpt dp=2,tp=2": ("gpt", {"mesh": "dp=2,tp=2"}),
         "gpt dp=2,tp=2 fsdp": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp"}),
-        "gpt tp=2,pp=2": ("gpt", {"mesh": "tp=2,pp=2", "num_microbatches": 2})}
+        "gpt tp=2,pp=2": ("gpt", {"mesh": "tp=2,pp=2", "num_microbatches": 2}),
+        "gpt dp=2,tp=2 zero2": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "zero2"}),
+        "gpt dp=2,pp=2 zero1": ("gpt", {"mesh": "dp=2,pp=2", "dp_shard": "zero1", "num_microbatches": 2})}
 EIGHT = {"gpt dp=2,tp=2,pp=2": ("gpt", {"mesh": "dp=2,tp=2,pp=2", "num_microbatches": 2})}
 
 
@@ -139,7 +150,8 @@ def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict
     again = MeshStrategy(env, options)
     model = again.prepare(_model(kind))
     _fit(again, model, kind, RESUMED_EPOCHS, start_epoch=1, out=out, resume=True)
-    result["resumed"] = _weights(model)
+    with again.whole_parameters():
+        result["resumed"] = _weights(model)
     wrong = MeshStrategy(env, other)
     try:
         _fit(wrong, wrong.prepare(_model(kind)), kind, RESUMED_EPOCHS, start_epoch=1, out=out, resume=True)
@@ -150,24 +162,35 @@ def _resume(env, kind: str, options: dict, other: dict, out: str, straight: dict
 
 def _two_ranks(env, out):
     """On each of 2 ranks: the TWO compositions; a CNN on dp=2 --dp-shard fsdp resumed, and its checkpoint
-    offered to dp=2 without sharding; --dp-shard zero3 refused."""
+    offered to dp=2 without sharding; the same with zero3, offered to zero1; --allreduce ring with zero2 refused."""
     from labkit.parallel.mesh import MeshStrategy
 
     result = _runs(env, TWO, "cnn dp=2 fsdp", out)
     result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
                                result["cnn dp=2 fsdp"]["weights"])
+    zero3, zero_out = {"mesh": "dp=2", "dp_shard": "zero3"}, os.path.join(out, "zero3")
+    os.makedirs(zero_out, exist_ok=True)
+    straight = _run(env, "cnn", zero3, zero_out)["weights"]
+    result["resume zero3"] = _resume(env, "cnn", zero3, {"mesh": "dp=2", "dp_shard": "zero1"}, zero_out, straight)
     try:
-        MeshStrategy(env, {"mesh": "dp=2", "dp_shard": "zero3"}).check_model("lenet")
+        MeshStrategy(env, {"mesh": "dp=2", "dp_shard": "zero2", "allreduce": "ring"})
     except ConfigError as exc:
-        result["zero3"] = str(exc)
+        result["ring zero2"] = str(exc)
     return result
 
 
 def _four_ranks(env, out):
-    """On each of 4 ranks: the FOUR compositions; the GPT on dp=2,tp=2 resumed, its checkpoint offered to dp=4."""
+    """On each of 4 ranks: the FOUR compositions; the GPT on dp=2,tp=2 resumed, its checkpoint offered to dp=4;
+    --dp-shard zero3 on dp=2,pp=2 refused."""
+    from labkit.parallel.mesh import MeshStrategy
+
     result = _runs(env, FOUR, "gpt dp=2,tp=2", out)
     result["resume"] = _resume(env, "gpt", {"mesh": "dp=2,tp=2"}, {"mesh": "dp=4"}, out,
                                result["gpt dp=2,tp=2"]["weights"])
+    try:
+        MeshStrategy(env, {"mesh": "dp=2,pp=2", "dp_shard": "zero3"}).check_model("gpt-tiny")
+    except ConfigError as exc:
+        result["zero3"] = str(exc)
     return result
 
 
@@ -231,14 +254,26 @@ def test_mesh_checkpoints_resume_bit_identically_and_another_mesh_is_refused(two
         assert straight.keys() == resumed.keys()
         assert all(torch.equal(resumed[name], w) for name, w in straight.items())
     for r in two:
+        straight, resumed = r["resume zero3"]["straight"], r["resume zero3"]["resumed"]
+        assert straight.keys() == resumed.keys()
+        assert all(torch.equal(resumed[name], w) for name, w in straight.items())
+        assert ": it was written on --mesh dp=2 --dp-shard zero3 but this run has --mesh dp=2 --dp-shard zero1;" \
+            in r["resume zero3"]["mismatch"]
         assert ": it was written on --mesh dp=2 --dp-shard fsdp but this run has --mesh dp=2; resume with --mesh " \
                "dp=2 --dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
     for r in four:
         assert ": it was written on --mesh dp=2,tp=2 but this run has --mesh dp=4;" in r["resume"]["mismatch"]
 
 
-def test_zero3_on_a_mesh_is_refused_naming_fsdp(two):
-    assert all(r["zero3"].startswith("--dp-shard zero3: ") and "use --dp-shard fsdp" in r["zero3"] for r in two)
+def test_an_allreduce_algorithm_with_a_sharded_dp_is_refused_in_one_line(two):
+    assert all(r["ring zero2"] == "--allreduce ring chooses how replicas' gradients are all-reduced, but --dp-shard "
+               "zero2 reduce-scatters them; leave --allreduce out or use --dp-shard none" for r in two)
+
+
+def test_zero3_under_a_pipeline_is_refused_in_one_line(four):
+    assert all(r["zero3"] == "--dp-shard zero3 with pp > 1 is not supported: stage 3 gathers each layer's parameters "
+               "around its forward and backward, which the pipeline's micro-batches interleave; use --dp-shard zero1 "
+               "or zero2, or fsdp" for r in four)
 
 
 @pytest.mark.parametrize("key", list(FOUR))

@@ -1,6 +1,7 @@
 """What one training step of each strategy sends, counted: nothing the plain version of the step lacks.
 
-One 2-rank gloo job runs 6 steps of :func:`labkit.train.loop.fit` per strategy (and a 2-layer GPT on ``--mesh tp=2``
+One 2-rank gloo job runs 6 steps of :func:`labkit.train.loop.fit` per strategy (``--mesh dp=2 --dp-shard zero2``
+besides calls what ``--strategy zero --zero-stage 2`` calls and ends on its bit-identical weights; and a 2-layer GPT on ``--mesh tp=2``
 and ``pp=2``; the 4-rank meshes ``dp=2,cp=2`` and ``dp=2,ep=2`` count their all-reduces in ``tests/test_cp.py``
 and ``tests/test_moe.py``) with every ``torch.distributed`` call
 the step can make wrapped (its name and element count logged; pipelining's batched sends arrive as their isend/
@@ -85,8 +86,10 @@ def _tokens() -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset, log: list) -> list[list[str]]:
-    """The calls of each of the STEPS steps, from one train_step to the next (the last one to the epoch's end)."""
+def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset, log: list,
+           weights: list | None = None) -> list[list[str]]:
+    """The calls of each of the STEPS steps, from one train_step to the next (the last one to the epoch's end);
+    with ``weights``, the parameters after the last step appended to it."""
     strategy = get_strategy(name)(env, options)
     task = None
     if isinstance(data.tensors[1], torch.Tensor) and data.tensors[1].ndim == 2:  # next-token targets: a GPT
@@ -115,6 +118,8 @@ def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset,
     finally:
         ktrain.train_step = step
     cuts.append(len(log))
+    if weights is not None:
+        weights.extend(p.detach().clone() for p in model.parameters())
     strategy.close()
     assert cuts[0] == start, log[start:cuts[0]]
     return [log[a:b] for a, b in zip(cuts, cuts[1:])]
@@ -136,13 +141,17 @@ def _ranks(env) -> dict:
                 "fsdp": ("fsdp", {}, _net(), _data()),
                 "mesh-dp": ("mesh", {"mesh": "dp=2"}, _net(), _data()),
                 "mesh-fsdp": ("mesh", {"mesh": "dp=2", "dp_shard": "fsdp"}, _net(), _data()),
+                "mesh-zero-2": ("mesh", {"mesh": "dp=2", "dp_shard": "zero2"}, _net(), _data()),
                 "mesh-tp": ("mesh", {"mesh": "tp=2"}, _gpt(), _tokens()),
                 "mesh-pp": ("mesh", {"mesh": "pp=2", "num_microbatches": 2}, _gpt(), _tokens()),
                 "hybrid": ("hybrid", {}, alexnet, _data(3, 16)),
                 "tensor-parallel": ("tensor-parallel", {}, _net(), _data()),
                 "pipeline": ("pipeline", {"num_microbatches": 2}, _net(), _data()),
                 "ps": ("ps", {"ps_mode": "sync", "ps_timeout_s": 60}, _net(), _data())}
-        return {key: _steps(name, options, env, model, data, log) for key, (name, options, model, data) in runs.items()}
+        weights: dict[str, list] = {"zero-2": [], "mesh-zero-2": []}
+        steps = {key: _steps(name, options, env, model, data, log, weights.get(key))
+                 for key, (name, options, model, data) in runs.items()}
+        return {**steps, "weights": weights}
     finally:
         _restore(originals)
 
@@ -167,6 +176,8 @@ STEP = {
     # --dp-shard fsdp: FSDP2 over the dp group, the same calls as --strategy fsdp
     "mesh-dp": ["all_reduce 131"],
     "mesh-fsdp": [f"{AG} 104", f"{AG} 36", f"{AG} 36", f"{AG} 104", f"{RS} 18", f"{RS} 52"],
+    # --dp-shard zero2: labkit's ZeRO over the dp group, the same calls as --strategy zero --zero-stage 2
+    "mesh-zero-2": [f"{RS} 14", f"{RS} 52", f"{AG} 104", f"{AG} 28"],
     # shard sizes (host memory), features and targets to rank 0, their gradients and logits back, the
     # convolutions' gradients summed (565,152 parameters, one bucket)
     "hybrid": [f"{AG} 2", "gather 2048", "gather 4", "scatter 2048", "scatter 12", "all_reduce 565152"],
@@ -204,6 +215,10 @@ def test_a_step_sends_what_its_strategy_needs_and_the_stop_check_one_collective_
         mesh_pp = [MESH_PP[rank] + extra for extra in LOOP]
         mesh_pp[0] = MESH_PP_FIRST[rank] + mesh_pp[0]
         assert got["mesh-pp"] == mesh_pp, (rank, got["mesh-pp"])
+        # --mesh dp=2 --dp-shard zero2 trains to the bit-identical weights of --strategy zero --zero-stage 2
+        zero, mesh_zero = got["weights"]["zero-2"], got["weights"]["mesh-zero-2"]
+        assert len(zero) == len(mesh_zero) == 4
+        assert all(torch.equal(a, b) for a, b in zip(zero, mesh_zero, strict=True)), rank
     # ps, rank 1 the worker: push its gradient, wait for the header and the parameters; the epoch's end
     # broadcasts the server's shard
     ps = [["isend 131", "irecv 2", "irecv 131"] + extra for extra in LOOP]

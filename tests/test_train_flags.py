@@ -35,8 +35,9 @@ def _parser():
     return parser
 
 
-#: SAMPLE's flags that a later strategy owns too (the mesh's pp dimension: the pipeline's --schedule)
-SHARED = {"--schedule": ("mesh",)}
+#: SAMPLE's flags that a later strategy owns too (the mesh's pp dimension: the pipeline's --schedule; its dp
+#: dimension: ddp's --allreduce)
+SHARED = {"--schedule": ("mesh",), "--allreduce": ("mesh",)}
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -56,7 +57,8 @@ def test_every_strategy_rejects_the_other_strategies_flags(strategy, capsys, tmp
 
 def test_the_examples_of_silently_accepted_flags_are_now_refused(capsys):
     assert _exit_code(["train", "--strategy", "hybrid", "--allreduce", "ring", "--mp-devices", "3"]) == 2
-    assert "--allreduce is a flag of --strategy ddp, not of --strategy hybrid" in capsys.readouterr().err
+    assert "--allreduce is a flag of --strategy ddp and --strategy mesh, not of --strategy hybrid" in \
+        capsys.readouterr().err
     assert _exit_code(["train", "--optimizer", "sgd", "--kfac-update-freq", "5"]) == 2
     assert "--kfac-update-freq is a flag of --optimizer kfac, not of --optimizer sgd" in capsys.readouterr().err
     assert _exit_code(["train", "--strategy", "pipeline", "--balance-by", "time"]) == 2  # gpipe's, not shared

@@ -5,8 +5,8 @@
 ``tp`` shards the layers, ``cp`` / ``ep`` swap in ring attention / expert routing, ``pp`` cuts what is left
 into stages, ``dp`` wraps each stage for data parallelism.
 
-Adding a dimension: one module (a ``Dimension`` subclass and its ``FLAGS`` literal, see :mod:`labkit.flags`)
-and one line here. Beside ``FLAGS`` the module may declare an ``ADVISOR`` literal naming its pricing function
+Adding a dimension: one module (a ``Dimension`` subclass and its ``FLAGS`` literal, see :mod:`labkit.flags`;
+a flag another module declares is named in its ``SHARED_FLAGS`` literal instead of copied) and one line here. Beside ``FLAGS`` the module may declare an ``ADVISOR`` literal naming its pricing function
 (``{"price": "labkit.parallel.dp:mesh_time"}``, a pure function of a :class:`labkit.parallel.pricing.MeshStep` with its
 formula in the docstring), read like the
 strategies' (:func:`dimension_literal`, :func:`registered`) for the advisor's mesh search. This package imports no torch, so flag and ``--mesh`` errors answer without it.
@@ -52,8 +52,15 @@ def get_dimension(name: str):
 
 
 def dimension_flags(name: str) -> tuple[dict, ...]:
-    """The ``labkit train`` flags of dimension ``name`` (its module's ``FLAGS``); empty if not installed."""
-    return read_flags(_check(name).partition(":")[0]) if installed(name) else ()
+    """The ``labkit train`` flags of dimension ``name``: its module's ``FLAGS``, then those it shares with the
+    module that declares them (its ``SHARED_FLAGS`` literal, ``{"module": ["--flag", ...]}``: one definition, the
+    same choices and default in both places); empty if not installed."""
+    if not installed(name):
+        return ()
+    module = _check(name).partition(":")[0]
+    shared = read_literal(module, "SHARED_FLAGS", {})
+    return read_flags(module) + tuple(f for owner, names in shared.items() for f in read_flags(owner)
+                                      if f["flag"] in names)
 
 
 def dimension_literal(name: str, literal: str, default=None):

@@ -7,10 +7,11 @@ the APPLY order of :data:`labkit.parallel.DIMENSIONS` (``tp, cp, ep, pp, dp``)::
     for d in dims: model = d.parallelize(model)        # tp shards layers, cp/ep swap attention/experts,
                                                        # pp cuts stages, dp wraps what is left
     per step:
+        for d in dims: d.begin_step()                  # dp under ZeRO stage 1: its flat gradients zeroed
         for d in dims: x, y = d.shard_batch(x, y)      # this rank's part of the batch
         for d in dims: criterion = d.criterion(criterion)
         loss = criterion(model(x), y); loss.backward() # or pp's forward_backward(model, x, y, criterion)
-        for d in reversed(dims): d.sync_gradients(model)
+        for d in reversed(dims): d.sync_gradients(model)   # (a dimension with sync_last: after the others)
 
 Losses: every dimension sees the mean loss over its own tokens; averaging gradients over the data-like
 groups (dp, cp) makes the step equal to one step of single-process ``fit`` on the global batch.
@@ -59,6 +60,9 @@ class Dimension:
     #: cp, ep)? Two or more such dimensions average once over their flattened group instead
     #: (:meth:`labkit.parallel.mesh.MeshStrategy.sync_gradients`): one all-reduce, not one per dimension.
     averages_gradients: bool = False
+    #: must ``sync_gradients`` run after every other dimension's (dp under ZeRO: it takes the gradients off the
+    #: parameters, so the others' sums and averages must be done on them first)?
+    sync_last: bool = False
 
     def __init__(self, mesh: DeviceMesh, options: dict):
         self.mesh = mesh
@@ -75,6 +79,9 @@ class Dimension:
     def parallelize(self, model: nn.Module) -> nn.Module:
         """This dimension's change to ``model`` (in APPLY order); size 1: ``model`` unchanged."""
         return model
+
+    def begin_step(self) -> None:
+        """Before a training step's forward (no collective, no host sync); default nothing."""
 
     def shard_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of the batch (cp: its sequence chunks); default: all of it."""

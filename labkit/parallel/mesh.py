@@ -14,6 +14,7 @@ Checkpoints: every rank writes ``checkpoint.rank{r}.pt`` (its shards, plain tens
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -25,7 +26,6 @@ from labkit.models.names import LANGUAGE_MODELS
 from labkit.parallel import DIMENSIONS, get_dimension
 from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB, DataParallelStrategy, ShardSampler, average_gradients
 from labkit.parallel.fsdp import load_local_state, local_state
-from labkit.parallel.zero import refuse_layerwise
 
 #: ``labkit train`` flags, plain data read without importing this module (labkit.flags); each dimension's
 #: own flags (``labkit.parallel.<name>.FLAGS``) come with them
@@ -148,6 +148,8 @@ class MeshStrategy(DataParallelStrategy):
 
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, criterion: nn.Module):
         for d in self.dims:
+            d.begin_step()
+        for d in self.dims:
             x, y = d.shard_batch(x, y)
         criterion = self._criterion(criterion)
         if self.pipeline is not None:
@@ -160,10 +162,12 @@ class MeshStrategy(DataParallelStrategy):
     def sync_gradients(self, model: nn.Module) -> None:
         """Every dimension's synchronisation in reverse apply order; the averaging dimensions (dp, cp, ep), when
         two or more, together in :meth:`_average_once` (averages over different groups commute with the other
-        dimensions' sums, so the order does not change the result)."""
+        dimensions' sums, so the order does not change the result); a dimension with ``sync_last`` (dp under
+        ZeRO) after all the others."""
         if self.averaged:
             self._average_once(model)
-        for d in reversed(self.dims):
+        ordered = [d for d in reversed(self.dims) if not d.sync_last] + [d for d in self.dims if d.sync_last]
+        for d in ordered:
             if d not in self.averaged:
                 d.sync_gradients(model)
 
@@ -179,11 +183,12 @@ class MeshStrategy(DataParallelStrategy):
         experts = expert_params(model) if "ep" in names else set()
         params = [p for p in model.parameters() if p.requires_grad]
         bucket = int(DEFAULT_BUCKET_MB * 2**20)
-        average_gradients([p for p in params if id(p) not in experts], "native", bucket, group=self.averaged_group)
+        algorithm = names["dp"].algorithm if "dp" in names else "native"  # dp's --allreduce
+        average_gradients([p for p in params if id(p) not in experts], algorithm, bucket, group=self.averaged_group)
         if experts:
             ours = [p for p in params if id(p) in experts]
             if "dp" in names:
-                average_gradients(ours, "native", bucket, group=names["dp"].group)
+                average_gradients(ours, algorithm, bucket, group=names["dp"].group)
             for p in ours:
                 if p.grad is not None:
                     p.grad /= names["ep"].size
@@ -207,9 +212,10 @@ class MeshStrategy(DataParallelStrategy):
         return all(d.owns_metrics() for d in self.dims)
 
     def build_optimizer(self, model: nn.Module, spec):
-        if any(d.name == "dp" and getattr(d, "shard", "none") == "fsdp" for d in self.dims):
-            refuse_layerwise(spec.name, "mesh --dp-shard fsdp", "a shard of each tensor")
-        return spec.build(model)
+        """The dp dimension's (:meth:`labkit.parallel.dp.DataParallel.build_optimizer`: over its ZeRO shards, if
+        any), else ``spec``'s over the model's parameters."""
+        dp = next((d for d in self.dims if d.name == "dp"), None)
+        return dp.build_optimizer(model, spec) if dp is not None else spec.build(model)
 
     # ----- checkpoints: one file per rank, with the mesh ---------------------------------------------
 
@@ -220,8 +226,17 @@ class MeshStrategy(DataParallelStrategy):
             key.update(d.state_key())
         return key
 
+    def whole_parameters(self) -> contextlib.AbstractContextManager:
+        """A block in which this rank's parameters (its tp/pp part) are whole: under ``--dp-shard zero3``
+        all-gathered over dp (collective), freed after (:meth:`labkit.parallel.dp.DataParallel.whole_parameters`)."""
+        dp = next((d for d in self.dims if d.name == "dp"), None)
+        return dp.whole_parameters() if dp is not None else contextlib.nullcontext()
+
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return {**local_state(model, optimizer), "world_size": self.env.world_size, "mesh": self.mesh_key()}
+        with self.whole_parameters():
+            state = local_state(model, optimizer)
+            state["model"] = {k: v.clone() for k, v in state["model"].items()}  # ZeRO-3 frees them after the block
+        return {**state, "world_size": self.env.world_size, "mesh": self.mesh_key()}
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         saved = state.get("mesh")
@@ -230,7 +245,8 @@ class MeshStrategy(DataParallelStrategy):
             raise CheckpointError(f"it was written on --mesh {written} but this run has --mesh "
                                   f"{_describe(self.mesh_key())}; resume with --mesh {written} or start without "
                                   "--resume")
-        load_local_state(model, optimizer, state)
+        with self.whole_parameters():
+            load_local_state(model, optimizer, state)
 
 
 def _describe(key: dict) -> str:

@@ -39,6 +39,7 @@ from labkit.advisor.topology import broadcast_time, collective_time, common_term
 from labkit.dist import group as kdist
 from labkit.errors import CheckpointError, ConfigError
 from labkit.parallel.data_parallel import DataParallelStrategy, broadcast_from_rank0
+from labkit.parallel.zero_sharding import ZeroSharding
 from labkit.parallel.zero_units import Comm, Unit
 from labkit.strategies.backends import check as check_backend
 
@@ -92,22 +93,18 @@ class ZeroStrategy(DataParallelStrategy):
         if env.backend is not None:  # labkit train checked this already; a strategy built by hand is checked here
             check_backend("zero", env.backend, env.device.type)
         self.comm = Comm(env.world_size, env.distributed)
-        self.units: list[Unit] = []
+        self.sharding = ZeroSharding(self.stage, self.comm, env.rank, self.prefetch)
+
+    @property
+    def units(self) -> list[Unit]:
+        """The model's units (:class:`~labkit.parallel.zero_units.Unit`), in module order."""
+        return self.sharding.units
 
     def prepare(self, model: nn.Module) -> nn.Module:
         model = model.to(self.env.device)
         if self.env.distributed:
             broadcast_from_rank0(model)
-        owners = [m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-        self.units = [Unit(m, self.env.world_size, self.env.rank, self.comm, self.stage == 1) for m in owners]
-        for i, unit in enumerate(self.units):
-            if self.stage >= 2:
-                for p in unit.params:
-                    p.register_post_accumulate_grad_hook(lambda p, u=unit: self._grad_ready(u))
-            if self.stage == 3:
-                unit.shard_own_storage()
-                unit.module.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
-                unit.module.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
+        self.sharding.shard(model)
         return model
 
     def sampler(self, dataset, train: bool, seed: int):
@@ -119,34 +116,10 @@ class ZeroStrategy(DataParallelStrategy):
         out = model(x)
         return out if self.stage < 3 or self.env.is_main else None  # stage 3: rank 0 counts the metrics
 
-    # ----- the step ----------------------------------------------------------------------------------
-
-    def _before_forward(self, i: int) -> None:
-        self.units[i].gather()
-        if self.prefetch and i + 1 < len(self.units):
-            self.units[i + 1].gather(wait=False)
-
-    def _after_forward(self, i: int, out) -> None:
-        self.units[i].free()
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad, i=i: self._before_backward(i))
-
-    def _before_backward(self, i: int) -> None:
-        self.units[i].gather()
-        if self.prefetch and i > 0:
-            self.units[i - 1].gather(wait=False)
-
-    def _grad_ready(self, unit: Unit) -> None:
-        unit.pending -= 1
-        if unit.pending == 0:  # the unit's whole gradient exists: reduce-scatter it now, inside backward
-            unit.reduce_gradients()
-            if self.stage == 3:
-                unit.free()
+    # ----- the step (labkit.parallel.zero_sharding) ------------------------------------------------------
 
     def forward_backward(self, model, x, y, criterion):
-        if self.stage == 1:
-            for unit in self.units:
-                unit.zero_grad()
+        self.sharding.begin_step()
         if self.env.distributed:  # buffers (e.g. batch-norm statistics) follow rank 0, as DDP does
             with torch.no_grad():
                 for b in model.buffers():
@@ -154,25 +127,11 @@ class ZeroStrategy(DataParallelStrategy):
         return super().forward_backward(model, x, y, criterion)
 
     def sync_gradients(self, model: nn.Module) -> None:
-        for unit in self.units:
-            if self.stage == 1 or unit.pending != len(unit.params):  # stage 1, or a unit with unused parameters
-                unit.reduce_gradients()
-            if self.stage == 3 and unit.gathered:
-                unit.gather()  # wait for a prefetch still in flight before freeing
-                unit.free()
-
-    def _after_step(self, optimizer, args, kwargs) -> None:
-        if self.stage < 3:  # stage 3 gathers at the next forward
-            for unit in self.units:
-                unit.gather(force=True)
-        for unit in self.units:
-            unit.shard.grad = None
+        self.sharding.sync_gradients()
 
     def build_optimizer(self, model: nn.Module, spec):
         refuse_layerwise(spec.name, "zero", "a slice of each layer's flat buffer")
-        optimizer, preconditioner = spec.build(nn.ParameterList([u.shard for u in self.units]))
-        optimizer.register_step_post_hook(self._after_step)
-        return optimizer, preconditioner
+        return self.sharding.build_optimizer(spec)
 
     # ----- memory and checkpoints ---------------------------------------------------------------------
 
@@ -194,14 +153,7 @@ class ZeroStrategy(DataParallelStrategy):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter, whole, on every rank (all-gathered for stage 3): for tests and notebooks."""
-        out = []
-        for unit in self.units:
-            was = unit.gathered
-            unit.gather()
-            out += [p.detach().clone() for p in unit.params]
-            if not was:
-                unit.free()
-        return out
+        return self.sharding.full_parameters()
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         return {"model": {f"shard.{i}": u.shard.detach().clone() for i, u in enumerate(self.units)}

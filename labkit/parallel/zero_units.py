@@ -1,6 +1,6 @@
 """ZeRO's flat parameter buffers: a :class:`Unit` per module that owns parameters (rank r's shard of its padded
-flat buffer, gathered and freed as :class:`~labkit.parallel.zero.ZeroStrategy` needs it), and :class:`Comm`, the
-strategy's all-gathers and reduce-scatters with the bytes each rank sends counted.
+flat buffer, gathered and freed as :class:`~labkit.parallel.zero_sharding.ZeroSharding` needs it), and
+:class:`Comm`, the all-gathers and reduce-scatters over one process group with the bytes each rank sends counted.
 """
 from __future__ import annotations
 
@@ -16,13 +16,16 @@ class Unit:
 
     ``full`` (N·S,) holds the gathered parameters (the module's parameters are views into it); ``shard``
     (S,) is what this rank's optimizer steps; ``grad`` (S,) this rank's slice of the averaged gradient.
-    With ``keep_full_grad`` (stage 1) the gradients live in a persistent flat (N·S,) buffer, the
+    ``params``: the module's own trainable parameters unless given (a parameter it shares with a module that
+    has its unit already left out). With ``keep_full_grad`` (stage 1) the gradients live in a persistent flat (N·S,) buffer, the
     parameters' ``.grad`` are views into it and ``grad`` is its slice.
     """
 
-    def __init__(self, module: nn.Module, world: int, rank: int, comm: Comm, keep_full_grad: bool):
+    def __init__(self, module: nn.Module, world: int, rank: int, comm: Comm, keep_full_grad: bool,
+                 params: list[nn.Parameter] | None = None):
         self.module, self.comm, self.rank = module, comm, rank
-        self.params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        self.params = params if params is not None else [p for p in module.parameters(recurse=False)
+                                                         if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.size = math.ceil(self.numel / world)  # S
         first = self.params[0]
@@ -91,10 +94,14 @@ class Unit:
 
 
 class Comm:
-    """The strategy's collectives, counting the bytes each rank sends (ring algorithms: (N−1)/N of the buffer)."""
+    """The strategy's collectives over ``group`` of N = ``world`` ranks (``None``: the whole job), counting the
+    bytes each rank sends (ring algorithms: (N−1)/N of the buffer).
 
-    def __init__(self, world: int, distributed: bool):
-        self.world, self.distributed = world, distributed
+    ``world`` must be ``group``'s size; ``distributed`` False: one process, the collectives are copies.
+    """
+
+    def __init__(self, world: int, distributed: bool, group=None):
+        self.world, self.distributed, self.group = world, distributed, group
         self.sent_bytes = 0
 
     def _count(self, full: torch.Tensor) -> None:
@@ -105,11 +112,11 @@ class Comm:
         if not self.distributed:
             full.copy_(shard)
             return None
-        return dist.all_gather_single(full, shard, async_op=async_op)
+        return dist.all_gather_single(full, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         self._count(full)
         if not self.distributed:
             shard.copy_(full)
             return
-        dist.reduce_scatter_single(shard, full)
+        dist.reduce_scatter_single(shard, full, group=self.group)
