@@ -185,6 +185,19 @@ def test_a_mesh_of_another_rank_count_is_refused_before_any_communication():
         MeshStrategy(DistEnv(world_size=2, local_world_size=2), {"mesh": "dp=2,tp=2"})
 
 
+def test_a_mesh_is_parsed_once_into_one_shape_every_reader_takes():
+    from labkit.dist.mesh import MeshShape
+
+    shape = MeshShape.parse("tp=2, dp=2")
+    assert MeshShape.parse("tp=2, dp=2") is shape and MeshShape.parse(shape) is shape  # parsed once
+    assert shape == {"pp": 1, "dp": 2, "ep": 1, "cp": 1, "tp": 2} and list(shape) == ["pp", "dp", "ep", "cp", "tp"]
+    assert str(shape) == "dp=2,tp=2" and shape.ranks == 4 and str(MeshShape.parse("pp=1")) == "dp=1"
+    assert [shape.coordinates(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
+    assert [shape.coordinates(r)["dp"] for r in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(ConfigError, match=r"^--mesh tp=2, dp=2 has 4 ranks \(2 x 2\) but the job has 8"):
+        shape.check_world(8)
+
+
 def test_a_mesh_flag_with_another_strategy_is_one_line(capsys, tmp_path):
     assert _exit_code(["train", *QUICK, "--out", str(tmp_path), "--strategy", "ddp", "--mesh", "dp=2"]) == 2
     assert _one_error_line(capsys) == "labkit: error: --mesh is a flag of --strategy mesh, not of --strategy ddp"

@@ -13,6 +13,7 @@ Parsing and checking import no torch, so a bad ``--mesh`` answers at once with o
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -24,12 +25,55 @@ MESH_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
 _ITEM = re.compile(r"\s*([A-Za-z]\w*)\s*=\s*(-?\d+)\s*")
 
 
-def parse_mesh(spec: str) -> dict[str, int]:
-    """``"dp=2,tp=2"`` -> ``{"dp": 2, "tp": 2}`` in the order written.
+class MeshShape(dict):
+    """``--mesh``, parsed once (:meth:`parse`): every dimension of :data:`MESH_ORDER` with its size, in that order,
+    1 where not named (a ``dict``, so every reader indexes it: ``shape["tp"]``). ``str(shape)`` is its canonical
+    spelling, ``dp=2,tp=2`` (sizes of 1 left out; ``dp=1`` if all are 1)."""
 
-    Raises:
-        ConfigError: not ``name=size,...``, an unknown or repeated name, or a size below 1.
-    """
+    def __init__(self, named: dict[str, int] | None = None, written: str | None = None):
+        named = dict(named or {})
+        super().__init__({name: int(named.get(name, 1)) for name in MESH_ORDER})
+        self.named = named  # the dimensions as written, in that order (what a message quotes)
+        self.written = written if written is not None else str(self)
+
+    @classmethod
+    def parse(cls, spec: str | MeshShape) -> MeshShape:
+        """``"dp=2,tp=2"`` -> the shape; a shape is returned as it is, so a reader may be handed either.
+
+        Raises:
+            ConfigError: not ``name=size,...``, an unknown or repeated name, or a size below 1.
+        """
+        return spec if isinstance(spec, MeshShape) else _parse(spec)
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={self[n]}" for n in MESH_ORDER if self[n] > 1) or "dp=1"
+
+    @property
+    def ranks(self) -> int:
+        """The number of ranks the mesh lays out: the product of the sizes."""
+        return math.prod(self.values())
+
+    def check_world(self, world_size: int) -> None:
+        """The product of the sizes must be the number of ranks.
+
+        Raises:
+            ConfigError: it is not (the message says both numbers).
+        """
+        if self.ranks != world_size:
+            sizes = " x ".join(map(str, (self.named or self).values()))
+            raise ConfigError(f"--mesh {self.written} has {self.ranks} ranks ({sizes}) but the job has {world_size}; "
+                              f"start {self.ranks} ranks (torchrun --nproc_per_node {self.ranks}) or change --mesh")
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global ``rank`` sits on the mesh: ``{dim: index}`` (row-major in :data:`MESH_ORDER`)."""
+        coords: dict[str, int] = {}
+        for name in reversed(MESH_ORDER):
+            rank, coords[name] = divmod(rank, self[name])
+        return {name: coords[name] for name in MESH_ORDER}
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(spec: str) -> MeshShape:
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError("--mesh needs name=size pairs, e.g. --mesh dp=2,tp=2")
     shape: dict[str, int] = {}
@@ -45,32 +89,7 @@ def parse_mesh(spec: str) -> dict[str, int]:
         if size < 1:
             raise ConfigError(f"--mesh {spec!r}: {name} must be >= 1, got {size}")
         shape[name] = size
-    return shape
-
-
-def full_shape(shape: dict[str, int]) -> dict[str, int]:
-    """Every dimension of :data:`MESH_ORDER` in that order, the ones not named with size 1."""
-    return {name: int(shape.get(name, 1)) for name in MESH_ORDER}
-
-
-def check_world(shape: dict[str, int], world_size: int, spec: str | None = None) -> None:
-    """The product of the sizes must be the number of ranks.
-
-    Raises:
-        ConfigError: it is not (the message says both numbers).
-    """
-    product = math.prod(shape.values())
-    if product != world_size:
-        text = spec if spec is not None else format_mesh(shape)
-        raise ConfigError(f"--mesh {text} has {product} ranks ({' x '.join(map(str, shape.values()))}) but the job "
-                          f"has {world_size}; start {product} ranks (torchrun --nproc_per_node {product}) or change "
-                          "--mesh")
-
-
-def format_mesh(shape: dict[str, int]) -> str:
-    """``{"dp": 2, "tp": 2, "pp": 1}`` -> ``"dp=2,tp=2"`` (sizes of 1 left out, mesh order; ``"dp=1"`` if all 1)."""
-    named = [f"{n}={shape[n]}" for n in MESH_ORDER if shape.get(n, 1) > 1]
-    return ",".join(named) or "dp=1"
+    return MeshShape(shape, spec)
 
 
 def build_mesh(shape: dict[str, int], device_type: str = "cpu"):
@@ -78,14 +97,6 @@ def build_mesh(shape: dict[str, int], device_type: str = "cpu"):
     all of :data:`MESH_ORDER` as named dimensions (sizes of 1 included)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    full = full_shape(shape)
+    full = MeshShape(shape)
     return init_device_mesh(device_type, tuple(full.values()), mesh_dim_names=tuple(full))
 
-
-def coordinates(rank: int, shape: dict[str, int]) -> dict[str, int]:
-    """Where global ``rank`` sits on the mesh: ``{dim: index}`` (row-major in :data:`MESH_ORDER`)."""
-    full = full_shape(shape)
-    coords: dict[str, int] = {}
-    for name in reversed(MESH_ORDER):
-        rank, coords[name] = divmod(rank, full[name])
-    return {name: coords[name] for name in MESH_ORDER}

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from labkit.dist.mesh import MESH_ORDER, build_mesh, check_world, format_mesh, full_shape, parse_mesh
+from labkit.dist.mesh import MESH_ORDER, MeshShape, build_mesh
 from labkit.errors import CheckpointError
 from labkit.models.names import LANGUAGE_MODELS
 from labkit.parallel import DIMENSIONS, get_dimension
@@ -81,11 +81,9 @@ class MeshStrategy(DataParallelStrategy):
 
     def __init__(self, env, options=None):
         super().__init__(env, options)
-        spec = self.options.get("mesh") or f"dp={env.world_size}"
-        named = parse_mesh(spec)
-        check_world(named, env.world_size, spec)
-        self.shape = full_shape(named)
-        self.options["mesh"] = format_mesh(self.shape)
+        self.shape = MeshShape.parse(self.options.get("mesh") or f"dp={env.world_size}")
+        self.shape.check_world(env.world_size)
+        self.options["mesh"] = str(self.shape)
         classes = [get_dimension(n) for n in DIMENSIONS if self.shape[n] > 1]  # unavailable: ConfigError now
         self.mesh = build_mesh(self.shape, env.device.type) if env.distributed else None
         self.dims = [cls(self.mesh, self.options) for cls in classes]
@@ -254,4 +252,4 @@ def _describe(key: dict) -> str:
     ``none``/``False`` left out)."""
     options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in key.items()
                if k not in MESH_ORDER and v not in (None, False, "none")]
-    return " ".join([format_mesh(key), *options])
+    return " ".join([str(MeshShape({n: key.get(n, 1) for n in MESH_ORDER})), *options])

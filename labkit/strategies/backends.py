@@ -77,10 +77,10 @@ def _parse(strategy_key: str) -> tuple[str, dict[str, str]]:
 
 
 def _mesh_has(spec: str | None, dims: list[str]) -> bool:
-    from labkit.dist.mesh import parse_mesh
+    from labkit.dist.mesh import MeshShape
 
     try:
-        shape = parse_mesh(spec)
+        shape = MeshShape.parse(spec)
     except ConfigError:  # no mesh, or a bad one: --mesh's own check answers that
         return False
     return any(shape.get(d, 1) > 1 for d in dims)

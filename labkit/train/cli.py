@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 
 from labkit.data.cli import ROOT_HELP
-from labkit.dist.mesh import parse_mesh
+from labkit.dist.mesh import MeshShape
 from labkit.errors import ConfigError, flag_error
 from labkit.flags import add_flags
 from labkit.models.names import default_optimizer
@@ -58,7 +58,7 @@ class TrainParser(argparse.ArgumentParser):
             args = args if chosen.mesh is None else [*args, "--strategy", "mesh"]
         if chosen.mesh is not None and chosen.strategy == "mesh":
             try:
-                parse_mesh(chosen.mesh)
+                MeshShape.parse(chosen.mesh)
             except ConfigError as exc:
                 self.error(str(exc))
         if chosen.strategy not in STRATEGIES:

@@ -63,7 +63,6 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     import torch
     import torch.distributed as dist
 
-    from labkit.dist.mesh import coordinates
     from labkit.models import cnn as kmodels
     from labkit.models.gpt import Block
     from labkit.parallel.mesh import MeshStrategy
@@ -119,7 +118,7 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     tp = strategy.shape["tp"]
     rows = seq_len // tp if sequence_parallel else seq_len
     block_in = torch.randn(batch, rows, whole.cfg.n_embd, requires_grad=True)
-    return {"rank": env.rank, "coords": coordinates(env.rank, strategy.shape), "shape": strategy.shape,
+    return {"rank": env.rank, "coords": strategy.shape.coordinates(env.rank), "shape": strategy.shape,
             "regions": regions, "shapes": {n: tuple(t.shape) for n, t in full.items() if n in WEIGHTS},
             "bytes": counted, "p2p": p2p["bytes"], "block_saved": _saved_bytes(block, block_in),
             "block_input": tuple(block_in.shape), "cfg": whole.cfg,
@@ -152,9 +151,9 @@ def plot_mesh(shape: dict[str, int], axes=None):
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from labkit.dist.mesh import coordinates, full_shape
+    from labkit.dist.mesh import MeshShape
 
-    shape = full_shape(shape)
+    shape = MeshShape(shape)
     named, rows, cols = _layout(shape)
     if axes is None:
         _, axes = plt.subplots(1, len(named), figsize=(2.2 * len(named) + 0.4 * cols, 0.6 * rows + 1.2),
@@ -163,7 +162,7 @@ def plot_mesh(shape: dict[str, int], axes=None):
     for ax, dim in zip(axes, named):
         grid = np.zeros((rows, cols))
         for rank in range(rows * cols):
-            grid[rank // cols, rank % cols] = coordinates(rank, shape)[dim]
+            grid[rank // cols, rank % cols] = shape.coordinates(rank)[dim]
             ax.text(rank % cols, rank // cols, f"rank {rank}", ha="center", va="center", fontsize=8)
         ax.imshow(grid, cmap="Pastel1", vmin=0, vmax=8)
         ax.set_xticks([]), ax.set_yticks([])
