@@ -1,8 +1,9 @@
 """The package's shape: no import circle at any depth, and each parallel building block defined once.
 
 Every ``import`` and ``from … import`` in ``labkit/`` counts: at module level, inside functions, and under
-``if TYPE_CHECKING``. An edge goes to the module whose code the statement needs: ``from labkit.a import b`` reads
-``labkit.a.b`` where that is a module, else ``labkit.a``.
+``if TYPE_CHECKING``, and so does ``importlib.import_module("labkit.…")`` with a literal name. An edge goes to the
+module whose code the statement needs: ``from labkit.a import b`` reads ``labkit.a.b`` where that is a module,
+else ``labkit.a``.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
                            for a in node.names]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args
+                  and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                targets = [node.args[0].value]
             else:
                 continue
             graph[name].update(t for t in targets if t in mods and t != name)
