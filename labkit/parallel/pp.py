@@ -92,8 +92,8 @@ class Timeline:
 
     Events are ``{"rank", "step", "kind", "mb", "start", "end"}`` with ``kind`` ``"F"`` / ``"B"`` (compute
     of micro-batch ``mb``) or ``"wait"`` (blocked on a send/receive handle; ``mb`` is None, ``label`` says
-    which, e.g. ``fwd_recv``). Times are seconds since the step's origin: every rank passes a barrier, then
-    reads its clock, so ranks share the origin up to the barrier's exit skew (microseconds on one node).
+    which, e.g. ``fwd_recv``). Times are seconds since the step's origin: every rank of the ``pp`` column passes a
+    barrier, then reads its clock, so ranks share the origin up to the barrier's exit skew (microseconds on one node).
     Memory per step: ``saved_peak_bytes`` (peak bytes autograd kept for backward on this stage,
     :class:`~labkit.strategies.balance.SavedActivations`) and ``device_peak_bytes`` (CUDA only). On GPUs the
     recorded steps synchronise the device around each forward/backward, so a box spans the kernels' real
