@@ -102,6 +102,15 @@ def read_flags(module: str) -> tuple[dict, ...]:
     return flags
 
 
+def module_flags(module: str) -> tuple[dict, ...]:
+    """The ``labkit train`` flags of ``module``: its ``FLAGS``, then those it shares with the module that declares
+    them (its ``SHARED_FLAGS`` literal, ``{"module": ["--flag", ...]}``: one definition, the same choices and default
+    in both places), read without importing either."""
+    shared = read_literal(module, "SHARED_FLAGS", {})
+    return read_flags(module) + tuple(f for owner, names in shared.items() for f in read_flags(owner)
+                                      if f["flag"] in names)
+
+
 def dest(flag: dict) -> str:
     """``--bucket-mb`` -> ``bucket_mb``: the key of the parsed value in the options dict."""
     return flag.get("dest") or flag["flag"].lstrip("-").replace("-", "_")

@@ -4,8 +4,8 @@ on the same global batch.
 
 One spawn of 2 ranks (``--mesh pp=2``): a 2-block GPT (d=32, T=16, vocabulary 64, dropout 0) under GPipe and
 1F1B, 3 steps of SGD with momentum (the loss every step, every weight after, both copies of the tied
-embedding, the bytes each stage sends per step as literal numbers), a LeNet's nn.Sequential form, and the bad
-options. One spawn of 4 ranks: the GPT on ``tp=2,pp=2`` (and with ``--sequence-parallel``), a 4-block GPT on ``pp=4``
+embedding, the bytes each stage sends per step as literal numbers), a LeNet's nn.Sequential form (on the mesh and
+through its preset ``--strategy pipeline``: the same sends, the same weights bit for bit), and the bad options. One spawn of 4 ranks: the GPT on ``tp=2,pp=2`` (and with ``--sequence-parallel``), a 4-block GPT on ``pp=4``
 (middle stages without a copy of the embedding, the embedding group made with ``new_group``), the LeNet on
 ``dp=2,pp=2``, and ``cp=2,pp=2`` refused.
 
@@ -54,15 +54,27 @@ def _fit(strategy, model, kind, dp=1):
     parallel ranks a shard), evaluation; returns the loss every step, the bytes sent p2p every step and the
     epoch's record. One process stands for ``dp`` ranks with a one-replica DistributedSampler: the same
     permutation, so its global batch s is the ranks' batches s."""
+    from labkit.parallel.pipeline_stages import torch_pipelining
     from labkit.train.loop import fit
 
-    losses, sent, inner = [], [], strategy.forward_backward
+    losses, sent, ops, inner = [], [], [], strategy.forward_backward
+    schedules = torch_pipelining().schedules
 
     def recorded(*args):
-        with p2p_bytes_sent() as count:
-            loss, out = inner(*args)
+        batch_p2p, step = schedules._batch_p2p, []
+
+        def logged(batch, desc=None):  # every send and receive of the schedule: ("isend" | "irecv", elements)
+            step.extend((op.op.__name__, op.tensor.numel()) for op in batch)
+            return batch_p2p(batch, desc=desc)
+        schedules._batch_p2p = logged
+        try:
+            with p2p_bytes_sent() as count:
+                loss, out = inner(*args)
+        finally:
+            schedules._batch_p2p = batch_p2p
         losses.append(loss)
         sent.append(count["bytes"])
+        ops.append(step)
         return loss, out
     strategy.forward_backward = recorded
     train = _data(kind, STEPS * BATCH)
@@ -71,7 +83,7 @@ def _fit(strategy, model, kind, dp=1):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     history = fit(model, loader, DataLoader(_data(kind, 10), batch_size=5), optimizer, epochs=1, strategy=strategy,
                   task=get_task(kind), printer=lambda line: None)
-    return {"losses": losses, "sent": sent, "record": history[0]}
+    return {"losses": losses, "sent": sent, "ops": ops, "record": history[0]}
 
 
 def _full(local, like, group):
@@ -91,11 +103,14 @@ def _oracle(kind, dp=1, n_layer=2):
     return _fit(Strategy(DistEnv()), reference, kind, dp), reference
 
 
-def _run(env, mesh, kind, dp=1, n_layer=2, **options):
-    """Train on ``mesh`` and in one process; this rank's results beside the single process's."""
+def _run(env, mesh, kind, dp=1, n_layer=2, preset=None, **options):
+    """Train on ``mesh`` (or with the ``--strategy`` ``preset`` of it) and in one process; this rank's results beside
+    the single process's."""
     from labkit.parallel.mesh import MeshStrategy
+    from labkit.strategies import get_strategy
 
-    strategy = MeshStrategy(env, {"mesh": mesh, "num_microbatches": 2, **options})
+    options = {"num_microbatches": 2, **options}
+    strategy = get_strategy(preset)(env, options) if preset else MeshStrategy(env, {"mesh": mesh, **options})
     stage = strategy.prepare(_gpt(n_layer) if kind == "lm" else _lenet())
     got = _fit(strategy, stage, kind)
     ref, reference = _oracle(kind, dp, n_layer)
@@ -120,6 +135,7 @@ def _two_ranks(env):
 
     out = {schedule: _run(env, "pp=2", "lm", schedule=schedule) for schedule in ("gpipe", "1f1b")}
     out["cnn"] = _run(env, "pp=2", "classification", schedule="1f1b")
+    out["preset"] = _run(env, "pp=2", "classification", preset="pipeline", schedule="1f1b")
     out["errors"] = []
     for options in ({"schedule": "1f1b", "num_microbatches": 1}, {"balance": [1]}, {"balance": [2, 1]}):
         try:
@@ -187,6 +203,23 @@ def test_gpt_on_pp2_equals_one_process(two, schedule):
 def test_cnn_on_pp2_equals_one_process(two):
     _check([two[0]["cnn"], two[1]["cnn"]], owners=[1])
     assert two[0]["cnn"]["got"]["record"]["test_acc"] == two[0]["cnn"]["ref"]["record"]["test_acc"]
+
+
+def test_strategy_pipeline_is_the_pp2_mesh(two):
+    """--strategy pipeline, the preset of --mesh pp=2: the same sends and receives every step, the same losses and
+    weights bit for bit, and so the one process's within the tolerances above."""
+    preset, mesh = [r["preset"] for r in two], [r["cnn"] for r in two]
+    _check(preset, owners=[1])
+    for p, m in zip(preset, mesh):
+        assert p["got"]["ops"] == m["got"]["ops"] and p["got"]["sent"] == m["got"]["sent"]
+        # a step after the first, 1F1B: the 2 micro-batches' activations at the cut (64 values each) forward, their
+        # gradients back; the last stage returns each gradient as soon as its micro-batch has arrived
+        send, receive = ("isend", 64), ("irecv", 64)
+        assert p["got"]["ops"][1] == ([send, send, receive, receive] if p["stage"] == 0 else [receive, send] * 2)
+        assert p["balance"] == m["balance"]
+        for name, (got, _) in p["weights"].items():
+            assert torch.equal(got, m["weights"][name][0]), name
+    assert torch.equal(torch.stack(preset[1]["got"]["losses"]), torch.stack(mesh[1]["got"]["losses"]))
 
 
 def test_gpt_on_tp2_pp2_equals_one_process(four):

@@ -100,3 +100,22 @@ def build_mesh(shape: dict[str, int], device_type: str = "cpu"):
     full = MeshShape(shape)
     return init_device_mesh(device_type, tuple(full.values()), mesh_dim_names=tuple(full))
 
+
+class MeshPlace:
+    """What a mesh dimension reads of its :class:`~torch.distributed.device_mesh.DeviceMesh` when it is made (the
+    names, the sizes, this rank's coordinates), for a process without a process group: a strategy's options and
+    model are checked, and a stage cut, before any communication. Its groups are None (the world's)."""
+
+    def __init__(self, shape: dict[str, int], rank: int, device_type: str = "cpu"):
+        full = MeshShape(shape)
+        self.mesh_dim_names, self._sizes, self._coordinates = tuple(full), full, full.coordinates(rank)
+        self.device_type = device_type
+
+    def size(self, dim: int) -> int:
+        return self._sizes[self.mesh_dim_names[dim]]
+
+    def get_group(self, name: str) -> None:
+        return None
+
+    def get_local_rank(self, name: str) -> int:
+        return self._coordinates[name]

@@ -17,7 +17,7 @@ import importlib
 import importlib.util
 
 from labkit.errors import ConfigError
-from labkit.flags import read_flags, read_literal, resolve
+from labkit.flags import module_flags, read_literal, resolve
 
 #: name -> "module:Class", in APPLY order (tp first, dp last)
 DIMENSIONS: dict[str, str] = {
@@ -55,12 +55,7 @@ def dimension_flags(name: str) -> tuple[dict, ...]:
     """The ``labkit train`` flags of dimension ``name``: its module's ``FLAGS``, then those it shares with the
     module that declares them (its ``SHARED_FLAGS`` literal, ``{"module": ["--flag", ...]}``: one definition, the
     same choices and default in both places); empty if not installed."""
-    if not installed(name):
-        return ()
-    module = _check(name).partition(":")[0]
-    shared = read_literal(module, "SHARED_FLAGS", {})
-    return read_flags(module) + tuple(f for owner, names in shared.items() for f in read_flags(owner)
-                                      if f["flag"] in names)
+    return module_flags(_check(name).partition(":")[0]) if installed(name) else ()
 
 
 def dimension_literal(name: str, literal: str, default=None):

@@ -103,6 +103,9 @@ class Dimension:
         """Does this rank count loss and metrics for its group? (tp: rank 0 of the group; dp: every rank.)"""
         return True
 
+    def close(self) -> None:
+        """At the end of the run, on every rank (pp: its timeline gathered and written); default nothing."""
+
     def state_key(self) -> dict:
         """What a checkpoint must match to be resumed, e.g. ``{"tp": 2}``; saved with it, checked on resume."""
         return {self.name: self.size}

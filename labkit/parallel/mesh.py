@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from labkit.dist.mesh import MESH_ORDER, MeshShape, build_mesh
+from labkit.dist.mesh import MESH_ORDER, MeshPlace, MeshShape, build_mesh
 from labkit.errors import CheckpointError
 from labkit.models.names import LANGUAGE_MODELS
 from labkit.parallel import DIMENSIONS, get_dimension
@@ -86,7 +86,10 @@ class MeshStrategy(DataParallelStrategy):
         self.options["mesh"] = str(self.shape)
         classes = [get_dimension(n) for n in DIMENSIONS if self.shape[n] > 1]  # unavailable: ConfigError now
         self.mesh = build_mesh(self.shape, env.device.type) if env.distributed else None
-        self.dims = [cls(self.mesh, self.options) for cls in classes]
+        # without a process group (options and the model checked, the stages cut, before any communication) each
+        # dimension reads this rank's place on the mesh's grid
+        place = self.mesh if self.mesh is not None else MeshPlace(self.shape, env.rank, env.device.type)
+        self.dims = [cls(place, self.options) for cls in classes]
         self.pipeline = next((d for d in self.dims if d.name == "pp"), None)
         # the dimensions that average gradients, when two or more: one all-reduce over their flattened group
         self.averaged = [d for d in self.dims if d.averages_gradients]
@@ -190,6 +193,11 @@ class MeshStrategy(DataParallelStrategy):
             for p in ours:
                 if p.grad is not None:
                     p.grad /= names["ep"].size
+
+    def close(self) -> None:
+        """Every dimension's :meth:`~labkit.parallel.base.Dimension.close` (pp writes its timeline)."""
+        for d in self.dims:
+            d.close()
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the whole output on the ranks that own it (pp: its schedule's forward)."""

@@ -1,8 +1,8 @@
 """The pieces of a multi-process pipeline that every form of it shares: cutting a model into stages and
 running one stage's ``torch.distributed.pipelining`` schedule.
 
-Used by ``--strategy pipeline`` (:mod:`labkit.parallel.pipelining`: one stage per rank of the job) and by the
-mesh's ``pp`` dimension (:mod:`labkit.parallel.pp`: one stage per rank of each ``pp`` group).
+Used by the mesh's ``pp`` dimension (:mod:`labkit.parallel.pp`: one stage per rank of each ``pp`` group), and so by
+its preset ``--strategy pipeline`` (:mod:`labkit.parallel.pipelining`: ``--mesh pp=<ranks>``).
 """
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ class StageSchedules:
     A schedule is built on first use for each batch size, around the module it is given then (a data-parallel
     wrapper of the stage, if one was applied after the cut): stages have fixed shapes. A smaller last batch
     uses the largest ``m <= M`` micro-batches that divides it (1F1B needs ``m >= num_stages``, else GPipe).
-    Shared by ``--strategy pipeline`` (one stage per rank) and the mesh's ``pp`` dimension. ``timeline``: a
-    :class:`~labkit.parallel.pipelining.Timeline` that times every forward and backward (None: not timed).
+    Run by the mesh's ``pp`` dimension (and its preset ``--strategy pipeline``). ``timeline``: a
+    :class:`~labkit.parallel.pp.Timeline` that times every forward and backward (None: not timed).
     """
 
     def __init__(self, index: int, num_stages: int, device: torch.device, schedule: str, num_microbatches: int,

@@ -19,6 +19,13 @@ column, but the middle stages hold no copy and must not join. So it is made with
 mesh's own rank grid: every rank creates every column's group, in the same order (``new_group`` is collective
 over the whole job), and keeps its own. With ``pp=2`` the pair is the ``pp`` group itself, which is reused.
 
+The timeline (``--pipeline-trace FILE``, ``--trace-steps N``, :class:`Timeline`) is measured, not modelled: the
+stage's ``forward_one_chunk`` / ``backward_one_chunk`` are wrapped with timers, and the schedule's waits on
+send/receive handles are timed by wrapping the schedules module's ``_batch_p2p`` / ``_wait_batch_p2p`` (PyTorch
+internals: if a release renames them, the trace says ``"comm_recorded": false``). The ranks of each ``pp`` column
+gather their events to its first stage; the column of rank 0 writes the JSON (schema ``labkit.pipeline-trace/1``,
+read by :mod:`labkit.viz.pipeline`) when the run closes.
+
 Bytes per step of one ``pp`` column (one tp shard of one data-parallel replica), with per-rank batch ``B``,
 sequence ``T``, width ``C``, vocabulary ``V``, ``s`` bytes per element (:meth:`PipelineParallel.price`)::
 
@@ -30,6 +37,10 @@ sequence ``T``, width ``C``, vocabulary ``V``, ``s`` bytes per element (:meth:`P
 from __future__ import annotations
 
 import contextlib
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -50,7 +61,12 @@ from labkit.parallel.pipeline_stages import (
     torch_pipelining,
 )
 from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
+from labkit.results import atomic_write_text
+from labkit.strategies.balance import SavedActivations
 from labkit.strategies.gpipe import check_balance, check_sequential
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 #: ``labkit train --mesh ...pp=P`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -60,9 +76,104 @@ FLAGS = [
      "help": "pp dimension: micro-batch schedule"},
     {"flag": "--balance", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "N",
      "help": "pp dimension, per stage: GPT blocks or Sequential layers, e.g. --balance 3 2 (None: as even as possible)"},
+    {"flag": "--pipeline-trace", "default": None, "metavar": "FILE",
+     "help": "pp dimension: write the measured per-rank timeline (JSON) here (None: no trace)"},
+    {"flag": "--trace-steps", "type": "int", "range": "[0, inf)", "default": None, "metavar": "N",
+     "help": "pp dimension: steps to record after the first (None: 3 with --pipeline-trace, else 0)"},
 ]
 #: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.pp:mesh_time"}
+
+TRACE_SCHEMA = "labkit.pipeline-trace/1"
+
+
+class Timeline:
+    """Measured per-rank timeline of pipeline steps.
+
+    Events are ``{"rank", "step", "kind", "mb", "start", "end"}`` with ``kind`` ``"F"`` / ``"B"`` (compute
+    of micro-batch ``mb``) or ``"wait"`` (blocked on a send/receive handle; ``mb`` is None, ``label`` says
+    which, e.g. ``fwd_recv``). Times are seconds since the step's origin: every rank of the ``pp`` column passes a
+    barrier, then reads its clock, so ranks share the origin up to the barrier's exit skew (microseconds on one node).
+    Memory per step: ``saved_peak_bytes`` (peak bytes autograd kept for backward on this stage,
+    :class:`~labkit.strategies.balance.SavedActivations`) and ``device_peak_bytes`` (CUDA only). On GPUs the
+    recorded steps synchronise the device around each forward/backward, so a box spans the kernels' real
+    run time; a wait then is time the host was blocked on a send/receive handle.
+    """
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.events: list[dict] = []
+        self.memory: list[dict] = []
+        self.comm_recorded = hasattr(torch_pipelining().schedules, "_batch_p2p") and \
+            hasattr(torch_pipelining().schedules, "_wait_batch_p2p")
+        self._step: int | None = None
+        self._origin = 0.0
+        self._labels: dict[int, str] = {}
+
+    def _add(self, kind: str, mb: int | None, start: float, end: float, label: str | None = None) -> None:
+        if self._step is not None:
+            self.events.append({"rank": self.rank, "step": self._step, "kind": kind, "mb": mb, "label": label,
+                                "start": start - self._origin, "end": end - self._origin})
+
+    def instrument(self, stage: PipelineStage) -> None:
+        """Time every forward and backward of every micro-batch this stage runs."""
+        device = torch.device(stage.device)
+        for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            setattr(stage, name, self._timed(kind, getattr(stage, name), device))
+
+    def _timed(self, kind: str, fn, device: torch.device):
+        def run(chunk_id: int, *args, **kwargs):
+            recording = self._step is not None and device.type == "cuda"
+            if recording:  # kernels run asynchronously: wait for them so the box spans the real compute
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            out = fn(chunk_id, *args, **kwargs)
+            if recording:
+                torch.cuda.synchronize(device)
+            self._add(kind, chunk_id, start, time.perf_counter())
+            return out
+        return run
+
+    @contextlib.contextmanager
+    def record(self, step: int, device: torch.device, params, group: dist.ProcessGroup | None = None):
+        """Record step ``step``: align the clock with the other ranks of ``group`` (None: the world), time comm
+        waits, meter memory."""
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        self._step, self._origin = step, time.perf_counter()
+        _schedules = torch_pipelining().schedules
+        originals = (getattr(_schedules, "_batch_p2p", None), getattr(_schedules, "_wait_batch_p2p", None))
+        if self.comm_recorded:
+            _schedules._batch_p2p = self._labelled(originals[0])
+            _schedules._wait_batch_p2p = self._waited(originals[1])
+        try:
+            with SavedActivations(exclude=params) as meter:
+                yield
+        finally:
+            if self.comm_recorded:
+                _schedules._batch_p2p, _schedules._wait_batch_p2p = originals
+            device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            self.memory.append({"rank": self.rank, "step": step, "saved_peak_bytes": meter.peak_bytes,
+                                "device_peak_bytes": device_peak})
+            self._step, self._labels = None, {}
+
+    def _labelled(self, batch_p2p):
+        def issue(ops, desc=None):
+            works = batch_p2p(ops, desc=desc)
+            for work in works:
+                self._labels[id(work)] = desc or "p2p"
+            return works
+        return issue
+
+    def _waited(self, wait):
+        def blocked(works):
+            start = time.perf_counter()
+            wait(works)
+            if works:
+                self._add("wait", None, start, time.perf_counter(), self._labels.get(id(works[0]), "p2p"))
+        return blocked
 
 
 class PipelineParallel(Dimension):
@@ -77,8 +188,13 @@ class PipelineParallel(Dimension):
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        self.trace_path = self.options.get("pipeline_trace")
+        trace_steps = self.options.get("trace_steps")
+        self.trace_steps = int(trace_steps if trace_steps is not None else (3 if self.trace_path else 0))
+        self.timeline = Timeline(self.rank) if self.trace_steps > 0 and self.size > 1 else None
         self.stages = StageSchedules(self.rank, self.size, device, self.schedule_name, self.num_microbatches,
-                                     group=self.group)
+                                     group=self.group, timeline=self.timeline)
+        self._steps = 0
         self.balance: list[int] | None = None
         self.embedding_group: dist.ProcessGroup | None = None
         self._tied_name: str | None = None
@@ -163,8 +279,12 @@ class PipelineParallel(Dimension):
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          criterion: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One step's schedule over this column: ``(mean loss, outputs)`` on the last stage, ``(None, None)``
-        elsewhere. ``model`` is what the later dimensions made of the stage (e.g. dp's wrapper)."""
-        return self.stages.forward_backward(model, x, y, criterion)
+        elsewhere. ``model`` is what the later dimensions made of the stage (e.g. dp's wrapper). Steps
+        ``1 .. --trace-steps`` are recorded on the timeline, if any."""
+        step, self._steps = self._steps, self._steps + 1
+        recording = self.timeline is not None and 1 <= step <= self.trace_steps
+        context = self.timeline.record(step, self.device, model.parameters(), self.group) if recording else None
+        return self.stages.forward_backward(model, x, y, criterion, context)
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the outputs on the last stage, None elsewhere."""
@@ -186,6 +306,31 @@ class PipelineParallel(Dimension):
     def state_key(self) -> dict:
         return {"pp": self.size, "pp_balance": self.balance}
 
+    def trace(self) -> dict | None:
+        """Gather this column's timelines; the trace dict on its first stage (None elsewhere, and without a
+        timeline). Collective over the ``pp`` group: all its ranks call."""
+        if self.timeline is None:
+            return None
+        local = {"events": self.timeline.events, "memory": self.timeline.memory}
+        gathered = [None] * self.size if self.is_first else None
+        dist.gather_object(local, gathered, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        if not self.is_first:
+            return None
+        return {"schema": TRACE_SCHEMA, "schedule": self.schedule_name, "num_stages": self.size,
+                "num_microbatches": self.num_microbatches, "balance": self.balance,
+                "device": self.device.type, "backend": dist.get_backend(self.group),
+                "steps": sorted({e["step"] for g in gathered for e in g["events"]}),
+                "comm_recorded": self.timeline.comm_recorded,
+                "events": [e for g in gathered for e in g["events"]],
+                "memory": [m for g in gathered for m in g["memory"]]}
+
+    def close(self) -> None:
+        """Write the timeline (``--pipeline-trace``): gathered in every column, written by rank 0's."""
+        trace = self.trace()
+        if trace is not None and self.trace_path and dist.get_rank() == 0:
+            atomic_write_text(Path(self.trace_path), json.dumps(trace) + "\n")
+            print0(f"pipeline timeline written to {self.trace_path}")
+
     @staticmethod
     def price(batch: int, seq_len: int, n_embd: int, vocab_size: int, num_stages: int, tp: int = 1,
               sequence_parallel: bool = False, tied: bool = True, dtype_bytes: int = 4) -> dict:
@@ -202,8 +347,8 @@ def p2p_bytes_sent():
     """Count the bytes this rank's pipeline schedules send point-to-point inside the block (not the one-time
     shape exchange of a stage's first step): ``with p2p_bytes_sent() as sent: ...; sent["bytes"]``.
 
-    Wraps the schedules module's ``_batch_p2p`` (a PyTorch internal, as :class:`~labkit.parallel.pipelining.
-    Timeline` does); every send of a schedule goes through it.
+    Wraps the schedules module's ``_batch_p2p`` (a PyTorch internal, as :class:`Timeline` does); every send of a
+    schedule goes through it.
     """
     schedules = torch_pipelining().schedules
     original, sent = schedules._batch_p2p, {"bytes": 0}

@@ -4,7 +4,8 @@ Adding a strategy: one module and one line in :data:`STRATEGIES`. The module hol
 :class:`~labkit.strategies.base.Strategy` subclass and, beside it, plain literals the rest of the kit reads
 from its source without importing it (:func:`labkit.flags.read_literal`):
 
-* ``FLAGS``: its ``labkit train`` flags (:mod:`labkit.flags`);
+* ``FLAGS``: its ``labkit train`` flags (:mod:`labkit.flags`); a flag another module declares is named in its
+  ``SHARED_FLAGS`` literal instead (a preset and the mesh dimension it presets);
 * ``ADVISOR``: how ``labkit advise`` searches and prices it (:mod:`labkit.advisor.search`; the pricing
   function it names holds the formula in its docstring);
 * ``BENCH``: its run in ``labkit bench suite`` (:mod:`labkit.bench.suite`);
@@ -19,7 +20,7 @@ import importlib
 import importlib.util
 
 from labkit.errors import ConfigError
-from labkit.flags import read_flags, read_literal, resolve
+from labkit.flags import module_flags, read_literal, resolve
 from labkit.parallel import available as dimensions_available
 from labkit.parallel import dimension_flags
 
@@ -54,9 +55,9 @@ def get_strategy(name: str):
 
 
 def strategy_flags(name: str) -> tuple[dict, ...]:
-    """The ``labkit train`` flags of strategy ``name`` (its module's ``FLAGS``), read without importing it;
-    ``mesh`` also brings every mesh dimension's flags (:mod:`labkit.parallel`)."""
-    flags = read_flags(_check(name).partition(":")[0])
+    """The ``labkit train`` flags of strategy ``name`` (its module's ``FLAGS`` and ``SHARED_FLAGS``), read without
+    importing it; ``mesh`` also brings every mesh dimension's flags (:mod:`labkit.parallel`)."""
+    flags = module_flags(_check(name).partition(":")[0])
     if name == "mesh":
         flags += tuple(f for d in dimensions_available() for f in dimension_flags(d))
     return flags

@@ -25,7 +25,7 @@ COMPUTE = ("F", "B")
 
 
 def load_trace(path: str | Path) -> dict:
-    """Read a timeline written by ``labkit train --strategy pipeline --pipeline-trace FILE``."""
+    """Read a timeline written by ``labkit train --strategy pipeline --pipeline-trace FILE`` (or ``--mesh ...pp=N``)."""
     trace = json.loads(Path(path).read_text())
     if trace.get("schema") != TRACE_SCHEMA:
         raise ValueError(f"{path} is not a pipeline timeline (schema {trace.get('schema')!r}, "
