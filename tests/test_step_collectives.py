@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from labkit.dist.group import DistEnv
@@ -98,7 +99,7 @@ def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset,
         strategy.check_model("gpt-tiny")
         task = LanguageModelling()
     model = strategy.prepare(model)
-    if name == "ddp" and env.distributed:  # PyTorch's own hook: the same all-reduce, called from Python
+    if isinstance(model, DistributedDataParallel):  # PyTorch's own hook: the same all-reduce, called from Python
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         model.register_comm_hook(None, allreduce_hook)
