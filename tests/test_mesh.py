@@ -106,7 +106,7 @@ def _run(env, kind: str, options: dict, out=None) -> dict:
     epochs = EPOCHS if out is None else RESUMED_EPOCHS
     losses = _fit(strategy, model, kind, epochs, out=out)
     with strategy.whole_parameters():  # --dp-shard zero3: gathered over dp
-        weights = _weights(model)
+        weights = _weights(strategy.unwrap(model))
     return dict(losses=losses, epochs=epochs, weights=weights, data=strategy.data_shard(), owner=strategy.metric_owner(),
                 coords={d.name: d.rank for d in strategy.dims}, sizes={d.name: d.size for d in strategy.dims})
 

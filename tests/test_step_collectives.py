@@ -1,7 +1,9 @@
 """What one training step of each strategy sends, counted: nothing the plain version of the step lacks.
 
-One 2-rank gloo job runs 6 steps of :func:`labkit.train.loop.fit` per strategy (``--mesh dp=2 --dp-shard zero2``
-besides calls what ``--strategy zero --zero-stage 2`` calls and ends on its bit-identical weights; and a 2-layer GPT on ``--mesh tp=2``
+One 2-rank gloo job runs 6 steps of :func:`labkit.train.loop.fit` per strategy (each data-parallel preset,
+``--strategy ddp`` (``--allreduce ddp`` and ``ring``), ``zero --zero-stage 1|2|3`` and ``fsdp``, besides calls what
+``--mesh dp=2`` with the matching ``--allreduce`` / ``--dp-shard`` calls and ends on its bit-identical weights, and
+``ddp`` on those of a plain PyTorch DDP loop; and a 2-layer GPT on ``--mesh tp=2``
 and ``pp=2``; the 4-rank meshes ``dp=2,cp=2`` and ``dp=2,ep=2`` count their all-reduces in ``tests/test_cp.py``
 and ``tests/test_moe.py``) with every ``torch.distributed`` call
 the step can make wrapped (its name and element count logged; pipelining's batched sends arrive as their isend/
@@ -17,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from labkit.dist.group import DistEnv
@@ -98,7 +102,7 @@ def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset,
         strategy.check_model("gpt-tiny")
         task = LanguageModelling()
     model = strategy.prepare(model)
-    if name == "ddp" and env.distributed:  # PyTorch's own hook: the same all-reduce, called from Python
+    if isinstance(model, DistributedDataParallel):  # PyTorch's own hook: the same all-reduce, called from Python
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         model.register_comm_hook(None, allreduce_hook)
@@ -118,11 +122,29 @@ def _steps(name: str, options: dict, env, model: nn.Module, data: TensorDataset,
     finally:
         ktrain.train_step = step
     cuts.append(len(log))
-    if weights is not None:
-        weights.extend(p.detach().clone() for p in model.parameters())
+    if weights is not None:  # whole: ZeRO-3's gathered, FSDP2's DTensors' full tensors
+        with strategy.whole_parameters():
+            weights.extend(p.full_tensor().detach().clone() if isinstance(p, DTensor) else p.detach().clone()
+                           for p in strategy.unwrap(model).parameters())
     strategy.close()
     assert cuts[0] == start, log[start:cuts[0]]
     return [log[a:b] for a, b in zip(cuts, cuts[1:])]
+
+
+def _plain_ddp(env) -> list[torch.Tensor]:
+    """The same 6 steps in a plain PyTorch DDP loop (the same net, shards and SGD): its final weights."""
+    from torch.utils.data import DistributedSampler
+
+    model = DistributedDataParallel(_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    data = _data()
+    loader = DataLoader(data, BATCH, sampler=DistributedSampler(data, 2, env.rank, shuffle=True, seed=0, drop_last=True),
+                        drop_last=True)
+    for _, (x, y) in zip(range(STEPS), loader):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.module.parameters()]
 
 
 def _ranks(env) -> dict:
@@ -139,23 +161,31 @@ def _ranks(env) -> dict:
                 "zero-2": ("zero", {"zero_stage": 2}, _net(), _data()),
                 "zero-3": ("zero", {"zero_stage": 3}, _net(), _data()),
                 "fsdp": ("fsdp", {}, _net(), _data()),
+                "ddp-ring": ("ddp", {"allreduce": "ring"}, _net(), _data()),
                 "mesh-dp": ("mesh", {"mesh": "dp=2"}, _net(), _data()),
                 "mesh-fsdp": ("mesh", {"mesh": "dp=2", "dp_shard": "fsdp"}, _net(), _data()),
+                "mesh-zero-1": ("mesh", {"mesh": "dp=2", "dp_shard": "zero1"}, _net(), _data()),
                 "mesh-zero-2": ("mesh", {"mesh": "dp=2", "dp_shard": "zero2"}, _net(), _data()),
+                "mesh-zero-3": ("mesh", {"mesh": "dp=2", "dp_shard": "zero3"}, _net(), _data()),
+                "mesh-ring": ("mesh", {"mesh": "dp=2", "allreduce": "ring"}, _net(), _data()),
                 "mesh-tp": ("mesh", {"mesh": "tp=2"}, _gpt(), _tokens()),
                 "mesh-pp": ("mesh", {"mesh": "pp=2", "num_microbatches": 2}, _gpt(), _tokens()),
                 "hybrid": ("hybrid", {}, alexnet, _data(3, 16)),
                 "tensor-parallel": ("tensor-parallel", {}, _net(), _data()),
                 "pipeline": ("pipeline", {"num_microbatches": 2}, _net(), _data()),
                 "ps": ("ps", {"ps_mode": "sync", "ps_timeout_s": 60}, _net(), _data())}
-        weights: dict[str, list] = {"zero-2": [], "mesh-zero-2": []}
+        weights: dict[str, list] = {key: [] for pair in PRESETS.items() for key in pair}
         steps = {key: _steps(name, options, env, model, data, log, weights.get(key))
                  for key, (name, options, model, data) in runs.items()}
+        weights["plain-ddp"] = _plain_ddp(env)
         return {**steps, "weights": weights}
     finally:
         _restore(originals)
 
 
+#: each data-parallel preset's run and the ``--mesh dp=2`` run it stands for
+PRESETS = {"ddp": "mesh-dp", "ddp-ring": "mesh-ring", "zero-1": "mesh-zero-1", "zero-2": "mesh-zero-2",
+           "zero-3": "mesh-zero-3", "fsdp": "mesh-fsdp"}
 #: what the loop adds after steps 0..5: the stop check launched after steps 0 and 2 (read after 1 and 3; none
 #: after 4, whose answer would come after the last step), the window's barriers after the warm-up and at the end,
 #: and the epoch's metric sums (loss, correct, count)
@@ -219,6 +249,16 @@ def test_a_step_sends_what_its_strategy_needs_and_the_stop_check_one_collective_
         zero, mesh_zero = got["weights"]["zero-2"], got["weights"]["mesh-zero-2"]
         assert len(zero) == len(mesh_zero) == 4
         assert all(torch.equal(a, b) for a, b in zip(zero, mesh_zero, strict=True)), rank
+        # every preset: the calls and the bit-identical weights of its mesh; --strategy ddp those of plain DDP too
+        for preset, mesh in PRESETS.items():
+            calls = [list(step) for step in got[mesh]]
+            if preset == "ddp-ring":  # the group's first point-to-point schedule, here the preset's, starts on a barrier
+                calls[0].insert(0, "barrier 0")  # (labkit.collectives.execute): once per group, in the run first to use it
+            assert got[preset] == calls, (rank, preset, got[preset], got[mesh])
+            ours, theirs = got["weights"][preset], got["weights"][mesh]
+            assert len(ours) == len(theirs) == 4
+            assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), (rank, preset)
+        assert all(torch.equal(a, b) for a, b in zip(got["weights"]["ddp"], got["weights"]["plain-ddp"], strict=True))
     # ps, rank 1 the worker: push its gradient, wait for the header and the parameters; the epoch's end
     # broadcasts the server's shard
     ps = [["isend 131", "irecv 2", "irecv 131"] + extra for extra in LOOP]

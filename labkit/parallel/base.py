@@ -7,7 +7,7 @@ the APPLY order of :data:`labkit.parallel.DIMENSIONS` (``tp, cp, ep, pp, dp``)::
     for d in dims: model = d.parallelize(model)        # tp shards layers, cp/ep swap attention/experts,
                                                        # pp cuts stages, dp wraps what is left
     per step:
-        for d in dims: d.begin_step()                  # dp under ZeRO stage 1: its flat gradients zeroed
+        for d in dims: d.begin_step()                  # dp under ZeRO: stage 1's flat gradients zeroed, buffers broadcast
         for d in dims: x, y = d.shard_batch(x, y)      # this rank's part of the batch
         for d in dims: criterion = d.criterion(criterion)
         loss = criterion(model(x), y); loss.backward() # or pp's forward_backward(model, x, y, criterion)
@@ -81,7 +81,7 @@ class Dimension:
         return model
 
     def begin_step(self) -> None:
-        """Before a training step's forward (no collective, no host sync); default nothing."""
+        """Before a training step's forward (no host sync; dp under ZeRO broadcasts the buffers); default nothing."""
 
     def shard_batch(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of the batch (cp: its sequence chunks); default: all of it."""

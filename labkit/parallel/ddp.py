@@ -16,6 +16,9 @@ is L = (1/W) Σ_r L_r, hence ∇L = (1/W) Σ_r ∇L_r: an all-reduce (sum) of th
 world size W. DistributedDataParallel does exactly this, overlapping the all-reduce of each gradient
 bucket with the rest of the backward pass; ``--allreduce ALGO`` does it after backward with labkit's
 own collectives, so the result can be checked against DDP.
+
+``--strategy ddp`` is a preset of ``--mesh dp=N`` (:class:`DDPStrategy`; the work is the dp dimension's,
+:mod:`labkit.parallel.dp`): the same collectives, the same weights, bit for bit.
 """
 from __future__ import annotations
 
@@ -33,18 +36,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import broadcast_time, bucketed_allreduce, common_terms, compute_scale, memory_terms
-from labkit.collectives import ALGORITHMS
 from labkit.dist.group import DistEnv
 from labkit.errors import ConfigError, LabkitError
-from labkit.parallel.data_parallel import (
-    DEFAULT_BUCKET_MB,
-    DataParallelStrategy,
-    average_gradients,
-    broadcast_from_rank0,
-)
+from labkit.parallel.data_parallel import average_gradients
+from labkit.parallel.dp import ALLREDUCE_MODES, DataParallelPreset
 
-#: ``--allreduce`` values: real DDP, ``dist.all_reduce`` by hand, or one of labkit's schedules
-ALLREDUCE_MODES: tuple[str, ...] = ("ddp", "native") + ALGORITHMS
+__all__ = ["ALLREDUCE_MODES", "DDPStrategy", "PeerFailure", "check_against_ddp", "parse_kill_at", "price_ddp"]
+
 #: ``labkit train`` flags, plain data read without importing this module (see labkit.flags)
 FLAGS = [
     {"flag": "--allreduce", "default": "ddp",
@@ -80,24 +78,21 @@ class PeerFailure(LabkitError):
     """A collective failed: another rank died, or stalled past the collective timeout."""
 
 
-class DDPStrategy(DataParallelStrategy):
-    """Replicate the model on every rank, shard the data, average the gradients.
+class DDPStrategy(DataParallelPreset):
+    """``--strategy ddp``: a preset of ``--mesh dp=N`` (replicas; the dp dimension wraps the model in PyTorch's
+    DistributedDataParallel under ``--allreduce ddp``, else averages the gradients after backward with labkit's
+    bucketed all-reduce), over every rank of the job.
 
     Options (``labkit train`` flags): ``allreduce`` (``ddp`` | ``native`` | ring, tree, ...),
     ``bucket_mb``, ``global_batch_size``, ``kill_rank_at`` (fault injection, ``RANK:STEP``).
+    Checkpoints: the replicas are identical, so rank 0 alone writes ``checkpoint.pt``.
     """
 
     name = "ddp"
+    replicated = True
 
     def __init__(self, env: DistEnv, options: dict | None = None):
         super().__init__(env, options)
-        self.allreduce = self.options.get("allreduce") or "ddp"
-        if self.allreduce not in ALLREDUCE_MODES:
-            raise ConfigError(f"unknown --allreduce {self.allreduce!r}; choose one of {', '.join(ALLREDUCE_MODES)}")
-        bucket_mb = self.options.get("bucket_mb") or DEFAULT_BUCKET_MB
-        if bucket_mb <= 0:
-            raise ConfigError(f"--bucket-mb must be > 0, got {bucket_mb}")
-        self.bucket_mb = float(bucket_mb)
         self.global_batch_size = self.options.get("global_batch_size")
         world = env.world_size
         if self.global_batch_size is not None and self.global_batch_size <= 0:
@@ -114,40 +109,16 @@ class DDPStrategy(DataParallelStrategy):
         """The per-rank batch: ``--global-batch-size / world_size`` if given, else ``--batch-size``."""
         return batch_size if self.global_batch_size is None else self.global_batch_size // self.env.world_size
 
-    def prepare(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.env.device)
-        if not self.env.distributed:
-            return model  # one process: nothing to average
-        if self.allreduce == "ddp":
-            device_ids = [self.env.device.index] if self.env.device.type == "cuda" else None
-            return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_mb)
-        broadcast_from_rank0(model)  # DDP does this at construction; the hand-made mode does the same
-        return model
-
-    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # the bare module: evaluation shards differ in length, and DDP's forward may sync buffers
-        return self.unwrap(model)(x)
-
     def forward_backward(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                          criterion: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         self._maybe_fail()
-        out = model(x)  # (B, num_classes)
-        loss = criterion(out, y)
         with self._peer_errors("the gradient all-reduce in backward"):
-            loss.backward()  # under DDP the buckets are all-reduced while backward runs
-        if self.allreduce == "ddp" or not self.env.distributed:
-            self.step += 1  # else sync_gradients ends the step
-        return loss.detach(), out.detach()
+            return super().forward_backward(model, x, y, criterion)  # DDP all-reduces the buckets in backward
 
     def sync_gradients(self, model: nn.Module) -> None:
-        if self.allreduce == "ddp" or not self.env.distributed:
-            return
         with self._peer_errors(f"the {self.allreduce} all-reduce of the gradients"):
-            average_gradients(model.parameters(), self.allreduce, int(self.bucket_mb * 2**20))
+            super().sync_gradients(model)
         self.step += 1
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DistributedDataParallel) else model
 
     def _maybe_fail(self) -> None:
         if self.kill_at is None or self.kill_at != (self.env.rank, self.step):

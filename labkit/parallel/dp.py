@@ -10,21 +10,27 @@ the mean of the shards' means, so its gradient is the mean of theirs:
     ∇L = (1/dp) Σ_r ∇L_r
 
 ``--dp-shard none`` (default): the copies start equal (broadcast from the group's first rank) and the
-gradients are averaged after backward by labkit's bucketed all-reduce over the ``dp`` group only: one all-reduce
-per 25 MB bucket per step, nothing else. ``--allreduce`` (the flag of ``--strategy ddp``, shared) chooses its
-algorithm: ``ddp`` (default) and ``native`` both call ``dist.all_reduce`` per bucket (on a mesh the buckets are
-reduced after backward, not overlapped with it as DistributedDataParallel's are), ``ring``, ``tree``, ... run
-labkit's own schedule over the group.
+gradients are averaged over the ``dp`` group only: one all-reduce per 25 MB bucket (``bucket_mb``) per step,
+nothing else. ``--allreduce`` (the flag of ``--strategy ddp``, shared) chooses how: ``ddp`` (default) wraps the
+model in PyTorch's DistributedDataParallel when dp is the mesh's only dimension (each gradient divided by ``dp``,
+then its bucket all-reduced while backward runs; the model's buffers broadcast from the group's first rank in
+every forward), else calls ``dist.all_reduce`` per bucket after backward, as ``native`` always does (sum, then
+divide); ``ring``, ``tree``, ... run labkit's own schedule over the group after backward.
 ``--dp-shard zero1|zero2|zero3``: labkit's ZeRO (:mod:`labkit.parallel.zero_sharding`) over the ``dp`` group of
 ``d`` ranks: stage 1 shards the optimizer state, 2 also the gradients (reduce-scattered inside backward; after
 it, once the other dimensions have summed them, under pp, cp, ep or tp's sequence parallelism), 3 also the
 parameters; per step ``2 (d − 1)/d · P`` sent for stages 1, 2 and ``3 (d − 1)/d · P`` for 3 (``P``: this rank's
-tp/pp part, padded). ``--allreduce`` other than ``ddp``/``native`` is refused with a sharded dp.
+tp/pp part, padded), and each of the model's buffers (e.g. batch-norm statistics) broadcast from the group's first
+rank before forward, as DDP does. ``zero_prefetch`` (``--strategy zero``'s ``--zero-prefetch``): stage 3 gathers
+the next layer while this one computes. ``--allreduce`` other than ``ddp``/``native`` is refused with a sharded dp.
 Stage 3 is refused under ``pp``: its gathers around each layer's forward and backward would run once per
 micro-batch.
 ``--dp-shard fsdp``: FSDP2 ``fully_shard`` over ``mesh["dp"]``: every parameter — a tp shard already, when
 ``tp`` > 1, as torchtitan composes them — is split once more along dim 0 over the dp ranks, all-gathered for
-forward and backward, its gradient reduce-scattered (averaged) during backward.
+forward and backward, its gradient reduce-scattered (averaged) during backward; ``fsdp_no_reshard``
+(``--strategy fsdp``'s ``--fsdp-no-reshard``) keeps the gathered parameters from forward to backward.
+
+``--strategy ddp``, ``zero`` and ``fsdp`` are presets of this dimension over every rank (:class:`DataParallelPreset`).
 """
 from __future__ import annotations
 
@@ -33,18 +39,24 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from labkit.collectives import ALGORITHMS
 from labkit.dist import group as kdist
 from labkit.errors import ConfigError
 from labkit.parallel.base import Dimension
 from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB, average_gradients
-from labkit.parallel.ddp import ALLREDUCE_MODES
-from labkit.parallel.zero import refuse_layerwise
+from labkit.parallel.mesh import MeshStrategy
 from labkit.parallel.zero_sharding import ZeroSharding
 from labkit.parallel.zero_units import Comm
 
 #: ``--dp-shard`` values: replicas, labkit's ZeRO stages, FSDP2
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
+#: what one rank holds of each layer under a sharded dp (the end of a layer-wise optimizer's refusal)
+HOLDS = {"zero1": "a slice of each layer's flat buffer", "zero2": "a slice of each layer's flat buffer",
+         "zero3": "a slice of each layer's flat buffer", "fsdp": "a shard of each tensor"}
+#: ``--allreduce`` values: real DDP, ``dist.all_reduce`` by hand, or one of labkit's schedules
+ALLREDUCE_MODES: tuple[str, ...] = ("ddp", "native") + ALGORITHMS
 
 #: ``labkit train --mesh ...`` flags of this dimension, plain data read without importing it (labkit.flags)
 FLAGS = [
@@ -57,6 +69,38 @@ FLAGS = [
 SHARED_FLAGS = {"labkit.parallel.ddp": ["--allreduce"]}
 #: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.dp:mesh_time"}
+
+
+def read_options(options: dict) -> tuple[str, str, float]:
+    """``(dp_shard, allreduce, bucket_mb)`` from the parsed options, defaults filled in.
+
+    Raises:
+        ConfigError: an unknown shard or algorithm, a bucket size <= 0, or labkit's all-reduce schedules with a
+            sharded dp (whose gradients are reduce-scattered, not all-reduced).
+    """
+    shard = options.get("dp_shard") or "none"
+    if shard not in SHARDS:
+        raise ConfigError(f"unknown --dp-shard {shard!r}; choose one of {', '.join(SHARDS)}")
+    allreduce = options.get("allreduce") or "ddp"
+    if allreduce not in ALLREDUCE_MODES:
+        raise ConfigError(f"unknown --allreduce {allreduce!r}; choose one of {', '.join(ALLREDUCE_MODES)}")
+    if shard != "none" and allreduce not in ("ddp", "native"):
+        raise ConfigError(f"--allreduce {allreduce} chooses how replicas' gradients are all-reduced, but "
+                          f"--dp-shard {shard} reduce-scatters them; leave --allreduce out or use --dp-shard none")
+    bucket_mb = options.get("bucket_mb") or DEFAULT_BUCKET_MB
+    if bucket_mb <= 0:
+        raise ConfigError(f"--bucket-mb must be > 0, got {bucket_mb}")
+    return shard, allreduce, float(bucket_mb)
+
+
+def refuse_layerwise(optimizer: str, strategy: str, holds: str) -> None:
+    """ConfigError for an optimizer that needs whole layers on one rank (K-FAC's factors, LARS/LAMB's norms)."""
+    needs = {"kfac": "K-FAC needs each layer's whole gradient and activations",
+             "lars": "LARS scales each layer's step by its whole weight and gradient norms",
+             "lamb": "LAMB scales each layer's step by its whole weight and update norms"}
+    if optimizer in needs or optimizer.startswith("kfac"):
+        raise ConfigError(f"--optimizer {optimizer} with --strategy {strategy}: {needs.get(optimizer, needs['kfac'])}"
+                          f" on one rank, but each rank holds only {holds}; use --strategy ddp, or sgd/adam")
 
 
 def price(param_bytes: float, size: int, shard: str = "none") -> dict[str, float]:
@@ -82,27 +126,25 @@ class DataParallel(Dimension):
     Attributes:
         shard: ``--dp-shard``. allreduce: ``--allreduce``, the algorithm of the replicas' all-reduce.
         algorithm: the one :func:`~labkit.parallel.data_parallel.average_gradients` runs (``ddp`` -> ``native``).
+        wraps_ddp: replicas in PyTorch's DistributedDataParallel (``--allreduce ddp``, dp the only dimension).
         zero: the ZeRO stages' :class:`~labkit.parallel.zero_sharding.ZeroSharding` over the group, or None.
+        label: how refusals name it (``mesh --dp-shard zero2``; a preset: its strategy's name).
     """
 
     name = "dp"
 
     def __init__(self, mesh, options):
         super().__init__(mesh, options)
-        self.shard = self.options.get("dp_shard") or "none"
-        if self.shard not in SHARDS:
-            raise ConfigError(f"unknown --dp-shard {self.shard!r}; choose one of {', '.join(SHARDS)}")
-        self.allreduce = self.options.get("allreduce") or "ddp"
-        if self.allreduce not in ALLREDUCE_MODES:
-            raise ConfigError(f"unknown --allreduce {self.allreduce!r}; choose one of {', '.join(ALLREDUCE_MODES)}")
-        if self.shard != "none" and self.allreduce not in ("ddp", "native"):
-            raise ConfigError(f"--allreduce {self.allreduce} chooses how replicas' gradients are all-reduced, but "
-                              f"--dp-shard {self.shard} reduce-scatters them; leave --allreduce out or use "
-                              "--dp-shard none")
+        self.shard, self.allreduce, self.bucket_mb = read_options(self.options)
+        self.label = self.options.get("preset") or f"mesh --dp-shard {self.shard}"
         self.algorithm = "native" if self.allreduce == "ddp" else self.allreduce
-        self.averages_gradients = self.size > 1 and self.shard == "none"
-        self.bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
+        self.bucket_bytes = int(self.bucket_mb * 2**20)
         sizes = {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)}
+        alone = all(size == 1 for n, size in sizes.items() if n != "dp")
+        self.wraps_ddp = self.size > 1 and self.shard == "none" and self.allreduce == "ddp" and alone
+        self.averages_gradients = self.size > 1 and self.shard == "none" and not self.wraps_ddp
+        self.reshard = not self.options.get("fsdp_no_reshard")
+        self.buffers: list[torch.Tensor] = []
         self.pipelined = sizes.get("pp", 1) > 1
         self.zero = None
         if self.shard.startswith("zero"):
@@ -112,7 +154,8 @@ class DataParallel(Dimension):
             others = (self.pipelined or sizes.get("cp", 1) > 1 or sizes.get("ep", 1) > 1
                       or (sizes.get("tp", 1) > 1 and bool(self.options.get("sequence_parallel"))))
             comm = Comm(self.size, self.size > 1, group=self.group)
-            self.zero = ZeroSharding(int(self.shard[-1]), comm, self.rank, reduce_in_backward=not others)
+            self.zero = ZeroSharding(int(self.shard[-1]), comm, self.rank, bool(self.options.get("zero_prefetch")),
+                                     reduce_in_backward=not others)
             self.sync_last = True
 
     @property
@@ -128,6 +171,10 @@ class DataParallel(Dimension):
     def parallelize(self, model: nn.Module) -> nn.Module:
         if self.size == 1:
             return model
+        if self.wraps_ddp:  # DDP broadcasts the group's first rank's parameters and buffers at construction
+            device = next(model.parameters()).device
+            return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                           bucket_cap_mb=self.bucket_mb, process_group=self.group)
         # every copy starts from the group's first rank's (as DDP does; fully_shard keeps this rank's slice of
         # its own copy, so it too must start from one copy)
         src = dist.get_global_rank(self.group, 0)
@@ -136,6 +183,7 @@ class DataParallel(Dimension):
                 kdist.broadcast(tensor, src=src, group=self.group)
         if self.zero is not None:
             self.zero.shard(model)
+            self.buffers = list(model.buffers())
         return self._fully_shard(model) if self.shard == "fsdp" else model
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
@@ -143,8 +191,8 @@ class DataParallel(Dimension):
 
         submesh = self.mesh["dp"]
         for module in _units(model):
-            fully_shard(module, mesh=submesh)
-        return fully_shard(model, mesh=submesh)
+            fully_shard(module, mesh=submesh, reshard_after_forward=self.reshard)
+        return fully_shard(model, mesh=submesh, reshard_after_forward=self.reshard)
 
     def whole_parameters(self) -> contextlib.AbstractContextManager:
         """A block in which every parameter of this rank's model is whole (``--dp-shard zero3``: all-gathered over
@@ -155,14 +203,20 @@ class DataParallel(Dimension):
         return {"dp": self.size, "dp_shard": self.shard}  # fsdp and ZeRO shards do not load into replicas
 
     def begin_step(self) -> None:
+        """ZeRO: stage 1's flat gradients zeroed; the buffers (e.g. batch-norm statistics) follow the group's first
+        rank, one broadcast each, as DDP's forward does (a model without buffers: no collective)."""
         if self.zero is not None:
             self.zero.begin_step()
+            src = dist.get_global_rank(self.group, 0)
+            with torch.no_grad():
+                for b in self.buffers:
+                    kdist.broadcast(b, src=src, group=self.group)
 
     def sync_gradients(self, model: nn.Module) -> None:
         if self.zero is not None:
             self.zero.sync_gradients()
             return
-        if self.size == 1 or self.shard == "fsdp":  # FSDP2 reduce-scattered them during backward
+        if self.size == 1 or self.shard == "fsdp" or self.wraps_ddp:  # FSDP2, DDP: reduced during backward
             return
         average_gradients(model.parameters(), self.algorithm, self.bucket_bytes, group=self.group)
 
@@ -171,11 +225,11 @@ class DataParallel(Dimension):
         parameters (FSDP2's are shards of their own). Layer-wise optimizers are refused where a rank holds only
         part of each layer."""
         if self.zero is not None:
-            refuse_layerwise(spec.name, f"mesh --dp-shard {self.shard}", "a slice of each layer's flat buffer")
+            refuse_layerwise(spec.name, self.label, HOLDS[self.shard])
             return self.zero.build_optimizer(spec)
         if self.shard == "fsdp":
-            refuse_layerwise(spec.name, "mesh --dp-shard fsdp", "a shard of each tensor")
-        return spec.build(model)
+            refuse_layerwise(spec.name, self.label, HOLDS[self.shard])
+        return spec.build(model.module if self.wraps_ddp else model)
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -201,3 +255,45 @@ def mesh_time(step) -> float:
             link = step.link(d, stride)
             total += price(nbytes, d, shard)["bytes"] * link.beta + 2 * (d - 1) * link.alpha
     return total
+
+
+class DataParallelPreset(MeshStrategy):
+    """``--strategy ddp``, ``zero``, ``fsdp``: presets of ``--mesh dp=<world size>`` with one ``--dp-shard``
+    (:meth:`shard_of` their own flags), every rank a data shard; the options pass to the dp dimension unchanged.
+
+    Built before the job's process group exists (to look at its samplers), it has no mesh and no dimension, but its
+    flags are checked and its ranks still shard the data.
+    """
+
+    def __init__(self, env, options=None):
+        options = dict(options or {})
+        options.update(mesh=f"dp={env.world_size}", dp_shard=self.shard_of(options), preset=self.name)
+        self.shard, self.allreduce, self.bucket_mb = read_options(options)
+        super().__init__(env, options)
+
+    def shard_of(self, options: dict) -> str:
+        """The ``--dp-shard`` this preset means, given its flags."""
+        return "none"
+
+    @property
+    def dp(self) -> DataParallel | None:
+        """The mesh's dp dimension (None in one process, or before the process group exists)."""
+        return self.dims[0] if self.dims else None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.env.world_size
+
+    def data_shard(self) -> tuple[int, int]:
+        return self.env.world_size, self.env.rank
+
+    def sampler(self, dataset, train: bool, seed: int):
+        # replicas and ZeRO 1-2 evaluate on whole parameters with no collective: shards without padding
+        if train or self.shard in ("none", "zero1", "zero2"):
+            return super(MeshStrategy, self).sampler(dataset, train, seed)
+        return super().sampler(dataset, train, seed)
+
+    def build_optimizer(self, model: nn.Module, spec):
+        if self.dp is None and self.shard != "none":  # one process: refused as the dp dimension would refuse it
+            refuse_layerwise(spec.name, self.name, HOLDS[self.shard])
+        return super().build_optimizer(model, spec)

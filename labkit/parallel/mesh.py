@@ -18,14 +18,16 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from labkit.dist.mesh import MESH_ORDER, MeshPlace, MeshShape, build_mesh
 from labkit.errors import CheckpointError
 from labkit.models.names import LANGUAGE_MODELS
 from labkit.parallel import DIMENSIONS, get_dimension
 from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB, DataParallelStrategy, ShardSampler, average_gradients
-from labkit.parallel.fsdp import load_local_state, local_state
 
 #: ``labkit train`` flags, plain data read without importing this module (labkit.flags); each dimension's
 #: own flags (``labkit.parallel.<name>.FLAGS``) come with them
@@ -85,9 +87,9 @@ class MeshStrategy(DataParallelStrategy):
         self.shape.check_world(env.world_size)
         self.options["mesh"] = str(self.shape)
         classes = [get_dimension(n) for n in DIMENSIONS if self.shape[n] > 1]  # unavailable: ConfigError now
-        self.mesh = build_mesh(self.shape, env.device.type) if env.distributed else None
-        # without a process group (options and the model checked, the stages cut, before any communication) each
-        # dimension reads this rank's place on the mesh's grid
+        # without a process group (options and the model checked, the stages cut, the samplers made, before any
+        # communication) each dimension reads this rank's place on the mesh's grid
+        self.mesh = build_mesh(self.shape, env.device.type) if env.distributed and dist.is_initialized() else None
         place = self.mesh if self.mesh is not None else MeshPlace(self.shape, env.rank, env.device.type)
         self.dims = [cls(place, self.options) for cls in classes]
         self.pipeline = next((d for d in self.dims if d.name == "pp"), None)
@@ -201,7 +203,7 @@ class MeshStrategy(DataParallelStrategy):
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the whole output on the ranks that own it (pp: its schedule's forward)."""
-        out = self.pipeline.forward(model, x) if self.pipeline is not None else model(x)
+        out = self.pipeline.forward(model, x) if self.pipeline is not None else self.unwrap(model)(x)
         if out is None:
             return None
         for d in self.dims:
@@ -216,6 +218,10 @@ class MeshStrategy(DataParallelStrategy):
 
     def metric_owner(self) -> bool:
         return all(d.owns_metrics() for d in self.dims)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The model inside dp's DistributedDataParallel (evaluation runs it bare: no buffer broadcast)."""
+        return model.module if isinstance(model, DistributedDataParallel) else model
 
     def build_optimizer(self, model: nn.Module, spec):
         """The dp dimension's (:meth:`labkit.parallel.dp.DataParallel.build_optimizer`: over its ZeRO shards, if
@@ -240,7 +246,7 @@ class MeshStrategy(DataParallelStrategy):
 
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         with self.whole_parameters():
-            state = local_state(model, optimizer)
+            state = local_state(self.unwrap(model), optimizer)
             state["model"] = {k: v.clone() for k, v in state["model"].items()}  # ZeRO-3 frees them after the block
         return {**state, "world_size": self.env.world_size, "mesh": self.mesh_key()}
 
@@ -252,7 +258,7 @@ class MeshStrategy(DataParallelStrategy):
                                   f"{_describe(self.mesh_key())}; resume with --mesh {written} or start without "
                                   "--resume")
         with self.whole_parameters():
-            load_local_state(model, optimizer, state)
+            load_local_state(self.unwrap(model), optimizer, state)
 
 
 def _describe(key: dict) -> str:
@@ -261,3 +267,48 @@ def _describe(key: dict) -> str:
     options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in key.items()
                if k not in MESH_ORDER and v not in (None, False, "none")]
     return " ".join([str(MeshShape({n: key.get(n, 1) for n in MESH_ORDER})), *options])
+
+
+def _local(value):
+    """A DTensor's local shard as a plain tensor (checkpoints hold no DTensors)."""
+    return value.to_local().detach().clone() if isinstance(value, DTensor) else value
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``{"model", "optimizer"}`` with every DTensor replaced by this rank's local shard (plain tensors)."""
+    opt = optimizer.state_dict()
+    opt["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in opt["state"].items()}
+    return {"model": {k: _local(v) for k, v in model.state_dict().items()}, "optimizer": opt}
+
+
+def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load what :func:`local_state` saved, rebuilding DTensors around the local shards.
+
+    Raises:
+        CheckpointError: other parameter names, another shard shape, or optimizer state that does not fit.
+    """
+    current = model.state_dict()
+    if current.keys() != state["model"].keys():
+        raise CheckpointError("the checkpoint's parameters do not match this model")
+    like = {}
+    for name, saved in state["model"].items():
+        ref = current[name]
+        if isinstance(ref, DTensor):
+            if saved.shape != ref.to_local().shape:
+                raise CheckpointError(f"shard {name} has shape {tuple(saved.shape)}, this rank holds "
+                                      f"{tuple(ref.to_local().shape)}")
+            saved = DTensor.from_local(saved, ref.device_mesh, ref.placements, shape=ref.shape, stride=ref.stride())
+        elif isinstance(ref, torch.Tensor) and saved.shape != ref.shape:
+            raise CheckpointError(f"{name} has shape {tuple(saved.shape)}, this rank holds {tuple(ref.shape)}")
+        like[name] = saved
+    model.load_state_dict(like)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    opt = dict(state["optimizer"])
+    opt["state"] = {i: {k: (DTensor.from_local(v, params[i].device_mesh, params[i].placements,
+                                               shape=params[i].shape, stride=params[i].stride())
+                            if isinstance(v, torch.Tensor) and v.dim() and isinstance(params[i], DTensor) else v)
+                        for k, v in s.items()} for i, s in opt["state"].items()}
+    try:
+        optimizer.load_state_dict(opt)
+    except (ValueError, KeyError, IndexError) as exc:
+        raise CheckpointError(f"the optimizer state does not fit: {exc}") from None

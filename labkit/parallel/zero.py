@@ -36,12 +36,12 @@ from torch import nn
 
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import broadcast_time, collective_time, common_terms, compute_scale, memory_terms
-from labkit.dist import group as kdist
-from labkit.errors import CheckpointError, ConfigError
-from labkit.parallel.data_parallel import DataParallelStrategy, broadcast_from_rank0
-from labkit.parallel.zero_sharding import ZeroSharding
+from labkit.errors import ConfigError
+from labkit.parallel.dp import DataParallelPreset, refuse_layerwise
 from labkit.parallel.zero_units import Comm, Unit
 from labkit.strategies.backends import check as check_backend
+
+__all__ = ["ZeroStrategy", "price_sharded", "refuse_layerwise", "stage_of"]
 
 #: ``labkit train --strategy zero`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
@@ -63,87 +63,61 @@ BACKENDS = [
 ]
 
 
-def refuse_layerwise(optimizer: str, strategy: str, holds: str) -> None:
-    """ConfigError for an optimizer that needs whole layers on one rank (K-FAC's factors, LARS/LAMB's norms)."""
-    needs = {"kfac": "K-FAC needs each layer's whole gradient and activations",
-             "lars": "LARS scales each layer's step by its whole weight and gradient norms",
-             "lamb": "LAMB scales each layer's step by its whole weight and update norms"}
-    if optimizer in needs or optimizer.startswith("kfac"):
-        raise ConfigError(f"--optimizer {optimizer} with --strategy {strategy}: {needs.get(optimizer, needs['kfac'])}"
-                          f" on one rank, but each rank holds only {holds}; use --strategy ddp, or sgd/adam")
-
-
-class ZeroStrategy(DataParallelStrategy):
-    """ZeRO stage 1, 2 or 3 over labkit's data-parallel shards (see the module docstring for the formulas)."""
+class ZeroStrategy(DataParallelPreset):
+    """``--strategy zero --zero-stage k``: a preset of ``--mesh dp=N --dp-shard zerok`` over every rank of the job
+    (the dp dimension's :class:`~labkit.parallel.zero_sharding.ZeroSharding`; see the module docstring for the
+    formulas). Its counters: :attr:`comm` (bytes sent), :meth:`memory_bytes`, :meth:`full_parameters`."""
 
     name = "zero"
-    replicated = False
+
+    def shard_of(self, options: dict) -> str:
+        stage = options.get("zero_stage")
+        stage = 1 if stage is None else stage
+        if stage not in (1, 2, 3):
+            raise ConfigError(f"--zero-stage must be 1, 2 or 3 (optimizer state, + gradients, + parameters), "
+                              f"got {stage}")
+        if options.get("zero_prefetch") and stage != 3:
+            raise ConfigError(f"--zero-prefetch gathers parameters ahead of use, which only stage 3 shards; "
+                              f"got --zero-stage {stage}")
+        return f"zero{stage}"
 
     def __init__(self, env, options=None):
-        super().__init__(env, options)
-        stage = self.options.get("zero_stage")
-        self.stage = 1 if stage is None else stage
-        if self.stage not in (1, 2, 3):
-            raise ConfigError(f"--zero-stage must be 1, 2 or 3 (optimizer state, + gradients, + parameters), "
-                              f"got {self.stage}")
-        self.prefetch = bool(self.options.get("zero_prefetch"))
-        if self.prefetch and self.stage != 3:
-            raise ConfigError(f"--zero-prefetch gathers parameters ahead of use, which only stage 3 shards; "
-                              f"got --zero-stage {self.stage}")
         if env.backend is not None:  # labkit train checked this already; a strategy built by hand is checked here
             check_backend("zero", env.backend, env.device.type)
-        self.comm = Comm(env.world_size, env.distributed)
-        self.sharding = ZeroSharding(self.stage, self.comm, env.rank, self.prefetch)
+        super().__init__(env, options)
+        self.stage = int(self.shard[-1])
+        self.prefetch = bool(self.options.get("zero_prefetch"))
+        self._alone = Comm(1, False)  # one process: nothing is sent
+        self._model: nn.Module | None = None
+
+    @property
+    def comm(self) -> Comm:
+        """The dp group's collectives and their byte counters (``comm.sent_bytes``)."""
+        return self.dp.zero.comm if self.dp is not None else self._alone
 
     @property
     def units(self) -> list[Unit]:
-        """The model's units (:class:`~labkit.parallel.zero_units.Unit`), in module order."""
-        return self.sharding.units
+        """The model's units (:class:`~labkit.parallel.zero_units.Unit`), in module order (none in one process)."""
+        return self.dp.zero.units if self.dp is not None else []
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.env.device)
-        if self.env.distributed:
-            broadcast_from_rank0(model)
-        self.sharding.shard(model)
-        return model
-
-    def sampler(self, dataset, train: bool, seed: int):
-        if train or self.stage < 3:
-            return super().sampler(dataset, train, seed)
-        return None  # stage 3 evaluation all-gathers in every forward: every rank runs the same batches
-
-    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        out = model(x)
-        return out if self.stage < 3 or self.env.is_main else None  # stage 3: rank 0 counts the metrics
-
-    # ----- the step (labkit.parallel.zero_sharding) ------------------------------------------------------
-
-    def forward_backward(self, model, x, y, criterion):
-        self.sharding.begin_step()
-        if self.env.distributed:  # buffers (e.g. batch-norm statistics) follow rank 0, as DDP does
-            with torch.no_grad():
-                for b in model.buffers():
-                    kdist.broadcast(b, src=0)
-        return super().forward_backward(model, x, y, criterion)
-
-    def sync_gradients(self, model: nn.Module) -> None:
-        self.sharding.sync_gradients()
-
-    def build_optimizer(self, model: nn.Module, spec):
-        refuse_layerwise(spec.name, "zero", "a slice of each layer's flat buffer")
-        return self.sharding.build_optimizer(spec)
-
-    # ----- memory and checkpoints ---------------------------------------------------------------------
+        self._model = super().prepare(model)
+        return self._model
 
     def memory_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes this rank holds now: ``{"params", "grads", "optimizer"}`` (distinct storages; the 0-d step
         counters excluded), to set beside the formulas."""
         storages: dict[str, dict[int, int]] = {"params": {}, "grads": {}, "optimizer": {}}
-        for unit in self.units:
-            for t in [*unit.params, unit.shard]:
-                storages["params"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            for t in [unit.grad, *(p.grad for p in unit.params if p.grad is not None)]:
-                storages["grads"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if self.units:
+            params = [t for unit in self.units for t in [*unit.params, unit.shard]]
+            grads = [t for unit in self.units for t in [unit.grad, *(p.grad for p in unit.params)] if t is not None]
+        else:  # one process: the optimizer's parameters, whole
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            grads = [p.grad for p in params if p.grad is not None]
+        for t in params:
+            storages["params"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        for t in grads:
+            storages["grads"][t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         for state in optimizer.state.values():
             for t in state.values():
                 if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -153,35 +127,9 @@ class ZeroStrategy(DataParallelStrategy):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter, whole, on every rank (all-gathered for stage 3): for tests and notebooks."""
-        return self.sharding.full_parameters()
-
-    def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        return {"model": {f"shard.{i}": u.shard.detach().clone() for i, u in enumerate(self.units)}
-                | {f"buffer.{n}": b for n, b in model.named_buffers()},
-                "optimizer": optimizer.state_dict(), "world_size": self.env.world_size, "zero_stage": self.stage}
-
-    def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        if state.get("world_size") != self.env.world_size:
-            raise CheckpointError(f"the ZeRO shards were written by {state.get('world_size')} ranks but this job "
-                                  f"has {self.env.world_size}; resume with the same number of ranks")
-        saved = state["model"]
-        for i, unit in enumerate(self.units):
-            shard = saved.get(f"shard.{i}")
-            if shard is None or shard.shape != unit.shard.shape:
-                raise CheckpointError(f"shard {i} is missing or has the wrong size for this model "
-                                      f"({None if shard is None else tuple(shard.shape)} vs {tuple(unit.shard.shape)})")
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"the optimizer state does not fit: {exc}") from None
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(saved[f"buffer.{name}"])
-            for i, unit in enumerate(self.units):
-                unit.shard.copy_(saved[f"shard.{i}"])
-        if self.stage < 3:
-            for unit in self.units:
-                unit.gather(force=True)
+        if self.dp is not None:
+            return self.dp.zero.full_parameters()
+        return [p.detach().clone() for p in self._model.parameters()]
 
 
 def _units(prof) -> list[float]:

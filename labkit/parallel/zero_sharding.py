@@ -2,9 +2,9 @@
 each module, the hooks that reduce-scatter gradients (stage 2, 3) and gather parameters (stage 3), and the step's
 end (all-gather the stepped shards).
 
-:class:`~labkit.parallel.zero.ZeroStrategy` shards over the whole job (``group=None``); the mesh's ``dp``
-dimension (:mod:`labkit.parallel.dp`, ``--dp-shard zero1|zero2|zero3``) over its ``dp`` group of N ranks, each
-rank r of it owning elements ``[r·S, (r+1)·S)`` of every unit's flat buffer of N·S elements.
+The mesh's ``dp`` dimension (:mod:`labkit.parallel.dp`, ``--dp-shard zero1|zero2|zero3``, and ``--strategy zero``,
+its preset over every rank) shards over its ``dp`` group of N ranks, each rank r of it owning elements
+``[r·S, (r+1)·S)`` of every unit's flat buffer of N·S elements.
 
 Per step (N ranks of the group, P elements of padded flat buffers, ring collectives): a reduce-scatter of the
 gradients and an all-gather of the parameters, ``2 (N − 1)/N · P`` sent (stage 3: one more all-gather,

@@ -62,6 +62,7 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     """
     import torch
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
 
     from labkit.models import cnn as kmodels
     from labkit.models.gpt import Block
@@ -82,6 +83,10 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
         if name in WEIGHTS:
             regions[name] = _locate(p.detach(), full[name])
     groups = {id(d.group): d.name for d in strategy.dims}
+    if isinstance(net, DistributedDataParallel):  # PyTorch's own hook: the same all-reduce, called from Python
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        net.register_comm_hook(net.process_group, allreduce_hook)
     if strategy.pipeline is not None and strategy.pipeline.embedding_group is not None:
         groups.setdefault(id(strategy.pipeline.embedding_group), "pp")
     counted: dict[str, dict[str, int]] = {}
