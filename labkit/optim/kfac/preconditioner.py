@@ -51,10 +51,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from labkit.dist.group import DistEnv, print0
-from labkit.errors import ConfigError, LabkitError
+from labkit.errors import CheckpointError, ConfigError, LabkitError
 from labkit.optim.kfac import distributed as kfac_dist
 from labkit.optim.kfac import kaisa as kfac_kaisa
-from labkit.optim.kfac.capture import KFACCapture
 from labkit.optim.kfac.clip import KLClip, inner_product
 from labkit.optim.kfac.layers import LayerFactors, supports
 from labkit.optim.kfac.options import (
@@ -66,12 +65,11 @@ from labkit.optim.kfac.options import (
     parse_enum,
     validate,
 )
-from labkit.optim.kfac.state import KFACState
 
 __all__ = ["KFAC", "Approx", "Broadcast", "Method", "add_arguments", "from_options"]
 
 
-class KFAC(KFACCapture, KFACState):
+class KFAC:
     """K-FAC gradient preconditioner for the Linear and Conv2d layers of ``model``.
 
     Args:
@@ -270,6 +268,75 @@ class KFAC(KFACCapture, KFACState):
                 f"damping={self.damping}, factor_decay={self.factor_decay}, kl_clip={self.kl_clip}, "
                 f"factor_update_freq={self.factor_update_freq}, inv_update_freq={self.inv_update_freq}, "
                 f"world_size={self.world_size}, broadcast={self.broadcast.value})")
+
+    # ----- capture: the hooks, timed into timings["factors"] ----------------------------------------------------
+
+    def _capturing(self, module: nn.Module) -> bool:
+        return module.training and torch.is_grad_enabled() and self.steps % self.factor_update_freq == 0
+
+    def _forward_hook(self, layer: LayerFactors, inputs: tuple, output: Tensor) -> None:
+        if not inputs or not self._capturing(layer.module):
+            return
+        started = self._clock()
+        with torch.autocast(inputs[0].device.type, enabled=False):  # factors in float32 even under torch.amp
+            layer.capture_input(inputs[0])
+        if output.requires_grad:
+            output.register_hook(lambda grad: self._grad_hook(layer, grad))
+        self.timings["factors"] += self._clock() - started
+
+    def _grad_hook(self, layer: LayerFactors, grad: Tensor) -> None:
+        started = self._clock()
+        layer.capture_output_grad(grad)
+        self.timings["factors"] += self._clock() - started
+
+    def _clock(self) -> float:
+        if self.timed and torch.cuda.is_available() and self.layers[0].module.weight.is_cuda:
+            torch.cuda.synchronize()
+        return self.clock()
+
+    # ----- communication model --------------------------------------------------------------------------------
+
+    def communication_per_step(self, element_size: int = 4) -> dict[str, int]:
+        """Payload bytes K-FAC's own collectives move on this rank (0 everywhere on a single process).
+
+        Returns:
+            ``{"factors": on each factor-update step, "decompositions": on each inverse-update step,
+            "gradients": on every step}`` — the formulas of :mod:`labkit.optim.kfac.distributed`, or with a
+            grad-worker fraction those of :mod:`labkit.optim.kfac.kaisa` (they depend on this rank's block).
+        """
+        shapes = [(l.d_in, l.d_out) for l in self.layers]
+        if self.kaisa is None:
+            return kfac_dist.communication_per_step(shapes, self.world_size, self.method.value, self.broadcast.value,
+                                                    element_size)
+        factors = kfac_dist.communication_per_step(shapes, self.world_size, self.method.value, "gradients",
+                                                   element_size)["factors"]
+        shared = kfac_kaisa.cost_per_rank(shapes, self.owners, self.world_size, self.kaisa.g, self.rank,
+                                          self.method.value, element_size)
+        return {"factors": factors, "decompositions": shared["decompositions"], "gradients": shared["gradients"]}
+
+    def decomposition_bytes(self) -> int:
+        """Bytes of the decompositions this rank holds (what the grad-worker fraction trades for traffic)."""
+        return sum(t.numel() * t.element_size() for l in self.layers for t in l.decomposition.values())
+
+    # ----- checkpoints --------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Tensors and primitives only (loads with ``torch.load(weights_only=True)``)."""
+        return {"method": self.method.value, "steps": self.steps,
+                "layers": {l.name: l.state() for l in self.layers if l.A is not None}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore factors, decompositions (recomputed at the next step where missing) and the step count."""
+        names = {l.name: l for l in self.layers}
+        unknown = sorted(set(state.get("layers", {})) - set(names))
+        if unknown:
+            raise CheckpointError(f"K-FAC state has layers {unknown[:3]} that this model lacks; "
+                                  "the checkpoint belongs to another model")
+        same_method = state.get("method") == self.method.value
+        restored = [names[name].load_state(saved, self.method.value if same_method else None)
+                    for name, saved in state["layers"].items()]
+        self.steps = int(state["steps"])
+        self._stale = not all(restored) or len(restored) < len(self.layers)
 
 
 # ----- the `labkit train --optimizer kfac` side (flags in labkit.optim.kfac.options) ---------------------------
