@@ -43,7 +43,7 @@ def test_profile_sums_read_layers_s_alike_and_an_empty_s_as_none():
 
 
 def test_ddp_ring_all_reduce_by_hand():
-    est = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), tiny_profile(), topo())
+    est = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),), data_parallel=2), tiny_profile(), topo())
     assert est.time["compute"] == pytest.approx(0.0172)  # b = 4: 0.0042 + 0.012 + 0.001
     # 4440 bytes, ring over 2 ranks: 2 steps of one message of 2220 bytes: 2 (1e-3 + 1e-6 · 2220)
     assert est.time["communication"] == pytest.approx(0.00644)
@@ -87,7 +87,7 @@ def test_textbook_bubble_and_the_critical_path():
 
 def test_hybrid_and_tensor_parallel_by_hand():
     prof, t = tiny_profile(), topo()
-    hyb = price(Plan("hybrid", 2, 2, 8), prof, t)
+    hyb = price(Plan("hybrid", 2, 2, 8, data_parallel=2), prof, t)
     assert hyb.time["compute"] == pytest.approx(0.0172)  # features on 4 samples, classifier on 8
     # gather + scatter 4·40 bytes, logits 4·40 bytes, ring all-reduce of the 4400 feature bytes
     assert hyb.time["communication"] == pytest.approx(2 * 0.00116 + 0.00116 + 2 * (0.001 + 0.0022))
@@ -100,7 +100,7 @@ def test_hybrid_and_tensor_parallel_by_hand():
 
 def test_not_applicable_plans_say_why():
     prof = tiny_profile(feature_layers=None, tp_pairs=())
-    assert "features" in price(Plan("hybrid", 2, 2, 8), prof, topo()).note
+    assert "features" in price(Plan("hybrid", 2, 2, 8, data_parallel=2), prof, topo()).note
     assert "pair" in price(Plan("tensor-parallel", 2, 2, 8), prof, topo()).note
 
 
@@ -160,8 +160,8 @@ def test_two_level_topology_prices_collectives_across_nodes_with_the_slower_link
     assert two_nodes.ranks == 4
     assert two_nodes.link_of("p2p", 2) is fast and two_nodes.link_of("p2p", 4) is slow
     prof = tiny_profile()
-    inside = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
-    across = price(Plan("ddp", 4, 4, 8, (("allreduce", "ring"),)), prof, two_nodes).time["communication"]
+    inside = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),), data_parallel=2), prof, two_nodes).time["communication"]
+    across = price(Plan("ddp", 4, 4, 8, (("allreduce", "ring"),), data_parallel=4), prof, two_nodes).time["communication"]
     assert inside == pytest.approx(2 * (1e-5 + 1e-10 * 2220))          # ring over 2: 2 steps of 4440/2 bytes
     assert across == pytest.approx(6 * (1e-3 + 1e-8 * 1112))           # ring over 4: 6 steps of 4440/4 bytes
 
@@ -170,22 +170,22 @@ def test_zero_and_fsdp_terms_by_hand():
     prof, t = tiny_profile(), topo()
     # units of 400, 4000, 40 bytes; over 2 ranks RS(U) = AG(U) = 1e-3 + 1e-6 · U/2
     one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
-    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
+    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),), data_parallel=2), prof, t)
     assert z2.time["communication"] == pytest.approx(2 * one)
     assert z2.time["update"] == pytest.approx(1e-6 * 4440 / 2)
     assert (z2.memory["parameters"], z2.memory["gradients"], z2.memory["optimizer"]) == (4440, 2220, 2220)
-    z3 = price(Plan("zero", 2, 2, 8, (("zero_stage", 3),)), prof, t)
+    z3 = price(Plan("zero", 2, 2, 8, (("zero_stage", 3),), data_parallel=2), prof, t)
     assert z3.time["communication"] == pytest.approx(3 * one)
     assert (z3.memory["parameters"], z3.memory["buffers"]) == (2220, 8000)
-    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)), prof, t)
+    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),), data_parallel=2), prof, t)
     assert fsdp.time["communication"] == pytest.approx(2 * one)
-    assert Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)).train_args("lenet", "mnist-sample")[-1] == \
+    assert Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),), data_parallel=2).train_args("lenet", "mnist-sample")[-1] == \
         "--fsdp-no-reshard"
 
 
 def test_parameter_server_terms_by_hand():
     prof, t = tiny_profile(), topo(ranks=3)
-    one = price(Plan("ps", 3, 3, 8, (("ps_servers", 1),)), prof, t)
+    one = price(Plan("ps", 3, 3, 8, (("ps_servers", 1),), data_parallel=2), prof, t)
     assert one.plan.per_rank_batch == 4 and one.plan.label == "ps×3 S=1"
     assert one.time["compute"] == pytest.approx(0.0172)  # 2 workers, b = 4, as ddp's
     # the server takes 2 pushes of 4440 bytes and sends 2 replies (16-byte header + 4440 bytes):
@@ -194,14 +194,14 @@ def test_parameter_server_terms_by_hand():
     assert one.time["update"] == pytest.approx(0.00444) and one.time["data"] == pytest.approx(0.0004)
     # the server is the fuller device: 3 · 4440 (shard, gradient, momentum) + 2 · 2 · 4440 (pushes, stack)
     assert one.peak_bytes == pytest.approx(31080) and one.memory["optimizer"] == 4440
-    two = price(Plan("ps", 3, 3, 8, (("ps_servers", 2),)), prof, t)
+    two = price(Plan("ps", 3, 3, 8, (("ps_servers", 2),), data_parallel=1), prof, t)
     # shards of whole layers, largest first: 4000 | 400 + 40; one worker trains all 8 samples
     assert two.plan.per_rank_batch == 8 and two.time["compute"] == pytest.approx(0.0304)
     assert two.time["communication"] == pytest.approx(2 * (1e-3 + 1e-6 * 4000) + (1e-3 + 1e-6 * 16))
     assert two.time["update"] == pytest.approx(0.004)
-    assert Plan("ps", 3, 3, 8, (("ps_servers", 2),)).train_args("lenet", "mnist-sample")[-4:] == \
+    assert Plan("ps", 3, 3, 8, (("ps_servers", 2),), data_parallel=1).train_args("lenet", "mnist-sample")[-4:] == \
         ["--batch-size", "8", "--ps-servers", "2"]
-    assert "fewer layers" in price(Plan("ps", 5, 5, 8, (("ps_servers", 4),)), prof, topo(ranks=5)).note
+    assert "fewer layers" in price(Plan("ps", 5, 5, 8, (("ps_servers", 4),), data_parallel=1), prof, topo(ranks=5)).note
 
 
 def test_parameter_server_loses_on_a_slow_link_and_wins_when_the_update_dominates():
@@ -228,15 +228,15 @@ def test_buffer_broadcasts_and_ddp_buckets_by_hand():
     # l0 as a batch-norm-like layer: 3 buffers of 264 bytes in all (two of 32 floats and a step counter)
     prof.layers[0] = replace(prof.layers[0], buffers=3, buffer_bytes=264)
     one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
-    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),)), prof, t)
+    z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),), data_parallel=2), prof, t)
     # ZeRO broadcasts each buffer before every forward: 3 α + β · 264
     assert z2.time["communication"] == pytest.approx(2 * one + 3e-3 + 264e-6)
-    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),)), prof, t)
+    fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),), data_parallel=2), prof, t)
     assert fsdp.time["communication"] == pytest.approx(2 * one)  # FSDP leaves buffers alone
     # PyTorch's DDP broadcasts the buffers once, coalesced; the kit's hand-made all-reduce does not
-    ddp = price(Plan("ddp", 2, 2, 8, (("allreduce", "ddp"),)), prof, t)
+    ddp = price(Plan("ddp", 2, 2, 8, (("allreduce", "ddp"),), data_parallel=2), prof, t)
     assert ddp.time["communication"] == pytest.approx(0.00644 + 1e-3 + 264e-6)
-    ring = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), prof, t)
+    ring = price(Plan("ddp", 2, 2, 8, (("allreduce", "ring"),), data_parallel=2), prof, t)
     assert ring.time["communication"] == pytest.approx(0.00644)
     # DDP's first bucket holds 1 MiB: 3 MiB leave in two all-reduces (2α + β·n each, on 2 ranks), the
     # hand-made ring sends one 3 MiB bucket
@@ -342,9 +342,9 @@ def test_no_plan_pays_a_per_step_stop_check():
     """`labkit train` asks about a stop signal every few tenths of a second without blocking (tests/
     test_step_collectives.py counts it): no plan, of one process or several, pays a per-step term for it."""
     t = topo()
-    for plan in (Plan("ddp", 2, 2, 8, (("allreduce", "ring"),)), Plan("tensor-parallel", 2, 2, 8),
+    for plan in (Plan("ddp", 2, 2, 8, (("allreduce", "ring"),), data_parallel=2), Plan("tensor-parallel", 2, 2, 8),
                  Plan("pipeline", 2, 2, 8, (("num_microbatches", 2), ("balance", (1, 2)))),
-                 Plan("zero", 2, 2, 8, (("zero_stage", 3),)), Plan("ps", 2, 2, 8, (("ps_servers", 1),)),
+                 Plan("zero", 2, 2, 8, (("zero_stage", 3),), data_parallel=2), Plan("ps", 2, 2, 8, (("ps_servers", 1),), data_parallel=1),
                  Plan("single", 1, 1, 8), Plan("gpipe", 1, 2, 8, (("num_microbatches", 2), ("balance", (1, 2))))):
         assert "stop check" not in price(plan, tiny_profile(), t).time, plan.label
 
@@ -366,10 +366,10 @@ def test_two_ranks_on_two_cores_are_never_priced_more_than_twice_as_fast_as_one_
     # a 2-rank profile that promises more than the cores can do is raised to the one-thread step over 2 cores
     quick = Profile("m", "d", 1, (2, 8), [LayerProfile("l0", "Conv2d", (0.0, 0.00001), (0.0, 0.00001), 400, 100,
                                                        50)], 16, 0.0, 0.0, 0)
-    assert price(Plan("ddp", 2, 2, 32), quick, t, profs[1]).step_s == pytest.approx(0.0032)  # not 0.32 ms
+    assert price(Plan("ddp", 2, 2, 32, data_parallel=2), quick, t, profs[1]).step_s == pytest.approx(0.0032)  # not 0.32 ms
     # off the CPU the devices are separate: nothing is raised
     gpu = Topology("2 gpus", 2, CostModel(0.0, 0.0, 0.0), float("inf"), "cuda", separate_devices=True)
-    assert price(Plan("ddp", 2, 2, 32), profs[1], gpu, profs[2]).step_s == pytest.approx(0.0032)
+    assert price(Plan("ddp", 2, 2, 32, data_parallel=2), profs[1], gpu, profs[2]).step_s == pytest.approx(0.0032)
 
 
 def test_named_topologies_from_public_specifications():

@@ -27,10 +27,10 @@ def test_kappa_scales_the_compute_of_every_plan_of_several_processes_and_of_none
     prof = profile(concurrency=1.8)
     steps = {label: price(plan, prof, cpu()).time["compute"] for label, plan in {
         "single": Plan("single", 1, 1, 16),
-        "ddp": Plan("ddp", 2, 2, 16, (("allreduce", "ring"),)),
-        "zero": Plan("zero", 2, 2, 16, (("zero_stage", 1),)),
+        "ddp": Plan("ddp", 2, 2, 16, (("allreduce", "ring"),), data_parallel=2),
+        "zero": Plan("zero", 2, 2, 16, (("zero_stage", 1),), data_parallel=2),
         "tp": Plan("tensor-parallel", 2, 2, 16),
-        "ps": Plan("ps", 2, 2, 16, (("ps_servers", 1),)),
+        "ps": Plan("ps", 2, 2, 16, (("ps_servers", 1),), data_parallel=1),
         "gpipe": Plan("gpipe", 1, 2, 16, (("num_microbatches", 2), ("balance", (1, 1)))),
     }.items()}
     assert steps["single"] == pytest.approx(0.032)  # 2 layers · 16 samples · 1 ms, alone
@@ -56,11 +56,11 @@ def test_each_kind_of_collective_pays_its_measured_price_whatever_the_strategy()
     t = replace(cpu(), link=CostModel(1e-3, 1e-9), kinds=kinds)
     prof = profile(concurrency=1.0)
     comm = {label: price(plan, prof, t).time["communication"] for label, plan in {
-        "ddp": Plan("ddp", 2, 2, 16, (("allreduce", "ddp"),)),
-        "ring": Plan("ddp", 2, 2, 16, (("allreduce", "ring"),)),
-        "zero2": Plan("zero", 2, 2, 16, (("zero_stage", 2),)),
-        "zero3": Plan("zero", 2, 2, 16, (("zero_stage", 3),)),
-        "fsdp-no-reshard": Plan("fsdp", 2, 2, 16, (("fsdp_no_reshard", True),)),
+        "ddp": Plan("ddp", 2, 2, 16, (("allreduce", "ddp"),), data_parallel=2),
+        "ring": Plan("ddp", 2, 2, 16, (("allreduce", "ring"),), data_parallel=2),
+        "zero2": Plan("zero", 2, 2, 16, (("zero_stage", 2),), data_parallel=2),
+        "zero3": Plan("zero", 2, 2, 16, (("zero_stage", 3),), data_parallel=2),
+        "fsdp-no-reshard": Plan("fsdp", 2, 2, 16, (("fsdp_no_reshard", True),), data_parallel=2),
         "tp": Plan("tensor-parallel", 2, 2, 16),
     }.items()}
     # PyTorch's all-reduce of 2,000 bytes: 2 messages of α 2 ms, 2,000 bytes of 10 ns
@@ -74,7 +74,7 @@ def test_each_kind_of_collective_pays_its_measured_price_whatever_the_strategy()
     assert comm["zero3"] == pytest.approx(2 * (one + 4e-3 + 500 * 3e-8))  # gathers again before backward
     # tensor parallelism all-reduces 16 samples · 40 bytes forward and 16 · 16 input bytes backward
     assert comm["tp"] == pytest.approx(2 * 2e-3 + 640 * 1e-8 + 2 * 2e-3 + 256 * 1e-8)
-    assert not any("overhead" in term for plan in comm for term in price(Plan("fsdp", 2, 2, 16), prof, t).time)
+    assert not any("overhead" in term for plan in comm for term in price(Plan("fsdp", 2, 2, 16, data_parallel=2), prof, t).time)
 
 
 def test_two_ranks_on_two_cores_are_never_priced_more_than_twice_as_fast_as_one_process():

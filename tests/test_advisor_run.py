@@ -49,7 +49,7 @@ def _train_parallelized(env, plan: dict, steps: int) -> float:
 
 def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_path):
     topo = local_topology(2, link=CostModel(1e-4, 1e-9))
-    est = price(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), _lenet_profile(1), topo)
+    est = price(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),), data_parallel=2), _lenet_profile(1), topo)
     advice = Advice("lenet", "mnist-sample", 32, topo, [est], [est])
     measured = validate(advice, repeats=1, steps=STEPS, out=tmp_path, progress=False)  # one spawn in CI
     m = measured[est.plan.label]
@@ -86,7 +86,7 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
     from labkit.advisor.validate import ranking
 
     topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
-    plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), Plan("zero", 2, 2, 32, (("zero_stage", 1),))]
+    plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),), data_parallel=2), Plan("zero", 2, 2, 32, (("zero_stage", 1),), data_parallel=2)]
     # each priced with the profile at its threads (the same made-up times): it runs at those threads
     table = sorted((price(p, _lenet_profile(2 // p.processes), topo) for p in plans), key=lambda e: e.step_s)
     advice = Advice("lenet", "mnist-sample", 32, topo, table, table)
@@ -122,8 +122,8 @@ def test_validate_a_failed_run_ends_its_plan_and_the_ranks_start_again(monkeypat
     import labkit.advisor.validate as val
 
     topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
-    plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)),
-             Plan("zero", 2, 2, 32, (("zero_stage", 1),)), Plan("fsdp", 2, 2, 32)]
+    plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),), data_parallel=2),
+             Plan("zero", 2, 2, 32, (("zero_stage", 1),), data_parallel=2), Plan("fsdp", 2, 2, 32, data_parallel=2)]
     table = [price(p, _lenet_profile(2 // p.processes), topo) for p in plans]
     advice = Advice("lenet", "mnist-sample", 32, topo, table, table)
     spawns = []
@@ -159,8 +159,8 @@ def test_the_report_names_the_term_a_plan_is_off_by():
 
     topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
     est = [Estimate(Plan("single", 1, 1, 32), {"compute": 0.0099, "update": 0.0001}),
-           Estimate(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),)), {"compute": 0.006, "communication": 0.002}),
-           Estimate(Plan("zero", 2, 2, 32, (("zero_stage", 1),)), {"compute": 0.006, "communication": 0.004}),
+           Estimate(Plan("ddp", 2, 2, 32, (("allreduce", "ring"),), data_parallel=2), {"compute": 0.006, "communication": 0.002}),
+           Estimate(Plan("zero", 2, 2, 32, (("zero_stage", 1),), data_parallel=2), {"compute": 0.006, "communication": 0.004}),
            Estimate(Plan("pipeline", 2, 2, 32, (("num_microbatches", 2), ("balance", (1, 1)))),
                     {"compute": 0.006, "bubble": 0.003})]
     advice = Advice("lenet", "mnist-sample", 32, topo, est, est)
@@ -183,7 +183,7 @@ def test_parallelize_refuses_what_it_cannot_run():
     with pytest.raises(ConfigError, match="no flat form"):
         parallelize(nn.Linear(2, 2), Plan("gpipe", 1, 2, 8, (("num_microbatches", 2),)), model_name="mlp")
     with pytest.raises(ConfigError, match="runs on 2 process"):
-        parallelize("lenet", Plan("ddp", 2, 2, 8))
+        parallelize("lenet", Plan("ddp", 2, 2, 8, data_parallel=2))
     single = parallelize("lenet", Plan("single", 1, 1, 16), extra=("--epochs", "2"))
     assert single.command == "labkit train --model lenet --dataset mnist-sample --strategy single --batch-size 16 " \
                              "--epochs 2"

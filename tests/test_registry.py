@@ -85,7 +85,7 @@ def test_a_new_strategy_reaches_train_the_suite_the_advisor_and_the_backend_tabl
             for e in ranked if e.plan.strategy == "fake"}
     assert mine == pytest.approx({(2, 1, 6): 0.5, (2, 3, 6): 1.5, (3, 1, 4): 1 / 3, (3, 3, 4): 1.0})
     assert [e.plan.strategy for e in ranked].count("ddp") == 2  # p = 2, 3: the cheapest all-reduce each
-    assert Plan("fake", 3, 3, 12, (("fake_level", 1),)).train_args("lenet", "mnist-sample")[-6:] == [
+    assert Plan("fake", 3, 3, 12, (("fake_level", 1),), 3).train_args("lenet", "mnist-sample")[-6:] == [
         "--strategy", "fake", "--batch-size", "4", "--fake-level", "1"]
 
 

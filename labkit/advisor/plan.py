@@ -8,7 +8,6 @@ from pathlib import Path
 from labkit.advisor.topology import Topology
 from labkit.errors import ConfigError
 from labkit.results import atomic_write_text
-from labkit.strategies import STRATEGIES, strategy_literal
 
 
 @dataclass(frozen=True)
@@ -20,17 +19,12 @@ class Plan:
     devices: int
     batch_size: int                    # samples per optimizer step over the whole job (the global batch)
     options: tuple = ()                # the strategy's own flags: ((dest, value), ...), e.g. (("balance", (5, 7)),)
+    data_parallel: int = 1             # ranks training their own share of the batch (the search reads the
+                                       # strategy's ADVISOR literal for it: "split" = every rank, "workers")
 
     @property
     def option(self) -> dict:
         return dict(self.options)
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks training their own share of the batch, by the ``ADVISOR`` literal's ``"batch"`` (else one)."""
-        entry = strategy_literal(self.strategy, "ADVISOR", {}) if self.strategy in STRATEGIES else {}
-        shares = {"split": self.processes, "workers": self.processes - self.option.get(entry.get("servers"), 1)}
-        return shares.get(entry.get("batch"), 1)
 
     @property
     def per_rank_batch(self) -> int:  # --batch-size
@@ -67,7 +61,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
         opts = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in d.get("options", {}).items())
-        return cls(d["strategy"], int(d["processes"]), int(d["devices"]), int(d["batch_size"]), opts)
+        return cls(d["strategy"], int(d["processes"]), int(d["devices"]), int(d["batch_size"]), opts,
+                   int(d.get("data_parallel", 1)))
 
 
 @dataclass

@@ -80,14 +80,16 @@ def spread_plans(name: str, entry: dict, space: Space) -> Iterator[Estimate]:
     grid = entry.get("grid", {})
     for p in range(2, space.topo.ranks + 1):
         if space.batch % p == 0:
-            found = [space.add(Plan(name, p, p, space.batch, tuple(zip(grid, values))))
+            found = [space.add(Plan(name, p, p, space.batch, tuple(zip(grid, values)),
+                                    p if entry.get("batch") == "split" else 1))
                      for values in itertools.product(*grid.values())]
             yield from [min(found, key=lambda e: e.step_s)] if entry.get("keep") == "cheapest" else found
 
 
 def server_plans(name: str, entry: dict, space: Space) -> list[Estimate]:
-    """``"plans": "servers"``: ``p = 2..N`` ranks, ``S = 1..p − 1`` servers, the workers dividing the batch."""
-    return [space.add(Plan(name, p, p, space.batch, ((entry["servers"], s),)))
+    """``"plans": "servers"``: ``p = 2..N`` ranks, ``S = 1..p − 1`` servers, the ``p − S`` workers dividing the
+    batch."""
+    return [space.add(Plan(name, p, p, space.batch, ((entry["servers"], s),), p - s))
             for p in range(2, space.topo.ranks + 1) for s in range(1, p) if space.batch % (p - s) == 0]
 
 
