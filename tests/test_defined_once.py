@@ -8,6 +8,7 @@ input and whose backward reduces; ``g`` one whose forward reduces and whose back
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "labkit"
@@ -19,8 +20,9 @@ TP_PREFIXES = ("parallel/tp", "parallel/megatron", "parallel/layers", "parallel/
 NOT_OPERATORS = {("parallel/megatron.py", "_VocabParallelCE")}
 
 
+@functools.cache
 def classes(root: Path = PACKAGE) -> list[tuple[str, ast.ClassDef]]:
-    """(path under ``root``, class) for every class defined in a module of ``root``, at any depth."""
+    """(path under ``root``, class) for every class defined in a module of ``root``, at any depth (parsed once)."""
     return [(path.relative_to(root).as_posix(), node)
             for path in sorted(root.rglob("*.py"))
             for node in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(node, ast.ClassDef)]
