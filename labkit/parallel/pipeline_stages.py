@@ -27,10 +27,9 @@ def torch_pipelining():
     return pipelining
 
 
-def pipeline_options(options: dict, stages: int, stages_are: str) -> tuple[str, int]:
-    """``(schedule, micro-batches)`` of a ``stages``-stage pipeline, its options checked once for every form of it
-    (``--strategy pipeline`` and the mesh's ``pp``); ``stages_are`` names what the stages are in the messages
-    (``"2 ranks"``, ``"pp=2"``).
+def pipeline_options(options: dict, stages: int, on_mesh: bool = True) -> tuple[str, int]:
+    """``(schedule, micro-batches)`` of a ``stages``-stage pipeline, its options checked once for every form of it:
+    the mesh's ``pp`` (``on_mesh``: the messages say ``pp=P``) and ``--strategy pipeline`` (they say ranks).
 
     Raises:
         ConfigError: an unknown ``--schedule``; 1F1B with fewer micro-batches than stages (its warm-up would
@@ -40,13 +39,12 @@ def pipeline_options(options: dict, stages: int, stages_are: str) -> tuple[str, 
     if schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     chunks = num_microbatches(options)
-    count = stages_are.split()[0].removeprefix("pp=")
     if stages > 1 and schedule == "1f1b" and chunks < stages:
-        where = f"({stages_are})" if stages_are.startswith("pp=") else f"({count})"
-        raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages {where}, got {chunks}")
+        count = f"pp={stages}" if on_mesh else stages
+        raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages ({count}), got {chunks}")
     given = options.get("balance")
     if stages > 1 and given and len(given) != stages:
-        there = stages_are if stages_are.startswith("pp=") else f"there are {stages_are}"
+        there = f"pp={stages}" if on_mesh else f"there are {stages} ranks"
         raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but {there}; "
                           "give one count per stage")
     return schedule, chunks

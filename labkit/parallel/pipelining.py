@@ -65,7 +65,7 @@ class PipelineStrategy(MeshStrategy):
             raise ConfigError("--strategy pipeline puts one stage on each rank and needs >= 2 ranks: "
                               "torchrun --nproc_per_node 2 -m labkit train --strategy pipeline ...")
         options = dict(options or {})
-        pipeline_options(options, env.world_size, f"{env.world_size} ranks")
+        pipeline_options(options, env.world_size, on_mesh=False)
         super().__init__(env, {**options, "mesh": f"pp={env.world_size}"})
         # a flat nn.Sequential until check_model says otherwise (a GPT), for callers that build the model without it
         self.sequential_model = True

@@ -183,7 +183,7 @@ class PipelineParallel(Dimension):
 
     def __init__(self, mesh: DeviceMesh, options: dict):
         super().__init__(mesh, options)
-        self.schedule_name, self.num_microbatches = pipeline_options(self.options, self.size, f"pp={self.size}")
+        self.schedule_name, self.num_microbatches = pipeline_options(self.options, self.size)
         device = torch.device(mesh.device_type)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
