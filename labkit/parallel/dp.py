@@ -261,8 +261,8 @@ class DataParallelPreset(MeshStrategy):
     """``--strategy ddp``, ``zero``, ``fsdp``: presets of ``--mesh dp=<world size>`` with one ``--dp-shard``
     (:meth:`shard_of` their own flags), every rank a data shard; the options pass to the dp dimension unchanged.
 
-    Built before the job's process group exists (to look at its samplers), it has no mesh and no dimension, but its
-    flags are checked and its ranks still shard the data.
+    Built before the job's process group exists (to look at its samplers), it has no mesh: its dp dimension reads
+    its place on the grid, its flags are checked and its ranks still shard the data.
     """
 
     def __init__(self, env, options=None):
@@ -277,7 +277,7 @@ class DataParallelPreset(MeshStrategy):
 
     @property
     def dp(self) -> DataParallel | None:
-        """The mesh's dp dimension (None in one process, or before the process group exists)."""
+        """The mesh's dp dimension (None in one process)."""
         return self.dims[0] if self.dims else None
 
     @property
