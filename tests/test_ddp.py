@@ -14,7 +14,8 @@ from labkit.dist.group import DistEnv
 from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
 from labkit.parallel.data_parallel import ShardSampler
-from labkit.parallel.ddp import ALLREDUCE_MODES, DDPStrategy, check_against_ddp, parse_kill_at
+from labkit.parallel.ddp import DDPStrategy, check_against_ddp, parse_kill_at
+from labkit.parallel.dp import ALLREDUCE_MODES
 
 B, EPOCHS, STEPS_PER_EPOCH, SEED, LR = 4, 2, 3, 5, 0.1
 

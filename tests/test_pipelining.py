@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from labkit.dist.group import DistEnv
 from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
-from labkit.parallel.pipelining import PipelineStrategy, even_balance, microbatches_for, stage_layers
+from labkit.parallel.pipeline_stages import even_balance, microbatches_for, stage_layers
+from labkit.parallel.pipelining import PipelineStrategy
 from labkit.train.loop import fit
 from labkit.viz import pipeline as viz
 

@@ -95,7 +95,7 @@ def test_every_flag_has_help_and_every_valued_flag_shows_its_default(strategy):
 
 
 def test_flags_literals_agree_with_the_modules_that_own_them():
-    from labkit.parallel import ddp, pipeline_stages, pp
+    from labkit.parallel import ddp, dp, pipeline_stages, pp
     from labkit.strategies import balance as gpipe_balance
     from labkit.strategies import gpipe
     from labkit.strategies.ps import server as ps_server
@@ -105,7 +105,7 @@ def test_flags_literals_agree_with_the_modules_that_own_them():
         module = importlib.import_module(target.partition(":")[0])
         assert read_flags(module.__name__) == tuple(getattr(module, "FLAGS", ()))
     choices = {f["flag"]: f.get("choices") for m in (ddp, gpipe, pp) for f in m.FLAGS}
-    assert tuple(choices["--allreduce"]) == ddp.ALLREDUCE_MODES
+    assert tuple(choices["--allreduce"]) == dp.ALLREDUCE_MODES
     assert tuple(choices["--balance-by"]) == gpipe_balance.BALANCE_METHODS
     assert tuple(choices["--checkpoint-mode"]) == gpipe.CHECKPOINT_MODES
     assert tuple(choices["--schedule"]) == tuple(pipeline_stages.SCHEDULES)

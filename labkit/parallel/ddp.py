@@ -39,9 +39,9 @@ from labkit.advisor.topology import broadcast_time, bucketed_allreduce, common_t
 from labkit.dist.group import DistEnv
 from labkit.errors import ConfigError, LabkitError
 from labkit.parallel.data_parallel import average_gradients
-from labkit.parallel.dp import ALLREDUCE_MODES, DataParallelPreset
+from labkit.parallel.dp import DataParallelPreset
 
-__all__ = ["ALLREDUCE_MODES", "DDPStrategy", "PeerFailure", "check_against_ddp", "parse_kill_at", "price_ddp"]
+__all__ = ["DDPStrategy", "PeerFailure", "check_against_ddp", "parse_kill_at", "price_ddp"]
 
 #: ``labkit train`` flags, plain data read without importing this module (see labkit.flags)
 FLAGS = [

@@ -31,9 +31,7 @@ from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import common_terms, compute_scale, memory_terms, pipeline_terms, stages_of
 from labkit.errors import ConfigError
 from labkit.parallel.mesh import MeshStrategy
-from labkit.parallel.pipeline_stages import even_balance, microbatches_for, pipeline_options, stage_layers
-
-__all__ = ["PipelineStrategy", "even_balance", "microbatches_for", "stage_layers"]
+from labkit.parallel.pipeline_stages import pipeline_options
 
 #: ``labkit train --strategy pipeline`` flags: the pp dimension's, declared once there (labkit.flags)
 SHARED_FLAGS = {"labkit.parallel.pp": ["--num-microbatches", "--balance", "--schedule", "--pipeline-trace",

@@ -26,7 +26,7 @@ elements sends (N − 1)/N · P; an all-reduce is one of each):
     DDP, stage 1, stage 2   reduce-scatter gradients + all-gather parameters   2 (N − 1)/N · P  (an all-reduce)
     stage 3                 all-gather (forward) + all-gather (backward) + reduce-scatter   3 (N − 1)/N · P  (1.5×)
 
-K-FAC, LARS and LAMB are refused (:func:`refuse_layerwise`): they need each layer's whole gradient (K-FAC also
+K-FAC, LARS and LAMB are refused (:func:`labkit.parallel.dp.refuse_layerwise`): they need each layer's whole gradient (K-FAC also
 its activations) or whole-weight norms on one rank, which a rank's slice of a flat buffer does not give.
 """
 from __future__ import annotations
@@ -37,11 +37,11 @@ from torch import nn
 from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import broadcast_time, collective_time, common_terms, compute_scale, memory_terms
 from labkit.errors import ConfigError
-from labkit.parallel.dp import DataParallelPreset, refuse_layerwise
+from labkit.parallel.dp import DataParallelPreset
 from labkit.parallel.zero_units import Comm, Unit
 from labkit.strategies.backends import check as check_backend
 
-__all__ = ["ZeroStrategy", "price_sharded", "refuse_layerwise", "stage_of"]
+__all__ = ["ZeroStrategy", "price_sharded", "stage_of"]
 
 #: ``labkit train --strategy zero`` flags, plain data read without importing this module (labkit.flags)
 FLAGS = [
