@@ -2,7 +2,13 @@
 
 ``sgd``, ``adam``, ``lars`` and ``lamb`` are optimizers; ``kfac`` is K-FAC preconditioning the gradients in
 place between ``backward`` and ``step`` of a *base* optimizer (``--kfac-base sgd|adam|lars|lamb``, default
-SGD as in the seed's command line).
+SGD as in the seed's command line). ``shampoo``, ``soap`` and ``muon`` keep whole-matrix state and split it over
+the data-parallel ranks (:mod:`labkit.optim.split`).
+
+A registry entry is ``"module:function"`` (a torch-free function that adds the optimizer's flags; the optimizer
+is built here) or a plain ``"module"`` that declares its flags as a ``FLAGS`` literal (:mod:`labkit.flags`, read
+without importing it) and has ``build(model, lr, momentum, weight_decay, options)``: a new optimizer of that
+kind is one module and one line.
 
 This package imports no torch at import time: ``labkit train`` reads :data:`OPTIMIZERS` and the optimizers'
 flags before deciding whether to train at all.
@@ -14,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from labkit.errors import ConfigError
-from labkit.flags import resolve
+from labkit.flags import add_flags, defaults, read_flags, resolve
 from labkit.optim.trust_options import BASES, DEFAULTS
 
 if TYPE_CHECKING:
@@ -27,7 +33,10 @@ if TYPE_CHECKING:
 OPTIMIZERS: dict[str, str | None] = {"sgd": None, "adam": None,
                                      "lars": "labkit.optim.trust_options:add_lars_arguments",
                                      "lamb": "labkit.optim.trust_options:add_lamb_arguments",
-                                     "kfac": "labkit.optim.trust_options:add_kfac_arguments"}
+                                     "kfac": "labkit.optim.trust_options:add_kfac_arguments",
+                                     "shampoo": "labkit.optim.shampoo",
+                                     "soap": "labkit.optim.soap",
+                                     "muon": "labkit.optim.muon"}
 
 
 def add_arguments(group: argparse._ArgumentGroup, name: str = "kfac") -> None:
@@ -35,8 +44,11 @@ def add_arguments(group: argparse._ArgumentGroup, name: str = "kfac") -> None:
     and adam)."""
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")
-    if OPTIMIZERS[name]:
-        resolve(OPTIMIZERS[name])(group)
+    entry = OPTIMIZERS[name]
+    if entry and ":" not in entry:
+        add_flags(group, read_flags(entry))
+    elif entry:
+        resolve(entry)(group)
 
 
 def build_optimizer(name: str, model: nn.Module, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
@@ -50,7 +62,15 @@ def build_optimizer(name: str, model: nn.Module, lr: float, momentum: float = 0.
         raise ConfigError(f"unknown optimizer {name!r}; choose one of: {', '.join(OPTIMIZERS)}")
     if lr <= 0:
         raise ConfigError(f"learning rate must be > 0, got {lr}")
-    options = {**DEFAULTS, **{k: v for k, v in dict(options or {}).items() if v is not None}}
+    given = {k: v for k, v in dict(options or {}).items() if v is not None}
+    entry = OPTIMIZERS[name]
+    if entry and ":" not in entry:
+        try:
+            return resolve(f"{entry}:build")(model, lr, momentum, weight_decay,
+                                             {**defaults(read_flags(entry)), **given}), None
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    options = {**DEFAULTS, **given}
     base = options["kfac_base"] if name == "kfac" else name
     if base not in BASES:
         raise ConfigError(f"unknown --kfac-base {base!r}; choose one of: {', '.join(BASES)}")
