@@ -62,10 +62,11 @@ def newton_schulz(g: Tensor, steps: int = 5, coefficients: tuple[float, float, f
     a, b, c = coefficients
     tall = g.shape[0] > g.shape[1]
     x = g.t() if tall else g
-    x = x / torch.linalg.matrix_norm(x).clamp(min=eps)         # X₀ = G / ‖G‖_F: singular values in (0, 1]
+    x = x / x.norm().clamp(min=eps)                             # X₀ = G / ‖G‖_F: singular values in (0, 1]
     for _ in range(steps):
         gram = x @ x.t()                                         # A = X Xᵀ
-        x = a * x + (b * gram + c * gram @ gram) @ x             # X ← aX + (bA + cA²)X
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)   # bA + cA² (one fused call, as torch.optim.Muon)
+        x = torch.addmm(x, poly, x, beta=a)                      # X ← aX + (bA + cA²)X
     return x.t() if tall else x
 
 
@@ -136,9 +137,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return loss
 
     def state_bytes(self) -> int:
-        """Bytes of this rank's momentum buffers (Muon) and Adam moments (AdamW)."""
+        """Bytes of this rank's momentum buffers (Muon), Adam moments and step counts (AdamW)."""
         return sum(t.numel() * t.element_size() for _, opt in self._inner() for s in opt.state.values()
-                   for t in s.values() if isinstance(t, Tensor) and t.ndim > 0)
+                   for t in s.values() if isinstance(t, Tensor))
 
     def state_dict(self) -> dict:
         state = {"muon": self.muon.state_dict() if self.muon is not None else None,

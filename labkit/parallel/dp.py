@@ -94,10 +94,14 @@ def read_options(options: dict) -> tuple[str, str, float]:
 
 
 def refuse_layerwise(optimizer: str, strategy: str, holds: str) -> None:
-    """ConfigError for an optimizer that needs whole layers on one rank (K-FAC's factors, LARS/LAMB's norms)."""
+    """ConfigError for an optimizer that needs whole layers on one rank (K-FAC's factors, LARS/LAMB's norms, the
+    matrices of Shampoo, SOAP and Muon, which split whole matrices over the ranks themselves)."""
     needs = {"kfac": "K-FAC needs each layer's whole gradient and activations",
              "lars": "LARS scales each layer's step by its whole weight and gradient norms",
-             "lamb": "LAMB scales each layer's step by its whole weight and update norms"}
+             "lamb": "LAMB scales each layer's step by its whole weight and update norms",
+             "shampoo": "Shampoo preconditions each weight matrix with its whole L and R",
+             "soap": "SOAP rotates each weight matrix into the eigenbasis of its whole L and R",
+             "muon": "Muon orthogonalises each whole weight matrix"}
     if optimizer in needs or optimizer.startswith("kfac"):
         raise ConfigError(f"--optimizer {optimizer} with --strategy {strategy}: {needs.get(optimizer, needs['kfac'])}"
                           f" on one rank, but each rank holds only {holds}; use --strategy ddp, or sgd/adam")

@@ -128,6 +128,9 @@ class ParameterServerStrategy(Strategy):
         if spec.name == "kfac":
             raise ConfigError("--strategy ps applies the optimizer on the servers, but K-FAC's factors come from "
                               "the forward pass on the workers; use --strategy ddp for K-FAC")
+        if spec.name in ("shampoo", "soap", "muon"):
+            raise ConfigError(f"--strategy ps steps the optimizer on the servers alone, but --optimizer {spec.name} "
+                              "splits its matrices over every rank of the job; use --strategy ddp")
         if self.mode != "sync" and spec.name in ("sgd", "lars"):  # Adam and LAMB keep their β₁
             spec = dataclasses.replace(spec, momentum=self.server_momentum(spec.momentum))
         return super().build_optimizer(model, spec)

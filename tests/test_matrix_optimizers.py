@@ -1,0 +1,189 @@
+"""Shampoo, SOAP and Muon: each against an independent reference, their state counted, and ``labkit train`` with them.
+
+* Shampoo: three steps against a dense float64 implementation written here from the formulas, whose preconditioner
+  is ``((R + εI) ⊗ (L + εI))^{-1/4} vec(G)`` from one eigendecomposition of the Kronecker product; one step by hand.
+* SOAP: its first step is the polar factor ``U Vᵀ`` of the gradient (SVD); with identity bases it is torch's AdamW.
+* Newton–Schulz: the convergent coefficients give ``U Vᵀ`` of an SVD; Muon's give ``U S' Vᵀ`` with S' in
+  [0.6, 1.3]; in bfloat16 it matches the step of ``torch.optim.Muon``.
+* Optimizer-state bytes: literal numbers worked out in the comments.
+"""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from labkit.cli import main as cli_main
+from labkit.errors import ConfigError
+from labkit.optim import build_optimizer
+from labkit.optim.muon import CONVERGENT_COEFFICIENTS, MuonWithAdamW, muon_parameters, newton_schulz
+from labkit.optim.shampoo import Shampoo
+from labkit.optim.soap import SOAP
+from labkit.optim.split import state_bytes
+from labkit.parallel.dp import refuse_layerwise
+
+F64 = torch.float64
+
+
+def two_layer(dtype=torch.float32) -> nn.Module:
+    """Linear(5, 4) -> tanh -> Linear(4, 3): two matrices, two biases."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).to(dtype)
+
+
+def batches(steps: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 5, generator=g, dtype=dtype), torch.randint(0, 3, (6,), generator=g)) for _ in range(steps)]
+
+
+def train(net: nn.Module, opt, steps: int, dtype=torch.float32) -> list[list[torch.Tensor]]:
+    """Gradients of every step (before the step)."""
+    grads = []
+    for x, y in batches(steps, dtype):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+        opt.step()
+    return grads
+
+
+def dense_shampoo(params, grads_per_step, lr, mu, eps, freq, b2=0.999, graft_eps=1e-8):
+    """Shampoo written from the formulas with dense Kronecker products (float64, column-stacking vec)."""
+    w = [p.detach().clone() for p in params]
+    L = {i: torch.zeros(p.shape[0], p.shape[0], dtype=F64) for i, p in enumerate(w) if p.ndim == 2}
+    R = {i: torch.zeros(p.shape[1], p.shape[1], dtype=F64) for i, p in enumerate(w) if p.ndim == 2}
+    root = {}
+    v = [torch.zeros_like(p) for p in w]
+    buf = [torch.zeros_like(p) for p in w]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, g in enumerate(grads):
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            d = g / ((v[i] / (1 - b2 ** t)).sqrt() + graft_eps)
+            if g.ndim == 2:
+                L[i] = L[i] + g @ g.T
+                R[i] = R[i] + g.T @ g
+                if (t - 1) % freq == 0:
+                    eye_l, eye_r = torch.eye(len(L[i]), dtype=F64), torch.eye(len(R[i]), dtype=F64)
+                    lam, q = torch.linalg.eigh(torch.kron(R[i] + eps * eye_r, L[i] + eps * eye_l))
+                    root[i] = q @ torch.diag(lam ** -0.25) @ q.T
+                vec_g = g.T.reshape(-1)
+                p = (root[i] @ vec_g).reshape(g.shape[1], g.shape[0]).T
+                d = p * d.norm() / p.norm()
+            buf[i] = mu * buf[i] + d
+            w[i] = w[i] - lr * buf[i]
+    return w
+
+
+def test_shampoo_equals_a_dense_kronecker_implementation():
+    net = two_layer(F64)
+    start = [p.detach().clone() for p in net.parameters()]
+    opt = Shampoo(net.parameters(), lr=0.1, momentum=0.9, update_freq=2, eps=1e-3, graft="adam")
+    grads = train(net, opt, 3, F64)  # roots on steps 1 and 3, stale on step 2
+    want = dense_shampoo([p.clone() for p in start], grads, lr=0.1, mu=0.9, eps=1e-3, freq=2)
+    for got, expected in zip(net.parameters(), want, strict=True):
+        torch.testing.assert_close(got.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_shampoo_one_step_by_hand():
+    # W = 0, G = diag(3, 4): L = diag(9, 16), R = diag(9, 16), P = L^{-1/4} G R^{-1/4} = diag(3/3, 4/4) = I (ε = 1e-12)
+    # graft sgd: ‖D‖ = ‖G‖ = 5, ‖P‖ = √2 -> P = 5/√2 I; lr 0.1, no momentum yet: W = -0.1 · 5/√2 I
+    w = nn.Parameter(torch.zeros(2, 2, dtype=F64))
+    w.grad = torch.diag(torch.tensor([3.0, 4.0], dtype=F64))
+    Shampoo([w], lr=0.1, momentum=0.9, eps=1e-12, graft="sgd").step()
+    torch.testing.assert_close(w.detach(), -0.5 / math.sqrt(2) * torch.eye(2, dtype=F64))
+
+
+def test_shampoo_without_preconditioning_is_torch_sgd():
+    """max_dim 1 leaves every side unpreconditioned and graft sgd keeps G: SGD with momentum and L2 decay."""
+    ours, theirs = two_layer(), two_layer()
+    train(ours, Shampoo(ours.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01, graft="sgd", max_dim=1), 3)
+    train(theirs, torch.optim.SGD(theirs.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01), 3)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_soap_first_step_is_the_polar_factor():
+    # t = 1: M̂ = G, V̂ = G'², G' = Q_Lᵀ G Q_R = diag(±σ): N' = sign(G'), N = Q_L sign(G') Q_Rᵀ = U Vᵀ
+    # (a square G of full rank: L and R have no null space, whose round-off ε would turn into ±1)
+    g = torch.randn(4, 4, generator=torch.Generator().manual_seed(2), dtype=F64)
+    w = nn.Parameter(torch.zeros(4, 4, dtype=F64))
+    w.grad = g
+    SOAP([w], lr=1.0, eps=1e-9).step()  # ε above the round-off of the zero off-diagonal entries of G' (1e-15)
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    torch.testing.assert_close(-w.detach(), u @ vh, rtol=0, atol=1e-5)  # ε/σ and round-off/ε: about 1e-6
+
+
+def test_soap_with_identity_bases_is_torch_adamw():
+    ours, theirs = two_layer(), two_layer()
+    train(ours, SOAP(ours.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_dim=1), 3)
+    train(theirs, torch.optim.AdamW(theirs.parameters(), lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), 3)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("shape", [(8, 5), (5, 8)])
+def test_newton_schulz_converges_to_the_svd_polar_factor(shape):
+    g = torch.randn(*shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    torch.testing.assert_close(newton_schulz(g, steps=30, coefficients=CONVERGENT_COEFFICIENTS), u @ vh,
+                               rtol=0, atol=1e-10)
+    # Muon's coefficients, 5 steps: the same singular vectors, singular values only near 1
+    o = newton_schulz(g, steps=5)
+    s = u.T @ o @ vh.T
+    torch.testing.assert_close(s - torch.diag(s.diagonal()), torch.zeros_like(s), rtol=0, atol=1e-10)
+    assert 0.6 <= s.diagonal().min() and s.diagonal().max() <= 1.3, s.diagonal()
+
+
+def test_newton_schulz_in_bfloat16_is_torch_muons_step():
+    # momentum 0, no decay, lr 1: torch.optim.Muon steps W ← W − √max(1, 6/4) · NS(G) in bfloat16
+    g = torch.randn(6, 4, generator=torch.Generator().manual_seed(4))
+    w = nn.Parameter(torch.zeros(6, 4))
+    w.grad = g.clone()
+    torch.optim.Muon([w], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False).step()
+    ours = newton_schulz(g.bfloat16()).float() * math.sqrt(6 / 4)
+    torch.testing.assert_close(-w.detach(), ours, rtol=0, atol=0)
+
+
+def test_muon_takes_the_hidden_linear_weights_and_adamw_the_rest():
+    net = nn.Sequential(nn.Embedding(7, 5), nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 4), nn.Linear(4, 7))
+    assert muon_parameters(net) == [net[1].weight, net[3].weight]  # not the embedding, not the head
+    opt, pre = build_optimizer("muon", net, 0.01, 0.9, 0.0, {})
+    assert pre is None and isinstance(opt, MuonWithAdamW)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 5]
+    with pytest.raises(ConfigError, match="no hidden nn.Linear weight"):
+        build_optimizer("muon", nn.Sequential(nn.Linear(3, 2)), 0.01, 0.9, 0.0, {})
+
+
+def test_optimizer_state_bytes():
+    # two_layer(): W1 (4, 5), b1 (4), W2 (3, 4), b2 (3), float32 (4 bytes each)
+    # shampoo (graft adam): per matrix momentum + v (2mn) + L, L^{-1/4} (2m²) + R, R^{-1/4} (2n²); per bias momentum + v
+    #   W1: 40 + 32 + 50 = 122, b1: 8, W2: 24 + 18 + 32 = 74, b2: 6 -> 210 numbers = 840 bytes
+    # soap: per matrix M, V (2mn), L, Q_L (2m²), R, Q_R (2n²); per bias M, V: the same 210 numbers = 840 bytes
+    # muon: W1 is Muon's (momentum 20); AdamW's b1, W2, b2 hold two moments each, 2·(4 + 12 + 3) = 38, and a 0-d
+    #   step count each, 3 -> 61 numbers = 244 bytes
+    # sgd (momentum): 39 numbers = 156 bytes; adam: 78 moments + 4 step counts = 82 numbers = 328 bytes
+    expected = {"shampoo": 840, "soap": 840, "muon": 244, "sgd": 156, "adam": 328}
+    for name, want in expected.items():
+        net = two_layer()
+        opt, _ = build_optimizer(name, net, 0.01, 0.9, 0.0, {})
+        train(net, opt, 1)
+        assert state_bytes(opt) == want, name
+
+
+def test_bad_values_are_one_clear_error():
+    with pytest.raises(ConfigError, match="Shampoo decay must be in"):
+        build_optimizer("shampoo", two_layer(), 0.01, 0.9, 0.0, {"shampoo_decay": 1.5})
+    with pytest.raises(ConfigError, match="--optimizer muon with --strategy zero: Muon orthogonalises"):
+        refuse_layerwise("muon", "zero", "a shard")
+
+
+@pytest.mark.parametrize("optimizer", ["shampoo", "soap", "muon"])
+def test_labkit_train_runs_and_learns(optimizer, tmp_path, capsys):
+    # lenet: small hidden Linear layers (torch.optim.Muon's Newton–Schulz runs in bfloat16, slow on a CPU)
+    code = cli_main(["train", "--model", "lenet", "--optimizer", optimizer, "--train-size", "256", "--test-size", "64",
+                     "--batch-size", "32", "--max-steps", "6", "--epochs", "2", "--no-checkpoint",
+                     "--out", str(tmp_path), "--log-every", "100"])
+    assert code == 0
+    records = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    losses = [float(line.split("train loss ")[1].split()[0]) for line in records]
+    assert len(losses) == 2 and losses[1] < losses[0], records
