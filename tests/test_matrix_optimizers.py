@@ -187,3 +187,102 @@ def test_labkit_train_runs_and_learns(optimizer, tmp_path, capsys):
     records = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
     losses = [float(line.split("train loss ")[1].split()[0]) for line in records]
     assert len(losses) == 2 and losses[1] < losses[0], records
+
+
+# ----- split over two data-parallel ranks == one process on the global batch, through fit ------------------------
+
+# Square 8 × 8 matrices and a global batch of 24: L and R have full rank from the first step. (A rank-deficient L or
+# R, as any non-square matrix's, leaves round-off to pick the basis of its null space, and SOAP's elementwise Adam
+# in that basis then differs between two runs by more than round-off. With full rank, float64 and eigenvectors
+# that move with the eigenvalue gaps, SOAP stays within 5e-9 of one process.)
+WORLD, B, STEPS = 2, 12, 3
+
+
+def _split_data():
+    g = torch.Generator().manual_seed(0)
+    n = STEPS * WORLD * B  # one step per epoch: every epoch record is one step's loss
+    return torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g, dtype=F64),
+                                          torch.randint(0, 8, (n,), generator=g))
+
+
+def _split_model() -> nn.Module:
+    """Linear(8, 8) -> Tanh -> Linear(8, 8) -> Tanh -> Linear(8, 8), float64: three matrices, three biases."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+
+
+SPLIT_OPTIONS = {"shampoo": {"shampoo_update_freq": 2}, "soap": {"soap_update_freq": 2}, "muon": {}}
+
+
+def _fit_split(env, name: str):
+    """fit with the DDP strategy (or one process on the global batch when env is None): per-step losses, final
+    weights, the optimizer's owners, bytes sent and state bytes."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    from labkit.parallel.ddp import DDPStrategy
+    from labkit.train.loop import fit
+
+    train_set = _split_data()
+    if env is None:
+        model, strategy = _split_model(), None
+        loader = DataLoader(train_set, batch_size=WORLD * B, drop_last=True,
+                            sampler=DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=5))
+    else:
+        strategy = DDPStrategy(env, {"allreduce": "ddp"})
+        model = strategy.prepare(_split_model())
+        loader = DataLoader(train_set, batch_size=B, sampler=strategy.sampler(train_set, True, 5), drop_last=True)
+    net = model if strategy is None else strategy.unwrap(model)
+    opt, _ = build_optimizer(name, net, 0.01, 0.9, 0.0, SPLIT_OPTIONS[name])
+    # one step per epoch (the sampler's shard of the data is one batch): an epoch record per step
+    history = []
+    for epoch in range(STEPS):
+        history += fit(model, loader, None, opt, epochs=epoch + 1, start_epoch=epoch, strategy=strategy, seed=5,
+                       max_steps=1, printer=lambda line: None)
+    return dict(losses=[h["train_loss"] for h in history], weights=[p.detach().clone() for p in net.parameters()],
+                owners=opt.split.owners, sent=opt.split.bytes_sent, per_step=opt.split.communication_per_step(),
+                state=state_bytes(opt))
+
+
+def _split_ranks(env):
+    results = {name: _fit_split(env, name) for name in SPLIT_OPTIONS}
+    try:  # rank 1 holds other parameters (as a pipeline stage would): one clear error on every rank, not a hang
+        Shampoo(_split_model().parameters() if env.rank == 0 else [nn.Parameter(torch.zeros(3, 2))], lr=0.1)
+    except ConfigError as exc:
+        results["mismatch"] = str(exc)
+    return results
+
+
+def test_split_over_two_ranks_equals_one_process():
+    from labkit.dist.testing import run_ranks
+
+    ranks = run_ranks(_split_ranks, WORLD, timeout=240)
+    # parameters: three 8 × 8 matrices and three biases of 8, 216 numbers, 8 bytes each: 1728 bytes leave their
+    # owners every step (3 steps: 5184 bytes)
+    # owners, largest cost first to the least-loaded rank (ties: the lower rank). Shampoo and SOAP, in parameter order
+    # W1 b1 W2 b2 W3 b3, costs 8³ + 8³ + 64 = 1088 per matrix and 8 per bias: W1 -> 0, W2 -> 1, W3 -> 0, the biases
+    # -> 1. Muon's order is its groups', W1 W2 (Muon, cost 8·8·8 = 512) then b1 b2 W3 b3 (AdamW, cost their size):
+    # W1 -> 0, W2 -> 1, W3 (64) -> 0, the biases -> 1
+    owners = {"shampoo": [0, 1, 1, 1, 0, 1], "soap": [0, 1, 1, 1, 0, 1], "muon": [0, 1, 1, 1, 0, 1]}
+    # state bytes per rank: Shampoo keeps per matrix momentum, v, L, L^{-1/4}, R, R^{-1/4} (6 · 64 = 384 numbers),
+    # per bias momentum and v (16). Rank 0: W1, W3 = 768 numbers = 6144 bytes; rank 1: W2 + 3 biases = 432 numbers
+    # = 3456 bytes. SOAP: M, V, L, Q_L, R, Q_R and M, V: the same. Muon rank 0: W1's momentum 64 + W3's two AdamW
+    # moments 128 = 192 numbers = 1536 bytes + W3's step count (a 0-d float32) 4 = 1540; rank 1: W2's momentum 64 +
+    # the biases' moments 48 = 112 numbers = 896 bytes + 3 step counts = 908
+    state = {"shampoo": [6144, 3456], "soap": [6144, 3456], "muon": [1540, 908]}
+    for name in SPLIT_OPTIONS:
+        single = _fit_split(None, name)
+        for rank, per_rank in enumerate(ranks):
+            got = per_rank[name]
+            for step, (a, b) in enumerate(zip(got["losses"], single["losses"], strict=True)):
+                assert a == pytest.approx(b, abs=1e-9), (name, rank, step)
+            for a, b in zip(got["weights"], single["weights"], strict=True):
+                torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6, msg=lambda m: f"{name} rank {rank}: {m}")
+            assert got["owners"] == owners[name], name
+            assert (got["per_step"], got["sent"]) == (1728, 3 * 1728), name
+            assert got["state"] == state[name][rank], (name, rank)
+        assert single["sent"] == 0 and single["state"] == sum(state[name]), name
+        for a, b in zip(ranks[0][name]["weights"], ranks[1][name]["weights"], strict=True):
+            assert torch.equal(a, b)  # the replicas stay identical
+    for per_rank in ranks:
+        assert "needs the whole model on every rank" in per_rank["mismatch"]
