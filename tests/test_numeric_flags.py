@@ -46,6 +46,11 @@ BAD = {
                                "--kfac-factor-decay": ["-1", "1"], "--kfac-kl-clip": ["-1"],
                                "--kfac-grad-worker-fraction": ["0", "1.5"], "--lars-trust-coefficient": ["0"],
                                "--lamb-betas": ["-1"], "--lamb-eps": ["0"]},
+    "train --optimizer shampoo": {"--shampoo-update-freq": ["0"], "--shampoo-decay": ["0", "1.5"],
+                                  "--shampoo-eps": ["0"], "--shampoo-max-dim": ["0"]},
+    "train --optimizer soap": {"--soap-update-freq": ["0"], "--soap-betas": ["-1", "1"], "--soap-shampoo-beta": ["1"],
+                               "--soap-eps": ["0"], "--soap-max-dim": ["0"]},
+    "train --optimizer muon": {"--muon-ns-steps": ["0", "100"]},
     "bench single": {"--batch-size": ["0"], "--steps": ["0"], "--rounds": ["0"], "--threads": ["0"]},
     "bench ddp": {"--compare-ranks": ["-1"], "--batch-size": ["0"], "--steps": ["0"], "--rounds": ["0"],
                   "--repeat": ["0"], "--threads": ["0"], "--compare-epochs": ["0"]},
@@ -118,10 +123,13 @@ def _cases(table=BAD):
                 yield command, flag, value
 
 
+PAIRS = ("--lamb-betas", "--soap-betas")  # nargs=2
+
+
 def test_the_table_names_every_numeric_flag():
     flags = _all_numeric_flags()
     assert set(flags) == {f"{command} {flag}" for command, flag, _ in _cases()}
-    assert len(flags) == 135  # train 20, its strategies and optimizers 31, benchmarks 65, the others 19
+    assert len(flags) == 145  # train 20, its strategies and optimizers 41, benchmarks 65, the others 19
     for key, action in flags.items():  # each is checked as it is read, and its default is allowed
         assert hasattr(action.type, "range"), f"{key}: type=within(kind, interval) or a FLAGS 'range'"
         defaults = action.default if isinstance(action.default, (list, tuple)) else [action.default]
@@ -131,7 +139,7 @@ def test_the_table_names_every_numeric_flag():
 @pytest.mark.parametrize("command,flag,value", [*_cases(), *_cases(CHECKERS)])
 def test_out_of_range_is_one_line_and_exit_2(capsys, command, flag, value):
     words = command.split()
-    pair = ["0.5"] if flag == "--lamb-betas" else []  # nargs=2
+    pair = ["0.5"] if flag in PAIRS else []  # nargs=2
     with pytest.raises(SystemExit) as stop:
         main([*words, flag, *pair, value])
     assert stop.value.code == 2
@@ -145,10 +153,10 @@ def test_nan_inf_and_words_are_refused(capsys, command, flag):
     words = command.split()
     values = ["nan", "inf", "-inf", "x"] if action.type.kind == "float" else ["1.5", "x"]
     for value in values:
-        if flag == "--lamb-betas" and value == "-inf":
+        if flag in PAIRS and value == "-inf":
             continue  # nargs=2 takes no --flag=VALUE, and -inf alone reads as an option
         with pytest.raises(SystemExit) as stop:
-            main([*words, *([flag, "0.5", value] if flag == "--lamb-betas" else [f"{flag}={value}"])])
+            main([*words, *([flag, "0.5", value] if flag in PAIRS else [f"{flag}={value}"])])
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         what = "a finite number" if value in ("nan", "inf", "-inf") else (

@@ -136,10 +136,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.split.share()
         return loss
 
-    def state_bytes(self) -> int:
-        """Bytes of this rank's momentum buffers (Muon), Adam moments and step counts (AdamW)."""
-        return sum(t.numel() * t.element_size() for _, opt in self._inner() for s in opt.state.values()
-                   for t in s.values() if isinstance(t, Tensor))
+    @property
+    def parts(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers this rank steps (where :func:`labkit.optim.split.state_bytes` finds the state)."""
+        return [opt for _, opt in self._inner()]
 
     def state_dict(self) -> dict:
         state = {"muon": self.muon.state_dict() if self.muon is not None else None,

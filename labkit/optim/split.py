@@ -52,10 +52,10 @@ class OwnerSplit:
     def __init__(self, params: Sequence[Tensor], costs: Sequence[float], name: str, distributed: bool | None = None):
         running = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         distributed = running if distributed is None else distributed and running
-        self.params = list(params)
+        self.params, self.costs = list(params), list(costs)
         self.world_size = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
-        self.owners = assign_owners(list(costs), self.world_size)
+        self.owners = assign_owners(self.costs, self.world_size)
         self.bytes_sent = 0
         if self.world_size > 1:
             shapes = [tuple(p.shape) for p in self.params]
@@ -79,20 +79,31 @@ class OwnerSplit:
         self.bytes_sent += sent
         return sent
 
-    def communication_per_step(self) -> int:
-        """Payload bytes of :meth:`share`, from the shapes: ``s Σ_i n_i`` (0 on one rank)."""
-        if self.world_size == 1:
+    def communication_per_step(self, world_size: int | None = None) -> int:
+        """Payload bytes of :meth:`share` on ``world_size`` ranks (default: this split's), from the shapes:
+        ``s Σ_i n_i`` (0 on one rank)."""
+        if (self.world_size if world_size is None else world_size) == 1:
             return 0
         return sum(p.numel() * p.element_size() for p in self.params)
 
+    def state_bytes_per_rank(self, optimizer: torch.optim.Optimizer, world_size: int) -> list[int]:
+        """The optimizer-state bytes each of ``world_size`` ranks would hold: the state of the parameters it would own
+        (this process's state, every parameter's, divided by the owners :func:`assign_owners` gives on that many)."""
+        per_param = {}
+        for part in getattr(optimizer, "parts", [optimizer]):
+            for p, state in part.state.items():
+                per_param[id(p)] = sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, Tensor))
+        held = [0] * world_size
+        for p, owner in zip(self.params, assign_owners(self.costs, world_size)):
+            held[owner] += per_param.get(id(p), 0)
+        return held
+
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors in ``optimizer.state`` on this rank (moments, statistics, roots, eigenbases); an
-    optimizer made of others (Muon with AdamW) sums its parts' (its own ``state_bytes()``)."""
-    if hasattr(optimizer, "state_bytes"):
-        return optimizer.state_bytes()
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values()
-               if isinstance(t, Tensor))
+    """Bytes of the tensors in ``optimizer.state`` on this rank (moments, step counts, statistics, roots, eigenbases);
+    an optimizer made of others (Muon with AdamW) lists them as its ``parts``."""
+    return sum(t.numel() * t.element_size() for part in getattr(optimizer, "parts", [optimizer])
+               for state in part.state.values() for t in state.values() if isinstance(t, Tensor))
 
 
 def mark_split(state: dict, split: OwnerSplit) -> dict:
