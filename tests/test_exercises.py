@@ -374,3 +374,25 @@ def test_every_starting_file_read_from_source_is_the_modules_own():
 
     for name, spec in STARTERS.items():
         assert _starter_text(spec) == resolve(spec), name
+
+
+def test_newton_schulz_checker_names_the_slip():
+    from labkit.exercises import newton_schulz
+
+    assert newton_schulz.check(newton_schulz.reference) == []
+
+    def transposed_gram(x, a, b, c):  # the (n, n) Gram matrix on the right: the same matrix, a right answer
+        gram = x.T @ x
+        return a * x + x @ (b * gram + c * gram @ gram)
+
+    assert newton_schulz.check(transposed_gram) == []
+    slips = {
+        "elementwise x * x": lambda x, a, b, c: a * x + (b * (x * x) + c * (x * x) @ (x * x)) @ x,
+        "b and c are swapped": lambda x, a, b, c: a * x + (c * x @ x.T + b * x @ x.T @ x @ x.T) @ x,
+        "the a·x term is missing": lambda x, a, b, c: (b * x @ x.T + c * x @ x.T @ x @ x.T) @ x,
+        "multiplies x from the LEFT": lambda x, a, b, c: a * x + x @ (b * x @ x.T + c * x @ x.T @ x @ x.T),
+        "only a·x": _from_source(newton_schulz.STARTER, "newton_schulz_step"),
+    }
+    for expected, slip in slips.items():
+        problems = newton_schulz.check(slip)
+        assert len(problems) == 1 and expected in problems[0], (expected, problems)
