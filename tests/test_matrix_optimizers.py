@@ -7,6 +7,7 @@
   [0.6, 1.3]; in bfloat16 it matches the step of ``torch.optim.Muon``.
 * Optimizer-state bytes: literal numbers worked out in the comments.
 """
+import copy
 import math
 
 import pytest
@@ -286,3 +287,23 @@ def test_split_over_two_ranks_equals_one_process():
             assert torch.equal(a, b)  # the replicas stay identical
     for per_rank in ranks:
         assert "needs the whole model on every rank" in per_rank["mismatch"]
+
+
+def test_state_round_trips_and_a_split_checkpoint_is_refused():
+    """A checkpoint of one process resumes bit-identically; one written by rank 0 of a split run holds rank 0's
+    share of the state only, and every rank refuses it alike."""
+    from labkit.errors import CheckpointError
+
+    for name in ("shampoo", "soap", "muon"):
+        ours, theirs = two_layer(), two_layer()
+        opt, _ = build_optimizer(name, ours, 0.01, 0.9, 0.0, {})
+        train(ours, opt, 2)
+        state = copy.deepcopy(opt.state_dict())  # as a checkpoint file holds it: not the live tensors
+        theirs.load_state_dict(ours.state_dict())
+        resumed, _ = build_optimizer(name, theirs, 0.01, 0.9, 0.0, {})
+        resumed.load_state_dict(state)
+        train(ours, opt, 2)
+        train(theirs, resumed, 2)
+        assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters())), name
+        with pytest.raises(CheckpointError, match="split over 2 ranks and holds rank 0's share only"):
+            resumed.load_state_dict({**state, "split_world_size": 2})
