@@ -251,6 +251,10 @@ def _split_ranks(env):
         Shampoo(_split_model().parameters() if env.rank == 0 else [nn.Parameter(torch.zeros(3, 2))], lr=0.1)
     except ConfigError as exc:
         results["mismatch"] = str(exc)
+    try:  # the same shape, other values (a tensor-parallel shard): refused too, not overwritten by rank 0's
+        SOAP([nn.Parameter(torch.full((3, 2), float(env.rank)))], lr=0.1)
+    except ConfigError as exc:
+        results["shards"] = str(exc)
     return results
 
 
@@ -287,6 +291,7 @@ def test_split_over_two_ranks_equals_one_process():
             assert torch.equal(a, b)  # the replicas stay identical
     for per_rank in ranks:
         assert "needs the whole model on every rank" in per_rank["mismatch"]
+        assert "needs the whole model on every rank" in per_rank["shards"]
 
 
 def test_state_round_trips_and_a_split_checkpoint_is_refused():

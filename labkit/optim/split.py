@@ -18,8 +18,9 @@ replaced by the stepped parameter (the same bytes). Per step, with ``s`` bytes p
     communication         s Σ_i n_i                     every parameter leaves its owner once
     optimizer state       Σ_{i: o_i = r} state bytes_i   on rank r (see :func:`state_bytes`)
 
-A rank that held a different model (a pipeline stage, a tensor-parallel shard) would wait in a broadcast
-its peers never join, so :class:`OwnerSplit` compares the shapes once, when it is built, and raises
+A rank that held a different model (a pipeline stage) would wait in a broadcast its peers never join, and a
+tensor-parallel shard would be overwritten by another rank's shard of the same shape, so :class:`OwnerSplit`
+compares every parameter's shape and sum once, when it is built (replicas start equal), and raises
 :class:`~labkit.errors.ConfigError` on every rank alike.
 """
 from __future__ import annotations
@@ -58,10 +59,11 @@ class OwnerSplit:
         self.owners = assign_owners(self.costs, self.world_size)
         self.bytes_sent = 0
         if self.world_size > 1:
-            shapes = [tuple(p.shape) for p in self.params]
+            # shapes and sums: equal shapes with other values are tensor-parallel shards, as wrong to share
+            mine = [(tuple(p.shape), float(p.detach().double().sum())) for p in self.params]
             gathered = [None] * self.world_size
-            dist.all_gather_object(gathered, shapes)
-            if any(s != shapes for s in gathered):
+            dist.all_gather_object(gathered, mine)
+            if any(s != mine for s in gathered):
                 raise ConfigError(f"--optimizer {name} splits its work over the data-parallel ranks and needs the "
                                   "whole model on every rank (--strategy single or ddp), but the ranks hold different "
                                   "parameters")
