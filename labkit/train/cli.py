@@ -162,10 +162,12 @@ def add_parser(sub) -> None:
     g.add_argument("--test-batch-size", type=_number("test_batch_size"), default=512,
                    help="samples per evaluation batch")
     g.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS),
-                   help="kfac = K-FAC preconditioning the gradients of --kfac-base; None: adam for a GPT, else sgd")
+                   help="kfac = K-FAC preconditioning the gradients of --kfac-base; shampoo, soap, muon split their "
+                        "matrices over the data-parallel ranks; None: adam for a GPT, else sgd")
     g.add_argument("--base-lr", type=_number("base_lr"), default=None,
                    help="learning rate (before --scale-lr and warm-up); None: the model's, 0.05 (alexnet_small "
-                        "0.005; a GPT 0.001 with adam, 0.1 with sgd)")
+                        "0.005; a GPT 0.001 with adam, 0.1 with sgd; an image model 3e-4 with shampoo, 3e-3 with "
+                        "soap or muon)")
     g.add_argument("--momentum", type=_number("momentum"), default=0.9, help="SGD/LARS momentum")
     g.add_argument("--weight-decay", type=_number("weight_decay"), default=0.0, help="L2 penalty")
     g.add_argument("--lr-decay", type=_number("lr_decay"), nargs="*", default=[], metavar="EPOCH",
