@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from labkit.cli import main
+from labkit.cli import HelpFormatter, main
 from labkit.flags import read_flags
 from labkit.optim import OPTIMIZERS
 from labkit.strategies import STRATEGIES, strategy_flags
-from labkit.train.cli import _DefaultsFormatter, add_parser, flag_owners
+from labkit.train.cli import add_parser, flag_owners
 
 #: a flag (and a value) of each strategy, to hand to every other strategy
 SAMPLE = {"ddp": ["--allreduce", "ring"], "model-parallel": ["--mp-devices", "3"],
@@ -83,7 +83,7 @@ def test_every_flag_has_help_and_every_valued_flag_shows_its_default(strategy):
     parser = _parser()
     parser.parse_args(["train", "--strategy", strategy, "--optimizer", optimizer])
     train = parser._subparsers._group_actions[0].choices["train"]
-    formatter = _DefaultsFormatter("labkit train")
+    formatter = HelpFormatter("labkit train")
     for action in train._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, action.option_strings

@@ -27,18 +27,6 @@ def _number(dest: str):
     return within(*NUMBERS[dest])
 
 
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Every flag's help ends with its default, unless the help text already states it or the flag is a switch
-    (``store_true``/``store_false``: the help says what giving it does, "(default: True)" would only confuse)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("default" in text or action.default is argparse.SUPPRESS or not action.option_strings
-                or action.nargs == 0):
-            return text
-        return f"{text} (default: %(default)s)"
-
-
 class TrainParser(argparse.ArgumentParser):
     """Adds the chosen strategy's and optimizer's flags before parsing; refuses everyone else's by name."""
 
@@ -66,6 +54,8 @@ class TrainParser(argparse.ArgumentParser):
         if chosen.optimizer not in OPTIMIZERS:
             self.error(f"unknown optimizer {chosen.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
         self._add_owned(chosen.strategy, chosen.optimizer)
+        if chosen.strategy == "single" and {"-h", "--help"} & set(args):
+            self._add_mesh_help()
         namespace, extras = super().parse_known_args(args, namespace)
         for token in extras:
             flag = token.partition("=")[0]
@@ -93,6 +83,13 @@ class TrainParser(argparse.ArgumentParser):
             add_optimizer_arguments(group, optimizer)
             owned["optim"] = [a.dest for a in group.actions]
         self.set_defaults(func=lambda a: _run(a, owned), owned=owned)
+
+    def _add_mesh_help(self) -> None:
+        """Show the device mesh's flags in the help of a plain ``labkit train``: ``--mesh`` works without
+        ``--strategy mesh``, so a learner must find it there (help only: parsing still refuses them without it)."""
+        g = self.add_argument_group("the device mesh (--mesh alone means --strategy mesh; the other flags here "
+                                    "need --mesh)")
+        add_flags(g, strategy_flags("mesh"))
 
     def error(self, message: str):
         """One ``labkit: error: ...`` line and exit code 2, like every other labkit error."""
@@ -127,7 +124,6 @@ class _Recording:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model with a parallel strategy", allow_abbrev=False,
-                       formatter_class=_DefaultsFormatter,
                        description="Train a model with a parallel strategy through labkit's one training loop. "
                        "Under torchrun or srun every rank runs this same command. Each --strategy and --optimizer "
                        "brings its own flags: `labkit train --strategy ddp --optimizer kfac --help` lists them.")
