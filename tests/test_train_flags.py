@@ -147,3 +147,28 @@ def test_deterministic_reaches_the_config_and_selects_repeatable_kernels(monkeyp
     kdist.deterministic_kernels()
     assert calls == [(True, True)] and torch.backends.cudnn.benchmark is False
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_steps_is_the_whole_runs_length_and_max_steps_each_epochs(tmp_path, capsys):
+    """``--steps 7`` over 5 steps per epoch: 2 epochs, the second cut after 2 steps, said in the header; with
+    ``--max-steps 2`` an epoch has 2 steps, so the same 7 steps take 4 epochs; ``--epochs`` beside it is refused."""
+    import json
+
+    base = ["train", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "160", "--test-size", "32",
+            "--batch-size", "32", "--log-every", "100", "--no-checkpoint"]
+    assert main([*base, "--steps", "7", "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "| 5 steps/epoch, 2 epoch(s), 7 steps in all" in out.splitlines()[0], out
+    finals = [ln for ln in out.splitlines() if ln.startswith("train | epoch") and not ln.endswith("(estimated)")]
+    assert len(finals) == 2 and finals[0].startswith("train | epoch 1/2 (100%)")
+    assert finals[1].startswith("train | epoch 2/2 (100%)")
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["metrics"]["epochs_run"] == 2 and summary["config"]["epochs"] == 2
+    assert main([*base, "--steps", "7", "--max-steps", "2", "--out", str(tmp_path / "b")]) == 0
+    assert "| 2 steps/epoch, 4 epoch(s), 7 steps in all" in capsys.readouterr().out
+    assert main([*base, "--max-steps", "2", "--epochs", "3", "--out", str(tmp_path / "c")]) == 0
+    assert "| 2 steps/epoch, 3 epoch(s), 6 steps in all" in capsys.readouterr().out
+    assert _exit_code([*base, "--steps", "7", "--epochs", "2", "--out", str(tmp_path / "d")]) == 2
+    assert capsys.readouterr().err.strip() == ("labkit: error: --steps 7 is the whole run's length and --epochs 2 "
+                                               "another: give one of them")
+    assert not (tmp_path / "d").exists()

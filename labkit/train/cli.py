@@ -152,7 +152,8 @@ def add_parser(sub) -> None:
                    help="tensor: the dataset resident on the training device, batches normalised and augmented "
                         "at once; torch: torchvision's per-sample DataLoader (data too big for memory)")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=_number("epochs"), default=1, help="passes over the training set")
+    g.add_argument("--epochs", type=_number("epochs"), default=None,
+                   help="passes over the training set (default: 1; with --steps, as many as those steps take)")
     g.add_argument("--batch-size", type=_number("batch_size"), default=64,
                    help="samples per step on each data-parallel rank")
     g.add_argument("--test-batch-size", type=_number("test_batch_size"), default=512,
@@ -172,7 +173,10 @@ def add_parser(sub) -> None:
                    help="linear LR warm-up (Goyal et al.)")
     g.add_argument("--scale-lr", action="store_true", help="linear scaling: LR × number of data-parallel ranks")
     g.add_argument("--max-steps", type=_number("max_steps"), default=None,
-                   help="stop each epoch after N steps (None: whole epoch)")
+                   help="PER EPOCH: stop each epoch after N steps (None: whole epoch)")
+    g.add_argument("--steps", type=_number("steps"), default=None,
+                   help="IN ALL: train N steps, over as many epochs as they take (the last one cut short); "
+                        "instead of --epochs (None: --epochs whole epochs)")
     g.add_argument("--seed", type=_number("seed"), default=0, help="seed of weights, shuffling and augmentation")
     g.add_argument("--amp", default=None, choices=("bf16",),
                    help="mixed precision: forward passes under bfloat16 autocast (CPU and CUDA); None: float32")
@@ -205,7 +209,11 @@ def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
     from labkit.train.config import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if args.steps is not None and args.epochs is not None:
+        raise ConfigError(f"--steps {args.steps} is the whole run's length and --epochs {args.epochs} another: "
+                          "give one of them")
+    values = {k: v for k, v in vars(args).items() if k in names and not (k == "epochs" and v is None)}
+    cfg = TrainConfig(**values)
     cfg.strategy_options = {k: getattr(args, k) for k in owned["strategy"]}
     cfg.optim_options = {k: getattr(args, k) for k in owned["optim"]}
     return cfg
@@ -225,6 +233,7 @@ def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
     from labkit.faults.watchdog import start_for_training
     from labkit.train.run import run
 
+    cfg = config_from_args(args, owned)
     start_for_training(args.watchdog, args.timeout_s)
-    run(config_from_args(args, owned))
+    run(cfg)
     return 0

@@ -92,6 +92,9 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         test_loader = loaders.make_loader(test_set, cfg.test_batch_size, shuffle=False, pin_memory=pin,
                                         sampler=strategy.sampler(test_set, False, cfg.seed), num_workers=cfg.num_workers)
         steps = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
+        if cfg.steps is not None:  # the run's length in steps: as many epochs as they take, the last one cut short
+            cfg.epochs = -(-cfg.steps // steps)
+        total = cfg.steps if cfg.steps is not None else steps * cfg.epochs
         warmup_start = 1 / dp if cfg.scale_lr and dp > 1 else 1 / max(1.0, cfg.warmup_epochs * steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
             s, steps, cfg.lr_decay, cfg.lr_decay_factor, cfg.warmup_epochs, warmup_start))
@@ -115,14 +118,15 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
             print0(f"note: one process, so --strategy {cfg.strategy} runs on 1 rank; for N ranks start it with "
                    f"torchrun --nproc_per_node N -m labkit train --strategy {cfg.strategy} ... (or srun)")
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
-               f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
+               f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g} | "
+               f"{steps} steps/epoch, {cfg.epochs} epoch(s), {total} steps in all")
         started = time.perf_counter()
         monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
         with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor, _stop_signals(cfg.checkpoint) as stop:
             try:
                 history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
                               preconditioner=preconditioner, scheduler=scheduler, writer=writer,
-                              start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps,
+                              start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps, total_steps=cfg.steps,
                               log_every=cfg.log_every, on_epoch_end=lambda epoch: save(epoch + 1), profiler=prof,
                               amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
                               on_stop=save, step_delay_s=cfg.step_delay_s, task=task)
