@@ -172,3 +172,18 @@ def test_steps_is_the_whole_runs_length_and_max_steps_each_epochs(tmp_path, caps
     assert capsys.readouterr().err.strip() == ("labkit: error: --steps 7 is the whole run's length and --epochs 2 "
                                                "another: give one of them")
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("argv, flag, dim", [
+    (["--mesh", "dp=2", "--sequence-parallel"], "--sequence-parallel", "tp"),
+    (["--mesh", "tp=2", "--num-microbatches", "8"], "--num-microbatches", "pp"),
+    (["--mesh", "tp=2,pp=2", "--dp-shard", "zero2"], "--dp-shard", "dp"),
+    (["--mesh", "dp=2", "--cp-layout", "contiguous"], "--cp-layout", "cp"),
+])
+def test_a_flag_of_a_dimension_the_mesh_lacks_is_refused_before_any_rank_starts(argv, flag, dim, capsys, tmp_path):
+    """Each would otherwise train as if it were not there; refused as the flags are read (one process, no ranks)."""
+    assert _exit_code(["train", *argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"labkit: error: {flag} is a flag of the {dim} dimension, which --mesh {argv[1]} does not have; "
+                   f"add {dim}=N (N >= 2) to --mesh, or leave {flag} out")
+    assert not (tmp_path / "run").exists()

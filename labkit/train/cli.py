@@ -18,6 +18,8 @@ from labkit.flags import add_flags
 from labkit.models.names import default_optimizer
 from labkit.optim import OPTIMIZERS
 from labkit.optim import add_arguments as add_optimizer_arguments
+from labkit.parallel import available as available_dimensions
+from labkit.parallel import dimension_flags
 from labkit.ranges import within
 from labkit.strategies import STRATEGIES, strategy_flags
 from labkit.train.config import NUMBERS
@@ -215,8 +217,27 @@ def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
     values = {k: v for k, v in vars(args).items() if k in names and not (k == "epochs" and v is None)}
     cfg = TrainConfig(**values)
     cfg.strategy_options = {k: getattr(args, k) for k in owned["strategy"]}
+    if cfg.strategy == "mesh":
+        _refuse_absent_dimensions_flags(args)
     cfg.optim_options = {k: getattr(args, k) for k in owned["optim"]}
     return cfg
+
+
+def _refuse_absent_dimensions_flags(args: argparse.Namespace) -> None:
+    """A mesh dimension's flag set away from its default on a ``--mesh`` without that dimension would change
+    nothing: one line naming the flag and its dimension (``--mesh dp=2 --sequence-parallel`` would train plain dp)."""
+    present = ({name for name, size in MeshShape.parse(args.mesh).items() if size > 1}
+               if args.mesh is not None else {"dp"})  # no --mesh: dp over every rank
+    owners: dict[str, tuple[dict, list[str]]] = {}
+    for name in available_dimensions():
+        for flag in dimension_flags(name):
+            owners.setdefault(flag["flag"], (flag, []))[1].append(name)
+    for text, (flag, names) in owners.items():
+        dest = flag.get("dest") or text.lstrip("-").replace("-", "_")
+        default = flag.get("default", False if flag.get("action") == "store_true" else None)
+        if getattr(args, dest, default) != default and not present.intersection(names):
+            raise ConfigError(f"{text} is a flag of the {' or '.join(names)} dimension, which --mesh {args.mesh} "
+                              f"does not have; add {names[0]}=N (N >= 2) to --mesh, or leave {text} out")
 
 
 def config_from_argv(argv: list[str]):
