@@ -83,7 +83,7 @@ def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatc
     monkeypatch.undo()
     assert main([*args, "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "resumed from" in out
+    assert f"resumed from {tmp_path / 'int' / 'checkpoint.pt'} in epoch 2 after step 3\n" in out  # the stop's words
     lines = [ln for ln in out.splitlines() if ln.startswith("train | epoch 2/3")]  # the resumed epoch's
     assert lines[0].startswith("train | epoch 2/3 (66%)") and lines[-1].startswith("train | epoch 2/3 (100%)"), lines
     assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines
@@ -185,7 +185,8 @@ def _stopped_and_resumed(strategy, out, log, steps, sig="SIGTERM"):
     ranks = run_cli_ranks([*_args(strategy, out), "--resume"], 2, timeout=300)
     stdout = "".join(rank_out for _, rank_out, _ in ranks)
     assert [code for code, _, _ in ranks] == [0, 0], ranks
-    assert f"at epoch 2, step {marker['step']}" in stdout
+    resumed = f" in epoch 3 after step {marker['step']}"  # the stop's words
+    assert any(ln.startswith(f"resumed from {out}") and ln.endswith(resumed) for ln in stdout.splitlines()), stdout
     lines = [ln for ln in stdout.splitlines() if ln.startswith("train | epoch 3/3")]
     done = [int(ln.split("(")[1].split("%")[0]) for ln in lines]
     assert 100 * marker["step"] // steps < done[0] and done == sorted(done) and done[-1] == 100, lines
@@ -202,7 +203,7 @@ def test_ddp_killed_rank_restarts_then_sigterm_mid_epoch_resumes_bit_identically
     code, log, _ = _signal_when(_train("ddp", tmp_path / "int", "--resume", "--kill-rank-at", "1:8",
                                        "--step-delay-s", "0.15", restarts=1), "train | epoch 3/3", signal.SIGTERM,
                                 only_rank=1)
-    assert "rank 1: --kill-rank-at: SIGKILL before step 8" in log and "at epoch 1" in log, log
+    assert "rank 1: --kill-rank-at: SIGKILL before step 8" in log and "checkpoint.pt after epoch 1\n" in log, log
     assert code == EXIT_PREEMPTED and "Traceback" not in log, log
     _stopped_and_resumed("ddp", tmp_path / "int", log, steps=6)
     _equal_runs(clean / "ddp", tmp_path / "int")

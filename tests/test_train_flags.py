@@ -187,3 +187,25 @@ def test_a_flag_of_a_dimension_the_mesh_lacks_is_refused_before_any_rank_starts(
     assert err == (f"labkit: error: {flag} is a flag of the {dim} dimension, which --mesh {argv[1]} does not have; "
                    f"add {dim}=N (N >= 2) to --mesh, or leave {flag} out")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_in_one_line(tmp_path, capsys):
+    """Another process holds the run folder's lock (as a running ``labkit train`` does): this run stops before any
+    work, naming the holder; once it is gone, the folder is free again."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom labkit.results import run_dir_lock\n"
+         f"with run_dir_lock({str(out)!r}) as busy:\n    print(busy, flush=True)\n    sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "None"  # the holder has it
+        argv = ["train", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "64", "--test-size", "32",
+                "--max-steps", "1", "--no-checkpoint", "--out", str(out)]
+        assert _exit_code(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"labkit: error: {out} is in use by another run (pid {holder.pid} on {os.uname().nodename}); "
+                       "wait for it to end, or give this run another --out"), err
+        assert not (out / "metrics.jsonl").exists()
+    finally:
+        holder.communicate("")
+    assert _exit_code(argv) == 0

@@ -26,7 +26,7 @@ from labkit.dist.group import distributed, print0
 from labkit.errors import ConfigError
 from labkit.models import cnn as kmodels
 from labkit.optim import OptimizerSpec
-from labkit.results import RunWriter, make_dirs
+from labkit.results import RunWriter, make_dirs, run_dir_lock
 from labkit.strategies import backends, get_strategy, strategy_literal
 from labkit.train.checkpoint import checkpoint_on_every_rank, checkpoint_path, load_training_state, save_training_state
 from labkit.train.config import TrainConfig
@@ -34,7 +34,7 @@ from labkit.train.loop import fit, lr_factor
 from labkit.train.meters import memory_lines, peak_memory_gb
 from labkit.train.monitor import UtilisationMonitor, nvml_indices
 from labkit.train.monitor import gather as gather_utilisation
-from labkit.train.preempt import Preempted, StopSignals, clear_marker, signal_of_any_rank, write_marker
+from labkit.train.preempt import Preempted, StopSignals, clear_marker, signal_of_any_rank, where, write_marker
 from labkit.train.tasks import get_task
 
 
@@ -58,7 +58,8 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
     table_key = backends.key(cfg.strategy, cfg.strategy_options)
     with (distributed(backends.auto_device(table_key, cfg.backend, cfg.device), cfg.backend, seed=cfg.seed,
                       timeout_s=cfg.timeout_s, refusal=backends.refusal_of(table_key))
-          if env is None else _given(env, cfg.seed)) as env:
+          if env is None else _given(env, cfg.seed)) as env, contextlib.ExitStack() as held:
+        _lock_out(cfg.out_dir, env, held)
         if cfg.deterministic:
             kdist.deterministic_kernels()
         strategy = strategy_cls(env, cfg.strategy_options)
@@ -105,8 +106,7 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         if cfg.resume and checkpoint_on_every_rank(ckpt, strategy):
             state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner, asdict(cfg))
             start_epoch, position = state["epoch"], state.get("position")
-            within = f", step {position['step']}" if position else ""
-            print0(f"resumed from {ckpt} at epoch {start_epoch}{within}")
+            print0(f"resumed from {ckpt} {where(start_epoch, position['step'] if position else 0)}")
 
         def save(epochs_done: int, position: dict | None = None) -> None:
             """The checkpoint after ``epochs_done`` epochs and, mid-epoch, ``position`` in the next one."""
@@ -160,6 +160,16 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
     return summary
+
+
+def _lock_out(out_dir: Path, env: kdist.DistEnv, held: contextlib.ExitStack) -> None:
+    """Rank 0 locks ``out_dir`` for the run (:func:`labkit.results.run_dir_lock`) and tells the other ranks, so a
+    second run started on the same folder stops at once on every rank, in one line (one broadcast at start)."""
+    busy = [held.enter_context(run_dir_lock(out_dir)) if env.is_main else None]
+    if env.distributed:
+        dist.broadcast_object_list(busy, src=0)
+    if busy[0]:
+        raise ConfigError(busy[0])
 
 
 @contextlib.contextmanager
