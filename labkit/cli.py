@@ -64,9 +64,34 @@ def summary_line(module: str) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """labkit's help: a description of several lines (a module docstring: example commands, tables) keeps its
+    lines, a one-line description is wrapped to the terminal, and reST's ````x```` shows as ```x```; every flag's
+    help ends with its default, unless the help already says it or the flag is a switch (giving it says what it
+    does; "(default: True)" beside ``--no-checkpoint`` would read backwards)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        text = text.replace("``", "`")
+        if "\n" not in text.strip():
+            return super()._fill_text(text, width, indent)
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = (action.help or "").replace("``", "`")
+        if ("default" in text or action.default is argparse.SUPPRESS or not action.option_strings
+                or action.nargs == 0):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
     """labkit's parsers (sub-commands' too, argparse makes them of their parent's class): a bad flag is one
-    ``labkit: error: ...`` line, once per torchrun job, and exit code 2 (:func:`labkit.errors.flag_error`)."""
+    ``labkit: error: ...`` line, once per torchrun job, and exit code 2 (:func:`labkit.errors.flag_error`); the
+    help is laid out by :class:`HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         flag_error(message, f" (see {self.prog} --help)")

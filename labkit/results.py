@@ -10,6 +10,7 @@ Notebooks read runs back with :func:`load_run` and plot them with :func:`plot_me
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import platform
@@ -23,6 +24,7 @@ from typing import Any, Callable, Iterable
 from labkit.errors import OutputError
 
 SCHEMA = "labkit.run/1"
+LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
@@ -149,6 +151,30 @@ def host_environment(run: Run) -> dict:
     :func:`environment` gives on the host it ran on. A summary of runs made on this host passes it to
     :meth:`RunWriter.finish` (``host=``), so that writing it needs no torch."""
     return {k: v for k, v in run.summary["environment"].items() if k not in ("world_size", "backend", "device")}
+
+
+@contextlib.contextmanager
+def run_dir_lock(out_dir: str | Path):
+    """Hold ``<out_dir>/.lock`` while inside (a POSIX record lock: released when this process ends, however it
+    ends, and not inherited by the processes it forks); yields ``None`` when taken, else one sentence naming the
+    process that holds it. Two runs writing into one folder would interleave their records and checkpoints."""
+    make_dirs(Path(out_dir))
+    path = Path(out_dir) / LOCK_FILE
+    with output_errors(path):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            yield (f"{out_dir} is in use by another run ({holder}); wait for it to end, or give this run "
+                   "another --out")
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield None
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 class RunWriter:

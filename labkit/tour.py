@@ -74,8 +74,7 @@ def _relative(path: Path, cwd: Path) -> str:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("tour", help="a short CPU tour of the kit (start here)", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("tour", help="a short CPU tour of the kit (start here)", description=__doc__)
     p.add_argument("--out", default="runs/tour", help="results folder (default runs/tour)")
     p.add_argument("--epochs", type=within("int", "[1, inf)"), default=3)
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")

@@ -59,7 +59,7 @@ def test_help_and_argument_errors_do_not_import_torch(tmp_path):
              ["bench", "nosuch"], ["check", "--help"], ["train", "--help"], ["train", "--epochs", "x"], ["nosuch"],
              *(["bench", name, "--help"] for name in BENCHMARKS), ["bench", "single", "--steps", "x"],
              ["bench", "gpipe", "sweep", "--checkpoint", "sometimes"], ["data", "list", "--root", str(tmp_path)],
-             ["check", "allreduce", "--init", str(tmp_path / "ring.py")]]
+             ["check", "allreduce", "--init", str(tmp_path / "ring.py")], ["sample", "--help"]]
     probe = ("import sys\nfrom labkit.cli import main\n"
              f"for argv in {argvs!r}:\n"
              "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
@@ -71,6 +71,13 @@ def test_help_and_argument_errors_do_not_import_torch(tmp_path):
     for name in BENCHMARKS:
         assert f"usage: labkit bench {name} [-h]" in proc.stdout, name
     assert f"data root: {tmp_path}" in proc.stdout and "synthetic-mnist    generated" in proc.stdout
+    assert "``" not in proc.stdout and "`labkit check NAME [ARGS]`" in proc.stdout  # reST markup is not help text
+    shown = " ".join(proc.stdout.split())
+    assert "tokens to generate (default: 200)" in shown and "random (default: 1.0)" in shown
+    # a plain `labkit train --help` shows the device mesh, which --mesh reaches without --strategy mesh
+    assert "the device mesh (--mesh alone means --strategy mesh" in shown
+    assert all(f"{flag} " in shown for flag in ("--mesh DIM=N,...", "--sequence-parallel", "--num-microbatches M",
+                                                 "--dp-shard {none,zero1,zero2,zero3,fsdp}"))
     assert (tmp_path / "ring.py").read_text() == __import__("labkit.exercises.allreduce").exercises.allreduce.STARTER
 
 

@@ -193,7 +193,23 @@ def _four_ranks(env):
         except ConfigError as e:
             refused.append(str(e))
     out["refused"] = refused
+    out["ring_refused"] = _ring_refusals(env, groups[2]) if env.rank < 2 else []
     return out
+
+
+def _ring_refusals(env, group):
+    """ring_attention called directly on 2 ranks with lengths that cannot work: each raises on both ranks."""
+    from labkit.parallel.ring_attention import ring_attention
+
+    messages = []
+    for lengths, layout in (((12, 10), "zigzag"), ((5, 5), "zigzag"), ((6, 6), "contiguous")):
+        t = torch.zeros(1, 2, lengths[env.rank], 4)
+        try:
+            ring_attention(t, t, t, kv_ring(2, True, layout), group)
+            messages.append("ran")
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +289,11 @@ def test_cp_refuses_what_it_cannot_split(four):
     assert early_dropout == ("--mesh cp=2: ring attention has no attention dropout; train with dropout 0 "
                              "(--dropout 0.1)")
     assert pp.startswith("--mesh cp=2 with pp=2 is not supported")
+    # ring_attention called directly: the same one line on both ranks, no transport error, no wrong output
+    assert four[0]["ring_refused"] == four[1]["ring_refused"] and four[2]["ring_refused"] == []
+    unequal, odd, fine = four[0]["ring_refused"]
+    assert unequal == ("ring_attention: the ranks hold different shapes (B, H, T_local, D): rank 0 (1, 2, 12, 4), "
+                       "rank 1 (1, 2, 10, 4); every rank of the ring holds the same number of tokens, T / 2")
+    assert odd == ("ring_attention: a local length of 5 does not split into the 2 chunks each rank holds (zigzag); "
+                   "give each rank a multiple of 2 tokens")
+    assert fine == "ran"  # contiguous: one chunk per rank, any length

@@ -128,7 +128,7 @@ def test_sbatch_follows_the_job_and_returns_its_results(fake_slurm, tmp_path):
     run = sbatch(fake_slurm, env={"EPOCHS": "3"}, out=tmp_path / "out", poll_s=0.1, echo=lines.append, timeout=60)
     assert lines[0].startswith(f"submitted {fake_slurm} as SLURM job 4242; output: ")
     assert lines[1] == "job 4242 starts, EPOCHS=3" and len(lines) == 3
-    assert lines[2].startswith("train | 1/1 epoch (100%) | ") and lines[2].endswith(" samples/sec")
+    assert lines[2].startswith("train | epoch 1/1 (100%) | ") and lines[2].endswith(" samples/sec")
     assert run.summary["metrics"]["samples_per_sec"] == 123.0
     assert run.records_of("epoch") == [{"kind": "epoch", "epoch": 1, "test_acc": 0.5}]
     assert (tmp_path / "out" / "slurm-4242.out").exists()

@@ -235,6 +235,12 @@ def test_vocab_parallel_cross_entropy_matches_torch_on_one_rank():
     theirs = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     (d_theirs,) = torch.autograd.grad(theirs, logits)
     assert torch.allclose(mine, theirs, atol=1e-6) and torch.allclose(d_mine, d_theirs, atol=1e-7)
+    # float64 stays float64 (promoted, never cut to float32): equal to torch's to float64 rounding
+    wide = logits.detach().double().requires_grad_()
+    mine, theirs = VocabParallelCrossEntropy(None)(wide, targets), F.cross_entropy(wide.flatten(0, 1), targets.flatten())
+    assert mine.dtype == torch.float64 and abs(mine.item() - theirs.item()) < 1e-14
+    (d_mine,), (d_theirs,) = torch.autograd.grad(mine, wide), torch.autograd.grad(theirs, wide)
+    assert d_mine.dtype == torch.float64 and torch.allclose(d_mine, d_theirs, rtol=0, atol=1e-15)
 
 
 def test_tp_that_does_not_divide_is_one_line(monkeypatch):

@@ -23,8 +23,9 @@ import os
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
+from labkit.data.loader import make_loader
 from labkit.dist.group import DistEnv
 from labkit.dist.testing import record_losses, run_ranks
 from labkit.errors import CheckpointError, ConfigError
@@ -85,10 +86,10 @@ def _fit(strategy, model, kind, epochs, start_epoch=0, out=None, resume=False):
             save_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None,
                                 {"epoch": epoch + 1}, {})
     losses = record_losses(strategy)
-    sampler = strategy.sampler(train, True, SEED) or DistributedSampler(train, 1, 0, shuffle=True, seed=SEED)
     task = _task(kind)
-    fit(model, DataLoader(train, batch_size=GLOBAL_BATCH // strategy.data_parallel_size, sampler=sampler,
-                          drop_last=True),
+    dp = strategy.data_parallel_size  # the training loader exactly as labkit.train.run builds it
+    fit(model, make_loader(train, GLOBAL_BATCH // dp, shuffle=True, sampler=strategy.sampler(train, True, SEED),
+                           seed=SEED, drop_last=dp > 1),
         DataLoader(test, batch_size=3, sampler=strategy.sampler(test, False, SEED)), optimizer, epochs=epochs,
         start_epoch=start_epoch, strategy=strategy, seed=SEED, scheduler=scheduler, criterion=task.criterion(),
         task=task, printer=lambda line: None, on_epoch_end=save)
@@ -112,8 +113,9 @@ def _run(env, kind: str, options: dict, out=None) -> dict:
 
 
 def _single(kind: str, epochs: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]:
-    """The oracle: fit in one process on the global batch, drawn in the ranks' order (a one-replica
-    DistributedSampler with the same seed permutes the same way, so global batch s is the ranks' batches s).
+    """The oracle: fit in one process on the global batch, its loader built as ``labkit train`` builds it; its
+    shuffle is the ranks' global order (labkit.data.loader.global_order), so global batch s is the ranks' batches s
+    in every shuffled step of every epoch.
     Returns the losses, the weights by every name (state_dict) and the parameters' names."""
     model = _model(kind)
     strategy = Strategy(DistEnv())

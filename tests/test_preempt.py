@@ -83,9 +83,9 @@ def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatc
     monkeypatch.undo()
     assert main([*args, "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "resumed from" in out
-    lines = [ln for ln in out.splitlines() if ln.startswith("train | 2/3 epoch")]  # the resumed epoch's
-    assert lines[0].startswith("train | 2/3 epoch (66%)") and lines[-1].startswith("train | 2/3 epoch (100%)"), lines
+    assert f"resumed from {tmp_path / 'int' / 'checkpoint.pt'} in epoch 2 after step 3\n" in out  # the stop's words
+    lines = [ln for ln in out.splitlines() if ln.startswith("train | epoch 2/3")]  # the resumed epoch's
+    assert lines[0].startswith("train | epoch 2/3 (66%)") and lines[-1].startswith("train | epoch 2/3 (100%)"), lines
     assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines
     assert not (tmp_path / "int" / MARKER).exists()
     _equal_runs(tmp_path / "clean", tmp_path / "int")
@@ -185,8 +185,9 @@ def _stopped_and_resumed(strategy, out, log, steps, sig="SIGTERM"):
     ranks = run_cli_ranks([*_args(strategy, out), "--resume"], 2, timeout=300)
     stdout = "".join(rank_out for _, rank_out, _ in ranks)
     assert [code for code, _, _ in ranks] == [0, 0], ranks
-    assert f"at epoch 2, step {marker['step']}" in stdout
-    lines = [ln for ln in stdout.splitlines() if ln.startswith("train | 3/3 epoch")]
+    resumed = f" in epoch 3 after step {marker['step']}"  # the stop's words
+    assert any(ln.startswith(f"resumed from {out}") and ln.endswith(resumed) for ln in stdout.splitlines()), stdout
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("train | epoch 3/3")]
     done = [int(ln.split("(")[1].split("%")[0]) for ln in lines]
     assert 100 * marker["step"] // steps < done[0] and done == sorted(done) and done[-1] == 100, lines
     assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines
@@ -200,9 +201,9 @@ def test_ddp_killed_rank_restarts_then_sigterm_mid_epoch_resumes_bit_identically
     ``--resume`` finishes it, equal to an uninterrupted run (weights, momentum, every epoch's loss)."""
     # slowed down (the delay changes no result) so that the signal lands mid-epoch
     code, log, _ = _signal_when(_train("ddp", tmp_path / "int", "--resume", "--kill-rank-at", "1:8",
-                                       "--step-delay-s", "0.15", restarts=1), "train | 3/3 epoch", signal.SIGTERM,
+                                       "--step-delay-s", "0.15", restarts=1), "train | epoch 3/3", signal.SIGTERM,
                                 only_rank=1)
-    assert "rank 1: --kill-rank-at: SIGKILL before step 8" in log and "at epoch 1" in log, log
+    assert "rank 1: --kill-rank-at: SIGKILL before step 8" in log and "checkpoint.pt after epoch 1\n" in log, log
     assert code == EXIT_PREEMPTED and "Traceback" not in log, log
     _stopped_and_resumed("ddp", tmp_path / "int", log, steps=6)
     _equal_runs(clean / "ddp", tmp_path / "int")
@@ -213,7 +214,7 @@ def test_pipeline_sigusr1_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path
     to torchrun itself (SLURM's ``--signal=USR1`` without ``B:``): torchrun passes it on, the ranks stop after
     the same step, and torchrun exits 75 with the ranks' one line; no rank is left running."""
     code, log, ranks = _signal_when(_train("pipeline", tmp_path / "int", "--step-delay-s", "0.15"),
-                                    "train | 3/3 epoch", signal.SIGUSR1)
+                                    "train | epoch 3/3", signal.SIGUSR1)
     assert len(ranks) == 2 and _none_alive(ranks), ranks
     assert code == EXIT_PREEMPTED and "Traceback" not in log and "torchrun stopped" not in log, log
     assert "death signal" not in log, log  # torchrun's own shutdown line: the ranks had already left

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from labkit.cli import main
+from labkit.cli import HelpFormatter, main
 from labkit.flags import read_flags
 from labkit.optim import OPTIMIZERS
 from labkit.strategies import STRATEGIES, strategy_flags
-from labkit.train.cli import _DefaultsFormatter, add_parser, flag_owners
+from labkit.train.cli import add_parser, flag_owners
 
 #: a flag (and a value) of each strategy, to hand to every other strategy
 SAMPLE = {"ddp": ["--allreduce", "ring"], "model-parallel": ["--mp-devices", "3"],
@@ -83,7 +83,7 @@ def test_every_flag_has_help_and_every_valued_flag_shows_its_default(strategy):
     parser = _parser()
     parser.parse_args(["train", "--strategy", strategy, "--optimizer", optimizer])
     train = parser._subparsers._group_actions[0].choices["train"]
-    formatter = _DefaultsFormatter("labkit train")
+    formatter = HelpFormatter("labkit train")
     for action in train._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, action.option_strings
@@ -147,3 +147,65 @@ def test_deterministic_reaches_the_config_and_selects_repeatable_kernels(monkeyp
     kdist.deterministic_kernels()
     assert calls == [(True, True)] and torch.backends.cudnn.benchmark is False
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_steps_is_the_whole_runs_length_and_max_steps_each_epochs(tmp_path, capsys):
+    """``--steps 7`` over 5 steps per epoch: 2 epochs, the second cut after 2 steps, said in the header; with
+    ``--max-steps 2`` an epoch has 2 steps, so the same 7 steps take 4 epochs; ``--epochs`` beside it is refused."""
+    import json
+
+    base = ["train", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "160", "--test-size", "32",
+            "--batch-size", "32", "--log-every", "100", "--no-checkpoint"]
+    assert main([*base, "--steps", "7", "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "| 5 steps/epoch, 2 epoch(s), 7 steps in all" in out.splitlines()[0], out
+    finals = [ln for ln in out.splitlines() if ln.startswith("train | epoch") and not ln.endswith("(estimated)")]
+    assert len(finals) == 2 and finals[0].startswith("train | epoch 1/2 (100%)")
+    assert finals[1].startswith("train | epoch 2/2 (100%)")
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["metrics"]["epochs_run"] == 2 and summary["config"]["epochs"] == 2
+    assert main([*base, "--steps", "7", "--max-steps", "2", "--out", str(tmp_path / "b")]) == 0
+    assert "| 2 steps/epoch, 4 epoch(s), 7 steps in all" in capsys.readouterr().out
+    assert main([*base, "--max-steps", "2", "--epochs", "3", "--out", str(tmp_path / "c")]) == 0
+    assert "| 2 steps/epoch, 3 epoch(s), 6 steps in all" in capsys.readouterr().out
+    assert _exit_code([*base, "--steps", "7", "--epochs", "2", "--out", str(tmp_path / "d")]) == 2
+    assert capsys.readouterr().err.strip() == ("labkit: error: --steps 7 is the whole run's length and --epochs 2 "
+                                               "another: give one of them")
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("argv, flag, dim", [
+    (["--mesh", "dp=2", "--sequence-parallel"], "--sequence-parallel", "tp"),
+    (["--mesh", "tp=2", "--num-microbatches", "8"], "--num-microbatches", "pp"),
+    (["--mesh", "tp=2,pp=2", "--dp-shard", "zero2"], "--dp-shard", "dp"),
+    (["--mesh", "dp=2", "--cp-layout", "contiguous"], "--cp-layout", "cp"),
+])
+def test_a_flag_of_a_dimension_the_mesh_lacks_is_refused_before_any_rank_starts(argv, flag, dim, capsys, tmp_path):
+    """Each would otherwise train as if it were not there; refused as the flags are read (one process, no ranks)."""
+    assert _exit_code(["train", *argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"labkit: error: {flag} is a flag of the {dim} dimension, which --mesh {argv[1]} does not have; "
+                   f"add {dim}=N (N >= 2) to --mesh, or leave {flag} out")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_in_one_line(tmp_path, capsys):
+    """Another process holds the run folder's lock (as a running ``labkit train`` does): this run stops before any
+    work, naming the holder; once it is gone, the folder is free again."""
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom labkit.results import run_dir_lock\n"
+         f"with run_dir_lock({str(out)!r}) as busy:\n    print(busy, flush=True)\n    sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "None"  # the holder has it
+        argv = ["train", "--model", "mlp", "--dataset", "synthetic-mnist", "--train-size", "64", "--test-size", "32",
+                "--max-steps", "1", "--no-checkpoint", "--out", str(out)]
+        assert _exit_code(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"labkit: error: {out} is in use by another run (pid {holder.pid} on {os.uname().nodename}); "
+                       "wait for it to end, or give this run another --out"), err
+        assert not (out / "metrics.jsonl").exists()
+    finally:
+        holder.communicate("")
+    assert _exit_code(argv) == 0

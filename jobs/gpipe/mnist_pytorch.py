@@ -6,8 +6,8 @@
 
 While training it prints the throughput, at the end the memory per device:
 
-    train | 1/1 epoch (4%) | 692.340 samples/sec (estimated)
-    train | 1/1 epoch (99%) | 718.463 samples/sec
+    train | epoch 1/1 (4%) | 692 samples/sec (estimated)
+    train | epoch 1/1 (99%) | 718 samples/sec
     GPU 0: allocated 0.270 GB, reserved 8.074 GB
 
 "allocated" is held by the model (parameters, gradients, optimizer state); "reserved" also by the

@@ -17,7 +17,7 @@ from labkit.ranges import within
 
 def add_parser(sub) -> None:
     p = sub.add_parser("advise", help="predict, rank and validate parallel strategies for a model",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     p.add_argument("--model", required=True,
                    help="mlp, lenet, resnet20, resnet32, resnet50, alexnet_small; gpt-1.3b, gpt-tiny, ... (mesh search)")
     p.add_argument("--dataset", default="mnist-sample",

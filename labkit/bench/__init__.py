@@ -8,7 +8,7 @@ import argparse
 import functools
 import importlib
 
-from labkit.cli import module_doc, summary_line, words
+from labkit.cli import HelpFormatter, module_doc, summary_line, words
 from labkit.errors import ConfigError, flag_error
 from labkit.flags import add_flags, read_flags
 
@@ -30,16 +30,6 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """The module docstring as written (it holds example command lines), and every valued flag's default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "default" in text or action.default in (None, argparse.SUPPRESS) or isinstance(action.default, bool):
-            return text
-        return f"{text} (default: %(default)s)"
-
-
 class _Parser(argparse.ArgumentParser):
     """A benchmark's parser: a bad flag is one ``labkit: error: ...`` line and exit code 2, like labkit's errors."""
 
@@ -55,7 +45,7 @@ def add_parser(sub) -> None:
             names.add_parser(name, help=summary_line(module))
             continue
         _fill(names.add_parser(name, help=summary_line(module), description=module_doc(module),
-                               formatter_class=_Formatter), name)
+                               formatter_class=HelpFormatter), name)
     p.set_defaults(func=lambda a: _missing(a))
 
 
@@ -67,7 +57,7 @@ def parser(name: str) -> argparse.ArgumentParser:
     if name not in BENCHMARKS:
         raise ConfigError(f"unknown benchmark {name!r}; choose one of: {', '.join(BENCHMARKS)}")
     return _fill(_Parser(prog=f"labkit bench {name}", description=module_doc(BENCHMARKS[name]),
-                         formatter_class=_Formatter), name)
+                         formatter_class=HelpFormatter), name)
 
 
 def _fill(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:

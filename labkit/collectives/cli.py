@@ -149,7 +149,7 @@ def bench(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     """Add ``labkit allreduce`` and its three actions."""
     p = subparsers.add_parser("allreduce", help="verify, animate and benchmark the all-reduce algorithms",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", default="auto", help="under torchrun: auto, cpu or cuda (default auto)")

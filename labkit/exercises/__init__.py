@@ -6,7 +6,6 @@ problems found (an empty list when the answer is right) and ``main(argv)`` for `
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import traceback
 from pathlib import Path
@@ -57,8 +56,7 @@ def command(name: str, doc: str, default: str, check: Callable[[Callable], list[
     """``labkit check NAME FILE[:FUNCTION]``: print the verdict; exit code 0 when right, 1 otherwise."""
     from labkit.cli import Parser
 
-    parser = Parser(prog=f"labkit check {name}", description=doc,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog=f"labkit check {name}", description=doc)
     parser.add_argument("file", help=f"FILE.py[:FUNCTION] defining {default}()")
     args = parser.parse_args(argv)
     problems = check(load_function(args.file, default))

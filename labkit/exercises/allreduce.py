@@ -12,7 +12,6 @@ share-reduce or share-only), data added twice, or a rank that ends without the f
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -177,8 +176,7 @@ def main(argv: list[str]) -> int:
     """Entry point of ``labkit check allreduce``; exit code 0 when the schedule is right, 1 otherwise."""
     from labkit.cli import Parser
 
-    parser = Parser(prog="labkit check allreduce", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="labkit check allreduce", description=__doc__)
     parser.add_argument("file", nargs="?", help="FILE.py[:FUNCTION] defining ring_schedule(p); "
                         "without it the reference solution is checked")
     parser.add_argument("--ranks", default="2,3,4,5", help="world sizes to try (default 2,3,4,5)")

@@ -118,13 +118,11 @@ def check_file(path: str | Path | None, name: str = "average_gradients", world_s
 
 
 def main(argv: list[str]) -> int:
-    import argparse
 
     from labkit.cli import Parser
     from labkit.ranges import within
 
-    parser = Parser(prog="labkit check average-gradients", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="labkit check average-gradients", description=__doc__)
     parser.add_argument("file", help="FILE.py[:FUNCTION] defining average_gradients(model)")
     parser.add_argument("--ranks", type=within("int", "[2, 64]"), default=2,
                         help="world size, 2 or more: gradients meet between ranks (default 2)")

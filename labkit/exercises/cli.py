@@ -96,8 +96,7 @@ def run_check(name: str, argv: list[str] | None = None) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("check", help="check a workshop exercise", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("check", help="check a workshop exercise", description=__doc__)
     p.add_argument("name", help=f"one of: {', '.join(CHECKS)}")
     p.add_argument("args", nargs=argparse.REMAINDER,
                    help="passed to the checker (e.g. a FILE), or --init FILE to write the starting file")

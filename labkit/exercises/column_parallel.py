@@ -10,7 +10,6 @@ slice of the output features (rank r holds rows ``r·o/p .. (r+1)·o/p`` of W). 
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -114,8 +113,7 @@ def main(argv: list[str]) -> int:
     from labkit.cli import Parser
     from labkit.ranges import within
 
-    parser = Parser(prog="labkit check column-parallel", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="labkit check column-parallel", description=__doc__)
     parser.add_argument("file", nargs="?", help="Python file defining column_parallel_forward(x, weight, bias)")
     parser.add_argument("--template", action="store_true", help="print a starting file and exit")
     parser.add_argument("--world-sizes", type=within("int", "[1, 64]"), nargs="+", default=[2, 3], metavar="P")

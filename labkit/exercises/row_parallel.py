@@ -208,12 +208,10 @@ SUCCESS = f"the same output and gradients as labkit's RowParallelLinear on {WORL
 
 
 def main(argv: list[str]) -> int:
-    import argparse
 
     from labkit.cli import Parser
 
-    parser = Parser(prog="labkit check row-parallel", description=__doc__,
-                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog="labkit check row-parallel", description=__doc__)
     parser.add_argument("file", help="FILE.py[:FUNCTION] defining row_parallel_linear(x_part, weight, bias, group)")
     args = parser.parse_args(argv)
     path, _, name = args.file.partition(":")

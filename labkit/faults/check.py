@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from labkit.cli import HelpFormatter
 from labkit.errors import ConfigError
 from labkit.exercises import report
 from labkit.faults import FAULTS, broken_source, get
@@ -55,7 +56,7 @@ def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 5.
 
 def main(name: str, argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"labkit check faults-{name}", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("file", help="your fixed copy of the program (FILE.py, or FILE.py:main)")
     parser.add_argument("--ranks", type=int, default=2, help="local gloo ranks (default 2)")
     parser.add_argument("--watchdog", type=float, default=5.0,

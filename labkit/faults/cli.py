@@ -81,8 +81,7 @@ def list_faults(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("faults", help="broken distributed programs to run, diagnose and fix", description=__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("faults", help="broken distributed programs to run, diagnose and fix", description=__doc__)
     p.__class__ = _Parser
     inner = p.add_subparsers(dest="faults_command", metavar="COMMAND", required=True, parser_class=_Parser)
     inner.add_parser("list", help="the broken programs").set_defaults(func=list_faults)

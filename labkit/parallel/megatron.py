@@ -179,7 +179,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, start):
         V_local = logits.shape[-1]
-        z = logits.float()                                                               # (B, T, V/t)
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))                  # (B, T, V/t)
         m = z.max(dim=-1).values                                                         # (B, T)
         if group_size(group) > 1:
             m = all_reduce_copy(m, group, op=dist.ReduceOp.MAX)
@@ -193,7 +193,7 @@ class _VocabParallelCE(torch.autograd.Function):
         loss = (torch.log(sums[0]) + m - sums[1]).mean()
         ctx.save_for_backward(e.div_(sums[0].unsqueeze(-1)), local, inside)              # softmax shard
         ctx.dtype = logits.dtype
-        return loss                                                                      # float32, as F.cross_entropy
+        return loss                          # bf16/fp16 promoted to float32, float64 kept: as F.cross_entropy
 
     @staticmethod
     def backward(ctx, grad):

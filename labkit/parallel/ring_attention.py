@@ -23,6 +23,12 @@ next to the formulas. Under bf16 autocast (``--amp bf16``) the blocks, the merge
 float32. In the forward, while a block is computed, the next K/V are already on their way
 (:func:`labkit.collectives.kv_ring.pass_on` posts the send and the receive before the compute); the backward
 sends after each block's gradients are added.
+
+On entry the shapes are checked (:func:`check_shapes`): q, k and v alike, the local length a whole number of
+this rank's chunks, and, the first time a group meets a shape, the same shape on every rank of the ring (one
+all-gather of four numbers, then remembered: a training step adds no collective). A mismatch is a ``ValueError``
+on every rank, naming both lengths, where it would otherwise end in a transport error on one rank and a wrong
+result on another.
 """
 from __future__ import annotations
 
@@ -89,6 +95,33 @@ def attend_backward(q, k, v, dout, lse, delta, scale: float, mask=None):
     dv = p.transpose(-2, -1) @ dout
     ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
+
+
+_AGREED: set[tuple] = set()  # (group, shape) pairs every rank of the group has been seen to share
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: KVRing, group, rank: int) -> None:
+    """Raise ``ValueError`` on every rank unless q, k, v are alike, (B, H, T_local, D), ``T_local`` is a whole number
+    of this rank's chunks and every rank of ``group`` holds the same shape (compared once per group and shape)."""
+    alike = q.shape == k.shape == v.shape and q.dim() == 4
+    key = (id(group), tuple(q.shape), alike)
+    if key not in _AGREED:  # every rank gathers, even one whose own shapes are wrong: all raise, none waits
+        mine = torch.tensor([*(tuple(q.shape) + (-1,) * 4)[:4], int(alike)], dtype=torch.int64, device=q.device)
+        shapes = [torch.empty_like(mine) for _ in range(ring.world_size)]
+        dist.all_gather(shapes, mine, group=group)
+        if not all(int(s[4]) for s in shapes):
+            bad = [r for r, s in enumerate(shapes) if not int(s[4])]
+            raise ValueError(f"ring_attention takes q, k, v of one shape (B, H, T_local, D); rank(s) {bad} did not "
+                             f"(here: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)})")
+        if any(not torch.equal(s, mine) for s in shapes):
+            held = ", ".join(f"rank {r} {tuple(s[:4].tolist())}" for r, s in enumerate(shapes))
+            raise ValueError(f"ring_attention: the ranks hold different shapes (B, H, T_local, D): {held}; every "
+                             f"rank of the ring holds the same number of tokens, T / {ring.world_size}")
+        chunks, length = len(ring.chunks_of(rank)), q.shape[2]
+        if length % chunks:
+            raise ValueError(f"ring_attention: a local length of {length} does not split into the {chunks} "
+                             f"chunks each rank holds ({ring.layout}); give each rank a multiple of {chunks} tokens")
+        _AGREED.add(key)
 
 
 def _local(ring: KVRing, rank: int, chunks: tuple[int, ...], chunk_len: int) -> slice:
@@ -197,6 +230,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: KVRi
     if ring.world_size != dist.get_world_size(group):
         raise ValueError(f"the ring has {ring.world_size} ranks, the group {dist.get_world_size(group)}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if ring.world_size > 1:
+        check_shapes(q, k, v, ring, group, dist.get_rank(group))
     if ring.world_size == 1:  # one rank: the plain kernel (same math, no ring)
         return RingAttention.apply(q, k, v, ring, group, scale, stats) if stats is not None else \
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=ring.causal, scale=scale)

@@ -18,6 +18,8 @@ from labkit.flags import add_flags
 from labkit.models.names import default_optimizer
 from labkit.optim import OPTIMIZERS
 from labkit.optim import add_arguments as add_optimizer_arguments
+from labkit.parallel import available as available_dimensions
+from labkit.parallel import dimension_flags
 from labkit.ranges import within
 from labkit.strategies import STRATEGIES, strategy_flags
 from labkit.train.config import NUMBERS
@@ -25,18 +27,6 @@ from labkit.train.config import NUMBERS
 
 def _number(dest: str):
     return within(*NUMBERS[dest])
-
-
-class _DefaultsFormatter(argparse.HelpFormatter):
-    """Every flag's help ends with its default, unless the help text already states it or the flag is a switch
-    (``store_true``/``store_false``: the help says what giving it does, "(default: True)" would only confuse)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("default" in text or action.default is argparse.SUPPRESS or not action.option_strings
-                or action.nargs == 0):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 class TrainParser(argparse.ArgumentParser):
@@ -66,6 +56,8 @@ class TrainParser(argparse.ArgumentParser):
         if chosen.optimizer not in OPTIMIZERS:
             self.error(f"unknown optimizer {chosen.optimizer!r}; choose one of: {', '.join(OPTIMIZERS)}")
         self._add_owned(chosen.strategy, chosen.optimizer)
+        if chosen.strategy == "single" and {"-h", "--help"} & set(args):
+            self._add_mesh_help()
         namespace, extras = super().parse_known_args(args, namespace)
         for token in extras:
             flag = token.partition("=")[0]
@@ -93,6 +85,13 @@ class TrainParser(argparse.ArgumentParser):
             add_optimizer_arguments(group, optimizer)
             owned["optim"] = [a.dest for a in group.actions]
         self.set_defaults(func=lambda a: _run(a, owned), owned=owned)
+
+    def _add_mesh_help(self) -> None:
+        """Show the device mesh's flags in the help of a plain ``labkit train``: ``--mesh`` works without
+        ``--strategy mesh``, so a learner must find it there (help only: parsing still refuses them without it)."""
+        g = self.add_argument_group("the device mesh (--mesh alone means --strategy mesh; the other flags here "
+                                    "need --mesh)")
+        add_flags(g, strategy_flags("mesh"))
 
     def error(self, message: str):
         """One ``labkit: error: ...`` line and exit code 2, like every other labkit error."""
@@ -127,7 +126,6 @@ class _Recording:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model with a parallel strategy", allow_abbrev=False,
-                       formatter_class=_DefaultsFormatter,
                        description="Train a model with a parallel strategy through labkit's one training loop. "
                        "Under torchrun or srun every rank runs this same command. Each --strategy and --optimizer "
                        "brings its own flags: `labkit train --strategy ddp --optimizer kfac --help` lists them.")
@@ -156,7 +154,8 @@ def add_parser(sub) -> None:
                    help="tensor: the dataset resident on the training device, batches normalised and augmented "
                         "at once; torch: torchvision's per-sample DataLoader (data too big for memory)")
     g = p.add_argument_group("training")
-    g.add_argument("--epochs", type=_number("epochs"), default=1, help="passes over the training set")
+    g.add_argument("--epochs", type=_number("epochs"), default=None,
+                   help="passes over the training set (default: 1; with --steps, as many as those steps take)")
     g.add_argument("--batch-size", type=_number("batch_size"), default=64,
                    help="samples per step on each data-parallel rank")
     g.add_argument("--test-batch-size", type=_number("test_batch_size"), default=512,
@@ -178,7 +177,10 @@ def add_parser(sub) -> None:
                    help="linear LR warm-up (Goyal et al.)")
     g.add_argument("--scale-lr", action="store_true", help="linear scaling: LR × number of data-parallel ranks")
     g.add_argument("--max-steps", type=_number("max_steps"), default=None,
-                   help="stop each epoch after N steps (None: whole epoch)")
+                   help="PER EPOCH: stop each epoch after N steps (None: whole epoch)")
+    g.add_argument("--steps", type=_number("steps"), default=None,
+                   help="IN ALL: train N steps, over as many epochs as they take (the last one cut short); "
+                        "instead of --epochs (None: --epochs whole epochs)")
     g.add_argument("--seed", type=_number("seed"), default=0, help="seed of weights, shuffling and augmentation")
     g.add_argument("--amp", default=None, choices=("bf16",),
                    help="mixed precision: forward passes under bfloat16 autocast (CPU and CUDA); None: float32")
@@ -211,10 +213,33 @@ def config_from_args(args: argparse.Namespace, owned: dict[str, list[str]]):
     from labkit.train.config import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if args.steps is not None and args.epochs is not None:
+        raise ConfigError(f"--steps {args.steps} is the whole run's length and --epochs {args.epochs} another: "
+                          "give one of them")
+    values = {k: v for k, v in vars(args).items() if k in names and not (k == "epochs" and v is None)}
+    cfg = TrainConfig(**values)
     cfg.strategy_options = {k: getattr(args, k) for k in owned["strategy"]}
+    if cfg.strategy == "mesh":
+        _refuse_absent_dimensions_flags(args)
     cfg.optim_options = {k: getattr(args, k) for k in owned["optim"]}
     return cfg
+
+
+def _refuse_absent_dimensions_flags(args: argparse.Namespace) -> None:
+    """A mesh dimension's flag set away from its default on a ``--mesh`` without that dimension would change
+    nothing: one line naming the flag and its dimension (``--mesh dp=2 --sequence-parallel`` would train plain dp)."""
+    present = ({name for name, size in MeshShape.parse(args.mesh).items() if size > 1}
+               if args.mesh is not None else {"dp"})  # no --mesh: dp over every rank
+    owners: dict[str, tuple[dict, list[str]]] = {}
+    for name in available_dimensions():
+        for flag in dimension_flags(name):
+            owners.setdefault(flag["flag"], (flag, []))[1].append(name)
+    for text, (flag, names) in owners.items():
+        dest = flag.get("dest") or text.lstrip("-").replace("-", "_")
+        default = flag.get("default", False if flag.get("action") == "store_true" else None)
+        if getattr(args, dest, default) != default and not present.intersection(names):
+            raise ConfigError(f"{text} is a flag of the {' or '.join(names)} dimension, which --mesh {args.mesh} "
+                              f"does not have; add {names[0]}=N (N >= 2) to --mesh, or leave {text} out")
 
 
 def config_from_argv(argv: list[str]):
@@ -231,6 +256,7 @@ def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
     from labkit.faults.watchdog import start_for_training
     from labkit.train.run import run
 
+    cfg = config_from_args(args, owned)
     start_for_training(args.watchdog, args.timeout_s)
-    run(config_from_args(args, owned))
+    run(cfg)
     return 0

@@ -20,7 +20,7 @@ NUMBERS = {
     "epochs": ("int", "[1, inf)"), "batch_size": ("int", "[1, inf)"), "test_batch_size": ("int", "[1, inf)"),
     "base_lr": ("float", "(0, inf)"), "momentum": ("float", "[0, 1)"), "weight_decay": ("float", "[0, inf)"),
     "lr_decay": ("int", "[1, inf)"), "lr_decay_factor": ("float", "(0, 1]"), "warmup_epochs": ("float", "[0, inf)"),
-    "max_steps": ("int", "[1, inf)"), "seed": ("int", "[0, 4294967295]"), "timeout_s": ("float", "(0, 1e7]"),
+    "max_steps": ("int", "[1, inf)"), "steps": ("int", "[1, inf)"), "seed": ("int", "[0, 4294967295]"), "timeout_s": ("float", "(0, 1e7]"),
     "log_every": ("int", "[1, inf)"), "step_delay_s": ("float", "[0, 3600]"), "seq_len": ("int", "[1, 65536]"),
     "dropout": ("float", "[0, 1)"),
 }
@@ -53,7 +53,8 @@ class TrainConfig:
     resume: bool = False
     checkpoint: bool = True
     profile: bool = False
-    max_steps: int | None = None
+    max_steps: int | None = None  # per epoch
+    steps: int | None = None  # in all: the run's length, its epochs following from it
     train_size: int | None = None
     test_size: int | None = None
     augment: bool = False
@@ -83,6 +84,9 @@ class TrainConfig:
 
         for key, (kind, interval) in NUMBERS.items():  # what the flags check as they are read
             check(f"--{key.replace('_', '-')}", getattr(self, key), kind, interval)
+        if self.steps is not None and self.epochs != 1:
+            raise ConfigError(f"--steps {self.steps} is the whole run's length and --epochs {self.epochs} another: "
+                              "give one of them")
         if list(self.lr_decay) != sorted(set(self.lr_decay)):
             ordered = " ".join(map(str, sorted(set(self.lr_decay))))
             raise ConfigError(f"--lr-decay epochs must be increasing, e.g. --lr-decay {ordered}; "

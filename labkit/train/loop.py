@@ -84,7 +84,7 @@ def evaluate(model: nn.Module, loader: DataLoader, strategy: Strategy, criterion
 def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | None, optimizer: torch.optim.Optimizer,
         *, epochs: int, strategy: Strategy | None = None, preconditioner=None, scheduler=None,
         criterion: nn.Module | None = None, writer: RunWriter | None = None, start_epoch: int = 0, seed: int = 0,
-        max_steps: int | None = None, log_every: int = 20, on_epoch_end: Callable[[int], None] | None = None,
+        max_steps: int | None = None, total_steps: int | None = None, log_every: int = 20, on_epoch_end: Callable[[int], None] | None = None,
         profiler=None, printer: Callable[[str], None] = print0, amp: str | None = None,
         channels_last: bool = False, position: dict | None = None, stop: StopSignals | None = None,
         on_stop: Callable[[int, dict], None] | None = None, step_delay_s: float = 0.0,
@@ -97,6 +97,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         preconditioner: e.g. K-FAC; ``step()`` rewrites gradients before ``optimizer.step()``.
         scheduler: stepped after every optimizer step.
         max_steps: stop each epoch after this many steps (quick runs).
+        total_steps: stop the run after this many steps in all (``labkit train --steps``), cutting its last epoch
+            short; ``epochs`` must be enough to hold them.
         amp: ``"bf16"``: forward passes under autocast (:mod:`labkit.train.precision`).
         channels_last: feed image batches in NHWC order (convert the model before ``strategy.prepare``).
         on_epoch_end: called with the finished epoch index (checkpointing).
@@ -133,6 +135,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         strategy.set_epoch(epoch)
         model.train()
         steps = len(train_loader) if max_steps is None else min(max_steps, len(train_loader))
+        if total_steps is not None:  # epochs before this one ran `steps` each
+            steps = max(0, min(steps, total_steps - epoch * steps))
         bar = _progress(steps, f"epoch {epoch + 1}/{epochs}", rank)  # None: the throughput lines are the progress
         # (loss sum, metric sum, count) stay on the device: no host sync per step; checked every log_every steps
         totals = torch.zeros(3, dtype=torch.float64, device=strategy.target_device)

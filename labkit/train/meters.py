@@ -1,15 +1,18 @@
 """Throughput and memory meters that print the lines learners compare across strategies (seed 003)::
 
-    train | 1/1 epoch (4%) | 692.340 samples/sec (estimated)
-    train | 1/1 epoch (100%) | 718.463 samples/sec
+    train | epoch 1/1 (4%) | 692 samples/sec (estimated)
+    train | epoch 1/1 (100%) | 718 samples/sec
     GPU 0: allocated 0.271 GB, reserved 8.072 GB
 
 "allocated" is what live tensors hold (parameters, optimizer state) when training ends; "reserved" is what
 PyTorch's caching allocator kept, which is driven by the activations at the peak. On CPU the kit prints
-the process's resident and peak memory instead, labelled as such.
+the process's resident memory at the end and its peak (the kernel's high-water mark of the same resident set,
+so the peak is never below the resident figure) instead, labelled as such. Rates are printed to three
+significant figures (``rate_text``): a rate measured on a shared machine is not known to more.
 """
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -21,17 +24,26 @@ import torch
 GB = 1024 ** 3
 
 
+def rate_text(rate: float) -> str:
+    """``rate`` to three significant figures, never in exponent form: 692.34 -> ``692``, 9.088 -> ``9.09``,
+    71 880.2 -> ``71880``."""
+    if rate <= 0:
+        return "0"
+    decimals = max(0, 2 - math.floor(math.log10(rate)))
+    return f"{rate:.{decimals}f}"
+
+
 def throughput_line(epoch: int, epochs: int, done: int, steps: int, samples_per_sec: float,
                     estimated: bool, tokens_per_sec: float | None = None) -> str:
-    """``train | {epoch}/{epochs} epoch ({percent}%) | {rate} samples/sec[, {tokens} tokens/sec][ (estimated)]``.
+    """``train | epoch {epoch}/{epochs} ({percent}%) | {rate} samples/sec[, {tokens} tokens/sec][ (estimated)]``.
 
     ``percent = 100 * done // steps`` with ``done`` the steps finished, so a whole epoch ends at 100%.
     ``tokens_per_sec`` (language models) is shown beside the samples (sequences) per second.
     """
     percent = 100 * done // max(steps, 1)
-    line = f"train | {epoch}/{epochs} epoch ({percent}%) | {samples_per_sec:.3f} samples/sec"
+    line = f"train | epoch {epoch}/{epochs} ({percent}%) | {rate_text(samples_per_sec)} samples/sec"
     if tokens_per_sec is not None:
-        line += f", {tokens_per_sec:.1f} tokens/sec"
+        line += f", {rate_text(tokens_per_sec)} tokens/sec"
     return line + " (estimated)" if estimated else line
 
 
@@ -50,14 +62,19 @@ def memory_lines(devices: Iterable[torch.device]) -> list[str]:
 
 
 def process_memory_gb() -> tuple[float, float]:
-    """(current resident set size, peak resident set size) of this process in GB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # ru_maxrss is in KiB on Linux
+    """(resident set size now, its peak so far) of this process in GB.
+
+    Both from one read of ``/proc/self/status`` (``VmRSS``, ``VmHWM``: the kernel's counter and its high-water
+    mark, which the kernel raises to the current value as it reports them, so peak >= resident); where that file
+    is missing, ``getrusage``'s peak for both.
+    """
     try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GB
-    except OSError:
-        rss = peak
-    return rss, peak
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+        rss, peak = (int(fields[key].split()[0]) * 1024 / GB for key in ("VmRSS", "VmHWM"))  # in kB
+    except (OSError, KeyError, ValueError):
+        rss = peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB  # KiB on Linux
+    return rss, max(peak, rss)
 
 
 def peak_memory_gb(devices: Iterable[torch.device]) -> float:

@@ -55,10 +55,15 @@ class Preempted(LabkitError):
     exit_code = EXIT_PREEMPTED
 
     def __init__(self, signal_name: str | None, epoch: int, step: int):
-        where = f"after epoch {epoch}" if step == 0 else f"in epoch {epoch + 1} after step {step}"
-        super().__init__(f"stopped on {signal_name or 'a signal to another rank'} {where}; the "
+        super().__init__(f"stopped on {signal_name or 'a signal to another rank'} {where(epoch, step)}; the "
                          "checkpoint is written: run the same command with --resume to continue")
         self.signal_name, self.epoch, self.step = signal_name, epoch, step
+
+
+def where(epoch: int, step: int) -> str:
+    """Where a run stopped or resumes, in the words of both lines: ``epoch`` epochs done and ``step`` steps of the
+    next one (``after epoch 1``, ``in epoch 2 after step 9``)."""
+    return f"after epoch {epoch}" if step == 0 else f"in epoch {epoch + 1} after step {step}"
 
 
 class StopSignals:

@@ -26,7 +26,7 @@ from labkit.dist.group import distributed, print0
 from labkit.errors import ConfigError
 from labkit.models import cnn as kmodels
 from labkit.optim import OptimizerSpec
-from labkit.results import RunWriter, make_dirs
+from labkit.results import RunWriter, make_dirs, run_dir_lock
 from labkit.strategies import backends, get_strategy, strategy_literal
 from labkit.train.checkpoint import checkpoint_on_every_rank, checkpoint_path, load_training_state, save_training_state
 from labkit.train.config import TrainConfig
@@ -34,7 +34,7 @@ from labkit.train.loop import fit, lr_factor
 from labkit.train.meters import memory_lines, peak_memory_gb
 from labkit.train.monitor import UtilisationMonitor, nvml_indices
 from labkit.train.monitor import gather as gather_utilisation
-from labkit.train.preempt import Preempted, StopSignals, clear_marker, signal_of_any_rank, write_marker
+from labkit.train.preempt import Preempted, StopSignals, clear_marker, signal_of_any_rank, where, write_marker
 from labkit.train.tasks import get_task
 
 
@@ -58,7 +58,8 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
     table_key = backends.key(cfg.strategy, cfg.strategy_options)
     with (distributed(backends.auto_device(table_key, cfg.backend, cfg.device), cfg.backend, seed=cfg.seed,
                       timeout_s=cfg.timeout_s, refusal=backends.refusal_of(table_key))
-          if env is None else _given(env, cfg.seed)) as env:
+          if env is None else _given(env, cfg.seed)) as env, contextlib.ExitStack() as held:
+        _lock_out(cfg.out_dir, env, held)
         if cfg.deterministic:
             kdist.deterministic_kernels()
         strategy = strategy_cls(env, cfg.strategy_options)
@@ -92,6 +93,9 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         test_loader = loaders.make_loader(test_set, cfg.test_batch_size, shuffle=False, pin_memory=pin,
                                         sampler=strategy.sampler(test_set, False, cfg.seed), num_workers=cfg.num_workers)
         steps = len(train_loader) if cfg.max_steps is None else min(cfg.max_steps, len(train_loader))
+        if cfg.steps is not None:  # the run's length in steps: as many epochs as they take, the last one cut short
+            cfg.epochs = -(-cfg.steps // steps)
+        total = cfg.steps if cfg.steps is not None else steps * cfg.epochs
         warmup_start = 1 / dp if cfg.scale_lr and dp > 1 else 1 / max(1.0, cfg.warmup_epochs * steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
             s, steps, cfg.lr_decay, cfg.lr_decay_factor, cfg.warmup_epochs, warmup_start))
@@ -102,8 +106,7 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         if cfg.resume and checkpoint_on_every_rank(ckpt, strategy):
             state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner, asdict(cfg))
             start_epoch, position = state["epoch"], state.get("position")
-            within = f", step {position['step']}" if position else ""
-            print0(f"resumed from {ckpt} at epoch {start_epoch}{within}")
+            print0(f"resumed from {ckpt} {where(start_epoch, position['step'] if position else 0)}")
 
         def save(epochs_done: int, position: dict | None = None) -> None:
             """The checkpoint after ``epochs_done`` epochs and, mid-epoch, ``position`` in the next one."""
@@ -115,14 +118,15 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
             print0(f"note: one process, so --strategy {cfg.strategy} runs on 1 rank; for N ranks start it with "
                    f"torchrun --nproc_per_node N -m labkit train --strategy {cfg.strategy} ... (or srun)")
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
-               f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g}")
+               f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g} | "
+               f"{steps} steps/epoch, {cfg.epochs} epoch(s), {total} steps in all")
         started = time.perf_counter()
         monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
         with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor, _stop_signals(cfg.checkpoint) as stop:
             try:
                 history = fit(model, train_loader, test_loader, optimizer, epochs=cfg.epochs, strategy=strategy,
                               preconditioner=preconditioner, scheduler=scheduler, writer=writer,
-                              start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps,
+                              start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps, total_steps=cfg.steps,
                               log_every=cfg.log_every, on_epoch_end=lambda epoch: save(epoch + 1), profiler=prof,
                               amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
                               on_stop=save, step_delay_s=cfg.step_delay_s, task=task)
@@ -156,6 +160,16 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
     return summary
+
+
+def _lock_out(out_dir: Path, env: kdist.DistEnv, held: contextlib.ExitStack) -> None:
+    """Rank 0 locks ``out_dir`` for the run (:func:`labkit.results.run_dir_lock`) and tells the other ranks, so a
+    second run started on the same folder stops at once on every rank, in one line (one broadcast at start)."""
+    busy = [held.enter_context(run_dir_lock(out_dir)) if env.is_main else None]
+    if env.distributed:
+        dist.broadcast_object_list(busy, src=0)
+    if busy[0]:
+        raise ConfigError(busy[0])
 
 
 @contextlib.contextmanager

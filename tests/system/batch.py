@@ -46,7 +46,7 @@ LEAN = {"job_zero": {"RUNS": "zero-3"}, "job_kfac": {"RUNS": "kfac"}, "job_pipel
 PREEMPT_ARGS = ("--model mlp --dataset synthetic-mnist --train-size 384 --test-size 32 --batch-size 16 --epochs 2 "
                 "--log-every 1 --seed 4")
 WARNED = "warned"
-WARN_AT = "train | 1/2 epoch"  # epoch 1 under way
+WARN_AT = "train | epoch 1/2"  # epoch 1 under way
 # what a requeued job passes through is not an end; these are
 WARNED_END = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
 DDP = JOBS / "job_ddp.sh"
