@@ -26,6 +26,7 @@ NOTEBOOKS = """\
     03_model_parallel     layer split, vertical FC slicing, the FlexFlow hybrid strategy
     04_pipeline           GPipe micro-batches, GPipe vs 1F1B bubbles
     05_kfac               K-FAC, the Kronecker-factored preconditioner
+    05b_second_order_at_scale       SGD, Adam, K-FAC, Shampoo, SOAP and Muon on one harness, split over ranks
     06_cifar10_resnet32_multi_gpu   SGD vs K-FAC on N GPUs
     07_sharded_data_parallel        ZeRO stages 1-3 from scratch and FSDP2, memory per rank
     08_strategy_advisor   which strategy for this model on this machine: predicted vs measured
