@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from labkit.errors import ConfigError
-from labkit.exercises import report
+from labkit.exercises import parse_file, report
 from labkit.faults import FAULTS, broken_source, get
 from labkit.faults.runner import run_fault, run_program
 
@@ -70,6 +70,7 @@ def main(name: str, argv: list[str]) -> int:
     if not path.is_file():
         raise ConfigError(f"no such file {str(path)!r}; start from the broken program: "
                           f"labkit check faults-{name} --init {path}")
+    parse_file(path)  # one line with the file and the line, before any rank starts
     problems = check_file(name, path, args.ranks, args.watchdog)
     print(report(problems, f"{path} finishes on {args.ranks} ranks and trains to the fixed version's weights"))
     return 0 if not problems else 1
