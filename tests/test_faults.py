@@ -15,7 +15,7 @@ from labkit.cli import main
 from labkit.exercises.cli import run_check
 from labkit.faults.check import reference
 from labkit.faults.common import toy_data, toy_model
-from labkit.faults.runner import run_fault, run_program
+from labkit.faults.runner import Outcome, run_fault, run_program
 from labkit.faults.table import hang_table
 from labkit.faults.versus import last_epoch_loss
 from labkit.faults.watchdog import start_for_training
@@ -119,6 +119,32 @@ def test_checker_rejects_the_untouched_program_and_accepts_the_fix(tmp_path, cap
         assert wrong in capsys.readouterr().out, name
         assert run_check(f"faults-{name}", [str(fix), "--watchdog", "3"]) == 0
         assert capsys.readouterr().out.startswith("correct:"), name
+
+
+def test_the_rank_that_failed_first_is_named_not_the_lowest_numbered():
+    """Rank 1 fails first, in three ways, while rank 0 waits in a collective, which then fails on its vanished peer:
+    the report names rank 1 with its own error, then rank 0 after it."""
+    program = Path(__file__).with_name("first_failure_program.py")
+    ways = {"raise": "ValueError: rank 1 read a batch of the wrong shape",
+            "unused": "This error indicates that your module has parameters that were not used in producing loss",
+            "dtype": "8 vs 4. Received data size doesn't match expected size. Is there a distributed collective "
+                     "mismatch in your code? (killed by signal SIGABRT in first_failure_program.py:40, without a "
+                     "Python exception)"}
+    runs = {way: run_program(program, 2, env={"LABKIT_FAIL": way}, timeout=120) for way in ways}
+    for way, run in runs.items():
+        assert (run.status, [f["rank"] for f in run.failures]) == ("failed", [1, 0]), (way, run.failures, run.logs)
+        first, then = run.failure_report()
+        assert first.startswith("rank 1 failed first, at ") and ways[way] in first, (way, first)
+        assert then.startswith("then rank 0, ") and "by peer" in then, (way, then)
+    assert 'first_failure_program.py", line 33, in main' in runs["raise"].error  # the traceback shown is rank 1's
+
+
+def test_failure_report_reads_plain_failures():
+    outcome = Outcome("failed", failures=[
+        {"rank": 1, "time": 1795931451.825, "message": "ValueError: bad batch", "error": ""},
+        {"rank": 0, "time": 1795931451.862, "message": "RuntimeError: Connection closed by peer", "error": ""}])
+    assert outcome.failure_report() == ["rank 1 failed first, at 05:50:51.825 UTC: ValueError: bad batch",
+                                        "then rank 0, 0.037 s later: RuntimeError: Connection closed by peer"]
 
 
 def test_table_reads_plain_reports():

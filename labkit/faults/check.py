@@ -40,7 +40,7 @@ def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 5.
     if mine.status == "hung":
         return [f"it still hangs:\n{mine.table}"]
     if mine.status == "failed":
-        return [f"it failed on a rank: {mine.error.strip().splitlines()[-1]}"]
+        return ["it failed: " + "\n  ".join(mine.failure_report())]
     problems = list(mine.findings)
     if name == "unsynced-timing" and "synchronize(" not in Path(path).read_text():
         problems.append("the clock is read without torch.cuda.synchronize(): on a GPU the kernels are still queued "
