@@ -205,15 +205,20 @@ def _gather(procs, results, ranks: int, deadline: float) -> tuple[dict[int, dict
     done: dict[int, dict] = {}
     failed: dict[int, dict] = {}
     ended: dict[int, float] = {}
+
+    def all_gone() -> bool:
+        for r, p in enumerate(procs):
+            if r not in ended and not p.is_alive():
+                ended[r] = time.time()
+        return len(ended) == len(procs)
+
     try:
         while len(done) + len(failed) < ranks and time.monotonic() < deadline:
-            for r, p in enumerate(procs):
-                if r not in ended and not p.is_alive():
-                    ended[r] = time.time()
+            all_gone()
             try:
                 rank, ok, out = results.get(timeout=0.2)
             except queue.Empty:
-                if not any(p.is_alive() for p in procs):
+                if all_gone():
                     try:  # a last result may be in flight
                         rank, ok, out = results.get(timeout=1.0)
                     except queue.Empty:
