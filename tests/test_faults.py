@@ -1,7 +1,6 @@
 """labkit faults: each broken program ends with its diagnosis within a bounded time (the watchdog's table for a
 hang, a finding for a silent failure), each fixed version trains right, and ``labkit check faults-NAME``
 rejects the untouched program and accepts the fix."""
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,9 +15,9 @@ from labkit.exercises.cli import run_check
 from labkit.faults.check import reference
 from labkit.faults.common import toy_data, toy_model
 from labkit.faults.runner import Outcome, run_fault, run_program
-from labkit.faults.table import hang_table
+from labkit.faults.table import describe, hang_table
 from labkit.faults.versus import last_epoch_loss
-from labkit.faults.watchdog import start_for_training
+from labkit.faults.watchdog import start_for_training, waiting_in
 
 HANGS = ["mismatched-collective", "rank0-evaluates", "uneven-inputs", "send-recv-deadlock"]
 
@@ -157,6 +156,15 @@ def test_table_reads_plain_reports():
     assert text.splitlines()[2].split()[:3] == ["0", "all_reduce", "#17"]
 
 
+def test_a_rank_waits_in_its_own_collective_not_in_the_kits_bookkeeping():
+    check = {"op": "all_reduce", "seq": 12, "shape": [2], "dtype": "float64", "done": False,
+             "kit": "labkit's stop check"}
+    grads = {"op": "all_reduce", "seq": 13, "shape": [669706], "dtype": "float32", "done": False}
+    assert waiting_in([{**check, "seq": 10, "done": True}, check, grads]) == grads
+    assert waiting_in([check]) == check and waiting_in([{**grads, "done": True}]) is None
+    assert describe(check) == "all_reduce #12 of shape (2,) float64 (labkit's stop check)"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["faults", "run", "uneven-inputs", "--ranks", "1"], "--ranks must be between 2 and 8"),
     (["faults", "run", "send-recv-deadlock", "--ranks", "3"], "--ranks must be even"),
@@ -179,10 +187,13 @@ def test_list_and_watchdog_settings(capsys, monkeypatch):
 
 def test_labkit_train_watchdog_ends_a_hung_ddp_job_with_the_table(tmp_path):
     """`labkit train --watchdog 3` (the flag every job can set): rank 1 stops in its third optimizer step, rank 0
-    waits in DDP's gradient all-reduce, which DDP issues from C++ and the flight recorder still sees."""
+    waits in DDP's gradient all-reduce, which DDP issues from C++ and the flight recorder still sees; the stop
+    check's all-reduce rank 0 has in flight meanwhile (#12) is not what it waits in."""
     run = run_program(Path(__file__).with_name("train_hang_program.py"), 2, watchdog=None,
                       env={"LABKIT_TEST_OUT": str(tmp_path)}, timeout=120)
     table = run.logs[0]
-    # one bucket of all 669706 gradients of the mlp (2.7 MB, under DDP's 25 MB bucket cap)
-    assert re.search(r"rank 0 is in all_reduce #\d+ of shape \(669706,\) float32, rank 1 is in no collective", table)
-    assert "train_hang_program.py:18 time.sleep(600)" in table and "ddp.py" in table
+    # one bucket of all 669706 gradients of the mlp (2.7 MB, under DDP's 25 MB bucket cap); a stop check after
+    # every step (0.3 s each): #10 the check after step 2, #11 step 3's gradients, #12 rank 0's next check
+    assert "rank 0 is in all_reduce #13 of shape (669706,) float32, rank 1 is in no collective" in table
+    assert "all_reduce #10 (labkit's stop check), all_reduce #11  " in table
+    assert "train_hang_program.py:19 time.sleep(600)" in table and "ddp.py" in table
