@@ -76,6 +76,7 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         strategy.check_model(cfg.model, cfg.seq_len or DEFAULT_SEQ_LEN, cfg.dropout)
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
+        strategy.check_batch(cfg.batch_size)  # e.g. more micro-batches than samples: one line, before the banner
         info = kdata.dataset_info(cfg.dataset, cfg.data_root)
         task = get_task(info.task)
         split = dict(loader=cfg.loader, name=cfg.dataset, root=cfg.data_root, download=cfg.download,
