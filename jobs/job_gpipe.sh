@@ -30,6 +30,7 @@
 #SBATCH --time=01:00:00
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=gpipe-%j.out
 
 set -euo pipefail

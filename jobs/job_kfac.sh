@@ -32,6 +32,7 @@
 #SBATCH --time=08:00:00
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=kfac-%j.out
 
 set -euo pipefail

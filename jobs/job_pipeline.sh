@@ -29,6 +29,7 @@
 #SBATCH --time=01:00:00
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=pipeline-%j.out
 
 set -euo pipefail

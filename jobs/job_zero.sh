@@ -30,6 +30,7 @@
 #SBATCH --time=02:00:00
 #SBATCH --signal=B:USR1@120
 #SBATCH --requeue
+#SBATCH --open-mode=append
 #SBATCH --output=zero-%j.out
 
 set -euo pipefail

@@ -198,6 +198,15 @@ class RunWriter:
             with output_errors(self.out_dir / METRICS_FILE), open(self.out_dir / METRICS_FILE, "a") as f:
                 f.write(json.dumps(_jsonable(record)) + "\n")
 
+    def read(self, kind: str) -> list[dict]:
+        """The records of ``kind`` in ``metrics.jsonl`` so far (a resumed run's earlier attempts included);
+        [] where this writer does not write."""
+        path = self.out_dir / METRICS_FILE if self.enabled else None
+        if path is None or not path.exists():
+            return []
+        records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+        return [r for r in records if r.get("kind") == kind]
+
     def finish(self, name: str, kind: str, config: dict, metrics: dict, env=None, *, host: dict | None = None,
                **extra) -> dict:
         """Write ``summary.json`` and return it. ``host``: the environment to write, known already (see

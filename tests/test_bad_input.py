@@ -53,6 +53,15 @@ def test_zero_microbatches_is_rejected(capsys, tmp_path):
     assert PipelineStrategy(two_stages, {"num_microbatches": None}).options["num_microbatches"] == 4
 
 
+def test_more_microbatches_than_samples_is_refused_before_the_banner(capsys, tmp_path):
+    args = ["train", *QUICK, "--strategy", "gpipe", "--num-microbatches", "100", "--batch-size", "8"]
+    assert main([*args, "--out", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # no "labkit train | ..." banner before the refusal
+    assert err == ("labkit: error: --num-microbatches 100 is larger than the batch (8 samples); every micro-batch "
+                   "needs a sample: use --num-microbatches <= 8 or a larger batch\n")
+
+
 def test_recorded_microbatches_are_the_ones_that_ran(tmp_path):
     assert main(["train", *QUICK, "--strategy", "gpipe", "--out", str(tmp_path)]) == 0
     options = json.loads((tmp_path / "summary.json").read_text())["config"]["strategy_options"]

@@ -133,3 +133,17 @@ def test_a_run_is_plotted_beside_every_reference():
     assert [p.get_width() for p in ax.patches] == [9.0]
     assert ax.get_title().startswith("ddp: no reference run of resnet8 on synthetic-cifar10 yet\n(the references "
                                      "train lenet on mnist-sample)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["single", "--model", "nosuch"], "unknown model 'nosuch'"),
+    (["single", "--dataset", "nosuch"], "unknown dataset 'nosuch'"),
+    (["ddp", "--model", "nosuch"], "unknown model 'nosuch'"),
+    (["kfac", "--models", "lenet", "nosuch"], "unknown model 'nosuch'"),
+])
+def test_unknown_model_or_dataset_is_refused_before_the_results_folder(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"labkit: error: {message}"), err
+    assert list(tmp_path.iterdir()) == []  # no runs/bench-NAME/ left behind

@@ -258,3 +258,10 @@ def test_data_cli(tmp_path, capsys):
     from labkit.cli import main
     assert main(["data", "fetch", "nope", "--root", str(tmp_path)]) == 2
     assert "labkit: error: unknown dataset 'nope'" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    for root, said in ((tmp_path / "a-file", "is not a folder"), (tmp_path / "a-file" / "x", f"cannot be a folder: "
+                                                                                          f"{tmp_path / 'a-file'} is not one")):
+        assert main(["data", "list", "--root", str(root)]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"labkit: error: the data root {root} {said}; pass a folder with --root (or set " \
+                               "LABKIT_DATA)\n" and captured.out == "", captured

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from labkit.cli import main
 from labkit.errors import ConfigError
 from labkit.exercises import average_gradients, kfac_factors, lr_schedule, online_softmax, row_parallel, training_step
 from labkit.exercises.cli import CHECKS, STARTERS, run_check, write_starter
@@ -396,3 +397,14 @@ def test_newton_schulz_checker_names_the_slip():
     for expected, slip in slips.items():
         problems = newton_schulz.check(slip)
         assert len(problems) == 1 and expected in problems[0], (expected, problems)
+
+
+def test_every_checker_names_a_syntax_error_with_its_file_and_line(tmp_path, capsys):
+    """A file that does not parse is one ``labkit: error:`` line with the file and the line, exit 2, from every
+    checker alike (the faults checkers before any rank starts)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n\n\ndef f(x:\n    return x\n")
+    for name in CHECKS:
+        assert main(["check", name, str(bad)]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"labkit: error: {bad}, line 4: '(' was never closed; fix it, then run the check again"], name

@@ -1,7 +1,6 @@
 """labkit faults: each broken program ends with its diagnosis within a bounded time (the watchdog's table for a
 hang, a finding for a silent failure), each fixed version trains right, and ``labkit check faults-NAME``
 rejects the untouched program and accepts the fix."""
-import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,10 +14,10 @@ from labkit.cli import main
 from labkit.exercises.cli import run_check
 from labkit.faults.check import reference
 from labkit.faults.common import toy_data, toy_model
-from labkit.faults.runner import run_fault, run_program
-from labkit.faults.table import hang_table
+from labkit.faults.runner import Outcome, run_fault, run_program
+from labkit.faults.table import describe, hang_table
 from labkit.faults.versus import last_epoch_loss
-from labkit.faults.watchdog import start_for_training
+from labkit.faults.watchdog import start_for_training, waiting_in
 
 HANGS = ["mismatched-collective", "rank0-evaluates", "uneven-inputs", "send-recv-deadlock"]
 
@@ -121,6 +120,32 @@ def test_checker_rejects_the_untouched_program_and_accepts_the_fix(tmp_path, cap
         assert capsys.readouterr().out.startswith("correct:"), name
 
 
+def test_the_rank_that_failed_first_is_named_not_the_lowest_numbered():
+    """Rank 1 fails first, in three ways, while rank 0 waits in a collective, which then fails on its vanished peer:
+    the report names rank 1 with its own error, then rank 0 after it."""
+    program = Path(__file__).with_name("first_failure_program.py")
+    ways = {"raise": "ValueError: rank 1 read a batch of the wrong shape",
+            "unused": "This error indicates that your module has parameters that were not used in producing loss",
+            "dtype": "8 vs 4. Received data size doesn't match expected size. Is there a distributed collective "
+                     "mismatch in your code? (killed by signal SIGABRT in first_failure_program.py:40, without a "
+                     "Python exception)"}
+    runs = {way: run_program(program, 2, env={"LABKIT_FAIL": way}, timeout=120) for way in ways}
+    for way, run in runs.items():
+        assert (run.status, [f["rank"] for f in run.failures]) == ("failed", [1, 0]), (way, run.failures, run.logs)
+        first, then = run.failure_report()
+        assert first.startswith("rank 1 failed first, at ") and ways[way] in first, (way, first)
+        assert then.startswith("then rank 0, ") and "by peer" in then, (way, then)
+    assert 'first_failure_program.py", line 33, in main' in runs["raise"].error  # the traceback shown is rank 1's
+
+
+def test_failure_report_reads_plain_failures():
+    outcome = Outcome("failed", failures=[
+        {"rank": 1, "time": 1795931451.825, "message": "ValueError: bad batch", "error": ""},
+        {"rank": 0, "time": 1795931451.862, "message": "RuntimeError: Connection closed by peer", "error": ""}])
+    assert outcome.failure_report() == ["rank 1 failed first, at 05:50:51.825 UTC: ValueError: bad batch",
+                                        "then rank 0, 0.037 s later: RuntimeError: Connection closed by peer"]
+
+
 def test_table_reads_plain_reports():
     reports = [{"rank": 0, "current": {"op": "all_reduce", "seq": 17, "shape": [10], "dtype": "float32"},
                 "completed": [{"op": "all_reduce", "seq": 16}], "where": "a.py:3 dist.all_reduce(t)"},
@@ -129,6 +154,15 @@ def test_table_reads_plain_reports():
     assert ("rank 0 is in all_reduce #17 of shape (10,) float32, rank 1 is in no collective, "
             "rank 2 did not report") in text
     assert text.splitlines()[2].split()[:3] == ["0", "all_reduce", "#17"]
+
+
+def test_a_rank_waits_in_its_own_collective_not_in_the_kits_bookkeeping():
+    check = {"op": "all_reduce", "seq": 12, "shape": [2], "dtype": "float64", "done": False,
+             "kit": "labkit's stop check"}
+    grads = {"op": "all_reduce", "seq": 13, "shape": [669706], "dtype": "float32", "done": False}
+    assert waiting_in([{**check, "seq": 10, "done": True}, check, grads]) == grads
+    assert waiting_in([check]) == check and waiting_in([{**grads, "done": True}]) is None
+    assert describe(check) == "all_reduce #12 of shape (2,) float64 (labkit's stop check)"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -153,10 +187,13 @@ def test_list_and_watchdog_settings(capsys, monkeypatch):
 
 def test_labkit_train_watchdog_ends_a_hung_ddp_job_with_the_table(tmp_path):
     """`labkit train --watchdog 3` (the flag every job can set): rank 1 stops in its third optimizer step, rank 0
-    waits in DDP's gradient all-reduce, which DDP issues from C++ and the flight recorder still sees."""
+    waits in DDP's gradient all-reduce, which DDP issues from C++ and the flight recorder still sees; the stop
+    check's all-reduce rank 0 has in flight meanwhile (#12) is not what it waits in."""
     run = run_program(Path(__file__).with_name("train_hang_program.py"), 2, watchdog=None,
                       env={"LABKIT_TEST_OUT": str(tmp_path)}, timeout=120)
     table = run.logs[0]
-    # one bucket of all 669706 gradients of the mlp (2.7 MB, under DDP's 25 MB bucket cap)
-    assert re.search(r"rank 0 is in all_reduce #\d+ of shape \(669706,\) float32, rank 1 is in no collective", table)
-    assert "train_hang_program.py:18 time.sleep(600)" in table and "ddp.py" in table
+    # one bucket of all 669706 gradients of the mlp (2.7 MB, under DDP's 25 MB bucket cap); a stop check after
+    # every step (0.3 s each): #10 the check after step 2, #11 step 3's gradients, #12 rank 0's next check
+    assert "rank 0 is in all_reduce #13 of shape (669706,) float32, rank 1 is in no collective" in table
+    assert "all_reduce #10 (labkit's stop check), all_reduce #11  " in table
+    assert "train_hang_program.py:19 time.sleep(600)" in table and "ddp.py" in table

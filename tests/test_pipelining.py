@@ -183,6 +183,10 @@ def test_bad_model_or_balance_is_a_clear_error(model, options, message):
 ])
 def test_batch_that_does_not_split_is_a_clear_error(batch, message):
     strategy = PipelineStrategy(DistEnv(world_size=2), {"num_microbatches": 4})
+    with pytest.raises(ConfigError) as err:  # what labkit train asks before the data, the model and its banner
+        strategy.check_batch(batch)
+    assert message in str(err.value)
+    strategy.check_batch(8)
     stage = strategy.prepare(mlp())
     with pytest.raises(ConfigError) as err:
         strategy.forward_backward(stage, torch.randn(batch, 1, 6, 6), torch.zeros(batch, dtype=torch.long),

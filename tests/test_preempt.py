@@ -6,6 +6,7 @@ from the last checkpoint. The SLURM round trip (job script trap, requeue) is in 
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from labkit.train import loop as ktrain
 from labkit.train import run as train_run
 from labkit.train.checkpoint import load_checkpoint
 from labkit.train.config import TrainConfig
-from labkit.train.preempt import EXIT_PREEMPTED, MARKER, StopSignals
+from labkit.train.preempt import EXIT_PREEMPTED, MARKER, StopSignals, attempts
 from labkit.train.run import run
 
 # 96 samples in batches of 16: 6 steps per epoch
@@ -54,6 +55,18 @@ def _equal_runs(clean, resumed, checkpoint="checkpoint.pt"):
         return [json.loads(ln)["train_loss"] for ln in (run / "metrics.jsonl").read_text().splitlines()
                 if '"kind": "epoch"' in ln]
     assert losses(clean) == losses(resumed) and len(losses(clean)) == 3
+
+
+def test_attempts_pair_each_start_with_its_stop_and_note_one_that_ended_without():
+    records = [{"kind": "attempt", "event": "start", "time": "T1", "resumed_at": None},
+               {"kind": "attempt", "event": "stop", "time": "T2", "signal": "SIGTERM",
+                "stopped_at": {"epoch": 0, "step": 5}},
+               {"kind": "attempt", "event": "start", "time": "T3", "resumed_at": {"epoch": 0, "step": 5}},
+               {"kind": "attempt", "event": "start", "time": "T4", "resumed_at": {"epoch": 0, "step": 5}}]
+    assert attempts(records, finished="T5") == [
+        {"started": "T1", "resumed_at": None, "ended": "T2", "signal": "SIGTERM", "stopped_at": {"epoch": 0, "step": 5}},
+        {"started": "T3", "resumed_at": {"epoch": 0, "step": 5}, "ended": None, "signal": None, "stopped_at": None},
+        {"started": "T4", "resumed_at": {"epoch": 0, "step": 5}, "ended": "T5", "signal": None, "stopped_at": None}]
 
 
 def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatch, capsys, one_thread):
@@ -89,6 +102,13 @@ def test_signal_mid_epoch_with_kfac_resumes_bit_identically(tmp_path, monkeypatc
     assert all(float(line.split(" | ")[2].split()[0]) > 0 for line in lines), lines
     assert not (tmp_path / "int" / MARKER).exists()
     _equal_runs(tmp_path / "clean", tmp_path / "int")
+    summary = json.loads((tmp_path / "int" / "summary.json").read_text())
+    assert summary["metrics"]["epochs_run"] == 3  # over both attempts
+    tries = summary["attempts"]
+    assert [{k: v for k, v in a.items() if k not in ("started", "ended")} for a in tries] == [
+        {"resumed_at": None, "signal": "SIGUSR1", "stopped_at": {"epoch": 1, "step": 3}},
+        {"resumed_at": {"epoch": 1, "step": 3}, "signal": None, "stopped_at": None}]
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", a[k]) for a in tries for k in ("started", "ended"))
 
 
 TRAIN_SIZE = {"ddp": 192, "pipeline": 96}

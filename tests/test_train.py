@@ -67,7 +67,7 @@ def test_run_writes_results_and_checkpoint(tmp_path, capsys):
     assert on_disk == summary and summary["metrics"]["epochs_run"] == 2
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r["kind"] == "epoch"]
-    assert {r["kind"] for r in records} == {"epoch", "utilisation"}  # and the CPU use, sampled while training
+    assert {r["kind"] for r in records} == {"attempt", "epoch", "utilisation"}  # the CPU use, sampled while training
     assert [e["epoch"] for e in epochs] == [1, 2]
     assert summary["metrics"]["final_test_acc"] == epochs[-1]["test_acc"]
 
@@ -79,7 +79,8 @@ def test_resume_continues_bit_identically(tmp_path):
                             resume=True))
     a = load_checkpoint(tmp_path / "straight" / "checkpoint.pt")
     b = load_checkpoint(tmp_path / "resumed" / "checkpoint.pt")
-    assert a["epoch"] == b["epoch"] == 3 and summary["metrics"]["epochs_run"] == 2
+    assert a["epoch"] == b["epoch"] == 3 and summary["metrics"]["epochs_run"] == 3  # 1 + 2 over two attempts
+    assert [t["resumed_at"] for t in summary["attempts"]] == [None, {"epoch": 1, "step": 0}]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
 

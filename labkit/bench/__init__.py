@@ -68,7 +68,23 @@ def _fill(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
 
 
 def _run(module: str, args: argparse.Namespace) -> int:
+    _check_names(args)
     return importlib.import_module(module).main(args)
+
+
+def _check_names(args: argparse.Namespace) -> None:
+    """An unknown ``--model``/``--models`` or ``--dataset`` is one line before the benchmark starts, so before it
+    makes its results folder (a benchmark may refuse more, e.g. a CNN where it times a GPT)."""
+    from labkit.data.datasets import check_dataset_name
+    from labkit.models.cnn import check_model_name
+
+    models = list(getattr(args, "models", None) or [])
+    if getattr(args, "model", None) is not None:
+        models.append(args.model)
+    for name in models:
+        check_model_name(name)
+    if getattr(args, "dataset", None) is not None:
+        check_dataset_name(args.dataset)
 
 
 def _missing(args) -> int:

@@ -37,10 +37,11 @@ def _fetch(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from labkit.data.disk import data_root, present
+    from labkit.data.disk import check_folder, data_root, present
 
     base = data_root(args.root)
-    print(f"data root: {base}")
+    check_folder(base)
+    print(f"data root: {base}{'' if base.exists() else ' (no such folder yet: labkit data fetch makes it)'}")
     for name in DATASET_NAMES:
         print(f"  {name:<18} {present(name, base)}")
     return 0

@@ -67,11 +67,16 @@ DATASETS: dict[str, DatasetInfo] = {
 _REAL = ("mnist", "cifar10")  # torchvision's datasets; torchvision is imported only where one is read
 
 
+def check_dataset_name(name: str) -> None:
+    """ConfigError unless ``name`` is one of :data:`DATASETS`."""
+    if name not in DATASETS:
+        raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+
+
 def dataset_info(name: str, root: str | os.PathLike | None = None) -> DatasetInfo:
     """Classes, channels, image size, normalisation and task of dataset ``name``; ConfigError if unknown.
     A text dataset's vocabulary is read from its text (under ``root``: DatasetMissing if not fetched)."""
-    if name not in DATASETS:
-        raise ConfigError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
+    check_dataset_name(name)
     if name in text_data.TEXT_NAMES:
         return dataclasses.replace(_TEXT, num_classes=text_data.vocab_size(name, data_root(root)))
     return DATASETS[name]

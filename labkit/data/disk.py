@@ -24,6 +24,16 @@ def data_root(root: str | os.PathLike | None = None) -> Path:
     return Path("data").absolute()
 
 
+def check_folder(base: Path) -> None:
+    """Refuse a data root that cannot be a folder: it, or a folder above it, is a file (``/dev/null/x``)."""
+    from labkit.errors import ConfigError
+
+    there = next((p for p in (base, *base.parents) if p.exists()), None)
+    if there is not None and not there.is_dir():
+        where = "is not a folder" if there == base else f"cannot be a folder: {there} is not one"
+        raise ConfigError(f"the data root {base} {where}; pass a folder with --root (or set LABKIT_DATA)")
+
+
 def text_file(base: Path) -> Path:
     """Where ``labkit data fetch tinyshakespeare`` puts the text under the data root ``base``."""
     return Path(base) / "tinyshakespeare" / "input.txt"

@@ -15,6 +15,20 @@ from typing import Callable
 from labkit.errors import ConfigError
 
 
+def _syntax_error(file: Path, exc: SyntaxError) -> ConfigError:
+    return ConfigError(f"{file}, line {exc.lineno}: {exc.msg}; fix it, then run the check again")
+
+
+def parse_file(file: str | Path) -> None:
+    """Refuse a learner's file that does not parse with one :class:`ConfigError` line naming the file and the line
+    (for the checkers that run the file elsewhere, on ranks or as a script, rather than import it here)."""
+    file = Path(file)
+    try:
+        compile(file.read_bytes(), str(file), "exec")
+    except SyntaxError as exc:  # IndentationError included
+        raise _syntax_error(file, exc) from None
+
+
 def import_file(file: str | Path, module_name: str | None = None) -> ModuleType:
     """Import a learner's Python file; a file that does not parse, or raises while it is imported, is one
     :class:`ConfigError` line naming the file and the line (never a traceback through labkit)."""
@@ -24,7 +38,7 @@ def import_file(file: str | Path, module_name: str | None = None) -> ModuleType:
     try:
         module_spec.loader.exec_module(module)
     except SyntaxError as exc:  # IndentationError included: the learner's file, not labkit, is at fault
-        raise ConfigError(f"{file}, line {exc.lineno}: {exc.msg}; fix it, then run the check again") from None
+        raise _syntax_error(file, exc) from None
     except Exception as exc:  # code at the file's top level raised: name its line, not labkit's stack
         line = next((f.lineno for f in reversed(traceback.extract_tb(exc.__traceback__))
                      if Path(f.filename).resolve() == file.resolve()), "?")

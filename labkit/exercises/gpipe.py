@@ -30,7 +30,7 @@ from torch import nn
 from torchgpipe import GPipe
 
 from labkit.errors import ConfigError
-from labkit.exercises import import_file
+from labkit.exercises import import_file, parse_file
 
 DEFAULT_FILE = Path("jobs/gpipe/mnist_gpipe_exercise.py")
 STEPS = {
@@ -64,6 +64,7 @@ def find_file(argv: list[str]) -> Path:
 
 def load(path: Path) -> ModuleType:
     """Import ``path`` as a module without running its training (needs the ``__main__`` guard)."""
+    parse_file(path)  # a syntax error is named with its line before the guard is looked for
     if "__name__ == \"__main__\"" not in path.read_text() and "__name__ == '__main__'" not in path.read_text():
         raise ConfigError(f"{path} has no `if __name__ == \"__main__\":` guard, so importing it would train; "
                           "keep the guard around main()")

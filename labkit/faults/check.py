@@ -16,7 +16,7 @@ import torch
 
 from labkit.cli import HelpFormatter
 from labkit.errors import ConfigError
-from labkit.exercises import report
+from labkit.exercises import parse_file, report
 from labkit.faults import FAULTS, broken_source, get
 from labkit.faults.runner import run_fault, run_program
 
@@ -41,7 +41,7 @@ def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 5.
     if mine.status == "hung":
         return [f"it still hangs:\n{mine.table}"]
     if mine.status == "failed":
-        return [f"it failed on a rank: {mine.error.strip().splitlines()[-1]}"]
+        return ["it failed: " + "\n  ".join(mine.failure_report())]
     problems = list(mine.findings)
     if name == "unsynced-timing" and "synchronize(" not in Path(path).read_text():
         problems.append("the clock is read without torch.cuda.synchronize(): on a GPU the kernels are still queued "
@@ -71,6 +71,7 @@ def main(name: str, argv: list[str]) -> int:
     if not path.is_file():
         raise ConfigError(f"no such file {str(path)!r}; start from the broken program: "
                           f"labkit check faults-{name} --init {path}")
+    parse_file(path)  # one line with the file and the line, before any rank starts
     problems = check_file(name, path, args.ranks, args.watchdog)
     print(report(problems, f"{path} finishes on {args.ranks} ranks and trains to the fixed version's weights"))
     return 0 if not problems else 1

@@ -61,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
     if outcome.status == "hung":
         print(outcome.table)
     elif outcome.status == "failed":
-        print(f"labkit: a rank failed:\n{outcome.error.rstrip()}")
+        first, *after = outcome.failure_report()
+        print(f"labkit: {first}\n{outcome.error.rstrip()}")
+        for line in after:
+            print(f"labkit: {line}")
     for line in outcome.findings:
         print(f"labkit: found: {line}")
     notes = versus(args.name, outcome, ranks=args.ranks, watchdog=args.watchdog, env=env)

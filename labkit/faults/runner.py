@@ -4,6 +4,13 @@
     outcome.status        # "finished", "hung" or "failed"
     outcome.table         # the watchdog's table when it hung
     outcome.findings      # what the silent-failure checks found (labkit.faults.findings)
+    outcome.failures      # when it failed: each failed rank's first error with its time, the first one first
+
+A failure on one rank makes its peers fail soon after ("Connection closed by peer": the dead rank's sockets
+closed). The rank to read is the one that failed first, not the lowest-numbered one: each rank's error is
+stamped with the time it was raised (a rank that died without a Python exception, e.g. a C++ abort in gloo's
+thread, with the time of the last line it wrote), and :meth:`Outcome.failure_report` names the first and the
+ranks that failed after it, and why.
 
 The program is a plain script with a ``main()`` that calls ``init_process_group`` itself and returns
 ``{"model": ..., "losses": [...]}``; each rank runs it the way torchrun (or srun) would start it, with the
@@ -12,11 +19,15 @@ starts in a fraction of a second. Their output is kept and shown after the run, 
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import pickle
 import queue
+import re
 import runpy
+import signal
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -44,11 +55,24 @@ class Outcome:
     table: str = ""
     hang: dict | None = None  # the watchdog's report (reports per rank) when it hung
     findings: list[str] = field(default_factory=list)
-    error: str = ""
+    error: str = ""  # the first failure's traceback (or what the rank printed last)
     logs: dict[int, str] = field(default_factory=dict)
+    failures: list[dict] = field(default_factory=list)  # {rank, time, message, error}, ordered by time
 
     def state(self, rank: int = 0) -> dict:
         return next(r["state"] for r in self.ranks if r["rank"] == rank)
+
+    def failure_report(self) -> list[str]:
+        """``rank 1 failed first, at 05:41:07.123 UTC: ValueError: ...``, then one line per rank that failed after
+        it, with how much later and its own error (usually the first one's consequence)."""
+        if not self.failures:
+            return []
+        first = self.failures[0]
+        clock = time.strftime("%H:%M:%S", time.gmtime(first["time"])) + f"{first['time'] % 1:.3f}"[1:]
+        lines = [f"rank {first['rank']} failed first, at {clock} UTC: {first['message']}"]
+        lines += [f"then rank {f['rank']}, {f['time'] - first['time']:.3f} s later: {f['message']}"
+                  for f in self.failures[1:]]
+        return lines
 
 
 def _launcher_env(launcher: str, rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -67,6 +91,7 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
     with open(Path(tmp) / f"rank{rank}.log", "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
+    faulthandler.enable()  # a C++ abort (gloo's checks) prints each thread's Python stack: where the rank was
     os.environ.clear()
     os.environ.update(environ, **_launcher_env(launcher, rank, world_size, port), **extra_env)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if launcher == "srun" else ():
@@ -89,8 +114,11 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
                    "state": {k: v.detach().cpu() for k, v in out["model"].state_dict().items()},
                    "record": record, "gpu": common.chosen_gpu, "host": os.environ.get("SLURMD_NODENAME", "")}
         results.put((rank, True, pickle.dumps(payload)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as exc:
+        when = time.time()
+        first = str(exc).strip().splitlines()
+        message = f"{type(exc).__name__}: {first[0]}" if first else type(exc).__name__
+        results.put((rank, False, pickle.dumps({"time": when, "message": message, "error": traceback.format_exc()})))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -119,9 +147,11 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
                              args=(str(Path(path).resolve()), r, ranks, port, launcher, watchdog, tmp, env or {},
                                    dict(os.environ), results)) for r in range(ranks)]
         start(procs)
-        done, failed = _gather(procs, results, ranks, time.monotonic() + timeout)
+        done, failed, ended = _gather(procs, results, ranks, time.monotonic() + timeout)
         logs = {r: (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
                 for r in range(ranks) if (Path(tmp) / f"rank{r}.log").exists()}
+        for r in set(range(ranks)) - set(done) - set(failed):
+            failed[r] = _silent(procs[r], Path(tmp) / f"rank{r}.log", logs.get(r, ""), ended.get(r))
         hang_file = Path(tmp) / "hang.json"
         hang = json.loads(hang_file.read_text()) if hang_file.exists() else None
     if unguarded(procs):
@@ -133,38 +163,76 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
     per_rank = [done[r] for r in sorted(done)]
     if hang is not None:
         return Outcome("hung", per_rank, hang["table"], hang, logs=logs)
-    if failed or len(done) < ranks:
-        first = failed[min(failed)] if failed else f"ranks {sorted(set(range(ranks)) - set(done))} ended silently"
-        return Outcome("failed", per_rank, error=first, logs=logs)
+    if failed:
+        failures = sorted(({"rank": r, **f} for r, f in failed.items()), key=lambda f: (f["time"], f["rank"]))
+        return Outcome("failed", per_rank, error=failures[0]["error"], logs=logs, failures=failures)
     return Outcome("finished", per_rank, findings=findings.silent(per_rank), logs=logs)
 
 
-def _gather(procs, results, ranks: int, deadline: float) -> tuple[dict[int, dict], dict[int, str]]:
+def _silent(proc, log: Path, text: str, ended: float | None) -> dict:
+    """A rank that ended without a result or a Python exception: a C++ abort (gloo's ``EnforceNotMet`` in its
+    own thread), a signal, or the runner's timeout. Its last words are the last line of its output, written
+    just before it died, so the log's modification time dates them; with no output, the time it was seen gone."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = next((line.removeprefix("what():").strip() for line in lines if line.startswith("what():")),
+                next((line for line in lines if line.startswith("Fatal Python error")), lines[-1] if lines else ""))
+    code = proc.exitcode
+    if ended is None or code is None:
+        how = "still running at the runner's timeout"
+    elif code < 0:
+        how = f"killed by signal {signal.Signals(-code).name if -code in iter(signal.Signals) else -code}"
+    else:
+        how = f"exit code {code}"
+    at = _user_line(text)
+    how += f"{' in ' + at if at else ''}, without a Python exception"
+    when = time.time() if ended is None else log.stat().st_mtime if lines and log.exists() else ended
+    return {"time": when, "message": f"{said or 'no output'} ({how})", "error": f"{text.rstrip()}\n({how})"}
+
+
+def _user_line(text: str) -> str:
+    """``ff.py:34``: the innermost line of the rank's own program in the main thread's stack that
+    :mod:`faulthandler` printed when the rank died ('' when it printed none)."""
+    stacks = [block for block in text.split("\n\n") if "in _rank_main" in block]
+    frames = re.findall(r'File "(.+)", line (\d+) in ', stacks[-1]) if stacks else []
+    here = Path(__file__).parent
+    ours = (str(Path(torch.__file__).parent), sysconfig.get_paths()["stdlib"],
+            *(str(here / f"{name}.py") for name in ("runner", "recorder", "watchdog")))
+    return next((f"{Path(f).name}:{n}" for f, n in frames if not f.startswith(ours) and not f.startswith("<")), "")
+
+
+def _gather(procs, results, ranks: int, deadline: float) -> tuple[dict[int, dict], dict[int, dict], dict[int, float]]:
+    """The ranks' results, their failures and the time each rank was first seen gone without one."""
     done: dict[int, dict] = {}
-    failed: dict[int, str] = {}
+    failed: dict[int, dict] = {}
+    ended: dict[int, float] = {}
+
+    def all_gone() -> bool:
+        for r, p in enumerate(procs):
+            if r not in ended and not p.is_alive():
+                ended[r] = time.time()
+        return len(ended) == len(procs)
+
     try:
         while len(done) + len(failed) < ranks and time.monotonic() < deadline:
+            all_gone()
             try:
                 rank, ok, out = results.get(timeout=0.2)
             except queue.Empty:
-                if not any(p.is_alive() for p in procs):
+                if all_gone():
                     try:  # a last result may be in flight
                         rank, ok, out = results.get(timeout=1.0)
                     except queue.Empty:
                         break
                 else:
                     continue
-            if ok:
-                done[rank] = pickle.loads(out)
-            else:
-                failed[rank] = out
+            (done if ok else failed)[rank] = pickle.loads(out)
     finally:
         for p in procs:
             p.join(timeout=20 if p.is_alive() and time.monotonic() < deadline else 1)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return done, failed
+    return done, failed, ended
 
 
 def run_fault(name: str, fixed: bool = False, **kwargs) -> Outcome:

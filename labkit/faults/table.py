@@ -7,7 +7,8 @@ from __future__ import annotations
 
 
 def describe(op: dict | None, shape: bool = True) -> str:
-    """``all_reduce #17 of shape (10,) float32``, ``send #3 to rank 1 of shape (1002,)``, ``no collective``."""
+    """``all_reduce #17 of shape (10,) float32``, ``send #3 to rank 1 of shape (1002,)``, ``no collective``; a
+    bookkeeping collective of the kit's says so: ``all_reduce #9 of shape (2,) float64 (labkit's stop check)``."""
     if op is None:
         return "no collective"
     text = f"{op['op']} #{op['seq']}"
@@ -15,6 +16,8 @@ def describe(op: dict | None, shape: bool = True) -> str:
         text += f" {'to' if op['op'] == 'send' else 'from'} rank {op['peer']}"
     if shape and op.get("shape"):
         text += f" of shape {tuple(op['shape'])} {op.get('dtype', '')}".rstrip()
+    if op.get("kit"):
+        text += f" ({op['kit']})"
     return text
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 import sys
 import sysconfig
@@ -40,6 +41,9 @@ _INTERNAL = (str(Path(torch.__file__).parent), sysconfig.get_paths()["stdlib"], 
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Byte": "uint8", "Bool": "bool"}
 _p2p: dict = {"seq": 0, "current": None, "done": []}
+#: the kit's own bookkeeping collectives, by the file that issues them: a rank is not "waiting" in one of these
+#: while one of the training's own collectives is in flight (the stop check's all-reduce is read a step later)
+BOOKKEEPING = {str(_HERE.parent / "train" / "preempt.py"): "labkit's stop check"}
 
 
 def _record_p2p(name: str, fn):
@@ -66,27 +70,38 @@ def _patch_p2p() -> None:
 
 
 def _entry(e: dict) -> dict:
-    """A flight-recorder entry in the table's terms."""
+    """A flight-recorder entry in the table's terms (``kit``: the label of a bookkeeping collective, else absent)."""
     group = e.get("process_group") or ["", ""]
-    return {"op": e["profiling_name"].split(":")[-1], "seq": e["collective_seq_id"],
-            "shape": (e.get("input_sizes") or [[]])[0] if e.get("input_sizes") else None,
-            "dtype": _DTYPES.get((e.get("input_dtypes") or [""])[0], ""), "group": group[1] or str(e.get("pg_id", "")),
-            "since": e["time_created_ns"] / 1e9, "done": bool(e.get("retired"))}
+    entry = {"op": e["profiling_name"].split(":")[-1], "seq": e["collective_seq_id"],
+             "shape": list((e.get("input_sizes") or [[]])[0]) if e.get("input_sizes") else None,
+             "dtype": _DTYPES.get((e.get("input_dtypes") or [""])[0], ""), "group": group[1] or str(e.get("pg_id", "")),
+             "since": e["time_created_ns"] / 1e9, "done": bool(e.get("retired"))}
+    kit = next((BOOKKEEPING[f["filename"]] for f in e.get("frames") or () if f.get("filename") in BOOKKEEPING), None)
+    return entry if kit is None else {**entry, "kit": kit}
 
 
 def recorded() -> list[dict]:
     """This rank's flight-recorder entries (collectives only; oldest first); [] when it records nothing.
 
-    Gloo's and NCCL's recorders are separate buffers with a dump each; both are read.
+    Gloo's and NCCL's recorders are separate buffers with a dump each; both are read, with the Python stack
+    each collective was issued from (which tells the kit's bookkeeping apart).
     """
     from torch._C import _distributed_c10d as c10d
 
     entries = []
-    for dump in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+    for dump in ("_dump_fr_trace", "_dump_nccl_trace"):
         if hasattr(c10d, dump):
-            entries += json.loads(getattr(c10d, dump)(True, False)).get("entries", [])
+            entries += pickle.loads(getattr(c10d, dump)(True, True, False)).get("entries", [])
     entries.sort(key=lambda e: e["time_created_ns"])
     return [_entry(e) for e in entries if not e.get("is_p2p")]
+
+
+def waiting_in(entries: list[dict]) -> dict | None:
+    """The collective a rank waits in: its oldest unfinished one, passing over the kit's bookkeeping collectives
+    while one of the program's own is unfinished (the rank is blocked in that one; a bookkeeping all-reduce in
+    flight is only read later). None when every collective finished."""
+    pending = [e for e in entries if not e["done"]]
+    return next((e for e in pending if "kit" not in e), pending[0] if pending else None)
 
 
 def _internal(filename: str) -> bool:
@@ -106,7 +121,7 @@ def where(thread_id: int | None = None) -> str:
 def snapshot() -> dict:
     """Where this rank is: the collective it waits in (or None), the last ones it completed, its Python line."""
     entries = recorded()
-    current = next((e for e in entries if not e["done"]), None) or _p2p["current"]
+    current = waiting_in(entries) or _p2p["current"]
     done = [e for e in entries if e["done"]][-2:] + _p2p["done"][-1:]
     return {"rank": dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0)),
             "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "pid": os.getpid(),

@@ -259,6 +259,12 @@ def default_lr(name: str, optimizer: str = "sgd") -> float:
     return ADAPTIVE_LR.get(optimizer, DEFAULT_LR.get(name, 0.05))
 
 
+def check_model_name(name: str) -> None:
+    """ConfigError unless ``name`` is a model :func:`get_model` builds."""
+    if name not in MODELS and name not in LANGUAGE_MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join([*MODELS, *LANGUAGE_MODELS])}")
+
+
 def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size: int = 28,
               sequential: bool = False, seq_len: int | None = None, dropout: float = 0.0) -> nn.Module:
     """Build model ``name`` for (B, in_channels, image_size, image_size) inputs and ``num_classes`` logits; a
@@ -281,8 +287,7 @@ def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size
         build = gpt_moe if LANGUAGE_MODELS[name] in MOE_SIZES else gpt
         model = build(LANGUAGE_MODELS[name], vocab_size=num_classes, block_size=seq_len, dropout=dropout)
         return to_sequential(model) if sequential else model
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join([*MODELS, *LANGUAGE_MODELS])}")
+    check_model_name(name)
     build, min_size = MODELS[name]
     for what, value, least in (("num_classes", num_classes, 1), ("in_channels", in_channels, 1),
                                ("image_size", image_size, min_size)):

@@ -76,6 +76,10 @@ class Dimension:
         ``seq_len`` tokens per example and ``dropout`` (e.g. "tp needs --model gpt*"). Called before any work
         starts: before the data is loaded and the model built."""
 
+    def check_batch(self, batch_size: int) -> None:
+        """Raise :class:`~labkit.errors.ConfigError` if this dimension cannot step on batches of ``batch_size``
+        samples per rank; called with :meth:`check`, before any work."""
+
     def parallelize(self, model: nn.Module) -> nn.Module:
         """This dimension's change to ``model`` (in APPLY order); size 1: ``model`` unchanged."""
         return model

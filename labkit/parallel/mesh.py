@@ -111,6 +111,11 @@ class MeshStrategy(DataParallelStrategy):
         # nn.Sequential it is then built as
         self.sequential_model = model_name not in LANGUAGE_MODELS and any(d.name in ("pp", "tp") for d in self.dims)
 
+    def check_batch(self, batch_size: int) -> None:
+        """Every dimension's :meth:`~labkit.parallel.base.Dimension.check_batch`."""
+        for d in self.dims:
+            d.check_batch(batch_size)
+
     # ----- data: shards by the data-parallel coordinates ----------------------------------------------
 
     @property

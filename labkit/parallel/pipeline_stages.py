@@ -69,6 +69,13 @@ def microbatches_for(batch: int, wanted: int, minimum: int = 1) -> int | None:
     return next((m for m in range(min(wanted, batch), minimum - 1, -1) if batch % m == 0), None)
 
 
+def check_split(batch: int, num_microbatches: int) -> None:
+    """A full batch of ``batch`` samples splits into ``num_microbatches`` equal micro-batches of >= 1 sample."""
+    check_chunks(num_microbatches, batch)
+    if batch % num_microbatches:
+        raise ConfigError(f"batch of {batch} samples does not split into {num_microbatches} equal "
+                          "micro-batches; choose --batch-size divisible by --num-microbatches")
+
 class StageSchedules:
     """One pipeline stage's schedules: stage ``index`` of ``num_stages`` over ``group`` (None: the world).
 
@@ -102,9 +109,7 @@ class StageSchedules:
             if not train:
                 m = 1
             elif not any(is_train for _, is_train in self._schedules):
-                if batch % self.num_microbatches:
-                    raise ConfigError(f"batch of {batch} samples does not split into {self.num_microbatches} equal "
-                                      "micro-batches; choose --batch-size divisible by --num-microbatches")
+                check_split(batch, self.num_microbatches)
                 m = self.num_microbatches
             else:  # a smaller last batch
                 m = microbatches_for(batch, self.num_microbatches, self.num_stages if cls is pp.Schedule1F1B else 1)

@@ -55,6 +55,7 @@ from labkit.models.names import LANGUAGE_MODELS
 from labkit.parallel.base import Dimension, refuse_moe
 from labkit.parallel.pipeline_stages import (
     StageSchedules,
+    check_split,
     even_balance,
     pipeline_options,
     stage_layers,
@@ -222,6 +223,10 @@ class PipelineParallel(Dimension):
         size = LANGUAGE_MODELS.get(model_name)
         if self.size > 1 and size is not None:
             self._balance(GPT_SIZES[size].n_layer, "blocks", model_name)
+
+    def check_batch(self, batch_size: int) -> None:
+        if self.size > 1:
+            check_split(batch_size, self.num_microbatches)
 
     def _balance(self, num_units: int, unit: str, model_name: str = "the model") -> list[int]:
         """``--balance``, checked against ``num_units`` blocks or layers, or the even split."""

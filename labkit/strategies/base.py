@@ -86,6 +86,10 @@ class Strategy:
         ``seq_len`` tokens per example (a GPT's block size) and ``dropout``; called before the data and the model
         are built."""
 
+    def check_batch(self, batch_size: int) -> None:
+        """Raise :class:`~labkit.errors.ConfigError` if this strategy cannot step on batches of ``batch_size``
+        samples per rank (e.g. more micro-batches than samples); called with :meth:`check_model`, before any work."""
+
     def prepare(self, model: nn.Module) -> nn.Module:
         return model.to(self.env.device)
 

@@ -195,6 +195,9 @@ class GPipeStrategy(Strategy):
         self._devices = gpipe_devices(partitions, env.device)
         check_chunks(self.chunks, self.chunks)
 
+    def check_batch(self, batch_size: int) -> None:
+        check_chunks(self.chunks, batch_size)
+
     @property
     def input_device(self) -> torch.device:
         return self._devices[0]

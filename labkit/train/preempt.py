@@ -220,6 +220,39 @@ def signal_of_any_rank(received: str | None, env) -> str | None:
     return received or next((name for name in names if name is not None), None)
 
 
+def now_utc() -> str:
+    """``2026-11-29T05:41:07Z``: when an attempt started or stopped."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def attempt_started(resumed_at: dict | None) -> dict:
+    """The ``metrics.jsonl`` record of an attempt's start; ``resumed_at``: ``{"epoch", "step"}`` of the
+    checkpoint it continues (epochs completed, steps into the next), None for a fresh start."""
+    return {"kind": "attempt", "event": "start", "time": now_utc(), "resumed_at": resumed_at}
+
+
+def attempt_stopped(signal_name: str | None, epoch: int, step: int) -> dict:
+    """The record of an attempt stopped on a signal after its checkpoint at ``{"epoch", "step"}``."""
+    return {"kind": "attempt", "event": "stop", "time": now_utc(), "signal": signal_name,
+            "stopped_at": {"epoch": epoch, "step": step}}
+
+
+def attempts(records: list[dict], finished: str) -> list[dict]:
+    """Every attempt of a run, from its start and stop records (oldest first), the last one finished at
+    ``finished``: ``{"started", "resumed_at", "ended", "signal", "stopped_at"}``. An attempt with no stop record
+    before the next start ended without one (killed, or failed): its ``ended`` is None."""
+    runs: list[dict] = []
+    for record in records:
+        if record.get("event") == "start":
+            runs.append({"started": record["time"], "resumed_at": record["resumed_at"], "ended": None,
+                         "signal": None, "stopped_at": None})
+        elif record.get("event") == "stop" and runs:
+            runs[-1].update(ended=record["time"], signal=record["signal"], stopped_at=record["stopped_at"])
+    if runs:
+        runs[-1]["ended"] = finished
+    return runs
+
+
 def write_marker(out_dir: Path, epoch: int, step: int, signal_name: str | None) -> None:
     """``<out>/preempted.json``: where the run stopped; a job script requeues when it exists."""
     atomic_write_text(Path(out_dir) / MARKER, json.dumps({"epoch": epoch, "step": step,

@@ -34,7 +34,18 @@ from labkit.train.loop import fit, lr_factor
 from labkit.train.meters import memory_lines, peak_memory_gb
 from labkit.train.monitor import UtilisationMonitor, nvml_indices
 from labkit.train.monitor import gather as gather_utilisation
-from labkit.train.preempt import Preempted, StopSignals, clear_marker, signal_of_any_rank, where, write_marker
+from labkit.train.preempt import (
+    Preempted,
+    StopSignals,
+    attempt_started,
+    attempt_stopped,
+    attempts,
+    clear_marker,
+    now_utc,
+    signal_of_any_rank,
+    where,
+    write_marker,
+)
 from labkit.train.tasks import get_task
 
 
@@ -67,6 +78,7 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         strategy.check_model(cfg.model, cfg.seq_len or DEFAULT_SEQ_LEN, cfg.dropout)
         cfg.strategy_options = {**cfg.strategy_options, **strategy.options}  # record defaults as they ran
         cfg.batch_size = strategy.per_rank_batch_size(cfg.batch_size)  # e.g. ddp's --global-batch-size
+        strategy.check_batch(cfg.batch_size)  # e.g. more micro-batches than samples: one line, before the banner
         info = kdata.dataset_info(cfg.dataset, cfg.data_root)
         task = get_task(info.task)
         split = dict(loader=cfg.loader, name=cfg.dataset, root=cfg.data_root, download=cfg.download,
@@ -102,11 +114,13 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         out_dir = cfg.out_dir
         writer = RunWriter(out_dir, enabled=env.is_main, append=cfg.resume)
         ckpt = checkpoint_path(out_dir, strategy)
-        start_epoch, position = 0, None
+        start_epoch, position, resumed_at = 0, None, None
         if cfg.resume and checkpoint_on_every_rank(ckpt, strategy):
             state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner, asdict(cfg))
             start_epoch, position = state["epoch"], state.get("position")
-            print0(f"resumed from {ckpt} {where(start_epoch, position['step'] if position else 0)}")
+            resumed_at = {"epoch": start_epoch, "step": position["step"] if position else 0}
+            print0(f"resumed from {ckpt} {where(start_epoch, resumed_at['step'])}")
+        writer.log(attempt_started(resumed_at))
 
         def save(epochs_done: int, position: dict | None = None) -> None:
             """The checkpoint after ``epochs_done`` epochs and, mid-epoch, ``position`` in the next one."""
@@ -134,6 +148,7 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
                 name = signal_of_any_rank(stopped.signal_name, env)
                 if env.is_main:
                     write_marker(out_dir, stopped.epoch, stopped.step, name)
+                writer.log(attempt_stopped(name, stopped.epoch, stopped.step))
                 raise Preempted(name, stopped.epoch, stopped.step) from None
         if env.is_main:
             clear_marker(out_dir)
@@ -150,13 +165,15 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         last = history[-1] if history else {}
         metrics = {"samples_per_sec": last.get("samples_per_sec"), "peak_memory_gb": peak.item(),
                    **_quality(history, task.metric),
-                   "epochs_run": len(history), "time_s": time.perf_counter() - started,
+                   "epochs_run": start_epoch + len(history),  # over every attempt of a resumed run
+                   "time_s": time.perf_counter() - started,
                    "throughput_window": {  # the window of samples_per_sec
                        "epoch": last["epoch"], "timed_steps": last["timed_steps"], "seconds": last["window_s"],
                        "barriers": env.distributed and strategy.step_boundary()} if last else None,
                    "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
                    "utilisation": gather_utilisation(monitor, env, writer)}
-        summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env)
+        summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env,
+                                attempts=attempts(writer.read("attempt"), finished=now_utc()))
         strategy.close()
         print0(f"results written to {out_dir}/summary.json and {out_dir}/metrics.jsonl")
     return summary

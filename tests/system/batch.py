@@ -99,7 +99,7 @@ def run_batch(slurm: SlurmCluster, root: Path, items: list[pytest.Item]) -> Batc
 
     ddp_env = {"NPROC": "2", "EXTRA_ARGS": PREEMPT_ARGS}
     if preempt:
-        submit(DDP, WARNED, ddp_env | {"EXTRA_ARGS": f"{PREEMPT_ARGS} --step-delay-s 0.6"}, "--open-mode=append")
+        submit(DDP, WARNED, ddp_env | {"EXTRA_ARGS": f"{PREEMPT_ARGS} --step-delay-s 0.6"})  # the script appends
     first = sum(script_id(script) in FIRST for script in single)
     for script in single[:first]:
         submit(script, script_id(script), LEAN.get(script_id(script), {}))

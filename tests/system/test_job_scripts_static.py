@@ -83,8 +83,9 @@ def test_ranks_start_through_labkits_torchrun(script: Path) -> None:
 
 @pytest.mark.parametrize("script", [s for s in SCRIPTS if s != JUPYTER_JOB], ids=script_id)
 def test_training_script_checkpoints_and_requeues_on_the_warning(script: Path) -> None:
-    """A script that trains asks for SLURM's warning and a requeue, and starts every run through ``run_ranks``
-    (jobs/lib/run.sh) with ``--resume`` on a requeued run; one with nothing to continue says so in its header."""
+    """A script that trains asks for SLURM's warning, a requeue and an output file a requeue appends to, and starts
+    every run through ``run_ranks`` (jobs/lib/run.sh) with ``--resume`` on a requeued run; one with nothing to
+    continue says so in its header."""
     text, name = script.read_text(), script.relative_to(REPO)
     directives = list(sbatch_directives(script))
     code = commands(script)
@@ -93,6 +94,8 @@ def test_training_script_checkpoints_and_requeues_on_the_warning(script: Path) -
         return
     assert any(re.fullmatch(r"--signal=B:USR1@\d+", d) for d in directives) and "--requeue" in directives, (
         f"{name}: needs `#SBATCH --signal=B:USR1@120` and `#SBATCH --requeue` (or `# pre-emption: none` and why)")
+    assert "--open-mode=append" in directives, (
+        f"{name}: needs `#SBATCH --open-mode=append`: SLURM truncates the output file when a job is requeued")
     assert "source jobs/lib/run.sh" in [line.strip() for line in code], (
         f"{name}: must `source jobs/lib/run.sh`")
     runs = [line for line in code if line.strip().startswith("run_ranks ")]

@@ -25,15 +25,25 @@ def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm_batch: Bat
     assert clean.state == "COMPLETED" and warned.state == "COMPLETED", warned.describe()
     assert int(warned.info.get("Restarts", "0")) == 1, warned.describe()
 
+    # the output file keeps both attempts' lines (the script's --open-mode=append; the batch does not add it): the
+    # first's banner, stop and requeue, then the second's banner and resume
     log = warned.log()
     assert "labkit: stopped on SIGTERM in epoch 1 after step" in log and f"requeued job {warned.job_id}" in log, log
     stopped_at = int(log.split("in epoch 1 after step ")[1].split(";")[0])
     assert 0 < stopped_at < 12 and f"at epoch 0, step {stopped_at}" in log, log
+    assert log.count("labkit train | mlp on synthetic-mnist") == 2, log
+    assert log.index(f"requeued job {warned.job_id}") < log.index(f"at epoch 0, step {stopped_at}"), log
     a = load_checkpoint(clean_out / "checkpoint.pt")
     b = load_checkpoint(warned_out / "checkpoint.pt")
     assert a["epoch"] == b["epoch"] == 2
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
-    summary = json.loads((warned_out / "summary.json").read_text())
-    assert summary["metrics"]["final_train_loss"] == json.loads(
-        (clean_out / "summary.json").read_text())["metrics"]["final_train_loss"]
+    summary, clean_summary = (json.loads((out / "summary.json").read_text()) for out in (warned_out, clean_out))
+    assert summary["metrics"]["final_train_loss"] == clean_summary["metrics"]["final_train_loss"]
+    # the attempts: the first stopped on SIGTERM (what the script sends the ranks on the warning) mid-epoch 1, the
+    # second resumed there and finished; the epochs of both count
+    assert [{k: a[k] for k in ("resumed_at", "signal", "stopped_at")} for a in summary["attempts"]] == [
+        {"resumed_at": None, "signal": "SIGTERM", "stopped_at": {"epoch": 0, "step": stopped_at}},
+        {"resumed_at": {"epoch": 0, "step": stopped_at}, "signal": None, "stopped_at": None}], summary["attempts"]
+    assert summary["metrics"]["epochs_run"] == clean_summary["metrics"]["epochs_run"] == 2
+    assert [a["resumed_at"] for a in clean_summary["attempts"]] == [None]
