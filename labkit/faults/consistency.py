@@ -1,0 +1,311 @@
+"""``--check-collectives``: before each collective, the ranks compare what they are about to call, and the job
+stops at the first disagreement with one sentence naming it and each rank's line, e.g.
+
+    labkit: collective mismatch: rank 0 broadcasts from root 1, rank 1 from root 0 at broadcast #1 (train.py:14)
+    labkit: collective mismatch: all_reduce #3: rank 0 sends float32 (100,), rank 1 float64 (100,) (train.py:20)
+
+:func:`install` wraps every collective and point-to-point function of ``torch.distributed`` (in both its
+namespaces, so the object collectives' own calls and FSDP2's all-gathers and reduce-scatters, which it issues
+from Python, are checked too). A wrapped call writes its signature — operation, its number on the group,
+group, shape, dtype, reduce op, root or peer, the caller's file:line, the group's sequence number in the
+process group — to the job's store and waits for the other ranks of the group to write theirs:
+
+* all there and equal: the collective runs (one ``multi_set``, a ``check`` per poll, one ``multi_get`` and
+  one ``delete_key`` of the previous entry per collective: a few store round trips, which is its cost);
+* all there and different: the first argument that differs is named;
+* a peer missing while it waits, in another collective or point-to-point call, for this rank (which has not
+  called that one): neither can go on; both calls are named (a sub-group collective one rank skipped, a send
+  with no matching recv);
+* a peer missing for another reason (slow, or in a longer cycle of waits): the rank waits, and the hang
+  watchdog, if started, shows the call in its table.
+
+``isend``/``irecv`` do not wait (their peer may post its half later): whichever side comes second compares
+the two. A ``recv`` from any source is not checked. What it cannot see: the collectives a process group
+issues from C++ — DDP's gradient buckets and its start-up broadcasts, a communication hook's own calls — are
+counted by the process group's sequence number, so a rank that issued more of them is named at its next
+checked collective (on a group that has seen no point-to-point traffic: gloo counts those in the same
+number), but their arguments are not compared; nor are the split sizes of an all-to-all. The check issues no
+collective and no device sync; it is off unless asked for, and then nothing is wrapped.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from labkit.faults import watchdog
+
+#: the collectives checked: name -> (the argument whose shape and dtype every rank must agree on (None: no
+#: tensor, or only the dtype of the first of a list), the root argument, whether it reduces)
+COLLECTIVES = {
+    "all_reduce": ("tensor", None, True), "broadcast": ("tensor", "src", False), "reduce": ("tensor", "dst", True),
+    "all_gather": ("tensor", None, False), "all_gather_into_tensor": ("input_tensor", None, False),
+    "reduce_scatter": ("output", None, True), "reduce_scatter_tensor": ("input", None, True),
+    "gather": ("tensor", "dst", False), "scatter": ("tensor", "src", False),
+    "all_to_all_single": (None, None, False), "all_to_all": (None, None, False), "barrier": (None, None, False),
+    "monitored_barrier": (None, None, False),
+}
+#: point-to-point: name -> its peer argument; the blocking ones wait for the peer's half
+P2P = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}
+_BLOCKING = ("send", "recv")
+_VERBS = {"broadcast": ("broadcasts", "from"), "reduce": ("reduces", "to"), "gather": ("gathers", "to"),
+          "scatter": ("scatters", "from")}
+_KEY = f"labkit-check/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+_POLL_S = (0.0002, 0.02)  # the first and the longest sleep between two looks at the store
+_state = {"counts": {}, "previous": {}, "groups": {}, "lock": threading.Lock()}
+
+
+def install() -> None:
+    """Wrap the functions of :data:`COLLECTIVES` and :data:`P2P` in ``torch.distributed`` (idempotent). What
+    ``torch.distributed`` holds may already be a wrapper (the watchdog's record of send/recv): it is wrapped
+    in turn, and ``distributed_c10d``'s own function, which the kit's and PyTorch's modules call, beside it."""
+    for name in (*COLLECTIVES, *P2P):
+        original = getattr(c10d, name, None)
+        if original is None or hasattr(original, "labkit_checked"):
+            continue
+        wrapped = _checked(name, original)
+        setattr(c10d, name, wrapped)
+        current = getattr(dist, name)
+        setattr(dist, name, wrapped if current is original else _checked(name, current))
+
+
+def _checked(name: str, fn):
+    signature = inspect.signature(getattr(fn, "labkit_recorded", fn))
+
+    def call(*args, **kwargs):
+        if dist.is_initialized():
+            sig = _signature(name, signature.bind(*args, **kwargs).arguments)
+            if sig is not None:
+                _agree(sig)
+        return fn(*args, **kwargs)
+    call.labkit_checked = fn
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = fn.__doc__
+    return call
+
+
+def _group(group) -> tuple[str, list[int], str]:
+    """(name, global ranks, how a sentence names it) of ``group`` (None: the default group)."""
+    group = group or c10d._get_default_group()
+    known = _state["groups"].get(id(group))
+    if known is None:
+        ranks = dist.get_process_group_ranks(group)
+        label = ("the default group" if group is c10d._get_default_group()
+                 else f"group {group.group_name} (ranks {', '.join(map(str, ranks))})")
+        known = _state["groups"][id(group)] = (group.group_name, ranks, label, group)
+    return known[:3]
+
+
+def _tensor(value) -> tuple[list[int] | None, str]:
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    if not isinstance(value, torch.Tensor):
+        return None, ""
+    return list(value.shape), str(value.dtype).replace("torch.", "")
+
+
+def _reduce_op(op) -> str:
+    return str(getattr(op, "op", op)).split(".")[-1]
+
+
+def caller() -> str:
+    """``file.py:LINE`` of the innermost frame outside torch, the standard library and this kit's wrappers."""
+    frame = sys._getframe(1)
+    while frame is not None and watchdog._internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    return "?" if frame is None else f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _signature(name: str, bound: dict) -> dict | None:
+    """What this rank is about to call, as the ranks compare it; None when there is nothing to compare."""
+    group = bound.get("group")
+    if group is not None and c10d._rank_not_in_group(group):
+        return None
+    gname, ranks, label = _group(group)
+    me = dist.get_rank()
+    sig = {"op": name, "group": gname, "ranks": ranks, "label": label, "rank": me, "where": caller()}
+    if name in P2P:
+        peer = bound.get(P2P[name])
+        if peer is None and bound.get(f"group_{P2P[name]}") is not None:
+            peer = dist.get_global_rank(group, bound[f"group_{P2P[name]}"])
+        if peer is None:
+            return None  # a recv from any source: nothing to pair it with
+        sig["peer"] = peer
+        sig["shape"], sig["dtype"] = _tensor(bound.get("tensor"))
+        return sig
+    compared, root, reduces = COLLECTIVES[name]
+    if compared is not None:
+        sig["shape"], sig["dtype"] = _tensor(bound.get(compared))
+    elif name.startswith("all_to_all"):
+        sig["dtype"] = _tensor(bound.get("input") if name == "all_to_all_single" else bound.get("input_tensor_list"))[1]
+    if root is not None:
+        sig["root"] = bound.get(root)
+        if sig["root"] is None and bound.get(f"group_{root}") is not None:
+            sig["root"] = dist.get_global_rank(group, bound[f"group_{root}"])
+    if reduces:
+        sig["reduce_op"] = _reduce_op(bound.get("op", dist.ReduceOp.SUM))
+    try:
+        sig["seq"] = (group or c10d._get_default_group())._get_sequence_number_for_group()
+    except (AttributeError, RuntimeError):
+        pass
+    return sig
+
+
+def _agree(sig: dict) -> None:
+    """Post ``sig`` and, for a collective or a blocking send/recv, wait until the peers agree with it."""
+    store, me = c10d._get_default_store(), sig["rank"]
+    with _state["lock"]:
+        if "peer" in sig:
+            src, dst = (me, sig["peer"]) if sig["op"] in ("send", "isend") else (sig["peer"], me)
+            slot = f"p/{sig['group']}/{src}>{dst}"
+        else:
+            slot = f"c/{sig['group']}"
+        sig["n"] = _state["counts"][slot] = _state["counts"].get(slot, 0) + 1
+        sig["p2p"] = sum(n for s, n in _state["counts"].items() if s.startswith(f"p/{sig['group']}/"))
+    base = f"{_KEY}/{slot}/{sig['n']}"
+    peers = [sig["peer"]] if "peer" in sig else [r for r in sig["ranks"] if r != me]
+    text = json.dumps(sig)
+    store.multi_set([f"{base}/{me}", f"{_KEY}/at/{me}"], [text, json.dumps({"slot": slot, **sig})])
+    keys = [f"{base}/{q}" for q in peers]
+    if sig["op"] in ("isend", "irecv"):  # the second of the two to arrive compares them
+        if store.check(keys):
+            _compare(sig, [json.loads(store.get(keys[0]))], store)
+            for key in (*keys, f"{base}/{me}"):
+                store.delete_key(key)
+        return
+    watchdog.CHECKING["current"] = {"op": sig["op"], "seq": sig["n"], "shape": sig.get("shape"),
+                                    "dtype": sig.get("dtype", ""), "peer": sig.get("peer"), "group": sig["group"],
+                                    "root": sig.get("root"), "reduce_op": sig.get("reduce_op"), "since": time.time()}
+    try:
+        _wait(sig, slot, keys, peers, store)
+    finally:
+        watchdog.CHECKING["current"] = None
+    _compare(sig, [json.loads(v) for v in store.multi_get(keys)], store)
+    previous = _state["previous"].get(slot)
+    if previous is not None:  # every peer has posted this call, so each has read the one before
+        store.delete_key(previous)
+    _state["previous"][slot] = f"{base}/{me}"
+
+
+def _wait(sig: dict, slot: str, keys: list[str], peers: list[int], store) -> None:
+    sleep, start = _POLL_S[0], time.monotonic()
+    while not store.check(keys):
+        time.sleep(sleep)
+        sleep = min(2 * sleep, _POLL_S[1])
+        if time.monotonic() - start > 0.1:
+            missing = [q for q, k in zip(peers, keys) if not store.check([k])]
+            blocking = _waits_for_me(sig, missing, store)
+            if blocking is not None:
+                _stop(_crossed(sig, blocking), min(sig["rank"], blocking["rank"]), store)
+
+
+def _waits_for_me(sig: dict, missing: list[int], store) -> dict | None:
+    """A missing peer that waits, in a call this rank has not made yet, for this rank; None if there is none."""
+    at_keys = [f"{_KEY}/at/{q}" for q in missing]
+    if not store.check(at_keys):
+        return None
+    me = sig["rank"]
+    for other in map(json.loads, store.multi_get(at_keys)):
+        if other["op"] in ("isend", "irecv"):
+            continue
+        waits_for = [other["peer"]] if "peer" in other else other["ranks"]
+        if me in waits_for and _state["counts"].get(other["slot"], 0) < other["n"]:
+            return other
+    return None
+
+
+def describe(sig: dict) -> str:
+    """``all_reduce #1 on the default group``, ``send to rank 1``."""
+    if "peer" in sig:
+        return f"{sig['op']} #{sig['n']} {'to' if sig['op'] in ('send', 'isend') else 'from'} rank {sig['peer']}"
+    return f"{sig['op']} #{sig['n']} on {sig['label']}"
+
+
+def _lines(a: dict, b: dict) -> str:
+    if a["where"] == b["where"]:
+        return f"({a['where']})"
+    return f"(rank {a['rank']} at {a['where']}, rank {b['rank']} at {b['where']})"
+
+
+def _crossed(sig: dict, other: dict) -> str:
+    """Two ranks each waiting for the other in a different call."""
+    a, b = sorted((sig, other), key=lambda s: s["rank"])
+    text = (f"rank {a['rank']} calls {describe(a)} ({a['where']}), rank {b['rank']} calls {describe(b)} "
+            f"({b['where']})")
+    for x, y in ((a, b), (b, a)):
+        if x["op"] == "send" and not (y["op"] == "recv" and y.get("peer") == x["rank"]):
+            return text + f": rank {x['rank']}'s send has no matching recv on rank {y['rank']}"
+        if x["op"] == "recv" and not (y["op"] == "send" and y.get("peer") == x["rank"]):
+            return text + f": rank {x['rank']}'s recv has no matching send on rank {y['rank']}"
+    if a["group"] != b["group"]:
+        return text + ": each waits for the other on a different group (a rank skipped a collective of one)"
+    return text + ": each waits for the other in a different call (a rank-dependent branch, or uneven inputs)"
+
+
+def difference(a: dict, b: dict) -> str | None:
+    """One sentence on how two ranks' signatures of the same call differ; None when they agree."""
+    op, where = describe(a), _lines(a, b)
+    if a["op"] != b["op"]:
+        return (f"rank {a['rank']} calls {describe(a)}, rank {b['rank']} calls {describe(b)} {where}: different "
+                "collectives (a rank-dependent branch, or uneven inputs)")
+    if a.get("root") != b.get("root"):
+        verb, prep = _VERBS[a["op"]]
+        return (f"rank {a['rank']} {verb} {prep} root {a['root']}, rank {b['rank']} {prep} root {b['root']} at "
+                f"{op} {where}")
+    if a.get("reduce_op") != b.get("reduce_op"):
+        return f"{op}: rank {a['rank']} reduces with {a['reduce_op']}, rank {b['rank']} with {b['reduce_op']} {where}"
+    if (a.get("dtype"), a.get("shape")) != (b.get("dtype"), b.get("shape")):
+        return f"{op}: rank {a['rank']} sends {_tensor_text(a)}, rank {b['rank']} {_tensor_text(b)} {where}"
+    if a.get("seq") != b.get("seq") and a.get("p2p") == b.get("p2p") == 0:
+        return (f"before {op}, rank {a['rank']} had issued {a['seq']} calls on the group and rank {b['rank']} "
+                f"{b['seq']}, counting those the check does not see (DDP's own, from C++) {where}")
+    return None
+
+
+def _tensor_text(sig: dict) -> str:
+    """``float32 (100,)``."""
+    return sig["dtype"] if sig.get("shape") is None else f"{sig['dtype']} {tuple(sig['shape'])}"
+
+
+def _compare(sig: dict, others: list[dict], store) -> None:
+    if "peer" in sig:  # a send and its recv: the recv's buffer must take the send's tensor
+        a, b = sorted((sig, others[0]), key=lambda s: s["rank"])
+        send, recv = (a, b) if a["op"] in ("send", "isend") else (b, a)
+        if (send["dtype"], send["shape"]) != (recv["dtype"], recv["shape"]):
+            _stop(f"{send['op']} #{send['n']} from rank {send['rank']} to rank {recv['rank']}: rank "
+                  f"{send['rank']} sends {send['dtype']} {tuple(send['shape'])}, rank {recv['rank']} receives into "
+                  f"{recv['dtype']} {tuple(recv['shape'])} {_lines(a, b)}", a["rank"], store)
+        return
+    first = min([sig, *others], key=lambda s: s["rank"])
+    for other in sorted([sig, *others], key=lambda s: s["rank"]):
+        text = difference(first, other)
+        if text is not None:
+            _stop(text, first["rank"], store)
+
+
+def _stop(sentence: str, printer: int, store) -> None:
+    """End this rank with the watchdog's exit code: ``printer`` says the sentence once for the job; the others
+    wait, quietly, until it has (or a few seconds)."""
+    done = f"{_KEY}/done"
+    if dist.get_rank() == printer:
+        print(f"labkit: collective mismatch: {sentence}", file=sys.stderr, flush=True)
+        watchdog._quiet()
+        try:
+            store.set(done, "1")
+            time.sleep(0.5)  # the store may live in this rank: let the others read the key
+        finally:
+            os._exit(watchdog.EXIT_HUNG)
+    watchdog._quiet()
+    deadline = time.monotonic() + 5.0
+    try:
+        while time.monotonic() < deadline and not store.check([done]):
+            time.sleep(0.05)
+    finally:
+        os._exit(watchdog.EXIT_HUNG)

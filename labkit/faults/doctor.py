@@ -1,0 +1,85 @@
+"""Run any PyTorch script as one rank, with the hang watchdog (and, if asked, the collective check) started first.
+
+    srun python -m labkit doctor --watchdog 60 [--check-collectives] train.py ARGS     # each SLURM task
+    python -m labkit.dist.torchrun --watchdog 60 [--check-collectives] --nproc-per-node 2 train.py ARGS
+
+The script needs no change and no labkit import: this command starts the watchdog
+(:mod:`labkit.faults.watchdog`) in the rank, wraps torch.distributed's collectives when
+``--check-collectives`` is given (:mod:`labkit.faults.consistency`), and then runs the script (or, with ``-m``,
+the module) as Python would: ``__name__ == "__main__"``, ``sys.argv`` = the script and its arguments, its
+folder first on ``sys.path``. The torchrun wrapper above starts every rank this way. A hang ends with the
+watchdog's table on rank 0 and exit code 124; with the check, the first collective the ranks disagree on ends
+the job with one ``labkit: collective mismatch: ...`` line and exit code 124 too. The check costs a few store
+round trips per collective (about a millisecond; docs/ARCHITECTURE.md has the measurement), so it is off by
+default; without it nothing is wrapped and a training step gains nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import sys
+import traceback
+
+from labkit.errors import ConfigError
+from labkit.ranges import within
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``--watchdog`` and ``--check-collectives``: the flags this command and the torchrun wrapper share."""
+    p.add_argument("--watchdog", type=within("float", "[0, 1e7]"), default=None, metavar="SECONDS",
+                   help="a rank waiting this long in one collective ends the job with a table of where every rank "
+                        "is; 0: off (default 300; in the torchrun wrapper, 300 once either flag is given)")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="before each collective the ranks compare its operation, group, shape, dtype, reduce op "
+                        "and root or peer, and the first disagreement ends the job with one sentence (costs a few "
+                        "store round trips per collective)")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="run any PyTorch script as a rank under the hang watchdog",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.add_argument("-m", dest="module", action="store_true", help="run a module (python -m NAME) instead of a file")
+    p.add_argument("script", metavar="SCRIPT", help="the script (or, with -m, the module) each rank runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+    p.set_defaults(func=run)
+
+
+def refuse_missing(script: str, module: bool) -> None:
+    """A script that is not there is one line, before any rank starts (or before this rank imports torch)."""
+    if not module and not os.path.isfile(script):
+        raise ConfigError(f"no such script {script!r}; give the path of the Python file each rank runs")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the watchdog (and the check), then run the script; its exit code (1 for an uncaught exception)."""
+    refuse_missing(args.script, args.module)
+    from labkit.faults.watchdog import Watchdog
+
+    seconds = 300.0 if args.watchdog is None else args.watchdog
+    if seconds:
+        Watchdog(seconds).start()
+    if args.check_collectives:
+        from labkit.faults.consistency import install
+
+        install()
+    sys.argv = [args.script, *args.script_args]
+    try:
+        if args.module:
+            runpy.run_module(args.script, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+            runpy.run_path(args.script, run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _say(exc.code))
+    except BaseException:  # the script's own error: its traceback, as Python would print it, without this frame
+        kind, value, tb = sys.exc_info()
+        traceback.print_exception(kind, value, tb.tb_next)
+        return 1
+    return 0
+
+
+def _say(message) -> int:
+    print(message, file=sys.stderr)
+    return 1
