@@ -299,7 +299,7 @@ def _stop(sentence: str, printer: int, store) -> None:
         watchdog._quiet()
         try:
             store.set(done, "1")
-            time.sleep(0.5)  # the store may live in this rank: let the others read the key
+            time.sleep(0.2)  # the store may live in this rank: let the others read the key
         finally:
             os._exit(watchdog.EXIT_HUNG)
     watchdog._quiet()

@@ -19,6 +19,7 @@ import argparse
 import os
 import runpy
 import sys
+import time
 import traceback
 
 from labkit.errors import ConfigError
@@ -55,7 +56,7 @@ def refuse_missing(script: str, module: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     """Start the watchdog (and the check), then run the script; its exit code (1 for an uncaught exception)."""
     refuse_missing(args.script, args.module)
-    from labkit.faults.watchdog import Watchdog
+    from labkit.faults.watchdog import ENDING, Watchdog
 
     seconds = 300.0 if args.watchdog is None else args.watchdog
     if seconds:
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else _say(exc.code))
     except BaseException:  # the script's own error: its traceback, as Python would print it, without this frame
+        if ENDING.wait(0.5 if seconds else 0):  # a collective failed as the watchdog ends the job: let it, with 124
+            time.sleep(30)
         kind, value, tb = sys.exc_info()
         traceback.print_exception(kind, value, tb.tb_next)
         return 1

@@ -46,6 +46,9 @@ _ROOTS = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src"
 _REDUCING = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
 #: the call a rank is checking with the other ranks (labkit.faults.consistency), before it is issued
 CHECKING: dict = {"current": None}
+#: set once the watchdog is ending this process (os._exit(124) follows): a main thread whose collective fails
+#: meanwhile, as its peers leave, waits for it rather than exit with a code of its own (labkit doctor)
+ENDING = threading.Event()
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Byte": "uint8", "Bool": "bool"}
 _p2p: dict = {"seq": 0, "current": None, "done": []}
@@ -184,6 +187,7 @@ class Watchdog:
                     self._alone(state)
 
     def _alone(self, state: dict) -> None:
+        ENDING.set()
         text = hang_table([state], dist.get_world_size(), self.seconds)
         if self.echo:
             print(f"{text}\nlabkit: the job's store is unreachable (its host rank died?): rank {state['rank']} "
@@ -192,6 +196,7 @@ class Watchdog:
 
     def _report(self, store, state: dict) -> None:
         """Post this rank's state; rank 0 gathers every rank's, prints the table; then every rank exits."""
+        ENDING.set()
         rank, world = state["rank"], dist.get_world_size()
         store.set(f"{_KEY}/report/{rank}", json.dumps(state))
         if rank != 0:
