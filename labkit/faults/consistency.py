@@ -58,7 +58,7 @@ _BLOCKING = ("send", "recv")
 _VERBS = {"broadcast": ("broadcasts", "from"), "reduce": ("reduces", "to"), "gather": ("gathers", "to"),
           "scatter": ("scatters", "from")}
 _KEY = f"labkit-check/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-_POLL_S = (0.0002, 0.02)  # the first and the longest sleep between two looks at the store
+LOOK_S = 0.2  # how often a rank waiting for its peers' signatures looks what they wait for
 _state = {"counts": {}, "previous": {}, "groups": {}, "lock": threading.Lock()}
 
 
@@ -66,6 +66,9 @@ def install() -> None:
     """Wrap the functions of :data:`COLLECTIVES` and :data:`P2P` in ``torch.distributed`` (idempotent). What
     ``torch.distributed`` holds may already be a wrapper (the watchdog's record of send/recv): it is wrapped
     in turn, and ``distributed_c10d``'s own function, which the kit's and PyTorch's modules call, beside it."""
+    if not _state.get("looking"):
+        _state["looking"] = threading.Thread(target=_look, name="labkit-check", daemon=True)
+        _state["looking"].start()
     for name in (*COLLECTIVES, *P2P):
         original = getattr(c10d, name, None)
         if original is None or hasattr(original, "labkit_checked"):
@@ -158,9 +161,18 @@ def _signature(name: str, bound: dict) -> dict | None:
     return sig
 
 
+def _store():
+    """This process's own connection to the job's store, for the blocking reads of the main thread (the watchdog
+    and :func:`_look` use the default one meanwhile); a new one when the process group is new."""
+    default = c10d._get_default_store()
+    if _state.get("store_of") is not default:
+        _state["store"], _state["store_of"] = default.clone(), default
+    return _state["store"]
+
+
 def _agree(sig: dict) -> None:
     """Post ``sig`` and, for a collective or a blocking send/recv, wait until the peers agree with it."""
-    store, me = c10d._get_default_store(), sig["rank"]
+    store, me = _store(), sig["rank"]
     with _state["lock"]:
         if "peer" in sig:
             src, dst = (me, sig["peer"]) if sig["op"] in ("send", "isend") else (sig["peer"], me)
@@ -183,27 +195,36 @@ def _agree(sig: dict) -> None:
     watchdog.CHECKING["current"] = {"op": sig["op"], "seq": sig["n"], "shape": sig.get("shape"),
                                     "dtype": sig.get("dtype", ""), "peer": sig.get("peer"), "group": sig["group"],
                                     "root": sig.get("root"), "reduce_op": sig.get("reduce_op"), "since": time.time()}
-    try:
-        _wait(sig, slot, keys, peers, store)
+    _state["waiting"] = (sig, keys, peers)
+    try:  # the store answers once every key is there: no polling on the way
+        others = [json.loads(v) for v in store.multi_get(keys)]
     finally:
-        watchdog.CHECKING["current"] = None
-    _compare(sig, [json.loads(v) for v in store.multi_get(keys)], store)
+        _state["waiting"] = watchdog.CHECKING["current"] = None
+    _compare(sig, others, store)
     previous = _state["previous"].get(slot)
     if previous is not None:  # every peer has posted this call, so each has read the one before
         store.delete_key(previous)
     _state["previous"][slot] = f"{base}/{me}"
 
 
-def _wait(sig: dict, slot: str, keys: list[str], peers: list[int], store) -> None:
-    sleep, start = _POLL_S[0], time.monotonic()
-    while not store.check(keys):
-        time.sleep(sleep)
-        sleep = min(2 * sleep, _POLL_S[1])
-        if time.monotonic() - start > 0.1:
+def _look() -> None:
+    """The check's thread: while the main thread waits for its peers' signatures, look every
+    :data:`LOOK_S` seconds whether a missing peer waits for this rank in another call, and end the job if so."""
+    while True:
+        time.sleep(LOOK_S)
+        waiting = _state.get("waiting")
+        current = watchdog.CHECKING["current"]
+        if waiting is None or current is None or time.time() - current["since"] < LOOK_S:
+            continue
+        sig, keys, peers = waiting
+        try:
+            store = c10d._get_default_store()
             missing = [q for q, k in zip(peers, keys) if not store.check([k])]
             blocking = _waits_for_me(sig, missing, store)
-            if blocking is not None:
-                _stop(_crossed(sig, blocking), min(sig["rank"], blocking["rank"]), store)
+        except Exception:  # the group went away under us: the next one is looked at afresh
+            continue
+        if blocking is not None and _state.get("waiting") is waiting:
+            _stop(_crossed(sig, blocking), min(sig["rank"], blocking["rank"]), store)
 
 
 def _waits_for_me(sig: dict, missing: list[int], store) -> dict | None:
