@@ -36,7 +36,7 @@ FAULTS = {
              "(send.py:9): rank 0's send has no matching recv on rank 1"),
 }
 #: every kind of call the check wraps, right: DDP's own collectives from C++ (counted by the group's sequence
-#: number), the object collectives' inner ones, a sub-group, blocking and non-blocking point-to-point
+#: number), the object collectives' inner ones, a sub-group, blocking and batched point-to-point
 RIGHT = """from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -57,7 +57,7 @@ else:
     dist.recv(t, 0)
     dist.send(t + 1, 0)                             # rank 0: 7
 got = torch.zeros(3)
-for work in (dist.isend(t, 1 - rank), dist.irecv(got, 1 - rank)):
+for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1 - rank), dist.P2POp(dist.irecv, got, 1 - rank)]):
     work.wait()
 names = [None, None]
 dist.all_gather_object(names, f"r{rank}")

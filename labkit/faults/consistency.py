@@ -132,7 +132,7 @@ def _signature(name: str, bound: dict) -> dict | None:
     if group is not None and c10d._rank_not_in_group(group):
         return None
     gname, ranks, label = _group(group)
-    me = dist.get_rank()
+    group, me = group or c10d._get_default_group(), dist.get_rank()
     sig = {"op": name, "group": gname, "ranks": ranks, "label": label, "rank": me, "where": caller()}
     if name in P2P:
         peer = bound.get(P2P[name])
@@ -155,7 +155,7 @@ def _signature(name: str, bound: dict) -> dict | None:
     if reduces:
         sig["reduce_op"] = _reduce_op(bound.get("op", dist.ReduceOp.SUM))
     try:
-        sig["seq"] = (group or c10d._get_default_group())._get_sequence_number_for_group()
+        sig["seq"] = group._get_sequence_number_for_group()
     except (AttributeError, RuntimeError):
         pass
     return sig
