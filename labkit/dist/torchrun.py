@@ -23,6 +23,7 @@ stopped by a signal.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ import threading
 from pathlib import Path
 
 from labkit.errors import ConfigError
+from labkit.ranges import within
 
 #: exit codes a rank uses after printing its own labkit line (errors.report; 124: the hang watchdog's table,
 #: labkit.faults.watchdog)
@@ -187,17 +189,33 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def add_doctor_flags(p: argparse.ArgumentParser) -> None:
+    """``--watchdog`` and ``--check-collectives``: the flags of this wrapper and of ``labkit doctor``."""
+    p.add_argument("--watchdog", type=within("float", "[0, 1e7]"), default=None, metavar="SECONDS",
+                   help="a rank waiting this long in one collective ends the job with a table of where every rank "
+                        "is; 0: off (default 300; in the torchrun wrapper, 300 once either flag is given)")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="before each collective the ranks compare its operation, group, shape, dtype, reduce op "
+                        "and root or peer, and the first disagreement ends the job with one sentence (costs a few "
+                        "store round trips per collective)")
+
+
+def refuse_missing(script: str, module: bool) -> None:
+    """A script that is not there is one line, before any rank starts (or before this rank imports torch)."""
+    if not module and not os.path.isfile(script):
+        raise ConfigError(f"no such script {script!r}; give the path of the Python file each rank runs")
+
+
 def _parse(argv: list[str]):
     """torchrun's arguments, and ours: with ``--watchdog`` or ``--check-collectives``, each rank runs the script
     through ``python -m labkit doctor``. A bad flag is one ``labkit: error`` line and exit code 2."""
     from torch.distributed.run import get_args_parser
 
     from labkit.errors import flag_error
-    from labkit.faults.doctor import add_arguments, refuse_missing
 
     parser = get_args_parser()
     parser.error = lambda message: flag_error(message, " (see torchrun --help)")
-    add_arguments(parser)
+    add_doctor_flags(parser)
     args = parser.parse_args(argv)
     if args.watchdog is None and not args.check_collectives:
         return args

@@ -22,35 +22,17 @@ import sys
 import time
 import traceback
 
-from labkit.errors import ConfigError
-from labkit.ranges import within
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """``--watchdog`` and ``--check-collectives``: the flags this command and the torchrun wrapper share."""
-    p.add_argument("--watchdog", type=within("float", "[0, 1e7]"), default=None, metavar="SECONDS",
-                   help="a rank waiting this long in one collective ends the job with a table of where every rank "
-                        "is; 0: off (default 300; in the torchrun wrapper, 300 once either flag is given)")
-    p.add_argument("--check-collectives", action="store_true",
-                   help="before each collective the ranks compare its operation, group, shape, dtype, reduce op "
-                        "and root or peer, and the first disagreement ends the job with one sentence (costs a few "
-                        "store round trips per collective)")
+from labkit.dist.torchrun import add_doctor_flags, refuse_missing
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("doctor", help="run any PyTorch script as a rank under the hang watchdog",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
+    add_doctor_flags(p)
     p.add_argument("-m", dest="module", action="store_true", help="run a module (python -m NAME) instead of a file")
     p.add_argument("script", metavar="SCRIPT", help="the script (or, with -m, the module) each rank runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
     p.set_defaults(func=run)
-
-
-def refuse_missing(script: str, module: bool) -> None:
-    """A script that is not there is one line, before any rank starts (or before this rank imports torch)."""
-    if not module and not os.path.isfile(script):
-        raise ConfigError(f"no such script {script!r}; give the path of the Python file each rank runs")
 
 
 def run(args: argparse.Namespace) -> int:
