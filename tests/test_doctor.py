@@ -131,3 +131,30 @@ def test_table_names_the_argument_the_ranks_disagree_on():
     assert text.endswith("labkit: mismatch: rank 0 is in all_reduce #3 of shape (100,) float32, rank 1 is in "
                          "all_reduce #3 of shape (100,) float64: the same collective with a different dtype: rank 0 "
                          "passes dtype float32, rank 1 dtype float64")
+
+
+def _sig(rank, op, n=1, where="a.py:5", **more):
+    return {"rank": rank, "op": op, "n": n, "where": where, "group": "0", "label": "the default group", **more}
+
+
+def test_the_check_names_what_the_spawned_faults_do_not_reach():
+    """The sentences for a recv nobody sends to, a send into a recv buffer of another size, two different
+    collectives, and a rank that ran more of the collectives the check does not see (DDP's, from C++)."""
+    recv, barrier = _sig(0, "recv", peer=1, shape=[3], dtype="float32"), _sig(1, "barrier", where="a.py:9", ranks=[0, 1])
+    assert consistency.crossed(barrier, recv) == (
+        "rank 0 calls recv #1 from rank 1 (a.py:5), rank 1 calls barrier #1 on the default group (a.py:9): rank 0's "
+        "recv has no matching send on rank 1")
+    send = _sig(1, "send", peer=0, shape=[4], dtype="float32", where="a.py:7")
+    assert consistency.p2p_difference(send, recv) == (
+        "send #1 from rank 1 to rank 0: rank 1 sends float32 (4,), rank 0 receives into float32 (3,) "
+        "(rank 0 at a.py:5, rank 1 at a.py:7)")
+    assert consistency.p2p_difference(send, dict(recv, shape=[4])) is None
+    reduce = _sig(0, "all_reduce", 33, shape=[10], dtype="float32", reduce_op="SUM", seq=40, p2p=0)
+    assert consistency.difference(reduce, _sig(1, "barrier", 33, where="a.py:9", seq=40, p2p=0)) == (
+        "rank 0 calls all_reduce #33 on the default group, rank 1 calls barrier #33 on the default group "
+        "(rank 0 at a.py:5, rank 1 at a.py:9): different collectives (a rank-dependent branch, or uneven inputs)")
+    assert consistency.difference(reduce, dict(reduce, rank=1, seq=41)) == (
+        "before all_reduce #33 on the default group (a.py:5), rank 0 had issued 40 calls on the group and rank 1 41: "
+        "one ran collectives the check does not see (DDP's own, from C++) that the other did not")
+    assert consistency.difference(reduce, dict(reduce, rank=1, seq=41, p2p=2)) is None  # gloo counts p2p there too
+    assert consistency.difference(reduce, dict(reduce, rank=1)) is None

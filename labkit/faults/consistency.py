@@ -5,8 +5,8 @@ stops at the first disagreement with one sentence naming it and each rank's line
     labkit: collective mismatch: all_reduce #3: rank 0 sends float32 (100,), rank 1 float64 (100,) (train.py:20)
 
 :func:`install` wraps every collective and point-to-point function of ``torch.distributed`` (in both its
-namespaces, so the object collectives' own calls and FSDP2's all-gathers and reduce-scatters, which it issues
-from Python, are checked too). A wrapped call writes its signature — operation, its number on the group,
+namespaces, so the object collectives' own calls and FSDP2's ``all_gather_single`` and
+``reduce_scatter_single``, which it issues from Python, are checked too). A wrapped call writes its signature — operation, its number on the group,
 group, shape, dtype, reduce op, root or peer, the caller's file:line, the group's sequence number in the
 process group — to the job's store and waits for the other ranks of the group to write theirs:
 
@@ -47,7 +47,8 @@ from labkit.faults import watchdog
 COLLECTIVES = {
     "all_reduce": ("tensor", None, True), "broadcast": ("tensor", "src", False), "reduce": ("tensor", "dst", True),
     "all_gather": ("tensor", None, False), "all_gather_into_tensor": ("input_tensor", None, False),
-    "reduce_scatter": ("output", None, True), "reduce_scatter_tensor": ("input", None, True),
+    "all_gather_single": ("input_tensor", None, False), "reduce_scatter": ("output", None, True),
+    "reduce_scatter_tensor": ("input", None, True), "reduce_scatter_single": ("input", None, True),
     "gather": ("tensor", "dst", False), "scatter": ("tensor", "src", False),
     "all_to_all_single": (None, None, False), "all_to_all": (None, None, False), "barrier": (None, None, False),
     "monitored_barrier": (None, None, False),
@@ -224,7 +225,7 @@ def _look() -> None:
         except Exception:  # the group went away under us: the next one is looked at afresh
             continue
         if blocking is not None and _state.get("waiting") is waiting:
-            _stop(_crossed(sig, blocking), min(sig["rank"], blocking["rank"]), store)
+            _stop(crossed(sig, blocking), min(sig["rank"], blocking["rank"]), store)
 
 
 def _waits_for_me(sig: dict, missing: list[int], store) -> dict | None:
@@ -255,7 +256,7 @@ def _lines(a: dict, b: dict) -> str:
     return f"(rank {a['rank']} at {a['where']}, rank {b['rank']} at {b['where']})"
 
 
-def _crossed(sig: dict, other: dict) -> str:
+def crossed(sig: dict, other: dict) -> str:
     """Two ranks each waiting for the other in a different call."""
     a, b = sorted((sig, other), key=lambda s: s["rank"])
     text = (f"rank {a['rank']} calls {describe(a)} ({a['where']}), rank {b['rank']} calls {describe(b)} "
@@ -285,8 +286,9 @@ def difference(a: dict, b: dict) -> str | None:
     if (a.get("dtype"), a.get("shape")) != (b.get("dtype"), b.get("shape")):
         return f"{op}: rank {a['rank']} sends {_tensor_text(a)}, rank {b['rank']} {_tensor_text(b)} {where}"
     if a.get("seq") != b.get("seq") and a.get("p2p") == b.get("p2p") == 0:
-        return (f"before {op}, rank {a['rank']} had issued {a['seq']} calls on the group and rank {b['rank']} "
-                f"{b['seq']}, counting those the check does not see (DDP's own, from C++) {where}")
+        return (f"before {op} {where}, rank {a['rank']} had issued {a['seq']} calls on the group and rank "
+                f"{b['rank']} {b['seq']}: one ran collectives the check does not see (DDP's own, from C++) that the "
+                "other did not")
     return None
 
 
@@ -295,14 +297,21 @@ def _tensor_text(sig: dict) -> str:
     return sig["dtype"] if sig.get("shape") is None else f"{sig['dtype']} {tuple(sig['shape'])}"
 
 
+def p2p_difference(a: dict, b: dict) -> str | None:
+    """One sentence when a send's tensor and its recv's buffer differ in dtype or shape; None when they agree."""
+    a, b = sorted((a, b), key=lambda s: s["rank"])
+    send, recv = (a, b) if a["op"] in ("send", "isend") else (b, a)
+    if (send["dtype"], send["shape"]) == (recv["dtype"], recv["shape"]):
+        return None
+    return (f"{send['op']} #{send['n']} from rank {send['rank']} to rank {recv['rank']}: rank {send['rank']} sends "
+            f"{_tensor_text(send)}, rank {recv['rank']} receives into {_tensor_text(recv)} {_lines(a, b)}")
+
+
 def _compare(sig: dict, others: list[dict], store) -> None:
     if "peer" in sig:  # a send and its recv: the recv's buffer must take the send's tensor
-        a, b = sorted((sig, others[0]), key=lambda s: s["rank"])
-        send, recv = (a, b) if a["op"] in ("send", "isend") else (b, a)
-        if (send["dtype"], send["shape"]) != (recv["dtype"], recv["shape"]):
-            _stop(f"{send['op']} #{send['n']} from rank {send['rank']} to rank {recv['rank']}: rank "
-                  f"{send['rank']} sends {send['dtype']} {tuple(send['shape'])}, rank {recv['rank']} receives into "
-                  f"{recv['dtype']} {tuple(recv['shape'])} {_lines(a, b)}", a["rank"], store)
+        text = p2p_difference(sig, others[0])
+        if text is not None:
+            _stop(text, min(sig["rank"], others[0]["rank"]), store)
         return
     first = min([sig, *others], key=lambda s: s["rank"])
     for other in sorted([sig, *others], key=lambda s: s["rank"]):
