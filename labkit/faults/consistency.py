@@ -95,16 +95,18 @@ def _checked(name: str, fn):
     return call
 
 
-def _group(group) -> tuple[str, list[int], str]:
-    """(name, global ranks, how a sentence names it) of ``group`` (None: the default group)."""
+def _group(group) -> tuple[str, list[int], str, str]:
+    """(name, global ranks, how a sentence names it, how the flight recorder names it) of ``group`` (None: the
+    default group)."""
     group = group or c10d._get_default_group()
     known = _state["groups"].get(id(group))
     if known is None:
         ranks = dist.get_process_group_ranks(group)
         label = ("the default group" if group is c10d._get_default_group()
                  else f"group {group.group_name} (ranks {', '.join(map(str, ranks))})")
-        known = _state["groups"][id(group)] = (group.group_name, ranks, label, group)
-    return known[:3]
+        known = _state["groups"][id(group)] = (group.group_name, ranks, label,
+                                               getattr(group, "group_desc", "") or group.group_name, group)
+    return known[:4]
 
 
 def _tensor(value) -> tuple[list[int] | None, str]:
@@ -132,9 +134,9 @@ def _signature(name: str, bound: dict) -> dict | None:
     group = bound.get("group")
     if group is not None and c10d._rank_not_in_group(group):
         return None
-    gname, ranks, label = _group(group)
+    gname, ranks, label, desc = _group(group)
     group, me = group or c10d._get_default_group(), dist.get_rank()
-    sig = {"op": name, "group": gname, "ranks": ranks, "label": label, "rank": me, "where": caller()}
+    sig = {"op": name, "group": gname, "ranks": ranks, "label": label, "desc": desc, "rank": me, "where": caller()}
     if name in P2P:
         peer = bound.get(P2P[name])
         if peer is None and bound.get(f"group_{P2P[name]}") is not None:
@@ -193,8 +195,10 @@ def _agree(sig: dict) -> None:
             for key in (*keys, f"{base}/{me}"):
                 store.delete_key(key)
         return
-    watchdog.CHECKING["current"] = {"op": sig["op"], "seq": sig["n"], "shape": sig.get("shape"),
-                                    "dtype": sig.get("dtype", ""), "peer": sig.get("peer"), "group": sig["group"],
+    watchdog.CHECKING["current"] = {"op": sig["op"], "seq": sig["seq"] + 1 if "seq" in sig else sig["n"],
+                                    "shape": sig.get("shape"),
+                                    "dtype": sig.get("dtype", ""), "peer": sig.get("peer"),
+                                    "group": sig["desc"],
                                     "root": sig.get("root"), "reduce_op": sig.get("reduce_op"), "since": time.time()}
     _state["waiting"] = (sig, keys, peers)
     try:  # the store answers once every key is there: no polling on the way
