@@ -60,6 +60,7 @@ _VERBS = {"broadcast": ("broadcasts", "from"), "reduce": ("reduces", "to"), "gat
           "scatter": ("scatters", "from")}
 _KEY = f"labkit-check/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 LOOK_S = 0.2  # how often a rank waiting for its peers' signatures looks what they wait for
+_inside = threading.local()  # whether this thread is in a checked call
 _state = {"counts": {}, "previous": {}, "groups": {}, "lock": threading.Lock()}
 
 
@@ -84,11 +85,16 @@ def _checked(name: str, fn):
     signature = inspect.signature(getattr(fn, "labkit_recorded", fn))
 
     def call(*args, **kwargs):
-        if dist.is_initialized():
+        if getattr(_inside, "call", False) or not dist.is_initialized():
+            return fn(*args, **kwargs)  # a checked call's own calls (send is isend and wait) are part of it
+        _inside.call = True
+        try:
             sig = _signature(name, signature.bind(*args, **kwargs).arguments)
             if sig is not None:
                 _agree(sig)
-        return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
+        finally:
+            _inside.call = False
     call.labkit_checked = fn
     call.__name__ = call.__qualname__ = name
     call.__doc__ = fn.__doc__
@@ -189,10 +195,10 @@ def _agree(sig: dict) -> None:
     text = json.dumps(sig)
     store.multi_set([f"{base}/{me}", f"{_KEY}/at/{me}"], [text, json.dumps({"slot": slot, **sig})])
     keys = [f"{base}/{q}" for q in peers]
-    if sig["op"] in ("isend", "irecv"):  # the second of the two to arrive compares them
-        if store.check(keys):
+    if sig["op"] in ("isend", "irecv"):  # the second of the two to arrive (an atomic count) compares them
+        if store.add(f"{base}/arrived", 1) == 2:
             _compare(sig, [json.loads(store.get(keys[0]))], store)
-            for key in (*keys, f"{base}/{me}"):
+            for key in (*keys, f"{base}/{me}", f"{base}/arrived"):
                 store.delete_key(key)
         return
     watchdog.CHECKING["current"] = {"op": sig["op"], "seq": sig["seq"] + 1 if "seq" in sig else sig["n"],
