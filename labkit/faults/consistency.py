@@ -5,22 +5,24 @@ stops at the first disagreement with one sentence naming it and each rank's line
     labkit: collective mismatch: all_reduce #3: rank 0 sends float32 (100,), rank 1 float64 (100,) (train.py:20)
 
 :func:`install` wraps every collective and point-to-point function of ``torch.distributed`` (in both its
-namespaces, so the object collectives' own calls and FSDP2's ``all_gather_single`` and
-``reduce_scatter_single``, which it issues from Python, are checked too). A wrapped call writes its signature — operation, its number on the group,
+namespaces, so the object collectives' own calls and FSDP2's ``all_gather_single`` and ``reduce_scatter_single``,
+which it issues from Python, are checked too; a checked call's own inner calls, such as the ``isend`` inside
+``send``, are not checked again). A wrapped call writes its signature (operation, its number on the group,
 group, shape, dtype, reduce op, root or peer, the caller's file:line, the group's sequence number in the
-process group — to the job's store and waits for the other ranks of the group to write theirs:
+process group) to the job's store and reads the other ranks' of the group, on a connection of its own:
 
-* all there and equal: the collective runs (one ``multi_set``, a ``check`` per poll, one ``multi_get`` and
-  one ``delete_key`` of the previous entry per collective: a few store round trips, which is its cost);
+* all there and equal: the collective runs. Cost: one ``multi_set``, one ``multi_get`` (the store answers
+  once every key is there: a wait and a read) and one ``delete_key`` of the previous entry, four store round
+  trips per collective (``benchmarks/check_collectives.py``);
 * all there and different: the first argument that differs is named;
 * a peer missing while it waits, in another collective or point-to-point call, for this rank (which has not
-  called that one): neither can go on; both calls are named (a sub-group collective one rank skipped, a send
-  with no matching recv);
+  called that one): neither can go on; a thread that looks every :data:`LOOK_S` seconds names both calls (a
+  sub-group collective one rank skipped, a send with no matching recv);
 * a peer missing for another reason (slow, or in a longer cycle of waits): the rank waits, and the hang
   watchdog, if started, shows the call in its table.
 
-``isend``/``irecv`` do not wait (their peer may post its half later): whichever side comes second compares
-the two. A ``recv`` from any source is not checked. What it cannot see: the collectives a process group
+``isend``/``irecv`` do not wait (their peer may post its half later): the second of the two to post (an atomic
+count in the store) compares them. A ``recv`` from any source is not checked. What it cannot see: the collectives a process group
 issues from C++ — DDP's gradient buckets and its start-up broadcasts, a communication hook's own calls — are
 counted by the process group's sequence number, so a rank that issued more of them is named at its next
 checked collective (on a group that has seen no point-to-point traffic: gloo counts those in the same
