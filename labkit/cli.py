@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("labkit.exercises.cli", "check a workshop exercise"),
     "advise": ("labkit.advisor.cli", "recommend a parallelisation for a model and machine, and validate it"),
     "faults": ("labkit.faults.cli", "broken distributed programs to run, diagnose and fix"),
+    "doctor": ("labkit.faults.doctor", "run any PyTorch script as a rank under the hang watchdog"),
 }
 
 _words: list[str] = []

@@ -8,6 +8,10 @@ that block is left out and the exit code is the rank's: 2 or 75, what the job sc
 failure (a Python exception in a rank, a killed rank) shows torchrun's block and the rank's traceback as
 before.
 
+``--watchdog SECONDS`` and ``--check-collectives`` (before the script) start every rank through ``labkit
+doctor`` (:mod:`labkit.faults.doctor`): the hang watchdog, and the collective check, in any script, with no
+change to it. They are refused with ``--no-python`` (the ranks would not run Python).
+
 Signals to torchrun itself (``kill``, ``scancel``, SLURM's ``--signal=USR1`` without ``B:``, a site wrapper
 that signals every process of the step, Ctrl-C): plain torchrun dies on SIGUSR1 and leaves its ranks
 training with no parent, and answers SIGTERM by stopping the ranks under a 30-second deadline. Here
@@ -19,12 +23,17 @@ stopped by a signal.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
 import sys
 import tempfile
 import threading
+from pathlib import Path
+
+from labkit.errors import ConfigError
+from labkit.ranges import within
 
 #: exit codes a rank uses after printing its own labkit line (errors.report; 124: the hang watchdog's table,
 #: labkit.faults.watchdog)
@@ -144,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv`` (default ``sys.argv[1:]``); return the exit code for the shell."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import run
 
+    args = _parse(sys.argv[1:] if argv is None else argv)
     own_file = None
     if not os.environ.get("LABKIT_ERROR_FILE"):  # the ranks append their configuration errors here
         fd, own_file = tempfile.mkstemp(prefix="labkit-errors-")
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     forwarder.install()
     logging.getLogger(_SERVER_LOGGER).addFilter(_QuietAboutForwardedSignals(forwarder))
     try:
-        torchrun_main(sys.argv[1:] if argv is None else argv)
+        record(run)(args)
     except ChildFailedError as exc:
         _, first = exc.get_first_failure()
         if first.exitcode in LABKIT_EXITS:
@@ -176,6 +187,53 @@ def main(argv: list[str] | None = None) -> int:
         if own_file is not None:
             os.unlink(own_file)
     return 0
+
+
+def add_doctor_flags(p: argparse.ArgumentParser) -> None:
+    """``--watchdog`` and ``--check-collectives``: the flags of this wrapper and of ``labkit doctor``."""
+    p.add_argument("--watchdog", type=within("float", "[0, 1e7]"), default=None, metavar="SECONDS",
+                   help="a rank waiting this long in one collective ends the job with a table of where every rank "
+                        "is; 0: off (default 300; in the torchrun wrapper, 300 once either flag is given)")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="before each collective the ranks compare its operation, group, shape, dtype, reduce op "
+                        "and root or peer, and the first disagreement ends the job with one sentence (costs a few "
+                        "store round trips per collective)")
+
+
+def refuse_missing(script: str, module: bool) -> None:
+    """A script that is not there is one line, before any rank starts (or before this rank imports torch)."""
+    if not module and not os.path.isfile(script):
+        raise ConfigError(f"no such script {script!r}; give the path of the Python file each rank runs")
+
+
+def _parse(argv: list[str]):
+    """torchrun's arguments, and ours: with ``--watchdog`` or ``--check-collectives``, each rank runs the script
+    through ``python -m labkit doctor``. A bad flag is one ``labkit: error`` line and exit code 2."""
+    from torch.distributed.run import get_args_parser
+
+    from labkit.errors import flag_error
+
+    parser = get_args_parser()
+    parser.error = lambda message: flag_error(message, " (see torchrun --help)")
+    add_doctor_flags(parser)
+    args = parser.parse_args(argv)
+    if args.watchdog is None and not args.check_collectives:
+        return args
+    if args.no_python:
+        flag_error("--watchdog and --check-collectives run the script in Python; drop --no-python")
+    try:
+        refuse_missing(args.training_script, args.module)
+    except ConfigError as exc:
+        flag_error(str(exc))
+    inner = ["doctor", *([] if args.watchdog is None else ["--watchdog", f"{args.watchdog:g}"]),
+             *(["--check-collectives"] * args.check_collectives),
+             *(["-m"] * args.module), args.training_script, *args.training_script_args]
+    args.training_script_args = inner
+    if args.run_path:  # torchrun runs a file in its own process: labkit's __main__, as a file
+        args.training_script = str(Path(__file__).parents[1] / "__main__.py")
+    else:
+        args.training_script, args.module = "labkit", True
+    return args
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import queue
 import re
 import runpy
 import signal
+import sys
 import sysconfig
 import tempfile
 import time
@@ -244,3 +245,44 @@ def run_fault(name: str, fixed: bool = False, **kwargs) -> Outcome:
         path = Path(tmp) / fault.path.name
         path.write_text(fixed_source(name))
         return run_program(path, launcher=fault.launcher, **kwargs)
+
+
+def _doctor_rank(argv, rank, world_size, port, tmp, environ):
+    from labkit.cli import main
+
+    with open(Path(tmp) / f"rank{rank}.log", "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    os.environ.clear()
+    os.environ.update(environ, **_launcher_env("torchrun", rank, world_size, port))
+    torch.set_num_threads(1)
+    code = main(["doctor", *argv])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_script(argv: list[str], ranks: int = 2, timeout: float = 120.0) -> dict[int, tuple[int | None, str]]:
+    """Run ``labkit doctor ARGV`` (its flags, then any plain script and its arguments) on ``ranks`` local ranks
+    with torchrun's variables, as ``python -m labkit.dist.torchrun`` starts them, but forked from the process
+    that imported torch once; each rank's exit code (None: killed at ``timeout``) and output."""
+    exit_if_bootstrapping()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as tmp:
+        port = free_port()
+        procs = [ctx.Process(target=_doctor_rank, daemon=True,
+                             args=(list(argv), r, ranks, port, tmp, dict(os.environ))) for r in range(ranks)]
+        start(procs)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        codes = []
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+                codes.append(None)
+            else:
+                codes.append(p.exitcode)
+        return {r: (codes[r], (Path(tmp) / f"rank{r}.log").read_text(errors="replace")) for r in range(ranks)}

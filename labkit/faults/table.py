@@ -41,6 +41,8 @@ def mismatch(reports: list[dict], world_size: int) -> str:
     elif missing:
         one = len(missing) == 1
         text += f": the others wait for {'it' if one else 'them'}; read {'its' if one else 'their'} own output"
+    elif differs := argument_differs(reports):
+        text += f": {differs}"
     elif len(groups) == 1:
         text += ": they agree; a rank outside this group, or a slow peer, holds them up"
     elif any(r["current"] is None for r in reports):
@@ -48,6 +50,26 @@ def mismatch(reports: list[dict], world_size: int) -> str:
     else:
         text += ": the ranks called different collectives (a rank-dependent branch, or uneven inputs)"
     return text
+
+
+#: the arguments a collective's ranks must agree on, in the order a difference is named
+ARGUMENTS = (("root", "root"), ("reduce_op", "reduce op"), ("dtype", "dtype"), ("shape", "shape"))
+
+
+def argument_differs(reports: list[dict]) -> str:
+    """``the same collective with a different root: rank 0 root 1, rank 1 root 0``, when every rank is in one
+    collective (operation, number, group) but they pass it different arguments; "" otherwise."""
+    current = [(r["rank"], r["current"]) for r in sorted(reports, key=lambda r: r["rank"])]
+    if any(op is None for _, op in current) or len({(op["op"], op["seq"], op.get("group")) for _, op in current}) > 1:
+        return ""
+    for key, name in ARGUMENTS:
+        values = [(rank, op.get(key)) for rank, op in current]
+        if len({str(v) for _, v in values}) > 1:
+            first, other = values[0], next(v for v in values if str(v[1]) != str(values[0][1]))
+            show = (lambda v: str(tuple(v))) if key == "shape" else str
+            return (f"the same collective with a different {name}: rank {first[0]} passes {name} {show(first[1])}, "
+                    f"rank {other[0]} {name} {show(other[1])}")
+    return ""
 
 
 def hang_table(reports: list[dict], world_size: int, seconds: float) -> str:

@@ -38,6 +38,18 @@ _KEY = f"labkit-watchdog/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 _HERE = Path(__file__).parent
 _INTERNAL = (str(Path(torch.__file__).parent), sysconfig.get_paths()["stdlib"], str(_HERE / "runner.py"),
              str(_HERE / "watchdog.py"), str(_HERE / "recorder.py"))
+#: the kit's own frames between a learner's script and its collective (labkit doctor, --check-collectives)
+_INTERNAL += (str(_HERE / "doctor.py"), str(_HERE / "consistency.py"), str(_HERE.parent / "cli.py"),
+              str(_HERE.parent / "__main__.py"))
+_C10D = dist.distributed_c10d.__file__
+#: what a rank's collective call was given that the flight recorder does not keep: its root, its reduce op
+_ROOTS = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src"}
+_REDUCING = ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor")
+#: the call a rank is checking with the other ranks (labkit.faults.consistency), before it is issued
+CHECKING: dict = {"current": None}
+#: set once the watchdog is ending this process (os._exit(124) follows): a main thread whose collective fails
+#: meanwhile, as its peers leave, waits for it rather than exit with a code of its own (labkit doctor)
+ENDING = threading.Event()
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16", "Long": "int64",
            "Int": "int32", "Byte": "uint8", "Bool": "bool"}
 _p2p: dict = {"seq": 0, "current": None, "done": []}
@@ -118,10 +130,29 @@ def where(thread_id: int | None = None) -> str:
     return " < ".join(reversed(lines)) or "?"
 
 
+def arguments(op: dict | None, thread_id: int | None = None) -> dict | None:
+    """``op`` (a call the thread is in) with its root and reduce op, read from the arguments of the thread's
+    ``torch.distributed`` frame of that name: no wrapper, the call's own frame."""
+    frame = sys._current_frames().get(thread_id or threading.main_thread().ident)
+    while op is not None and frame is not None:
+        name, local = frame.f_code.co_name, frame.f_locals
+        if frame.f_code.co_filename == _C10D and name == op["op"]:
+            op = dict(op)
+            if name in _ROOTS:
+                root = local.get(_ROOTS[name])
+                op["root"] = root if root is not None else f"group rank {local.get('group_' + _ROOTS[name])}"
+            if name in _REDUCING and local.get("op") is not None:
+                op["reduce_op"] = str(getattr(local["op"], "op", local["op"])).split(".")[-1]
+            break
+        frame = frame.f_back
+    return op
+
+
 def snapshot() -> dict:
     """Where this rank is: the collective it waits in (or None), the last ones it completed, its Python line."""
     entries = recorded()
     current = waiting_in(entries) or _p2p["current"]
+    current = arguments(current) or CHECKING["current"]
     done = [e for e in entries if e["done"]][-2:] + _p2p["done"][-1:]
     return {"rank": dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0)),
             "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(), "pid": os.getpid(),
@@ -171,6 +202,7 @@ class Watchdog:
                     self._alone(state)
 
     def _alone(self, state: dict) -> None:
+        ENDING.set()
         text = hang_table([state], dist.get_world_size(), self.seconds)
         if self.echo:
             print(f"{text}\nlabkit: the job's store is unreachable (its host rank died?): rank {state['rank']} "
@@ -179,6 +211,7 @@ class Watchdog:
 
     def _report(self, store, state: dict) -> None:
         """Post this rank's state; rank 0 gathers every rank's, prints the table; then every rank exits."""
+        ENDING.set()
         rank, world = state["rank"], dist.get_world_size()
         store.set(f"{_KEY}/report/{rank}", json.dumps(state))
         if rank != 0:
