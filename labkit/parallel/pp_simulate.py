@@ -1,0 +1,163 @@
+"""Run a pipeline schedule (:class:`labkit.parallel.pp_schedule.PipeSchedule`) on paper: the ideal Gantt from
+per-action costs, the idle time counted, the peak of activations in flight, and the first action that breaks.
+
+    result = simulate(pipe_schedule("1f1b", 4, 8))          # unit costs t_F = t_B = t_W = 1
+    result.makespan, result.idle, result.bubble, result.peak  # 33, [9, 9, 9, 9], 3/11, [4, 3, 2, 1]
+
+Each rank runs its list in order; an action starts when its rank is free and its inputs exist:
+
+* ``F`` of stage ``s > 0`` after ``F`` of stage ``s − 1`` (same micro-batch), plus ``comm`` if they are on two ranks;
+* ``B``/``BW`` of stage ``s`` after its own ``F`` and, below the last stage, after ``B``/``BW`` of stage ``s + 1``
+  (plus ``comm`` across ranks);
+* ``W`` after its ``B``, on the same rank, earlier in the list.
+
+Costs are per whole stage (``t_F``, ``t_B``, ``t_W``, as in the zero-bubble paper); a chunk of ``v`` per rank costs
+``1/v`` of them and ``BW`` costs ``t_B + t_W``. Arithmetic is exact (:class:`fractions.Fraction`), so idle time is
+a count, compared with the formulas with ``==``. The peak in flight is the most micro-batch chunks whose forward
+ran and whose weight gradient has not (their saved activations), per rank.
+
+:func:`check` (the ``labkit check pp-schedule`` exercise) names the first broken rule: an action on a stage its
+rank does not hold, a duplicated or missing action, a ``W`` before its ``B``, a receive whose send never comes
+(the deadlock: every rank waits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from labkit.errors import ConfigError
+from labkit.parallel.pp_schedule import FORWARD, FULL, INPUT, WEIGHT, Action, PipeSchedule
+
+
+class PipelineScheduleError(ConfigError):
+    """A schedule breaks a rule or deadlocks; the message names the action."""
+
+
+@dataclass
+class SimResult:
+    """The simulated step: ``spans[r]`` = ``[(action, start, end)]``, ``makespan``, per rank ``busy``, ``idle``
+    (makespan − busy), ``peak`` (activations in flight, chunk-micro-batches) and the ``bubble`` fraction."""
+
+    schedule: PipeSchedule
+    spans: list[list[tuple[Action, Fraction, Fraction]]]
+    makespan: Fraction
+    busy: list[Fraction]
+    peak: list[int] = field(default_factory=list)
+
+    @property
+    def idle(self) -> list[Fraction]:
+        return [self.makespan - b for b in self.busy]
+
+    @property
+    def bubble(self) -> Fraction:
+        """Idle share of all ranks' time: ``Σ idle / (p · makespan)``."""
+        return sum(self.idle, Fraction(0)) / (len(self.busy) * self.makespan)
+
+
+def _costs(t_f, t_b, t_w, v) -> dict[str, Fraction]:
+    t_f, t_b, t_w = Fraction(t_f) / v, Fraction(t_b) / v, Fraction(t_w) / v
+    return {FORWARD: t_f, INPUT: t_b, WEIGHT: t_w, FULL: t_b + t_w}
+
+
+def check_rules(s: PipeSchedule) -> None:
+    """Every (stage, micro-batch) has one F and either one BW or one B and one W, each on the rank that holds the
+    stage; a W comes after its B in that rank's list. Raises :class:`PipelineScheduleError` naming the action."""
+    if len(s.actions) != s.ranks:
+        raise PipelineScheduleError(f"{len(s.actions)} action lists for {s.ranks} ranks; give one list per rank")
+    seen: dict[tuple[str, int, int], int] = {}
+    for r, acts in enumerate(s.actions):
+        for i, a in enumerate(acts):
+            if a.kind not in (FORWARD, INPUT, WEIGHT, FULL):
+                raise PipelineScheduleError(f"rank {r}, action {i + 1}: kind {a.kind!r}; use F, B, W or BW")
+            if not (0 <= a.stage < s.num_stages and 0 <= a.mb < s.microbatches):
+                raise PipelineScheduleError(f"rank {r}, action {i + 1} {a}: stage must be in 0..{s.num_stages - 1}"
+                                            f" and micro-batch in 0..{s.microbatches - 1}")
+            if s.rank_of(a.stage) != r:
+                raise PipelineScheduleError(f"rank {r}, action {i + 1} {a}: stage {a.stage} lives on rank "
+                                            f"{s.rank_of(a.stage)}, not on rank {r}")
+            key = (a.kind, a.stage, a.mb)
+            if key in seen:
+                raise PipelineScheduleError(f"rank {r}: {a} appears twice (actions {seen[key] + 1} and {i + 1})")
+            seen[key] = i
+            if a.kind == WEIGHT and (INPUT, a.stage, a.mb) not in seen:
+                raise PipelineScheduleError(f"rank {r}, action {i + 1} {a}: W before its B "
+                                            f"(B{a.stage}.{a.mb} must come earlier in rank {r}'s list)")
+            if a.kind in (INPUT, FULL) and (FORWARD, a.stage, a.mb) not in seen:
+                raise PipelineScheduleError(f"rank {r}, action {i + 1} {a}: backward before its forward "
+                                            f"F{a.stage}.{a.mb}")
+    for stage in range(s.num_stages):
+        for mb in range(s.microbatches):
+            r = s.rank_of(stage)
+            if (FORWARD, stage, mb) not in seen:
+                raise PipelineScheduleError(f"rank {r}: F{stage}.{mb} is missing")
+            split, full = (INPUT, stage, mb) in seen, (FULL, stage, mb) in seen
+            if split == full:
+                raise PipelineScheduleError(f"rank {r}: micro-batch {mb} of stage {stage} needs either BW{stage}."
+                                            f"{mb} or B{stage}.{mb} with W{stage}.{mb}" +
+                                            (", not both" if split else ""))
+            if split and (WEIGHT, stage, mb) not in seen:
+                raise PipelineScheduleError(f"rank {r}: W{stage}.{mb} is missing (B{stage}.{mb} has no W)")
+
+
+def _needs(s: PipeSchedule, a: Action) -> list[Action | tuple]:
+    """The actions ``a`` waits for on other stages (its own-rank order is the list's)."""
+    last = s.num_stages - 1
+    if a.kind == FORWARD:
+        return [(FORWARD, a.stage - 1, a.mb)] if a.stage > 0 else []
+    if a.kind in (INPUT, FULL):
+        deps = [(FORWARD, a.stage, a.mb)]
+        if a.stage < last:
+            deps.append(("grad", a.stage + 1, a.mb))
+        return deps
+    return [(INPUT, a.stage, a.mb)]
+
+
+def simulate(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0) -> SimResult:
+    """The ideal Gantt of ``s`` (module docstring). Raises :class:`PipelineScheduleError` on a broken rule or a
+    deadlock, naming the first action of every rank that waits."""
+    check_rules(s)
+    cost = _costs(t_f, t_b, t_w, s.chunks)
+    comm = Fraction(comm)
+    done: dict[tuple, tuple[Fraction, int]] = {}   # (kind, stage, mb) -> (end, rank); "grad" for B or BW
+    nxt = [0] * s.ranks
+    free = [Fraction(0)] * s.ranks
+    spans: list[list] = [[] for _ in range(s.ranks)]
+    in_flight, peak = [0] * s.ranks, [0] * s.ranks
+    progress = True
+    while progress:
+        progress = False
+        for r in range(s.ranks):
+            while nxt[r] < len(s.actions[r]):
+                a = s.actions[r][nxt[r]]
+                deps = _needs(s, a)
+                if any(d not in done for d in deps):
+                    break
+                start = max([free[r]] + [done[d][0] + (comm if done[d][1] != r else 0) for d in deps])
+                end = start + cost[a.kind]
+                spans[r].append((a, start, end))
+                free[r] = end
+                done[(a.kind, a.stage, a.mb)] = (end, r)
+                if a.kind in (INPUT, FULL):
+                    done[("grad", a.stage, a.mb)] = (end, r)
+                in_flight[r] += 1 if a.kind == FORWARD else -1 if a.kind in (WEIGHT, FULL) else 0
+                peak[r] = max(peak[r], in_flight[r])
+                nxt[r] += 1
+                progress = True
+    if any(nxt[r] < len(s.actions[r]) for r in range(s.ranks)):
+        waits = []
+        for r in range(s.ranks):
+            if nxt[r] < len(s.actions[r]):
+                a = s.actions[r][nxt[r]]
+                missing = next(d for d in _needs(s, a) if d not in done)
+                what = (f"the gradient from stage {missing[1]}" if missing[0] == "grad"
+                        else f"{missing[0]}{missing[1]}.{missing[2]}")
+                waits.append(f"rank {r} at {a} (action {nxt[r] + 1}) waits for {what}")
+        raise PipelineScheduleError("deadlock: " + "; ".join(waits))
+    makespan = max(free)
+    busy = [sum((e - b for _, b, e in spans[r]), Fraction(0)) for r in range(s.ranks)]
+    return SimResult(s, spans, makespan, busy, peak)
+
+
+def check(s: PipeSchedule, **costs) -> SimResult:
+    """:func:`simulate`, for a schedule a learner wrote (the same errors, one line each)."""
+    return simulate(s, **costs)
