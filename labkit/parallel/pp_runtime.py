@@ -248,3 +248,26 @@ class ScheduleRuntime:
         for work, _ in works:
             work.wait()
         return out if self.holds(self.last_stage) else None
+
+
+class RankStages(nn.Module):
+    """The stages one rank holds (``{stage index: module}``, :attr:`stages`) as one module whose parameters keep the
+    whole model's names (``blocks.5.attn...``, ``fc1.weight``): each stage's children are registered here under their
+    own names, a GPT's ``blocks`` merged into one ``ModuleDict``. A parameter shared by two of them (the tied
+    embedding when one rank holds the first and the last stage) is one parameter. It is not called: the schedule runs
+    :attr:`stages` (:meth:`ScheduleRuntime.forward_backward`)."""
+
+    def __init__(self, stages: dict[int, nn.Module]):
+        super().__init__()
+        for stage in stages.values():
+            for name, child in stage.named_children():
+                if isinstance(child, nn.ModuleDict):
+                    if name not in self._modules:
+                        self.add_module(name, nn.ModuleDict())
+                    self._modules[name].update(child)
+                else:
+                    self.add_module(name, child)
+        self.__dict__["stages"] = dict(sorted(stages.items()))  # the same modules, not registered twice
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("RankStages is run by its schedule (ScheduleRuntime), not called")
