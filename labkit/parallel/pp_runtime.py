@@ -178,9 +178,8 @@ class ScheduleRuntime:
         outputs: dict[int, torch.Tensor] = {}
         works: list = []
         for action in self.schedule.actions[self.rank]:
-            start = time.perf_counter()
-            self._run(action, stages, xs, ys, criterion, m, acts, grads, held, saved, losses, outputs, works)
-            if self.timeline is not None:
+            start = self._run(action, stages, xs, ys, criterion, m, acts, grads, held, saved, losses, outputs, works)
+            if self.timeline is not None:  # the compute alone: a receive's wait is its own event
                 self.timeline.event(action.kind, action.mb, start, time.perf_counter(), stage=action.stage)
         for work, _ in works:
             work.wait()
@@ -189,7 +188,9 @@ class ScheduleRuntime:
         loss = torch.stack([losses[j] for j in range(m)]).mean().detach()
         return loss, torch.cat([outputs[j] for j in range(m)])
 
-    def _run(self, a: Action, stages, xs, ys, criterion, m, acts, grads, held, saved, losses, outputs, works):
+    def _run(self, a: Action, stages, xs, ys, criterion, m, acts, grads, held, saved, losses, outputs,
+             works) -> float:
+        """Run one action (its receive first); returns when its compute started."""
         s, j = a.stage, a.mb
         if a.kind == FORWARD:
             if s == 0:
@@ -200,6 +201,7 @@ class ScheduleRuntime:
                 inp = self._recv("act", s, j, m)
             if s > 0:
                 inp = inp.detach().requires_grad_(inp.is_floating_point())
+            start = time.perf_counter()
             out, edges = self._split.forward(stages[s], inp)
             if s == self.last_stage:
                 loss = criterion(out, ys[j])
@@ -210,10 +212,11 @@ class ScheduleRuntime:
             else:
                 self._send(out, "act", s + 1, j, m, works)
             held[(s, j)] = (inp if s > 0 and inp.requires_grad else None, out, edges)
-            return
+            return start
         if a.kind == WEIGHT:
+            start = time.perf_counter()
             SplitBackward.weight_grad(saved.pop((s, j)))
-            return
+            return start
         inp, out, edges = held.pop((s, j))
         if s == self.last_stage:
             grad = None
@@ -221,6 +224,7 @@ class ScheduleRuntime:
             grad = grads.pop((s, j))
         else:
             grad = self._recv("grad", s, j, m, like=out)
+        start = time.perf_counter()
         if a.kind == FULL:  # one pass: the input is a leaf of this stage's graph, so its .grad is the gradient to send
             torch.autograd.backward(out, grad_tensors=grad)
             dinp = inp.grad if inp is not None else None
@@ -231,6 +235,7 @@ class ScheduleRuntime:
                 grads[(s - 1, j)] = dinp
             else:
                 self._send(dinp, "grad", s - 1, j, m, works)
+        return start
 
     def forward(self, stages: dict[int, nn.Module], x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the whole batch as one micro-batch through this rank's stages in order; the outputs on the
