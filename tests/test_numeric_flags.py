@@ -35,8 +35,10 @@ BAD = {
     "train --strategy ddp": {"--bucket-mb": ["0"], "--global-batch-size": ["0"]},
     "train --strategy model-parallel": {"--mp-devices": ["0"], "--mp-split-points": ["0"], "--mp-split-size": ["0"]},
     "train --strategy gpipe": {"--num-microbatches": ["0"], "--partitions": ["0"], "--balance": ["0"]},
-    "train --strategy pipeline": {"--num-microbatches": ["0"], "--balance": ["0"], "--trace-steps": ["-1"]},
-    "train --strategy mesh": {"--num-microbatches": ["0"], "--balance": ["0"], "--trace-steps": ["-1"]},
+    "train --strategy pipeline": {"--num-microbatches": ["0"], "--balance": ["0"], "--trace-steps": ["-1"],
+                                  "--pp-virtual": ["0"]},
+    "train --strategy mesh": {"--num-microbatches": ["0"], "--balance": ["0"], "--trace-steps": ["-1"],
+                              "--pp-virtual": ["0"]},
     "train --strategy zero": {"--zero-stage": ["0", "4"]},
     "train --strategy ps": {"--ps-servers": ["0"], "--max-staleness": ["-1"], "--ps-momentum": ["-1", "1"],
                             "--ps-timeout-s": ["0"]},
@@ -121,7 +123,7 @@ def _cases(table=BAD):
 def test_the_table_names_every_numeric_flag():
     flags = _all_numeric_flags()
     assert set(flags) == {f"{command} {flag}" for command, flag, _ in _cases()}
-    assert len(flags) == 135  # train 20, its strategies and optimizers 31, benchmarks 65, the others 19
+    assert len(flags) == 137  # train 20, its strategies and optimizers 33, benchmarks 65, the others 19
     for key, action in flags.items():  # each is checked as it is read, and its default is allowed
         assert hasattr(action.type, "range"), f"{key}: type=within(kind, interval) or a FLAGS 'range'"
         defaults = action.default if isinstance(action.default, (list, tuple)) else [action.default]

@@ -34,8 +34,8 @@ from labkit.parallel.mesh import MeshStrategy
 from labkit.parallel.pipeline_stages import pipeline_options
 
 #: ``labkit train --strategy pipeline`` flags: the pp dimension's, declared once there (labkit.flags)
-SHARED_FLAGS = {"labkit.parallel.pp": ["--num-microbatches", "--balance", "--schedule", "--pipeline-trace",
-                                       "--trace-steps"]}
+SHARED_FLAGS = {"labkit.parallel.pp": ["--num-microbatches", "--balance", "--schedule", "--pp-schedule",
+                                       "--pp-virtual", "--pipeline-trace", "--trace-steps"]}
 #: backend/device combinations refused before any work (labkit.strategies.backends): gloo's send/recv take CPU tensors only
 BACKENDS = [
     {"backend": "gloo", "device": "cuda",
