@@ -165,3 +165,22 @@ def test_every_rank_runs_torch_pipelinings_order(name, torch_name, v, p, m):
             assert theirs[r] == [a if not a.startswith("F") else f"F{r}.{int(a.split('.')[1]) + 1}" for a in ours]
             continue
         assert theirs[r] == ours, (name, r)
+
+
+def test_the_advisor_prices_each_schedule_from_its_simulation():
+    """The mesh price of TINY (2 blocks) on pp=2, m=4 (compute 7.2 s, test_advisor_mesh's plan by hand): the bubble is
+    the simulated idle time, 1F1B's (p − 1)/m of the compute, ZB-H1's a third of it, GPipe's the same as 1F1B's but
+    holding all m micro-batches; the activations held are the simulated peak."""
+    from labkit.advisor.plan import MeshPlan
+    from labkit.advisor.topology import Topology
+    from labkit.collectives.cost import CostModel
+    from labkit.parallel.pricing import GPTShape, price_mesh
+
+    tiny = GPTShape(n_layer=2, n_head=2, n_embd=4, vocab_size=8, seq=4, name="tiny")
+    topo = Topology("test", 2, CostModel(0.01, 1e-3), float("inf"), "cuda", 1, 1, None, True, 1.0, 1e4)
+    price = {s: price_mesh(MeshPlan(1, 1, 2, 1, microbatches=4, schedule=s), tiny, topo, 4)
+             for s in ("gpipe", "1f1b", "zb-h1")}
+    assert [price[s].time["bubble"] for s in ("gpipe", "1f1b", "zb-h1")] == pytest.approx([1.8, 1.8, 0.6])
+    one = price["1f1b"].memory["activations"]
+    assert price["zb-h1"].memory["activations"] == one and price["gpipe"].memory["activations"] == 2 * one
+    assert MeshPlan(1, 1, 2, 1, microbatches=4, schedule="zb-h1").label == "pp=2 m=4 zb-h1"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.errors import ConfigError
-from labkit.parallel.pp_schedule import CHUNKS, check_schedule
+from labkit.parallel.pp_schedule import check_schedule, chunks_of
 from labkit.strategies.gpipe import check_chunks, num_microbatches
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -58,7 +58,7 @@ def pipeline_options(options: dict, stages: int, on_mesh: bool = True) -> tuple[
             raise ConfigError(f"--pp-schedule {named} with --dp-shard {options['dp_shard']}: the split backward "
                               "writes .grad itself, which sharded parameters do not take; use --dp-shard none, "
                               "zero1 or zero2")
-        virtual = virtual if virtual is not None else (CHUNKS.get(named) or 2)
+        virtual = chunks_of(options)
         check_schedule(named, stages, chunks, virtual)
         schedule = named
     elif stages > 1 and schedule == "1f1b" and chunks < stages:
@@ -71,14 +71,6 @@ def pipeline_options(options: dict, stages: int, on_mesh: bool = True) -> tuple[
         raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but {there}{per}; "
                           "give one count per stage")
     return schedule, chunks
-
-
-def pipeline_chunks(options: dict) -> int:
-    """Stages per rank: ``--pp-virtual``, or the ``--pp-schedule``'s own (1 without one)."""
-    named = options.get("pp_schedule")
-    if named is None:
-        return 1
-    return options.get("pp_virtual") or CHUNKS.get(named) or 2
 
 
 def even_balance(num_layers: int, num_stages: int) -> list[int]:

@@ -56,13 +56,13 @@ from labkit.parallel.base import Dimension, refuse_moe
 from labkit.parallel.pipeline_stages import (
     StageSchedules,
     even_balance,
-    pipeline_chunks,
     pipeline_options,
     stage_layers,
     torch_pipelining,
 )
 from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
 from labkit.parallel.pp_runtime import RankStages, ScheduleRuntime
+from labkit.parallel.pp_schedule import chunks_of
 from labkit.results import atomic_write_text
 from labkit.strategies.balance import SavedActivations
 from labkit.strategies.gpipe import check_balance, check_sequential
@@ -210,7 +210,7 @@ class PipelineParallel(Dimension):
         trace_steps = self.options.get("trace_steps")
         self.trace_steps = int(trace_steps if trace_steps is not None else (3 if self.trace_path else 0))
         self.timeline = Timeline(self.rank) if self.trace_steps > 0 and self.size > 1 else None
-        self.virtual = pipeline_chunks(self.options)
+        self.virtual = chunks_of(self.options)
         self.stages = StageSchedules(self.rank, self.size, device, self.schedule_name, self.num_microbatches,
                                      group=self.group, timeline=self.timeline)
         self.runtime = None

@@ -333,6 +333,14 @@ SCHEDULE_NAMES = tuple(GENERATORS)
 CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": None, "zb-h1": 1, "zbv": 2, "dualpipev": 2}
 
 
+def chunks_of(options: dict) -> int:
+    """Stages per rank of a run's options: ``--pp-virtual``, or its ``--pp-schedule``'s own (1 without one)."""
+    named = options.get("pp_schedule")
+    if named is None:
+        return 1
+    return options.get("pp_virtual") or CHUNKS.get(named) or 2
+
+
 def check_schedule(name: str, p: int, m: int, v: int) -> None:
     """Refuse what a schedule cannot run, in one line each: an unknown name, a chunk count it does not take,
     too few micro-batches."""

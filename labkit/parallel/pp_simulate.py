@@ -12,8 +12,10 @@ Each rank runs its list in order; an action starts when its rank is free and its
 * ``W`` after its ``B``, on the same rank, earlier in the list.
 
 Costs are per whole stage (``t_F``, ``t_B``, ``t_W``, as in the zero-bubble paper); a chunk of ``v`` per rank costs
-``1/v`` of them and ``BW`` costs ``t_B + t_W``. Arithmetic is exact (:class:`fractions.Fraction`), so idle time is
-a count, compared with the formulas with ``==``. The peak in flight is the most micro-batch chunks whose forward
+``1/v`` of them and ``BW`` costs ``t_B + t_W``. A cost may also be a list, one per stage (``S = p·v`` of them, each
+already a chunk's), for stages that are not equal (the advisor's price). Arithmetic on integers and fractions is
+exact (:class:`fractions.Fraction`), so idle time is a count, compared with the formulas with ``==``; floats stay
+floats. The peak in flight is the most micro-batch chunks whose forward
 ran and whose weight gradient has not (their saved activations), per rank.
 
 :func:`check` (the ``labkit check pp-schedule`` exercise) names the first broken rule: an action on a stage its
@@ -22,6 +24,7 @@ rank does not hold, a duplicated or missing action, a ``W`` before its ``B``, a 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -51,12 +54,25 @@ class SimResult:
     @property
     def bubble(self) -> Fraction:
         """Idle share of all ranks' time: ``Σ idle / (p · makespan)``."""
-        return sum(self.idle, Fraction(0)) / (len(self.busy) * self.makespan)
+        return sum(self.idle, 0) / (len(self.busy) * self.makespan)
 
 
-def _costs(t_f, t_b, t_w, v) -> dict[str, Fraction]:
-    t_f, t_b, t_w = Fraction(t_f) / v, Fraction(t_b) / v, Fraction(t_w) / v
-    return {FORWARD: t_f, INPUT: t_b, WEIGHT: t_w, FULL: t_b + t_w}
+def _exact(x):
+    return x if isinstance(x, float) else Fraction(x)
+
+
+def _per_stage(t, stages: int, v: int) -> list:
+    """One cost per stage: a list as given, a number divided among a rank's ``v`` chunks."""
+    if isinstance(t, (list, tuple)):
+        if len(t) != stages:
+            raise ConfigError(f"{len(t)} stage costs for {stages} stages; give one per stage")
+        return [_exact(x) for x in t]
+    return [_exact(t) / v] * stages
+
+
+def _costs(t_f, t_b, t_w, s: PipeSchedule) -> dict[str, list]:
+    t_f, t_b, t_w = (_per_stage(t, s.num_stages, s.chunks) for t in (t_f, t_b, t_w))
+    return {FORWARD: t_f, INPUT: t_b, WEIGHT: t_w, FULL: [b + w for b, w in zip(t_b, t_w)]}
 
 
 def check_rules(s: PipeSchedule) -> None:
@@ -116,8 +132,8 @@ def simulate(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0) -> SimResult:
     """The ideal Gantt of ``s`` (module docstring). Raises :class:`PipelineScheduleError` on a broken rule or a
     deadlock, naming the first action of every rank that waits."""
     check_rules(s)
-    cost = _costs(t_f, t_b, t_w, s.chunks)
-    comm = Fraction(comm)
+    cost = _costs(t_f, t_b, t_w, s)
+    comm = _exact(comm)
     done: dict[tuple, tuple[Fraction, int]] = {}   # (kind, stage, mb) -> (end, rank); "grad" for B or BW
     nxt = [0] * s.ranks
     free = [Fraction(0)] * s.ranks
@@ -133,7 +149,7 @@ def simulate(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0) -> SimResult:
                 if any(d not in done for d in deps):
                     break
                 start = max([free[r]] + [done[d][0] + (comm if done[d][1] != r else 0) for d in deps])
-                end = start + cost[a.kind]
+                end = start + cost[a.kind][a.stage]
                 spans[r].append((a, start, end))
                 free[r] = end
                 done[(a.kind, a.stage, a.mb)] = (end, r)
@@ -154,8 +170,21 @@ def simulate(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0) -> SimResult:
                 waits.append(f"rank {r} at {a} (action {nxt[r] + 1}) waits for {what}")
         raise PipelineScheduleError("deadlock: " + "; ".join(waits))
     makespan = max(free)
-    busy = [sum((e - b for _, b, e in spans[r]), Fraction(0)) for r in range(s.ranks)]
+    busy = [sum((e - b for _, b, e in spans[r]), 0) for r in range(s.ranks)]
     return SimResult(s, spans, makespan, busy, peak)
+
+
+@functools.lru_cache(maxsize=512)
+def unit_step(name: str, ranks: int, microbatches: int, chunks: int = 1) -> tuple[Fraction, Fraction]:
+    """``(idle, peak)`` of the named schedule at ``t_F = t_B = t_W`` (a step's FLOPs split 2 : 2 : 2, the forward's
+    matrix products, the input gradient's and the weight gradient's), both relative to the work of one micro-batch:
+    ``idle`` = one rank's idle time / (``t_F + t_B + t_W``), ``peak`` = the fullest rank's activations in flight in
+    whole-stage micro-batches (chunks / v). The advisor's bubble is ``idle / m`` of the compute and its activations
+    ``peak`` micro-batches' worth (:func:`labkit.parallel.pricing.price_mesh`): the one object, simulated once."""
+    from labkit.parallel.pp_schedule import pipe_schedule
+
+    result = simulate(pipe_schedule(name, ranks, microbatches, chunks))
+    return max(result.idle) / 3, Fraction(max(result.peak), chunks)
 
 
 def check(s: PipeSchedule, **costs) -> SimResult:
