@@ -184,3 +184,54 @@ def test_the_advisor_prices_each_schedule_from_its_simulation():
     one = price["1f1b"].memory["activations"]
     assert price["zb-h1"].memory["activations"] == one and price["gpipe"].memory["activations"] == 2 * one
     assert MeshPlan(1, 1, 2, 1, microbatches=4, schedule="zb-h1").label == "pp=2 m=4 zb-h1"
+
+
+ZB_H1 = '''\
+def zb_h1_actions(p, m):
+    actions = []
+    for r in range(p):
+        warm = min(p - r, m)
+        acts = [("F", r, j) for j in range(warm)]
+        for j in range(m):
+            acts.append(("B", r, j))
+            if j >= r:
+                acts.append(("W", r, j - r))
+            if warm + j < m:
+                acts.append(("F", r, warm + j))
+        acts += [("W", r, j) for j in range(m - r, m)]
+        actions.append(acts)
+    return actions
+'''
+
+
+def _answer(tmp_path, text, name="mine.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_the_pp_schedule_exercise(tmp_path, capsys):
+    from labkit.exercises.cli import run_check
+
+    assert run_check("pp-schedule", [_answer(tmp_path, ZB_H1)]) == 0
+    assert "correct: valid" in capsys.readouterr().out
+    starter = tmp_path / "starter.py"
+    assert run_check("pp-schedule", ["--init", str(starter)]) == 0
+    capsys.readouterr()
+    assert run_check("pp-schedule", [str(starter)]) == 1
+    assert capsys.readouterr().out.strip() == (
+        "not yet: zb_h1_actions(2, 4) (t_F, t_B, t_W = 1, 1, 1): rank 0 idles 2; ZB-H1 idles (p − 1)(t_F + t_B − t_W) "
+        "= 1: each W runs right after its B, where nobody waits for it; hold it back: rank r runs the W of "
+        "micro-batch j − r after the B of micro-batch j, the rest at the end")
+    early = ZB_H1.replace('acts.append(("W", r, j - r))', 'acts.append(("W", r, j + 1 - r))').replace(
+        "range(m - r, m)", "range(m - r + 1, m)")
+    assert run_check("pp-schedule", [_answer(tmp_path, early, "early.py")]) == 1
+    assert "not yet: zb_h1_actions(2, 4): rank 0, action 4 W0.1: W before its B (B0.1 must come earlier in rank 0's " \
+           "list)" in capsys.readouterr().out
+    # rank 0 runs B0 before F1, rank 1 wants F1 before F0: each waits for the other
+    crossed = ZB_H1.replace("warm = min(p - r, m)", "warm = 1 if r == 0 else min(p - r + 1, m)").replace(
+        'acts = [("F", r, j) for j in range(warm)]', 'acts = [("F", r, j) for j in range(warm)][::-1]')
+    assert run_check("pp-schedule", [_answer(tmp_path, crossed, "crossed.py")]) == 1
+    assert capsys.readouterr().out.strip() == (
+        "not yet: zb_h1_actions(2, 4): deadlock: rank 0 at B0.0 (action 2) waits for the gradient from stage 1; "
+        "rank 1 at F1.1 (action 1) waits for F0.1")
