@@ -25,6 +25,7 @@ NOTEBOOKS = """\
     02_data_parallel      DDP with torchrun, scaling, linear LR scaling + warm-up
     03_model_parallel     layer split, vertical FC slicing, the FlexFlow hybrid strategy
     04_pipeline           GPipe micro-batches, GPipe vs 1F1B bubbles
+    04b_pipeline_schedules          interleaved, zero-bubble, ZBV, DualPipeV: as data, simulated, run
     05_kfac               K-FAC, the Kronecker-factored preconditioner
     06_cifar10_resnet32_multi_gpu   SGD vs K-FAC on N GPUs
     07_sharded_data_parallel        ZeRO stages 1-3 from scratch and FSDP2, memory per rank
