@@ -3,7 +3,7 @@ gloo ranks:
 
 * through the ``fit`` a user runs (``MeshStrategy``, 3 steps of SGD with momentum, an 8-block GPT, d=32, T=8,
   vocabulary 64, dropout 0): ``pp=4`` under zb-h1, interleaved-1f1b (v=2), zbv and dualpipev, ``dp=2,pp=2`` under zbv
-  and ``tp=2,pp=2`` under zb-h1, each equal to one process (the loss every step within 1e-6, every weight after within
+  and ``tp=2,pp=2`` under zb-h1, and a LeNet's ``nn.Sequential`` on ``pp=4`` under zb-h1, each equal to one process (the loss every step within 1e-6, every weight after within
   1e-5: only the order of the micro-batch sums changes);
 * against ``torch.distributed.pipelining``'s schedule of the same name (ScheduleInterleaved1F1B,
   ScheduleInterleavedZeroBubble with one stage per rank for zb-h1, ScheduleZBVZeroBubble, ScheduleDualPipeV): the same
@@ -35,16 +35,23 @@ def _gpt():
     return GPT(CFG)
 
 
-def _data(n, seed=1):
+def _data(n, seed=1, kind="lm"):
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(*(torch.randint(0, CFG.vocab_size, (n, CFG.block_size), generator=g) for _ in "xy"))
+    if kind == "lm":  # (N, T) token ids and targets
+        return TensorDataset(*(torch.randint(0, CFG.vocab_size, (n, CFG.block_size), generator=g) for _ in "xy"))
+    return TensorDataset(torch.randn(n, 1, 16, 16, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+def _lenet():
+    torch.manual_seed(2)
+    return get_model("lenet", image_size=16, sequential=True)  # 12 layers: 3 per stage on pp=4
 
 
 def _criterion(out, y):
     return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _fit(strategy, model):
+def _fit(strategy, model, kind="lm"):
     from labkit.train.loop import fit
 
     losses, inner = [], strategy.forward_backward
@@ -54,25 +61,25 @@ def _fit(strategy, model):
         losses.append(loss)
         return loss, out
     strategy.forward_backward = recorded
-    train = _data(STEPS * BATCH)
+    train = _data(STEPS * BATCH, kind=kind)
     world, index = strategy.data_shard() if hasattr(strategy, "data_shard") else (1, 0)
     # one permutation for every run: data-parallel rank i reads its every other sample, one process all of them
     sampler = DistributedSampler(train, world, index, seed=0)
     loader = DataLoader(train, batch_size=BATCH // world, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    fit(model, loader, DataLoader(_data(8, 2), batch_size=8), optimizer, epochs=1, strategy=strategy,
-        task=get_task("lm"), printer=lambda line: None)
+    fit(model, loader, DataLoader(_data(8, 2, kind), batch_size=8), optimizer, epochs=1, strategy=strategy,
+        task=get_task(kind), printer=lambda line: None)
     return losses
 
 
-def _mesh_run(env, mesh, **options):
+def _mesh_run(env, mesh, kind="lm", **options):
     """Train on ``mesh`` with the options; this rank's losses, weights (whole-model names, tp shards gathered) and
     whether it owns the metrics."""
     from labkit.parallel.mesh import MeshStrategy
 
     strategy = MeshStrategy(env, {"mesh": mesh, **options})
-    model = strategy.prepare(_gpt())
-    losses = _fit(strategy, model)
+    model = strategy.prepare(_gpt() if kind == "lm" else _lenet())
+    losses = _fit(strategy, model, kind)
     tp = strategy.mesh.get_group("tp")
     weights = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -128,6 +135,7 @@ def _ranks(env):
         "dualpipev": _mesh_run(env, "pp=4", pp_schedule="dualpipev", num_microbatches=8),
         "dp2-zbv": _mesh_run(env, "dp=2,pp=2", pp_schedule="zbv", num_microbatches=4),
         "tp2-zb-h1": _mesh_run(env, "tp=2,pp=2", pp_schedule="zb-h1", num_microbatches=2),
+        "cnn-zb-h1": _mesh_run(env, "pp=4", "classification", pp_schedule="zb-h1", num_microbatches=4),
     }
     torch_runs = {
         "interleaved-1f1b": _torch_run(env, "interleaved-1f1b", pp.ScheduleInterleaved1F1B, 2, 4),
@@ -144,15 +152,19 @@ def four():
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    """One process through the same fit: the loss every step and the weights after."""
-    model = _gpt()
-    losses = _fit(Strategy(DistEnv()), model)
-    return {"losses": torch.stack(losses), "weights": dict(model.named_parameters(remove_duplicate=False))}
+def oracles():
+    """One process through the same fit, the GPT and the LeNet: the loss every step and the weights after."""
+    out = {}
+    for kind, model in (("lm", _gpt()), ("classification", _lenet())):
+        losses = _fit(Strategy(DistEnv()), model, kind)
+        out[kind] = {"losses": torch.stack(losses), "weights": dict(model.named_parameters(remove_duplicate=False))}
+    return out
 
 
-@pytest.mark.parametrize("key", ["zb-h1", "interleaved-1f1b", "zbv", "dualpipev", "dp2-zbv", "tp2-zb-h1"])
-def test_schedule_from_data_equals_one_process(four, oracle, key):
+@pytest.mark.parametrize("key", ["zb-h1", "interleaved-1f1b", "zbv", "dualpipev", "dp2-zbv", "tp2-zb-h1",
+                                 "cnn-zb-h1"])
+def test_schedule_from_data_equals_one_process(four, oracles, key):
+    oracle = oracles["classification" if key.startswith("cnn") else "lm"]
     runs = [r["runs"][key] for r in four]
     owners = [r for r in runs if r["owner"]]
     # V-shaped schedules put the last stage on rank 0 of each pp column; the others on its last rank

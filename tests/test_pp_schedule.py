@@ -235,3 +235,16 @@ def test_the_pp_schedule_exercise(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == (
         "not yet: zb_h1_actions(2, 4): deadlock: rank 0 at B0.0 (action 2) waits for the gradient from stage 1; "
         "rank 1 at F1.1 (action 1) waits for F0.1")
+
+
+def test_the_animation_has_one_frame_per_time_unit_of_the_simulated_step():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from labkit.viz.pipeline import animate_schedule
+
+    for name, frames in (("zb-h1", 27), ("1f1b", 33)):  # the simulated makespans at t_F = t_B = t_W = 1
+        animation = animate_schedule(name, 4, 8)
+        assert len(list(animation.new_frame_seq())) == frames
+        animation._draw_frame(frames)
+        matplotlib.pyplot.close("all")

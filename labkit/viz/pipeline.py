@@ -198,3 +198,27 @@ def ideal_trace(stages: int, microbatches: int, schedule: str = "gpipe", forward
                "end": float(t1)} for r, spans in enumerate(result.spans) for a, t0, t1 in spans]
     return {"schema": TRACE_SCHEMA, "schedule": schedule, "num_stages": stages, "num_microbatches": microbatches,
             "virtual": v, "idealised": True, "events": events, "memory": [], "peak_in_flight": result.peak}
+
+
+def animate_schedule(schedule: str, stages: int, microbatches: int, virtual: int | None = None,
+                     interval_ms: int = 300):
+    """The simulated schedule (:func:`ideal_trace`) drawn one time unit at a time: frame ``k`` shows every action
+    that started before ``t = k``, so the bubble is the white space the frames leave behind. A
+    ``matplotlib.animation.FuncAnimation`` (``.to_jshtml()`` in a notebook); its frames are the time units."""
+    import math
+
+    import matplotlib.pyplot as plt
+    from matplotlib.animation import FuncAnimation
+
+    trace = ideal_trace(stages, microbatches, schedule, virtual=virtual)
+    end = max(e["end"] for e in trace["events"])
+    fig, ax = plt.subplots(figsize=(9, 0.7 + 0.6 * stages))
+
+    def draw(frame: int):
+        ax.clear()
+        shown = [e for e in trace["events"] if e["start"] < frame] or trace["events"][:1]
+        plot_schedule({**trace, "events": shown}, ax=ax, unit="s",
+                      title=f"{schedule}: {stages} ranks, {microbatches} micro-batches, t = {min(frame, end):g}")
+        ax.set_xlim(0, end)
+        return []
+    return FuncAnimation(fig, draw, frames=range(1, math.ceil(end) + 1), interval=interval_ms, blit=False)
