@@ -1,8 +1,15 @@
 """The mesh's ``pp`` dimension: the model cut into stages along each ``pp`` column, micro-batches scheduled by
-``torch.distributed.pipelining`` (GPipe or 1F1B, as ``--strategy pipeline``).
+``torch.distributed.pipelining`` (``--schedule`` GPipe or 1F1B, as ``--strategy pipeline``) or by labkit's own
+executor of a schedule written as data (``--pp-schedule``: :mod:`labkit.parallel.pp_schedule`,
+:mod:`labkit.parallel.pp_runtime`; interleaved 1F1B with ``--pp-virtual`` chunks per rank, ZB-H1, ZBV, DualPipeV).
 
     torchrun --nproc_per_node 4 -m labkit train --mesh tp=2,pp=2 --model gpt-tiny --dataset text-sample \\
         --num-microbatches 4 --schedule 1f1b
+    torchrun --nproc_per_node 4 -m labkit train --mesh pp=4 --pp-schedule zb-h1 --model lenet --dataset mnist-sample \\
+        --num-microbatches 8
+
+With ``--pp-schedule`` each rank holds ``v`` chunks (stages ``S = P·v``; rank ``r`` holds stages ``r, r + P, …``, or
+``r`` and ``2P − 1 − r`` in a V), gathered in one :class:`~labkit.parallel.pp_runtime.RankStages` module.
 
 The ``P`` ranks of one ``pp`` group (``mesh.get_group("pp")``, the same dp/ep/cp/tp coordinates) each hold one
 stage: a GPT's blocks split as evenly as possible (stage 0 also holds the embeddings, the last ``ln_f`` and the

@@ -112,6 +112,7 @@ class ScheduleRuntime:
         self._split: SplitBackward | None = None
         self._shapes: dict[tuple[int, int], tuple] = {}   # (stage, micro-batch size) -> received activation shape
         self._sent_shape: set[tuple[int, int]] = set()
+        self._mb_size = 0                                  # samples per micro-batch of the step being run
 
     @property
     def last_stage(self) -> int:
