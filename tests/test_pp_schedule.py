@@ -248,3 +248,26 @@ def test_the_animation_has_one_frame_per_time_unit_of_the_simulated_step():
         assert len(list(animation.new_frame_seq())) == frames
         animation._draw_frame(frames)
         matplotlib.pyplot.close("all")
+
+
+def test_the_pipeline_preset_is_priced_from_the_named_schedule():
+    """``price_pipeline`` (--strategy pipeline) with --pp-schedule: the bubble and each rank's activations in flight
+    come from that schedule's simulation. Two equal stages (two layers of the same cost, m = 4): GPipe idles one
+    slot tau, ZB-H1 (p − 1)(t_F + t_B − t_W) = tau / 3 with thirds of the slot; GPipe keeps 4 micro-batches on a
+    rank, ZB-H1 p = 2."""
+    from labkit.advisor.plan import LayerProfile, Plan, Profile
+    from labkit.advisor.search import price
+    from labkit.advisor.topology import Topology
+    from labkit.collectives.cost import CostModel
+
+    layers = [LayerProfile(f"l{i}", "Linear", (0.0, 0.001), (0.0, 0.002), 400, 0, 10) for i in range(2)]
+    prof = Profile("two", "synthetic-mnist", 1, (2, 8), layers, 16, update_s_per_byte=0.0, data_s_per_sample=0.0,
+                   base_bytes=0, feature_layers=2, tp_pairs=[], tp_hidden=[])
+    topo = Topology("test", 2, CostModel(0.0, 0.0, 0.0), float("inf"), "cpu", cores=2)  # free messages
+    options = (("num_microbatches", 4), ("balance", (1, 1)))
+    gpipe = price(Plan("pipeline", 2, 2, 8, options), prof, topo)
+    zb = price(Plan("pipeline", 2, 2, 8, options + (("pp_schedule", "zb-h1"),)), prof, topo)
+    tau = 0.003 * 2  # one micro-batch of 2 samples: forward + backward of one layer
+    assert gpipe.time["bubble"] == pytest.approx(tau) and zb.time["bubble"] == pytest.approx(tau / 3)
+    assert gpipe.memory["activations"] == pytest.approx(4 * 2 * 10) and zb.memory["activations"] == pytest.approx(
+        2 * 2 * 10)
