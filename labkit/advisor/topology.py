@@ -166,12 +166,12 @@ def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatch
     own pace) or ``(p − 1)·τ``: the formulas, counted rather than written a second time. ``chunks``: stages per
     rank (``len(stage_times)`` is then ``p·chunks``)."""
     from labkit.parallel.pp_schedule import pipe_schedule
-    from labkit.parallel.pp_simulate import simulate
+    from labkit.parallel.pp_simulate import step_time
 
     slots = [t + c for t, c in zip(stage_times, stage_comm)]
     j = slots.index(max(slots))
     paced = slots if critical_path else [slots[j]] * len(slots)
     thirds = [float(x) / 3 for x in paced]
-    step = simulate(pipe_schedule(schedule, len(slots) // chunks, microbatches, chunks), thirds, thirds, thirds)
-    bubble = max(0.0, float(step.makespan) - microbatches * slots[j])
+    step = step_time(pipe_schedule(schedule, len(slots) // chunks, microbatches, chunks), thirds, thirds, thirds)
+    bubble = max(0.0, float(step) - microbatches * slots[j])
     return {"compute": microbatches * stage_times[j], "communication": microbatches * stage_comm[j], "bubble": bubble}

@@ -91,7 +91,7 @@ def price_pipeline(plan, prof, topo) -> Estimate:
     largest chunk's saved bytes per chunk in flight); the fullest rank counts.
     """
     from labkit.parallel.pp_schedule import chunks_of, pipe_schedule
-    from labkit.parallel.pp_simulate import simulate
+    from labkit.parallel.pp_simulate import peak_in_flight
 
     o = plan.option
     p, m, B = plan.processes, o["num_microbatches"], plan.batch_size
@@ -102,7 +102,7 @@ def price_pipeline(plan, prof, topo) -> Estimate:
     times = [compute_scale(topo, p, prof) * prof.time(bm, s) for s in stages]
     comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < len(stages) - 1 else 0.0 for j, s in enumerate(stages)]
     schedule = pipe_schedule(name, p, m, v)
-    peak = simulate(schedule).peak
+    peak = peak_in_flight(schedule)
     mem = [memory_terms(prof, topo, sum(prof.params(stages[k]) for k in schedule.stages_of(r)),
                         peak[r] * max(prof.saved_bytes(bm, stages[k]) for k in schedule.stages_of(r)))
            for r in range(p)]

@@ -25,6 +25,7 @@ counted idle time equals them exactly (``tests/test_pp_schedule.py``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from labkit.errors import ConfigError
@@ -67,6 +68,10 @@ class PipeSchedule:
     chunks: int
     placement: str
     actions: tuple[tuple[Action, ...], ...]
+
+    def __hash__(self) -> int:  # cheap (the simulator caches by schedule); equal schedules still compare in full
+        return hash((self.name, self.ranks, self.microbatches, self.chunks, self.placement,
+                     tuple(len(a) for a in self.actions)))
 
     @property
     def num_stages(self) -> int:
@@ -361,9 +366,11 @@ def check_schedule(name: str, p: int, m: int, v: int) -> None:
                           f"--num-microbatches must be a multiple of pp={p}, got {m}")
 
 
+@functools.lru_cache(maxsize=256)
 def pipe_schedule(name: str, ranks: int, microbatches: int, chunks: int | None = None) -> PipeSchedule:
     """The schedule ``name`` for ``ranks`` ranks, ``microbatches`` micro-batches, ``chunks`` stages per rank
-    (None: the schedule's own, 2 for interleaved), checked (:func:`check_schedule`)."""
+    (None: the schedule's own, 2 for interleaved), checked (:func:`check_schedule`); built once per arguments (the
+    object is immutable)."""
     if chunks is None:
         chunks = CHUNKS.get(name) or 2
     check_schedule(name, ranks, microbatches, chunks)

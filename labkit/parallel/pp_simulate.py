@@ -128,16 +128,24 @@ def _needs(s: PipeSchedule, a: Action) -> list[Action | tuple]:
     return [(INPUT, a.stage, a.mb)]
 
 
-def simulate(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0) -> SimResult:
-    """The ideal Gantt of ``s`` (module docstring). Raises :class:`PipelineScheduleError` on a broken rule or a
-    deadlock, naming the first action of every rank that waits."""
+@dataclass(frozen=True)
+class _Order:
+    """A schedule compiled once: every action in an order that respects its dependencies, each with its rank,
+    the positions of the actions it waits for on other stages, and the peak in flight per rank (cost-free)."""
+
+    actions: tuple[tuple[int, Action, tuple[int, ...]], ...]   # (rank, action, dependencies' positions)
+    peak: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(s: PipeSchedule) -> _Order:
+    """Sweep the ranks, taking each rank's next action as soon as what it waits for has been taken: the order in
+    which a run could start them. Raises :class:`PipelineScheduleError` on a broken rule or a deadlock, naming the
+    first action of every rank that waits."""
     check_rules(s)
-    cost = _costs(t_f, t_b, t_w, s)
-    comm = _exact(comm)
-    done: dict[tuple, tuple[Fraction, int]] = {}   # (kind, stage, mb) -> (end, rank); "grad" for B or BW
+    position: dict[tuple, int] = {}   # (kind, stage, mb) -> position in the order; ("grad", ...) for B or BW
+    order: list[tuple[int, Action, tuple[int, ...]]] = []
     nxt = [0] * s.ranks
-    free = [Fraction(0)] * s.ranks
-    spans: list[list] = [[] for _ in range(s.ranks)]
     in_flight, peak = [0] * s.ranks, [0] * s.ranks
     progress = True
     while progress:
@@ -146,15 +154,12 @@ def simulate(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0) -> SimResult:
             while nxt[r] < len(s.actions[r]):
                 a = s.actions[r][nxt[r]]
                 deps = _needs(s, a)
-                if any(d not in done for d in deps):
+                if any(d not in position for d in deps):
                     break
-                start = max([free[r]] + [done[d][0] + (comm if done[d][1] != r else 0) for d in deps])
-                end = start + cost[a.kind][a.stage]
-                spans[r].append((a, start, end))
-                free[r] = end
-                done[(a.kind, a.stage, a.mb)] = (end, r)
+                position[(a.kind, a.stage, a.mb)] = len(order)
                 if a.kind in (INPUT, FULL):
-                    done[("grad", a.stage, a.mb)] = (end, r)
+                    position[("grad", a.stage, a.mb)] = len(order)
+                order.append((r, a, tuple(position[d] for d in deps)))
                 in_flight[r] += 1 if a.kind == FORWARD else -1 if a.kind in (WEIGHT, FULL) else 0
                 peak[r] = max(peak[r], in_flight[r])
                 nxt[r] += 1
@@ -164,14 +169,66 @@ def simulate(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0) -> SimResult:
         for r in range(s.ranks):
             if nxt[r] < len(s.actions[r]):
                 a = s.actions[r][nxt[r]]
-                missing = next(d for d in _needs(s, a) if d not in done)
+                missing = next(d for d in _needs(s, a) if d not in position)
                 what = (f"the gradient from stage {missing[1]}" if missing[0] == "grad"
                         else f"{missing[0]}{missing[1]}.{missing[2]}")
                 waits.append(f"rank {r} at {a} (action {nxt[r] + 1}) waits for {what}")
         raise PipelineScheduleError("deadlock: " + "; ".join(waits))
+    return _Order(tuple(order), tuple(peak))
+
+
+def simulate(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0) -> SimResult:
+    """The ideal Gantt of ``s`` (module docstring): each action starts when its rank is free and the actions it
+    waits for have ended (plus ``comm`` from another rank). Raises :class:`PipelineScheduleError` on a broken rule or
+    a deadlock, naming the first action of every rank that waits."""
+    compiled = _compile(s)
+    cost = _costs(t_f, t_b, t_w, s)
+    comm = _exact(comm)
+    zero = 0.0 if isinstance(comm, float) else Fraction(0)
+    free = [zero] * s.ranks
+    ends: list = []
+    ranks: list[int] = []
+    spans: list[list] = [[] for _ in range(s.ranks)]
+    for r, a, deps in compiled.actions:
+        start = free[r]
+        for d in deps:
+            ready = ends[d] + (comm if ranks[d] != r else 0)
+            if ready > start:
+                start = ready
+        end = start + cost[a.kind][a.stage]
+        spans[r].append((a, start, end))
+        free[r] = end
+        ends.append(end)
+        ranks.append(r)
     makespan = max(free)
     busy = [sum((e - b for _, b, e in spans[r]), 0) for r in range(s.ranks)]
-    return SimResult(s, spans, makespan, busy, peak)
+    return SimResult(s, spans, makespan, busy, list(compiled.peak))
+
+
+def step_time(s: PipeSchedule, t_f=1, t_b=1, t_w=1, comm=0):
+    """The makespan alone of :func:`simulate` (the same pass over the same compiled order, without the Gantt): what
+    the advisor's price reads thousands of times in a search."""
+    compiled = _compile(s)
+    cost = _costs(t_f, t_b, t_w, s)
+    comm = _exact(comm)
+    free = [0] * s.ranks
+    ends, ranks = [], []
+    for r, a, deps in compiled.actions:
+        start = free[r]
+        for d in deps:
+            ready = ends[d] + comm if ranks[d] != r else ends[d]
+            if ready > start:
+                start = ready
+        free[r] = start + cost[a.kind][a.stage]
+        ends.append(free[r])
+        ranks.append(r)
+    return max(free)
+
+
+def peak_in_flight(s: PipeSchedule) -> list[int]:
+    """Per rank, the most micro-batch chunks whose forward ran and whose weight gradient has not (costs play no
+    part: the order on the rank decides it)."""
+    return list(_compile(s).peak)
 
 
 @functools.lru_cache(maxsize=512)
