@@ -25,6 +25,7 @@ NOTEBOOKS = """\
     02_data_parallel      DDP with torchrun, scaling, linear LR scaling + warm-up
     03_model_parallel     layer split, vertical FC slicing, the FlexFlow hybrid strategy
     04_pipeline           GPipe micro-batches, GPipe vs 1F1B bubbles
+    04b_pipeline_schedules          interleaved, zero-bubble, ZBV, DualPipeV: as data, simulated, run
     05_kfac               K-FAC, the Kronecker-factored preconditioner
     05b_second_order_at_scale       SGD, Adam, K-FAC, Shampoo, SOAP and Muon on one harness, split over ranks
     06_cifar10_resnet32_multi_gpu   SGD vs K-FAC on N GPUs

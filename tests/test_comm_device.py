@@ -24,8 +24,9 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "al
 #: broken programs of the faults lab that teach torch.distributed, the strategies' own protocols whose buffers the
 #: backend/device table keeps right, and the stop check, which launches its all-reduce without waiting
 #: (``async_op``) on a tensor it keeps on the rank's device itself, sequence parallelism's reduce-scatter, for
-#: which labkit.dist.group has no helper (it moves the tensor to the communication device itself), and the advisor's link
-#: fit, whose collectives are what it times (its buffers are made on the communication device)
+#: which labkit.dist.group has no helper (it moves the tensor to the communication device itself), the advisor's link
+#: fit, whose collectives are what it times (its buffers are made on the communication device), and the pipeline
+#: runtime's point-to-point sends (on the stage's device, which the pp BACKENDS row keeps right: no gloo on CUDA)
 ALLOWED_FILES = {"dist/group.py", "collectives", "exercises", "faults"}
 ALLOWED_FUNCTIONS = {("parallel/zero_units.py", "Comm.all_gather"), ("parallel/zero_units.py", "Comm.reduce_scatter"),
                      ("strategies/ps/worker.py", "push_pull"),
@@ -33,7 +34,9 @@ ALLOWED_FUNCTIONS = {("parallel/zero_units.py", "Comm.all_gather"), ("parallel/z
                      ("strategies/ps/server.py", "ServerState.reply"),
                      ("train/preempt.py", "StopCheck._launch"),
                      ("parallel/mappings.py", "_reduce_scatter_sequence"),
-                     ("advisor/measure.py", "_fit_rank"), ("advisor/measure.py", "_fit_rank.ring_step")}
+                     ("advisor/measure.py", "_fit_rank"), ("advisor/measure.py", "_fit_rank.ring_step"),
+                     ("parallel/pp_runtime.py", "ScheduleRuntime._send"),
+                     ("parallel/pp_runtime.py", "ScheduleRuntime._recv")}
 
 
 class _Calls(ast.NodeVisitor):

@@ -117,7 +117,7 @@ def test_recorded_timeline_follows_the_schedule(ranks, schedule):
 
 def ideal_order(schedule):
     trace = viz.ideal_trace(3, 4, schedule)
-    return {r: [f"{e['kind']}{e['mb']}" for e in sorted(trace["events"], key=lambda e: e["start"]) if e["rank"] == r]
+    return {r: [f"{e['kind'][0]}{e['mb']}" for e in sorted(trace["events"], key=lambda e: e["start"]) if e["rank"] == r]
             for r in range(3)}
 
 

@@ -186,6 +186,8 @@ class MeshPlan:
     sequence_parallel: bool = False
     recompute: bool = False
     ep: int = 1
+    schedule: str = "1f1b"   # the pipeline's (labkit.parallel.pp_schedule names) and its chunks per rank
+    virtual: int = 1
 
     @property
     def devices(self) -> int:
@@ -194,7 +196,10 @@ class MeshPlan:
     @property
     def label(self) -> str:
         dims = ",".join(f"{k}={getattr(self, k)}" for k in ("dp", "tp", "pp", "cp", "ep") if getattr(self, k) > 1)
-        extra = [self.pp > 1 and f"m={self.microbatches}", self.zero and f"zero{self.zero}",
+        extra = [self.pp > 1 and f"m={self.microbatches}",
+                 self.pp > 1 and self.schedule != "1f1b" and f"{self.schedule}" + (f" v={self.virtual}" if
+                                                                                  self.virtual > 1 else ""),
+                 self.zero and f"zero{self.zero}",
                  self.sequence_parallel and "sp", self.recompute and "recompute"]
         return " ".join([dims or "one device", *filter(None, extra)])
 

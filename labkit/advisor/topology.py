@@ -148,16 +148,30 @@ def stages_of(balance) -> list[range]:
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
-    """The idle share of a fill-and-drain pipeline step: ``(p − 1) / (m + p − 1)``."""
-    return (stages - 1) / (microbatches + stages - 1)
+    """The idle share of a fill-and-drain (GPipe) step of equal stages, simulated from its schedule
+    (:mod:`labkit.parallel.pp_simulate`): ``(p − 1) / (m + p − 1)``."""
+    from labkit.parallel.pp_schedule import pipe_schedule
+    from labkit.parallel.pp_simulate import simulate
+
+    return float(simulate(pipe_schedule("gpipe", stages, microbatches)).bubble)
 
 
 def pipeline_terms(stage_times: list[float], stage_comm: list[float], microbatches: int,
-                   critical_path: bool = False) -> dict[str, float]:
-    """A fill-and-drain step over ``p`` stages of slots ``τ_j = t_j + c_j`` (compute, messages out, per micro-batch),
-    the slowest ``τ = τ_{j*}`` pacing it: ``compute = m·t_{j*}``, ``communication = m·c_{j*}``, ``bubble = (p − 1)·τ``,
-    or with ``critical_path`` ``Σ_{j≠j*} τ_j`` (the first micro-batch crosses each other stage at its own pace)."""
+                   critical_path: bool = False, schedule: str = "gpipe", chunks: int = 1) -> dict[str, float]:
+    """A step over ``p`` stages of slots ``τ_j = t_j + c_j`` (compute, messages out, per micro-batch), the slowest
+    ``τ = τ_{j*}`` pacing it: ``compute = m·t_{j*}``, ``communication = m·c_{j*}``, and ``bubble`` the rest of the
+    step that :func:`labkit.parallel.pp_simulate.simulate` gives for ``schedule``'s action lists, each stage's
+    forward a third of its slot and its backward two thirds (with ``critical_path`` every stage at its own slot, else
+    all at the pace ``τ``). For GPipe that is ``Σ_{j≠j*} τ_j`` (the first micro-batch crosses each other stage at its
+    own pace) or ``(p − 1)·τ``: the formulas, counted rather than written a second time. ``chunks``: stages per
+    rank (``len(stage_times)`` is then ``p·chunks``)."""
+    from labkit.parallel.pp_schedule import pipe_schedule
+    from labkit.parallel.pp_simulate import step_time
+
     slots = [t + c for t, c in zip(stage_times, stage_comm)]
     j = slots.index(max(slots))
-    bubble = sum(s for k, s in enumerate(slots) if k != j) if critical_path else (len(slots) - 1) * slots[j]
+    paced = slots if critical_path else [slots[j]] * len(slots)
+    thirds = [float(x) / 3 for x in paced]
+    step = step_time(pipe_schedule(schedule, len(slots) // chunks, microbatches, chunks), thirds, thirds, thirds)
+    bubble = max(0.0, float(step) - microbatches * slots[j])
     return {"compute": microbatches * stage_times[j], "communication": microbatches * stage_comm[j], "bubble": bubble}

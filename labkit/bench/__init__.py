@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "largebatch": "labkit.bench.largebatch",
     "ps": "labkit.bench.ps",
     "tp": "labkit.bench.tp",
+    "pp-schedules": "labkit.bench.pp_schedules",
     "suite": "labkit.bench.suite",
     "report": "labkit.bench.report",
 }

@@ -30,6 +30,7 @@ CHECKS: dict[str, str] = {
     "online-softmax": "labkit.exercises.online_softmax:main",
     "advisor-cost": "labkit.exercises.pipeline_bubble:main",
     "row-parallel": "labkit.exercises.row_parallel:main",
+    "pp-schedule": "labkit.exercises.pp_schedule:main",
 }
 
 #: exercise name -> "module:ATTRIBUTE", the text of its starting file (``--init FILE``)
@@ -46,6 +47,7 @@ STARTERS: dict[str, str] = {
     "online-softmax": "labkit.exercises.online_softmax:STARTER",
     "advisor-cost": "labkit.exercises.pipeline_bubble:STARTER",
     "row-parallel": "labkit.exercises.row_parallel:STARTER",
+    "pp-schedule": "labkit.exercises.pp_schedule:STARTER",
 }
 
 # notebook 11: each broken program of labkit.faults is an exercise; its starting file is the program itself

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit.errors import ConfigError
+from labkit.parallel.pp_schedule import check_schedule, chunks_of
 from labkit.strategies.gpipe import check_chunks, num_microbatches
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -30,22 +31,44 @@ def torch_pipelining():
 def pipeline_options(options: dict, stages: int, on_mesh: bool = True) -> tuple[str, int]:
     """``(schedule, micro-batches)`` of a ``stages``-stage pipeline, its options checked once for every form of it:
     the mesh's ``pp`` (``on_mesh``: the messages say ``pp=P``) and ``--strategy pipeline`` (they say ranks).
+    ``schedule`` is ``--pp-schedule`` when given (run by :mod:`labkit.parallel.pp_runtime` from its data), else
+    ``--schedule`` (run by ``torch.distributed.pipelining``).
 
     Raises:
         ConfigError: an unknown ``--schedule``; 1F1B with fewer micro-batches than stages (its warm-up would
-            have nothing to run); a ``--balance`` with a count per stage missing or extra.
+            have nothing to run); ``--pp-schedule`` with ``--schedule 1f1b``, ``--pp-virtual`` without
+            ``--pp-schedule``, or what the schedule cannot run (:func:`labkit.parallel.pp_schedule.check_schedule`:
+            too few micro-batches, a chunk count it does not take); a ``--balance`` with a count per stage
+            (per chunk, ``pp × --pp-virtual`` of them) missing or extra; ``--pp-schedule`` with ``--dp-shard zero3``
+            or ``fsdp``.
     """
     schedule = options.get("schedule") or "gpipe"
     if schedule not in SCHEDULES:
         raise ConfigError(f"--schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
     chunks = num_microbatches(options)
-    if stages > 1 and schedule == "1f1b" and chunks < stages:
-        count = f"pp={stages}" if on_mesh else stages
+    count = f"pp={stages}" if on_mesh else stages
+    named, virtual = options.get("pp_schedule"), options.get("pp_virtual")
+    if named is None and virtual is not None:
+        raise ConfigError(f"--pp-virtual {virtual} needs --pp-schedule (interleaved-1f1b takes any v >= 2, zbv and "
+                          "dualpipev take 2)")
+    if named is not None:
+        if schedule != "gpipe":
+            raise ConfigError(f"--pp-schedule {named} and --schedule {schedule} both name the schedule; give one")
+        if options.get("dp_shard") in ("zero3", "fsdp"):
+            raise ConfigError(f"--pp-schedule {named} with --dp-shard {options['dp_shard']}: the split backward "
+                              "writes .grad itself, which sharded parameters do not take; use --dp-shard none, "
+                              "zero1 or zero2")
+        virtual = chunks_of(options)
+        check_schedule(named, stages, chunks, virtual)
+        schedule = named
+    elif stages > 1 and schedule == "1f1b" and chunks < stages:
         raise ConfigError(f"--schedule 1f1b needs --num-microbatches >= the number of stages ({count}), got {chunks}")
+    cut = stages * (virtual or 1)
     given = options.get("balance")
-    if stages > 1 and given and len(given) != stages:
+    if stages > 1 and given and len(given) != cut:
         there = f"pp={stages}" if on_mesh else f"there are {stages} ranks"
-        raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but {there}; "
+        per = f" × --pp-virtual {virtual} = {cut} chunks" if (virtual or 1) > 1 else ""
+        raise ConfigError(f"--balance {' '.join(map(str, given))} gives {len(given)} stage(s) but {there}{per}; "
                           "give one count per stage")
     return schedule, chunks
 

@@ -34,8 +34,8 @@ from labkit.parallel.mesh import MeshStrategy
 from labkit.parallel.pipeline_stages import pipeline_options
 
 #: ``labkit train --strategy pipeline`` flags: the pp dimension's, declared once there (labkit.flags)
-SHARED_FLAGS = {"labkit.parallel.pp": ["--num-microbatches", "--balance", "--schedule", "--pipeline-trace",
-                                       "--trace-steps"]}
+SHARED_FLAGS = {"labkit.parallel.pp": ["--num-microbatches", "--balance", "--schedule", "--pp-schedule",
+                                       "--pp-virtual", "--pipeline-trace", "--trace-steps"]}
 #: backend/device combinations refused before any work (labkit.strategies.backends): gloo's send/recv take CPU tensors only
 BACKENDS = [
     {"backend": "gloo", "device": "cuda",
@@ -79,25 +79,34 @@ class PipelineStrategy(MeshStrategy):
 
 
 def price_pipeline(plan, prof, topo) -> Estimate:
-    """One stage per rank (``torch.distributed.pipelining``), ``m`` micro-batches of ``B/m``:
+    """One stage per rank (``--schedule``: ``torch.distributed.pipelining``; ``--pp-schedule``: labkit's, with
+    ``--pp-virtual`` chunks per rank), ``m`` micro-batches of ``B/m``:
 
     ``t_j = s·T_{stage j}(B/m)``, ``c_j = 2·msg((B/m)·A_{last of j})`` (activation forward, gradient
-    backward; 0 for the last stage), terms from :func:`pipeline_terms` along the critical path (the stages a
-    search cuts are seldom equal).
+    backward; 0 for the last stage), terms from :func:`pipeline_terms`: the schedule's action lists simulated with
+    those per-stage costs (:mod:`labkit.parallel.pp_simulate`).
     Every rank loads the whole batch.
-    Memory of stage ``j``: ``3·P_j + k_j·M_j(B/m)`` with ``k_j = m`` (gpipe schedule) or
-    ``min(p − j, m)`` (1f1b); the fullest stage counts.
+    Memory of rank ``r``: ``3·P_r + k_r·M_r(B/m)`` with ``k_r`` the simulated peak of micro-batches in flight on
+    rank ``r`` (GPipe: ``m``; 1F1B: ``min(p − r, m)``; ZB-H1: ``p``), ``P_r``, ``M_r`` over its stages (the
+    largest chunk's saved bytes per chunk in flight); the fullest rank counts.
     """
+    from labkit.parallel.pp_schedule import chunks_of, pipe_schedule
+    from labkit.parallel.pp_simulate import peak_in_flight
+
     o = plan.option
     p, m, B = plan.processes, o["num_microbatches"], plan.batch_size
+    name, v = o.get("pp_schedule") or o.get("schedule", "gpipe"), chunks_of(o)
     stages = stages_of(o["balance"])
     bm = B / m
     msg = topo.link_of("p2p", p).transfer_time
     times = [compute_scale(topo, p, prof) * prof.time(bm, s) for s in stages]
-    comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < p - 1 else 0.0 for j, s in enumerate(stages)]
-    held = [m if o.get("schedule", "gpipe") == "gpipe" else min(p - j, m) for j in range(p)]
-    mem = [memory_terms(prof, topo, prof.params(s), held[j] * prof.saved_bytes(bm, s)) for j, s in enumerate(stages)]
-    full = max(range(p), key=lambda j: sum(mem[j].values()))
-    terms = pipeline_terms(times, comm, m, critical_path=True)
+    comm = [2 * msg(bm * prof.layers[s[-1]].out_bytes) if j < len(stages) - 1 else 0.0 for j, s in enumerate(stages)]
+    schedule = pipe_schedule(name, p, m, v)
+    peak = peak_in_flight(schedule)
+    mem = [memory_terms(prof, topo, sum(prof.params(stages[k]) for k in schedule.stages_of(r)),
+                        peak[r] * max(prof.saved_bytes(bm, stages[k]) for k in schedule.stages_of(r)))
+           for r in range(p)]
+    full = max(range(p), key=lambda r: sum(mem[r].values()))
+    terms = pipeline_terms(times, comm, m, critical_path=True, schedule=name, chunks=v)
     terms.update(common_terms(prof, topo, max(prof.params(s) for s in stages), B))
     return Estimate(plan, terms, mem[full])

@@ -1,8 +1,15 @@
 """The mesh's ``pp`` dimension: the model cut into stages along each ``pp`` column, micro-batches scheduled by
-``torch.distributed.pipelining`` (GPipe or 1F1B, as ``--strategy pipeline``).
+``torch.distributed.pipelining`` (``--schedule`` GPipe or 1F1B, as ``--strategy pipeline``) or by labkit's own
+executor of a schedule written as data (``--pp-schedule``: :mod:`labkit.parallel.pp_schedule`,
+:mod:`labkit.parallel.pp_runtime`; interleaved 1F1B with ``--pp-virtual`` chunks per rank, ZB-H1, ZBV, DualPipeV).
 
     torchrun --nproc_per_node 4 -m labkit train --mesh tp=2,pp=2 --model gpt-tiny --dataset text-sample \\
         --num-microbatches 4 --schedule 1f1b
+    torchrun --nproc_per_node 4 -m labkit train --mesh pp=4 --pp-schedule zb-h1 --model lenet --dataset mnist-sample \\
+        --num-microbatches 8
+
+With ``--pp-schedule`` each rank holds ``v`` chunks (stages ``S = P·v``; rank ``r`` holds stages ``r, r + P, …``, or
+``r`` and ``2P − 1 − r`` in a V), gathered in one :class:`~labkit.parallel.pp_runtime.RankStages` module.
 
 The ``P`` ranks of one ``pp`` group (``mesh.get_group("pp")``, the same dp/ep/cp/tp coordinates) each hold one
 stage: a GPT's blocks split as evenly as possible (stage 0 also holds the embeddings, the last ``ln_f`` and the
@@ -62,6 +69,8 @@ from labkit.parallel.pipeline_stages import (
     torch_pipelining,
 )
 from labkit.parallel.pp_gpt import TIED, GPTStage, is_gpt, is_tied
+from labkit.parallel.pp_runtime import RankStages, ScheduleRuntime
+from labkit.parallel.pp_schedule import chunks_of
 from labkit.results import atomic_write_text
 from labkit.strategies.balance import SavedActivations
 from labkit.strategies.gpipe import check_balance, check_sequential
@@ -75,8 +84,16 @@ FLAGS = [
      "help": "pp dimension: micro-batches per mini-batch"},
     {"flag": "--schedule", "choices": ["gpipe", "1f1b"], "default": "gpipe",
      "help": "pp dimension: micro-batch schedule"},
+    {"flag": "--pp-schedule", "choices": ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"],
+     "default": None,
+     "help": "pp dimension: run this schedule from labkit's own action lists (labkit.parallel.pp_schedule) instead "
+             "of torch's --schedule; zb-h1, zbv and dualpipev split the backward into B and W"},
+    {"flag": "--pp-virtual", "type": "int", "range": "[1, inf)", "default": None, "metavar": "V",
+     "help": "pp dimension, with --pp-schedule: stages (chunks) per rank (None: the schedule's own; "
+             "interleaved-1f1b: 2)"},
     {"flag": "--balance", "type": "int", "range": "[1, inf)", "nargs": "+", "default": None, "metavar": "N",
-     "help": "pp dimension, per stage: GPT blocks or Sequential layers, e.g. --balance 3 2 (None: as even as possible)"},
+     "help": "pp dimension, per stage (per chunk with --pp-virtual): GPT blocks or Sequential layers, e.g. "
+             "--balance 3 2 (None: as even as possible)"},
     {"flag": "--pipeline-trace", "default": None, "metavar": "FILE",
      "help": "pp dimension: write the measured per-rank timeline (JSON) here (None: no trace)"},
     {"flag": "--trace-steps", "type": "int", "range": "[0, inf)", "default": None, "metavar": "N",
@@ -115,6 +132,14 @@ class Timeline:
         if self._step is not None:
             self.events.append({"rank": self.rank, "step": self._step, "kind": kind, "mb": mb, "label": label,
                                 "start": start - self._origin, "end": end - self._origin})
+
+    def event(self, kind: str, mb: int | None, start: float, end: float, label: str | None = None,
+              stage: int | None = None) -> None:
+        """Record one action of a schedule run from its data (:mod:`labkit.parallel.pp_runtime`): ``kind`` F, B, W,
+        BW or wait, on ``stage``."""
+        if self._step is not None:
+            self._add(kind, mb, start, end, label)
+            self.events[-1]["stage"] = stage
 
     def instrument(self, stage: PipelineStage) -> None:
         """Time every forward and backward of every micro-batch this stage runs."""
@@ -193,8 +218,13 @@ class PipelineParallel(Dimension):
         trace_steps = self.options.get("trace_steps")
         self.trace_steps = int(trace_steps if trace_steps is not None else (3 if self.trace_path else 0))
         self.timeline = Timeline(self.rank) if self.trace_steps > 0 and self.size > 1 else None
+        self.virtual = chunks_of(self.options)
         self.stages = StageSchedules(self.rank, self.size, device, self.schedule_name, self.num_microbatches,
                                      group=self.group, timeline=self.timeline)
+        self.runtime = None
+        if self.options.get("pp_schedule") and self.size > 1:  # labkit's executor of the schedule as data
+            self.runtime = ScheduleRuntime(self.rank, self.size, self.schedule_name, self.virtual,
+                                           self.num_microbatches, device, group=self.group, timeline=self.timeline)
         self._steps = 0
         self.balance: list[int] | None = None
         self.embedding_group: dist.ProcessGroup | None = None
@@ -207,6 +237,9 @@ class PipelineParallel(Dimension):
 
     @property
     def is_last(self) -> bool:
+        """Does this rank hold the last stage (rank P-1; under a V-shaped schedule, rank 0)?"""
+        if self.runtime is not None:
+            return self.runtime.holds(self.runtime.last_stage)
         return self.rank == self.size - 1
 
     def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
@@ -229,32 +262,42 @@ class PipelineParallel(Dimension):
             check_split(batch_size, self.num_microbatches)
 
     def _balance(self, num_units: int, unit: str, model_name: str = "the model") -> list[int]:
-        """``--balance``, checked against ``num_units`` blocks or layers, or the even split."""
+        """``--balance``, checked against ``num_units`` blocks or layers, or the even split; ``pp × --pp-virtual``
+        stages, which must then divide the units (equal chunks, as the schedule's costs assume)."""
+        cut = self.size * self.virtual
         given = self.options.get("balance")
         if given:
-            return check_balance(given, num_units, [f"stage {i}" for i in range(self.size)])
-        if num_units < self.size:
-            raise ConfigError(f"--mesh pp={self.size}: {model_name} has {num_units} {unit}, fewer than the stages; "
-                              f"use pp <= {num_units}")
-        return even_balance(num_units, self.size)
+            return check_balance(given, num_units, [f"stage {i}" for i in range(cut)])
+        if num_units < cut:
+            chunks = f" × --pp-virtual {self.virtual} = {cut} chunks" if self.virtual > 1 else ""
+            raise ConfigError(f"--mesh pp={self.size}{chunks}: {model_name} has {num_units} {unit}, fewer than the "
+                              f"stages; use fewer")
+        if self.virtual > 1 and num_units % cut:
+            raise ConfigError(f"--mesh pp={self.size} × --pp-virtual {self.virtual} = {cut} chunks do not divide "
+                              f"{model_name}'s {num_units} {unit}; choose v so that pp·v divides {num_units}, or give "
+                              f"--balance with {cut} counts")
+        return even_balance(num_units, cut)
 
     def parallelize(self, model: nn.Module) -> nn.Module:
         """This rank's stage of ``model`` (a GPT, possibly tp-sharded, or an ``nn.Sequential``), on its device."""
         if self.size == 1:
             return model
+        mine = self.runtime.schedule.stages_of(self.rank) if self.runtime is not None else [self.rank]
         if is_gpt(model):
             self.balance = self._balance(len(model.blocks), "blocks", "the GPT")
             tied = is_tied(model)
-            stage = GPTStage(model, self.balance, self.rank).to(self.device)
-            if tied:
-                self._tie(stage)
+            parts = {s: GPTStage(model, self.balance, s) for s in mine}
             kind = f"GPT blocks {self.balance}" + (", tied embedding on the first and last stage" if tied else "")
         else:
             model = check_sequential(model)
             self.balance = self._balance(len(model), "layers", "the nn.Sequential")
-            stage = stage_layers(model, self.balance, self.rank).to(self.device)
-            kind = f"layers {self.balance}"
-        print0(f"pp | {self.size} stages, {kind} | schedule {self.schedule_name} | {self.num_microbatches} "
+            parts = {s: stage_layers(model, self.balance, s) for s in mine}
+            kind, tied = f"layers {self.balance}", False
+        stage = (RankStages(parts) if self.runtime is not None else parts[self.rank]).to(self.device)
+        if tied:
+            self._tie(parts)
+        chunks = f" × {self.virtual} chunks" if self.virtual > 1 else ""
+        print0(f"pp | {self.size} stages{chunks}, {kind} | schedule {self.schedule_name} | {self.num_microbatches} "
                "micro-batches")
         return stage
 
@@ -270,10 +313,14 @@ class PipelineParallel(Dimension):
                 mine = group
         return mine
 
-    def _tie(self, stage: GPTStage) -> None:
-        """Make the embedding group; start the last stage's copy equal to the first's (broadcast once)."""
+    def _tie(self, parts: dict[int, GPTStage]) -> None:
+        """Make the embedding group; start the last stage's copy equal to the first's (broadcast once). Under a
+        V-shaped schedule rank 0 holds the first and the last stage: the one matrix serves both, no group."""
+        last = self.size * self.virtual - 1
+        if self.runtime is not None and self.runtime.schedule.rank_of(last) == 0:
+            return
         self.embedding_group = self._embedding_groups()
-        weight = stage.tied_weight()
+        weight = next((w for part in parts.values() if (w := part.tied_weight()) is not None), None)
         if weight is None:
             return
         self._tied_name = TIED["first" if self.is_first else "last"]
@@ -289,10 +336,15 @@ class PipelineParallel(Dimension):
         step, self._steps = self._steps, self._steps + 1
         recording = self.timeline is not None and 1 <= step <= self.trace_steps
         context = self.timeline.record(step, self.device, model.parameters(), self.group) if recording else None
+        if self.runtime is not None:
+            with context or contextlib.nullcontext():
+                return self.runtime.forward_backward(model.stages, x, y, criterion)
         return self.stages.forward_backward(model, x, y, criterion, context)
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the outputs on the last stage, None elsewhere."""
+        if self.runtime is not None:
+            return self.runtime.forward(model.stages, x)
         return self.stages.forward(model, x)
 
     def sync_gradients(self, model: nn.Module) -> None:
@@ -322,6 +374,7 @@ class PipelineParallel(Dimension):
         if not self.is_first:
             return None
         return {"schema": TRACE_SCHEMA, "schedule": self.schedule_name, "num_stages": self.size,
+                "virtual": self.virtual, "runtime": "labkit" if self.runtime is not None else "torch",
                 "num_microbatches": self.num_microbatches, "balance": self.balance,
                 "device": self.device.type, "backend": dist.get_backend(self.group),
                 "steps": sorted({e["step"] for g in gathered for e in g["events"]}),

@@ -11,7 +11,10 @@ samples per pipeline column, terms in this order:
   :data:`EFFICIENCY`), ``× 4/3`` with recomputation (the forward again); a CNN's ``s·m·max_j T_j(b)`` from
   its profile (stage ``j``'s layers as ``labkit train --mesh`` cuts them, evenly; ``s`` the topology's
   :func:`~labkit.advisor.topology.compute_scale`);
-* ``bubble = (pp − 1)/m · compute`` (GPipe and 1F1B alike);
+* ``bubble = idle/m · compute``, ``idle`` one rank's idle time per micro-batch's work of the plan's pipeline
+  schedule (``MeshPlan.schedule``, 1F1B unless set), simulated from its action lists at ``t_F = t_B = t_W``
+  (:func:`labkit.parallel.pp_simulate.unit_step`): ``pp − 1`` for GPipe and 1F1B, ``(pp − 1)/3`` for ZB-H1,
+  ``(pp − 1)/v`` interleaved;
 * one term per mesh dimension, priced by the function its module's ``ADVISOR`` literal names, beside its
   ``FLAGS`` (:func:`labkit.parallel.registered`): ``tp``, ``cp``, ``ep``, ``pp``, ``dp``, each reading a
   :class:`MeshStep`. A CNN enters them as a model of one token per sample whose stage boundary carries its
@@ -23,7 +26,8 @@ are laid out ``pp, dp, cp, tp`` (``dp, ep`` for a MoE) with the last innermost, 
 stride ``s`` spans ``g·s`` ranks. Memory per device: ``parameters``, ``gradients``, ``optimizer`` (a GPT in
 mixed precision with Adam, 2 + 2 + 12 bytes per parameter, Rajbhandari et al. 2020; a CNN in fp32 with
 momentum, 4 + 4 + 4), ZeRO 1 sharding the optimizer over the ``d`` ranks holding the same weights, 2 also the
-gradients, 3 all three; ``activations`` for the micro-batches in flight (``min(pp, m)``, 1F1B): a GPT's
+gradients, 3 all three; ``activations`` for the micro-batches in flight (the same simulation's peak: 1F1B's
+``min(pp, m)``, ZB-H1's ``pp``, GPipe's ``m``): a GPT's
 :func:`labkit.parallel.megatron_cost.activation_bytes_per_layer` × ``L/pp`` (a MoE's ``k`` experts add
 ``(k − 1)·8·bTC`` elements; with recomputation each block's input plus one block's activations), a CNN's
 saved bytes of its fullest stage.
@@ -187,6 +191,17 @@ def _weights(plan: MeshPlan, replicas, optimizer: float) -> dict[str, float]:
     return memory
 
 
+def pipeline_step(plan: MeshPlan) -> tuple[float, float]:
+    """``(idle, held)``: the plan's pipeline schedule simulated (:func:`labkit.parallel.pp_simulate.unit_step`), one
+    rank's idle time in micro-batches' work and the peak of micro-batches in flight (1 without a pipeline)."""
+    from labkit.parallel.pp_simulate import unit_step
+
+    if plan.pp == 1:
+        return 0.0, 1.0
+    idle, peak = unit_step(plan.schedule, plan.pp, plan.microbatches, plan.virtual)
+    return float(idle), float(peak)
+
+
 def price_mesh(plan: MeshPlan, model: GPTShape | Profile, topo: Topology, batch: int,
                efficiency: float = EFFICIENCY) -> Estimate:
     """The terms of the module docstring, in its order, for ``plan`` (see there for every formula); ``model``
@@ -199,13 +214,14 @@ def price_mesh(plan: MeshPlan, model: GPTShape | Profile, topo: Topology, batch:
     L, C, T = gpt.n_layer, gpt.n_embd, gpt.seq
     flops = 6 * gpt.active_params * batch * T + 12 * L * batch * T * T * C
     compute = flops / (plan.devices * topo.flops * efficiency) * (4 / 3 if plan.recompute else 1)
-    time = {"compute": compute, "bubble": (plan.pp - 1) / plan.microbatches * compute}
+    idle, held = pipeline_step(plan)
+    time = {"compute": compute, "bubble": idle / plan.microbatches * compute}
     time.update((dim, price(step)) for dim, price in pricers().items())
     memory = _weights(plan, step.replicas, ADAM / E)
     b, s = step.b, step.tokens
     layer = activation_bytes_per_layer(b, s, C, gpt.n_head, plan.tp, plan.sequence_parallel, E)
     layer += max(0, gpt.top_k - 1) * 8 * b * s * C * E
-    held = min(plan.pp, plan.microbatches) * step.layers
+    held = held * step.layers
     memory["activations"] = held * b * s * C * E + layer if plan.recompute else held * layer
     return Estimate(plan, time, memory, topo.memory_bytes)
 
@@ -219,11 +235,12 @@ def _price_cnn(plan: MeshPlan, prof: Profile, topo: Topology, batch: int) -> Est
     step = CNNStep(plan, shape, topo, batch, 4, prof, stages)
     m, b = plan.microbatches, step.b
     compute = compute_scale(topo, plan.devices) * m * max(prof.time(b, s) for s in stages)
-    time = {"compute": compute, "bubble": (plan.pp - 1) / m * compute}
+    idle, held = pipeline_step(plan)
+    time = {"compute": compute, "bubble": idle / m * compute}
     time.update((dim, price(step)) for dim, price in pricers().items())
     fullest = {}
     for s in stages:  # the stage with the most bytes sets the memory a device needs
-        memory = memory_terms(prof, topo, 0.0, min(plan.pp, m) * prof.saved_bytes(b, s))
+        memory = memory_terms(prof, topo, 0.0, held * prof.saved_bytes(b, s))
         memory.update(_weights(plan, [(prof.params(s), plan.dp, 1)], 1.0))
         fullest = max(fullest, memory, key=lambda x: sum(x.values(), 0.0))
     shard = plan.dp if plan.zero else 1  # ZeRO 1-3 step the optimizer over a shard

@@ -51,7 +51,9 @@ class SavedActivations:
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._refs[key] += 1
-        return _Held(tensor, self, key)
+        # detached: a saved output holding its own grad_fn would make a cycle (node -> held -> tensor -> node) that
+        # keeps a graph dropped without backward (or kept by retain_graph, as a split backward keeps it) alive
+        return _Held(tensor.detach(), self, key)
 
     def _release(self, key) -> None:
         self._refs[key] -= 1

@@ -6,10 +6,11 @@ peak activation memory per stage, and the GPipe micro-batch sweep.
     compare_schedules({"GPipe": load_trace(a), "1F1B": load_trace(b)})
 
 The bubble of one step is measured as ``1 - busy_r / span`` per rank, where ``busy_r`` is the time rank
-``r`` spent in forward/backward compute and ``span`` runs from the first compute start to the last
-compute end over all ranks; communication waits count as idle. It is printed next to the fill-drain
-model's ``(p - 1) / (m + p - 1)`` (equal stage times, free communication), never instead of it.
-:func:`ideal_trace` draws that model, for the concept figures only, and is labelled as such.
+``r`` spent in forward/backward compute (F, B, W, BW) and ``span`` runs from the first compute start to the last
+compute end over all ranks; communication waits count as idle. It is printed next to the bubble of the same
+schedule simulated from its action lists (:mod:`labkit.parallel.pp_simulate`: equal stage times, free
+communication; GPipe's and 1F1B's ``(p - 1) / (m + p - 1)``), never instead of it. :func:`ideal_trace` draws that
+simulation, for the concept figures and beside a measured run, and is labelled as such.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from labkit.viz.timeline import plot_timeline
 from labkit.viz.units import plain_log_ticks
 
 TRACE_SCHEMA = "labkit.pipeline-trace/1"
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W", "BW")
+PHASE = {"F": "forward", "B": "backward", "BW": "backward", "W": "weight"}
 
 
 def load_trace(path: str | Path) -> dict:
@@ -33,9 +35,18 @@ def load_trace(path: str | Path) -> dict:
     return trace
 
 
-def theoretical_bubble(stages: int, microbatches: int) -> float:
-    """Idle fraction of a fill-drain pipeline with equal stage times: ``(p - 1) / (m + p - 1)``."""
-    return (stages - 1) / (microbatches + stages - 1)
+def theoretical_bubble(stages: int, microbatches: int, schedule: str = "gpipe", virtual: int = 1,
+                       costs: tuple = (1, 1, 1)) -> float:
+    """Idle fraction of ``schedule`` simulated from its action lists (equal stages, free communication, per-stage
+    costs ``(t_F, t_B, t_W)``): GPipe's and 1F1B's ``(p - 1) / (m + p - 1)``."""
+    return float(_simulated(schedule, stages, microbatches, virtual, costs).bubble)
+
+
+def _simulated(schedule: str, stages: int, microbatches: int, virtual: int = 1, costs: tuple = (1, 1, 1)):
+    from labkit.parallel.pp_schedule import pipe_schedule
+    from labkit.parallel.pp_simulate import simulate
+
+    return simulate(pipe_schedule(schedule, stages, microbatches, virtual), *costs)
 
 
 def step_events(trace: Mapping, step: int | None = None) -> list[dict]:
@@ -66,8 +77,9 @@ def bubble_fraction(trace: Mapping, step: int | None = None) -> dict:
     per_rank = {r: 1 - busy[r] / span for r in ranks}
     waits = {r: sum(e["end"] - e["start"] for e in events if e["rank"] == r and e["kind"] == "wait") for r in ranks}
     micro = max(e["mb"] for e in compute) + 1
+    theory = theoretical_bubble(len(ranks), micro, trace.get("schedule", "gpipe"), trace.get("virtual", 1))
     return {"per_rank": per_rank, "measured": sum(per_rank.values()) / len(ranks),
-            "theoretical": theoretical_bubble(len(ranks), micro), "span_s": span, "wait_s": waits}
+            "theoretical": theory, "span_s": span, "wait_s": waits}
 
 
 def plot_schedule(trace: Mapping, step: int | None = None, ax=None, title: str | None = None, unit: str = "ms"):
@@ -81,7 +93,7 @@ def plot_schedule(trace: Mapping, step: int | None = None, ax=None, title: str |
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.7 + 0.6 * trace["num_stages"]))
     intervals = [{"stage": e["rank"], "device": f"rank {e['rank']}", "micro_batch": e["mb"],
-                  "phase": "forward" if e["kind"] == "F" else "backward", "start": e["start"], "end": e["end"]}
+                  "phase": PHASE[e["kind"]], "start": e["start"], "end": e["end"]}
                  for e in events if e["kind"] in COMPUTE]
     plot_timeline(intervals, ax=ax, unit=unit)
     ranks = sorted({e["stage"] for e in intervals})
@@ -93,11 +105,11 @@ def plot_schedule(trace: Mapping, step: int | None = None, ax=None, title: str |
     bubble = bubble_fraction(trace, step)
     name = title or f"{trace['schedule']}: {trace['num_stages']} stages, {trace['num_microbatches']} micro-batches"
     if trace.get("idealised"):
-        summary = f"IDEALISED (not measured): bubble = (p-1)/(m+p-1) = {bubble['theoretical']:.0%}"
+        summary = f"IDEALISED (not measured): simulated bubble {bubble['theoretical']:.0%}"
     else:
-        summary = f"bubble measured {bubble['measured']:.0%}, theory (p-1)/(m+p-1) = {bubble['theoretical']:.0%}"
+        summary = f"bubble measured {bubble['measured']:.0%}, simulated {bubble['theoretical']:.0%}"
     ax.set_title(f"{name}\n{summary}", fontsize=10)
-    ax.set_xlabel(f"time in the step ({unit})\nnumber = micro-batch, hatched = backward, grey = comm wait",
+    ax.set_xlabel(f"time in the step ({unit})\nnumber = micro-batch, hatched = backward (dotted: W), grey = comm wait",
                   fontsize=8)
     return ax
 
@@ -167,48 +179,46 @@ def plot_sweep(records: Sequence[Mapping]):
 
 
 def ideal_trace(stages: int, microbatches: int, schedule: str = "gpipe", forward: float = 1.0,
-                backward: float = 2.0) -> dict:
-    """The textbook schedule with equal stage times and free communication, in the trace format.
+                backward: float = 2.0, virtual: int | None = None, weight: float | None = None) -> dict:
+    """The schedule simulated from its action lists (:mod:`labkit.parallel.pp_simulate`) with equal stage times and
+    free communication, in the trace format: ``forward`` per stage, ``backward`` the whole backward (``weight`` of
+    it the W part: half by default), ``virtual`` chunks per rank (None: the schedule's own).
 
-    For concept figures only: it is marked ``"idealised": True`` and :func:`plot_schedule` says so.
-    ``schedule``: ``gpipe`` (all forwards, then all backwards) or ``1f1b`` (PipeDream-flush).
+    For concept figures and beside a measured run: it is marked ``"idealised": True`` and :func:`plot_schedule`
+    says so. ``schedule``: any of :data:`labkit.parallel.pp_schedule.SCHEDULE_NAMES`.
     """
-    if schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"schedule {schedule!r}: choose gpipe or 1f1b")
-    free = [0.0] * stages
-    done: dict[tuple[str, int, int], float] = {}
-    events = []
+    from labkit.parallel.pp_schedule import CHUNKS, SCHEDULE_NAMES
 
-    def run(kind: str, rank: int, mb: int) -> None:
-        ready = done.get(("F", rank - 1, mb), 0.0) if kind == "F" else done.get(("B", rank + 1, mb), 0.0)
-        if kind == "B" and rank == stages - 1:
-            ready = done[("F", rank, mb)]
-        start = max(free[rank], ready)
-        free[rank] = done[(kind, rank, mb)] = start + (forward if kind == "F" else backward)
-        events.append({"rank": rank, "step": 0, "kind": kind, "mb": mb, "start": start, "end": free[rank]})
-
-    pending = [_order(schedule, stages, microbatches, r) for r in range(stages)]
-    while any(pending):
-        for rank in range(stages):  # start times follow from the dependencies, so sweeping order is free
-            while pending[rank] and _ready(pending[rank][0], rank, stages, done):
-                kind, mb = pending[rank].pop(0)
-                run(kind, rank, mb)
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"schedule {schedule!r}: choose one of {', '.join(SCHEDULE_NAMES)}")
+    v = virtual or CHUNKS[schedule] or 2
+    w = backward / 2 if weight is None else weight
+    result = _simulated(schedule, stages, microbatches, v, (forward, backward - w, w))
+    events = [{"rank": r, "step": 0, "kind": a.kind, "mb": a.mb, "stage": a.stage, "start": float(t0),
+               "end": float(t1)} for r, spans in enumerate(result.spans) for a, t0, t1 in spans]
     return {"schema": TRACE_SCHEMA, "schedule": schedule, "num_stages": stages, "num_microbatches": microbatches,
-            "idealised": True, "events": events, "memory": []}
+            "virtual": v, "idealised": True, "events": events, "memory": [], "peak_in_flight": result.peak}
 
 
-def _order(schedule: str, stages: int, microbatches: int, rank: int) -> list[tuple[str, int]]:
-    if schedule == "gpipe":
-        return [("F", m) for m in range(microbatches)] + [("B", m) for m in range(microbatches)]
-    warmup = min(microbatches, stages - rank)
-    order = [("F", m) for m in range(warmup)]
-    for m in range(microbatches - warmup):
-        order += [("B", m), ("F", warmup + m)]
-    return order + [("B", m) for m in range(microbatches - warmup, microbatches)]
+def animate_schedule(schedule: str, stages: int, microbatches: int, virtual: int | None = None,
+                     interval_ms: int = 300):
+    """The simulated schedule (:func:`ideal_trace`) drawn one time unit at a time: frame ``k`` shows every action
+    that started before ``t = k``, so the bubble is the white space the frames leave behind. A
+    ``matplotlib.animation.FuncAnimation`` (``.to_jshtml()`` in a notebook); its frames are the time units."""
+    import math
 
+    import matplotlib.pyplot as plt
+    from matplotlib.animation import FuncAnimation
 
-def _ready(action: Sequence, rank: int, stages: int, done: Mapping) -> bool:
-    kind, mb = action
-    if kind == "F":
-        return rank == 0 or ("F", rank - 1, mb) in done
-    return ("F", rank, mb) in done and (rank == stages - 1 or ("B", rank + 1, mb) in done)
+    trace = ideal_trace(stages, microbatches, schedule, virtual=virtual)
+    end = max(e["end"] for e in trace["events"])
+    fig, ax = plt.subplots(figsize=(9, 0.7 + 0.6 * stages))
+
+    def draw(frame: int):
+        ax.clear()
+        shown = [e for e in trace["events"] if e["start"] < frame] or trace["events"][:1]
+        plot_schedule({**trace, "events": shown}, ax=ax, unit="s",
+                      title=f"{schedule}: {stages} ranks, {microbatches} micro-batches, t = {min(frame, end):g}")
+        ax.set_xlim(0, end)
+        return []
+    return FuncAnimation(fig, draw, frames=range(1, math.ceil(end) + 1), interval=interval_ms, blit=False)

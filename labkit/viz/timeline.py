@@ -55,7 +55,7 @@ def plot_timeline(intervals: Iterable[Interval], ax=None, title: str | None = No
         colour = colours(r["micro_batch"] % 10 if micro <= 10 else r["micro_batch"] / max(micro - 1, 1))
         start, width = (r["start"] - origin) * scale, (r["end"] - r["start"]) * scale
         ax.broken_barh([(start, width)], (y - 0.38, 0.76), facecolors=colour, edgecolor="black", linewidth=0.4,
-                       hatch="//" if r["phase"] == "backward" else None, alpha=0.9)
+                       hatch={"backward": "//", "weight": ".."}.get(r["phase"]), alpha=0.9)
         if micro <= 16:
             ax.text(start + width / 2, y, str(r["micro_batch"]), ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks(range(len(stages)))
