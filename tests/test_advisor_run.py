@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from torch import nn
 
-from labkit.advisor.advise import Advice, advise, flexflow_comparison, parallelize
+from labkit.advisor.advise import Advice, advise, flexflow_comparison, parallelize, table
 from labkit.advisor.measure import local_topology, save_profile
 from labkit.advisor.plan import LayerProfile, Plan, Profile
 from labkit.advisor.search import price
@@ -61,6 +61,11 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
     row = json.loads(saved.read_text())["plans"][0]
     assert row["measured"]["step_s"] == m["step_s"] and row["step_s"] == pytest.approx(est.step_s)
     assert row["command"].startswith("torchrun --nproc_per_node 2 -m labkit train --model lenet")
+    # the table: what the plan puts on a device, the runtime every CPU process holds said once below it
+    text = table(advice)
+    assert " model MB/dev " in text.splitlines()[0] and est.memory["runtime"] == 50 * 2**20
+    assert ("plus on every CPU process the runtime's 50 MB (measured once, the same for every plan: torch and its "
+            "libraries), in the predicted peak and in meas MB") in text
 
     losses = run_ranks(_train_parallelized, 2, est.plan.to_dict(), STEPS)
     assert losses[0] == losses[1] == pytest.approx(m["final_train_loss"], rel=1e-6)
