@@ -263,7 +263,12 @@ def test_flexflow_comparison_names_the_terms(tmp_path):
     assert advice.best.plan.strategy != "hybrid"  # a slow link, FC layers slow to compute: hybrid loses here
     assert "they differ by: compute +" in text
     # the FC layer's 4 MB ring all-reduce: 2 (5 ms + 2 MiB · 1e-8 s/byte); its 32 extra samples: 32 · 3 ms
-    assert "hold 4.0 of 4.0 MB" in text and "costs 51.9 ms on this link" in text and "costs 96.0 ms more" in text
+    assert "hold 4.0 of 4.0 MB" in text and "alone costs 51.9 ms on this link" in text and "costs 96.0 ms more" in text
+    # what hybrid sends instead, beside the best data-parallel plan's whole communication term, both from their
+    # estimates: the butterfly's one exchange of the 4,197,304 B of weights, 5 ms + bytes·1e-8 = 47.0 ms; hybrid's
+    # two messages of 32 samples × 4096 B (6.3 ms each), the logits (5.0 ms) and the features' 3000 B all-reduce
+    # (2·5 ms + 3000·1e-8 = 10.0 ms): 27.7 ms
+    assert "its communication term is 27.7 ms against ddp×2 butterfly's 47.0 ms (-19.3 ms)" in text
     assert "α 5000 µs, 0.10 GB/s)" in text
     # a model without features: hybrid is priced as not applicable, and the comparison says so instead of a 0 ms plan
     save_profile(_lenet_profile(1), 64, tmp_path)

@@ -110,12 +110,18 @@ def flexflow_comparison(advice: Advice) -> str:
     saved = allreduce_time(prof.params(fc), 2, "native", topo)
     paid = prof.time(advice.batch_size, fc) - prof.time(advice.batch_size / 2, fc)
     link = topo.link_of("all_reduce", 2)
+    ddp = next((e for e in advice.estimates if e.plan.strategy == "ddp" and e.plan.processes == 2 and e.applicable),
+               None)  # the best data-parallel plan: what hybrid's FC placement replaces
+    instead = ("" if ddp is None else
+               f" Hybrid sends the features to rank 0 and their gradients back instead: its communication term is "
+               f"{hybrid.time['communication'] * 1e3:.1f} ms against {ddp.plan.label}'s {ddp.time['communication'] * 1e3:.1f} ms "
+               f"({(hybrid.time['communication'] - ddp.time['communication']) * 1e3:+.1f} ms).")
     return "\n".join(lines + [
         f"why: the FC layers hold {prof.params(fc) / 2**20:.1f} of {prof.param_bytes / 2**20:.1f} MB of weights; "
-        f"all-reducing them costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
-        f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), which hybrid saves, while running them on rank 0 for "
-        f"the whole batch instead of half costs {paid * 1e3:.1f} ms more, which hybrid pays. FlexFlow's GPUs "
-        "computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there."])
+        f"all-reducing them alone costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
+        f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), an all-reduce hybrid skips.{instead} Running the FC layers "
+        f"on rank 0 for the whole batch instead of half costs {paid * 1e3:.1f} ms more, which hybrid pays. "
+        "FlexFlow's GPUs computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there."])
 
 
 Parallelized = NamedTuple("Parallelized", [("model", nn.Module), ("strategy", Strategy), ("plan", Plan),
