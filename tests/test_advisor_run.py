@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from torch import nn
 
-from labkit.advisor.advise import Advice, advise, flexflow_comparison, parallelize
+from labkit.advisor.advise import Advice, advise, flexflow_comparison, parallelize, table
 from labkit.advisor.measure import local_topology, save_profile
 from labkit.advisor.plan import LayerProfile, Plan, Profile
 from labkit.advisor.search import price
@@ -61,6 +61,11 @@ def test_validate_records_measurements_and_parallelize_matches_the_command(tmp_p
     row = json.loads(saved.read_text())["plans"][0]
     assert row["measured"]["step_s"] == m["step_s"] and row["step_s"] == pytest.approx(est.step_s)
     assert row["command"].startswith("torchrun --nproc_per_node 2 -m labkit train --model lenet")
+    # the table: what the plan puts on a device, the runtime every CPU process holds said once below it
+    text = table(advice)
+    assert " model MB/dev " in text.splitlines()[0] and est.memory["runtime"] == 50 * 2**20
+    assert ("plus on every CPU process the runtime's 50 MB (measured once, the same for every plan: torch and its "
+            "libraries), in the predicted peak and in meas MB") in text
 
     losses = run_ranks(_train_parallelized, 2, est.plan.to_dict(), STEPS)
     assert losses[0] == losses[1] == pytest.approx(m["final_train_loss"], rel=1e-6)
@@ -258,7 +263,12 @@ def test_flexflow_comparison_names_the_terms(tmp_path):
     assert advice.best.plan.strategy != "hybrid"  # a slow link, FC layers slow to compute: hybrid loses here
     assert "they differ by: compute +" in text
     # the FC layer's 4 MB ring all-reduce: 2 (5 ms + 2 MiB · 1e-8 s/byte); its 32 extra samples: 32 · 3 ms
-    assert "hold 4.0 of 4.0 MB" in text and "costs 51.9 ms on this link" in text and "costs 96.0 ms more" in text
+    assert "hold 4.0 of 4.0 MB" in text and "alone costs 51.9 ms on this link" in text and "costs 96.0 ms more" in text
+    # what hybrid sends instead, beside the best data-parallel plan's whole communication term, both from their
+    # estimates: the butterfly's one exchange of the 4,197,304 B of weights, 5 ms + bytes·1e-8 = 47.0 ms; hybrid's
+    # two messages of 32 samples × 4096 B (6.3 ms each), the logits (5.0 ms) and the features' 3000 B all-reduce
+    # (2·5 ms + 3000·1e-8 = 10.0 ms): 27.7 ms
+    assert "its communication term is 27.7 ms against ddp×2 butterfly's 47.0 ms (-19.3 ms)" in text
     assert "α 5000 µs, 0.10 GB/s)" in text
     # a model without features: hybrid is priced as not applicable, and the comparison says so instead of a 0 ms plan
     save_profile(_lenet_profile(1), 64, tmp_path)

@@ -76,4 +76,10 @@ def test_sizes_parse_and_print():
 def test_fit_stays_physical_under_noise_that_tilts_the_line():
     # a slow tiny message makes the straight fit slope downwards; beta must stay positive
     alpha, beta = fit_alpha_beta([4, 1 << 20], [5e-3, 1e-3])
-    assert beta == pytest.approx(1e-3 / (1 << 20)) and alpha >= 0
+    assert beta == pytest.approx(1e-3 / (1 << 20))
+    # alpha refitted with weights 1/y = 200 and 1000: (200² × 5e-3 + 1000² × ~0) / (200² + 1000²) = 1.923e-4
+    assert alpha == pytest.approx(1.923e-4, rel=1e-3)
+    assert alpha < 5e-3 and alpha + beta * (1 << 20) > 1e-3  # one point above the line, one below
+    # a line that would cross below zero at 0 bytes goes through the origin instead, still through the points
+    alpha, beta = fit_alpha_beta([1000, 2000, 3000], [1e-6, 3e-6, 5e-6])
+    assert alpha == 0 and 1e-6 / 1000 < beta < 5e-6 / 3000

@@ -50,20 +50,29 @@ def advise(model: str, dataset: str = "mnist-sample", ranks: int = 2, batch_size
 
 
 def table(advice: Advice) -> str:
-    """Ranked plans (predicted; once validated, also measured, the ranking and ``off:`` lines), then their commands."""
+    """Ranked plans (predicted; once validated, also measured, the ranking and ``off:`` lines), then their commands.
+
+    ``model MB/dev`` is what the plan itself puts on a device (parameters, gradients, optimizer state, activations,
+    buffers); the runtime every CPU process holds whatever it trains (the same for every plan) is said once below
+    the table, and ``meas MB`` (a process's peak) includes it."""
     r = ranking(advice)
-    lines = [f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'pred MB/dev':>11} {'main term':<17}"]
+    lines = [f"{'#':>2} {'plan':<30} {'pred samples/s':>14} {'pred step ms':>12} {'model MB/dev':>12} {'main term':<17}"]
     if r["plans"]:
         lines[0] += f" {'meas samples/s':>14} {'meas step ms':>12} {'meas/pred':>9} {'spread':>6} {'meas MB':>8}"
     for i, est in enumerate(advice.table, 1):
+        model_bytes = est.peak_bytes - est.memory.get("runtime", 0.0)
         line = (f"{i:>2} {est.plan.label:<30} {est.samples_per_s:>14.1f} {est.step_s * 1e3:>12.1f} "
-                f"{est.peak_bytes / MB:>11.1f} {est.main_term:<17}")
+                f"{model_bytes / MB:>12.2f} {est.main_term:<17}")
         if "error" in (m := advice.measured.get(est.plan.label, {})):
             line += f"  run failed: {m['error']}"
         elif m:
             line += (f" {m['samples_per_s']:>14.1f} {m['step_s'] * 1e3:>12.1f} {m['ratio']:>9.2f} {m['spread']:>6.0%} "
                      f"{m['peak_bytes'] / MB:>8.1f}")
         lines.append(line + ("" if est.feasible else "  (does not fit)"))
+    runtime = max((e.memory.get("runtime", 0.0) for e in advice.table), default=0.0)
+    if runtime:
+        lines.append(f"plus on every CPU process the runtime's {runtime / MB:.0f} MB (measured once, the same for "
+                     "every plan: torch and its libraries), in the predicted peak and in meas MB")
     if r["plans"]:
         lines.append(f"ranking over {r['plans']} plans: Spearman rho {r['spearman']:.2f}; the predicted best "
                      f"measured {r['best_ratio']:.2f}x the measured best")
@@ -101,12 +110,18 @@ def flexflow_comparison(advice: Advice) -> str:
     saved = allreduce_time(prof.params(fc), 2, "native", topo)
     paid = prof.time(advice.batch_size, fc) - prof.time(advice.batch_size / 2, fc)
     link = topo.link_of("all_reduce", 2)
+    ddp = next((e for e in advice.estimates if e.plan.strategy == "ddp" and e.plan.processes == 2 and e.applicable),
+               None)  # the best data-parallel plan: what hybrid's FC placement replaces
+    instead = ("" if ddp is None else
+               f" Hybrid sends the features to rank 0 and their gradients back instead: its communication term is "
+               f"{hybrid.time['communication'] * 1e3:.1f} ms against {ddp.plan.label}'s {ddp.time['communication'] * 1e3:.1f} ms "
+               f"({(hybrid.time['communication'] - ddp.time['communication']) * 1e3:+.1f} ms).")
     return "\n".join(lines + [
         f"why: the FC layers hold {prof.params(fc) / 2**20:.1f} of {prof.param_bytes / 2**20:.1f} MB of weights; "
-        f"all-reducing them costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
-        f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), which hybrid saves, while running them on rank 0 for "
-        f"the whole batch instead of half costs {paid * 1e3:.1f} ms more, which hybrid pays. FlexFlow's GPUs "
-        "computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there."])
+        f"all-reducing them alone costs {saved * 1e3:.1f} ms on this link (α {link.alpha * 1e6:.0f} µs, "
+        f"{1 / max(link.beta, 1e-30) / 1e9:.2f} GB/s), an all-reduce hybrid skips.{instead} Running the FC layers "
+        f"on rank 0 for the whole batch instead of half costs {paid * 1e3:.1f} ms more, which hybrid pays. "
+        "FlexFlow's GPUs computed the FC layers fast over a slow PCIe link, so saving the all-reduce won there."])
 
 
 Parallelized = NamedTuple("Parallelized", [("model", nn.Module), ("strategy", Strategy), ("plan", Plan),

@@ -49,8 +49,10 @@ def ring_formula(world_size: int, t_transfer: float) -> float:
 def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
     """Least-squares fit of ``seconds = alpha + beta * nbytes``, relative errors weighted alike.
 
-    Noise can tilt the fit (e.g. a slow small message); the result is kept physical: ``beta > 0``
-    (else the largest message's time per byte) and ``alpha >= 0``.
+    Noise can tilt the fit (e.g. a slow small message); the result is kept physical: ``beta > 0`` (else the
+    largest message's time per byte) and ``alpha >= 0``, with ``alpha`` then refitted for that ``beta`` by the same
+    weighted least squares, ``alpha = Σ w²(y - beta·x) / Σ w²``, so the line still runs through the points (not
+    under all of them).
 
     Args:
         nbytes: message sizes (at least two distinct).
@@ -65,8 +67,10 @@ def fit_alpha_beta(nbytes, seconds) -> tuple[float, float]:
     (alpha, beta), *_ = np.linalg.lstsq(design, y * w, rcond=None)
     if beta <= 0:
         beta = y[np.argmax(x)] / x.max()
+        alpha = np.sum(w ** 2 * (y - beta * x)) / np.sum(w ** 2)
     if alpha < 0:
-        alpha = max(float(np.min(y - beta * x)), 0.0)
+        beta = np.sum(w ** 2 * x * y) / np.sum(w ** 2 * x * x)  # the best line through the origin
+        alpha = 0.0
     return float(alpha), float(beta)
 
 
