@@ -30,9 +30,10 @@ def test_warned_job_checkpoints_requeues_and_ends_bit_identical(slurm_batch: Bat
     log = warned.log()
     assert "labkit: stopped on SIGTERM in epoch 1 after step" in log and f"requeued job {warned.job_id}" in log, log
     stopped_at = int(log.split("in epoch 1 after step ")[1].split(";")[0])
-    assert 0 < stopped_at < 12 and f"at epoch 0, step {stopped_at}" in log, log
+    resumed = f"checkpoint.pt in epoch 1 after step {stopped_at}\n"  # the resume line, in the stop line's words
+    assert 0 < stopped_at < 12 and resumed in log, log
     assert log.count("labkit train | mlp on synthetic-mnist") == 2, log
-    assert log.index(f"requeued job {warned.job_id}") < log.index(f"at epoch 0, step {stopped_at}"), log
+    assert log.index(f"requeued job {warned.job_id}") < log.index(resumed), log
     a = load_checkpoint(clean_out / "checkpoint.pt")
     b = load_checkpoint(warned_out / "checkpoint.pt")
     assert a["epoch"] == b["epoch"] == 2
