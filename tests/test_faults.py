@@ -118,6 +118,16 @@ def test_checker_rejects_the_untouched_program_and_accepts_the_fix(tmp_path, cap
         assert wrong in capsys.readouterr().out, name
         assert run_check(f"faults-{name}", [str(fix), "--watchdog", "3"]) == 0
         assert capsys.readouterr().out.startswith("correct:"), name
+    # a plausible wrong fix of uneven-inputs, the final barrier removed: the mistake is named before gloo's error
+    no_barrier = tmp_path / "uneven_no_barrier.py"
+    text = faults.broken_source("uneven-inputs")
+    assert text.count("    dist.barrier()") == 1
+    no_barrier.write_text(text.replace("    dist.barrier()", "    pass"))
+    assert run_check("faults-uneven-inputs", [str(no_barrier), "--watchdog", "3"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("not yet: rank 0 was still waiting in a collective when rank(s) 1 had finished and closed "
+                          "their connections: the ranks ran different numbers of collectives"), out
+    assert "The fix makes the counts equal: drop_last=True on the DataLoader" in out
 
 
 def test_the_rank_that_failed_first_is_named_not_the_lowest_numbered():

@@ -41,7 +41,7 @@ def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 5.
     if mine.status == "hung":
         return [f"it still hangs:\n{mine.table}"]
     if mine.status == "failed":
-        return ["it failed: " + "\n  ".join(mine.failure_report())]
+        return [*_left_alone(mine, fault), "it failed: " + "\n  ".join(mine.failure_report())]
     problems = list(mine.findings)
     if name == "unsynced-timing" and "synchronize(" not in Path(path).read_text():
         problems.append("the clock is read without torch.cuda.synchronize(): on a GPU the kernels are still queued "
@@ -52,6 +52,23 @@ def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 5.
         problems.append(f"it trains to other weights than the fixed version (up to {diff:.3g} apart), which "
                         f"changes only this: {fault.remedy}")
     return problems
+
+
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
+
+
+def _left_alone(outcome, fault) -> list[str]:
+    """The mistake behind a transport error on a rank whose peers finished: it was still in a collective when they
+    ended their program and closed their connections, so the ranks ran different numbers of collectives."""
+    first = outcome.failures[0] if outcome.failures else None
+    finished = sorted(r["rank"] for r in outcome.ranks)
+    if first is None or not finished or not any(text in first["message"] for text in PEER_GONE):
+        return []
+    others = ", ".join(map(str, finished))
+    return [f"rank {first['rank']} was still waiting in a collective when rank(s) {others} had finished and closed "
+            "their connections: the ranks ran different numbers of collectives (a barrier at the end only made the "
+            "others wait for it; without one they leave, and its collective fails). The fix makes the counts "
+            f"equal: {fault.remedy}"]
 
 
 def main(name: str, argv: list[str]) -> int:
