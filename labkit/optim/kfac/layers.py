@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from labkit.errors import CheckpointError
 from labkit.optim.kfac.linalg import (
     damped_inverse,
+    eigen_operands,
     factored_damping,
     precondition_eigen,
     precondition_inverse,
@@ -199,6 +200,14 @@ class LayerFactors:
         if "qa" in d:
             return precondition_eigen(grad, d["qa"], d["la"], d["qg"], d["lg"], damping)
         return precondition_inverse(grad, d["a_inv"], d["g_inv"])
+
+    def operands(self, damping: float) -> tuple[Tensor, ...]:
+        """The current decomposition as :func:`~labkit.optim.kfac.linalg.precondition_batched` takes it (eigen:
+        ``(Q_G, Q_A, 1 / (λ_G λ_Aᵀ + γ))``, precomputed; inverse: ``(G_d⁻¹, A_d⁻¹)``)."""
+        d = self.decomposition
+        if "qa" in d:
+            return eigen_operands(d["qa"], d["la"], d["qg"], d["lg"], damping)
+        return d["g_inv"], d["a_inv"]
 
     def decomposition_shapes(self, method: str) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors a decomposition holds (so non-owning ranks can receive them)."""
