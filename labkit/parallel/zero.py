@@ -42,8 +42,9 @@ from labkit.advisor.plan import Estimate
 from labkit.advisor.topology import broadcast_time, collective_time, common_terms, compute_scale, memory_terms
 from labkit.dist.group import print0
 from labkit.errors import ConfigError
+from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB
 from labkit.parallel.dp import DataParallelPreset
-from labkit.parallel.zero_units import Bucket, Comm
+from labkit.parallel.zero_units import Bucket, Comm, plan_buckets
 from labkit.strategies.backends import check as check_backend
 
 __all__ = ["ZeroStrategy", "price_sharded", "stage_of"]
@@ -152,6 +153,12 @@ def _units(prof) -> list[float]:
     return [layer.param_bytes / layer.units for layer in prof.layers if layer.param_bytes for _ in range(layer.units)]
 
 
+def _buckets(units: list[float], bucket_mb: float) -> list[float]:
+    """The bytes of ZeRO's buckets over ``units`` (:func:`~labkit.parallel.zero_units.plan_buckets`, as training
+    cuts them)."""
+    return [sum(units[i] for i in bucket) for bucket in plan_buckets(units, bucket_mb * 2**20)]
+
+
 def stage_of(plan) -> int:
     """ZeRO's stage, or FSDP's equivalent: 3 (reshard after forward) or 2 (``--fsdp-no-reshard``)."""
     if plan.strategy == "fsdp":
@@ -163,19 +170,22 @@ def price_sharded(plan, prof, topo) -> Estimate:
     """ZeRO (``--zero-stage 1|2|3``) and FSDP (reshard after forward, or ``--fsdp-no-reshard``), ``b = B/p``:
 
     ``compute = s·T_all(b)``; ``communication = Σ_units C_reduce_scatter(U) + g·C_all_gather(U)``
-    (:func:`labkit.advisor.topology.collective_time`: each collective pays its messages' α, unit by unit) with
+    (:func:`labkit.advisor.topology.collective_time`: each collective pays its messages' α, unit by unit; ZeRO's
+    units are its buckets of the profile's layers, ``--bucket-mb`` (25 MB) each at most, FSDP2's the layers) with
     ``g = 1`` (ZeRO 1, 2: gather the stepped parameters; FSDP no-reshard: gather once before forward) or
     ``g = 2`` (ZeRO 3, FSDP: gather before forward and again before backward), ``+ BC(N_buf, n_buf)`` for ZeRO,
     which broadcasts each of the model's ``N_buf`` buffers from rank 0 before every forward
     (:func:`labkit.advisor.topology.broadcast_time`; FSDP leaves buffers alone). FSDP2's own work beyond its
     collectives (its hooks, the optimizer over DTensors) is not priced. Memory (fp32, momentum: optimizer state = P):
-    stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit and its
-    prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
+    stage 1 ``2P + P/p``; stage 2 ``P + 2P/p``; stage 3 / FSDP ``3P/p + 2·max U`` (a gathered unit (bucket) and
+    its prefetched neighbour); FSDP no-reshard ``P + 2P/p`` (gathered parameters live from forward to backward);
     plus activations ``M_all(b)``.
     """
     p, b, P = plan.processes, plan.batch_size / plan.processes, prof.param_bytes
     stage = stage_of(plan)
     units = _units(prof)
+    if plan.strategy == "zero":  # ZeRO's collectives run per bucket, FSDP2's per unit
+        units = _buckets(units, plan.option.get("bucket_mb") or DEFAULT_BUCKET_MB)
     gathers = 2 if stage == 3 else 1
     comm = sum(collective_time("reduce_scatter", u, p, topo) + collective_time("all_gather", u, p, topo, gathers)
                for u in units)

@@ -21,10 +21,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB
 from labkit.parallel.zero_units import Bucket, Comm, plan_buckets
-
-#: DDP's default bucket size (``bucket_cap_mb``), in bytes
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class ZeroSharding:
@@ -42,7 +40,7 @@ class ZeroSharding:
     """
 
     def __init__(self, stage: int, comm: Comm, rank: int, prefetch: bool = False, reduce_in_backward: bool = True,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20)):
         self.stage, self.comm, self.rank, self.prefetch = stage, comm, rank, prefetch
         self.reduce_in_backward, self.bucket_bytes = reduce_in_backward, bucket_bytes
         self.buckets: list[Bucket] = []
@@ -59,7 +57,8 @@ class ZeroSharding:
             if params:
                 claimed.update(id(p) for p in params)
                 owners.append((m, params))
-        for indices in plan_buckets(owners, self.bucket_bytes):
+        sizes = [sum(p.numel() * p.element_size() for p in params) for _, params in owners]
+        for indices in plan_buckets(sizes, self.bucket_bytes):
             self.buckets.append(Bucket([owners[i][0] for i in indices], [p for i in indices for p in owners[i][1]],
                                        self.comm.world, self.rank, self.comm, self.stage == 1))
         for i, bucket in enumerate(self.buckets):

@@ -13,23 +13,24 @@ import torch.distributed as dist
 from torch import nn
 
 
-def plan_buckets(owners: list[tuple[nn.Module, list[nn.Parameter]]], cap_bytes: int) -> list[list[int]]:
-    """The buckets of ``owners`` (each module with its parameters, in module order) as lists of their indices.
+def plan_buckets(sizes: list[float], cap_bytes: float) -> list[list[int]]:
+    """The buckets of modules of ``sizes`` bytes of parameters (in module order) as lists of their indices.
 
     As DDP's buckets, filled from the last module backwards (the order backward produces gradients): a bucket takes
-    the next module while its parameters' bytes stay within ``cap_bytes``; a module is never split, and one larger
-    than the cap is a bucket of its own. Returned in module order, each bucket's modules in module order.
+    the next module while its bytes stay within ``cap_bytes``; a module is never split, and one larger than the cap
+    is a bucket of its own. Returned in module order, each bucket's modules in module order. The training
+    (:class:`~labkit.parallel.zero_sharding.ZeroSharding`) and the advisor's price
+    (:func:`labkit.parallel.zero.price_sharded`) cut the same buckets.
     """
     buckets: list[list[int]] = []
     current: list[int] = []
-    size = 0
-    for i in reversed(range(len(owners))):
-        nbytes = sum(p.numel() * p.element_size() for p in owners[i][1])
-        if current and size + nbytes > cap_bytes:
+    size = 0.0
+    for i in reversed(range(len(sizes))):
+        if current and size + sizes[i] > cap_bytes:
             buckets.append(current[::-1])
-            current, size = [], 0
+            current, size = [], 0.0
         current.append(i)
-        size += nbytes
+        size += sizes[i]
     if current:
         buckets.append(current[::-1])
     return buckets[::-1]
