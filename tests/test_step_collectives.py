@@ -173,13 +173,15 @@ def _ranks(env) -> dict:
                 "mesh-zero-3": ("mesh", {"mesh": "dp=2", "dp_shard": "zero3"}, _net(), _data()),
                 "mesh-ring": ("mesh", {"mesh": "dp=2", "allreduce": "ring"}, _net(), _data()),
                 "mesh-tp": ("mesh", {"mesh": "tp=2"}, _gpt(), _tokens()),
+                "gpt-ddp": ("mesh", {"mesh": "dp=2"}, _gpt(), _tokens()),
+                "gpt-zero-3": ("zero", {"zero_stage": 3}, _gpt(), _tokens()),
                 "mesh-pp": ("mesh", {"mesh": "pp=2", "num_microbatches": 2}, _gpt(), _tokens()),
                 "hybrid": ("hybrid", {}, alexnet, _data(3, 16)),
                 "tensor-parallel": ("tensor-parallel", {}, _net(), _data()),
                 "pipeline": ("pipeline", {"num_microbatches": 2}, _net(), _data()),
                 "ps": ("ps", {"ps_mode": "sync", "ps_timeout_s": 60}, _net(), _data())}
         weights: dict[str, list] = {key: [] for pair in PRESETS.items() for key in pair}
-        weights.update({key: [] for key in ["lenet-ddp", *LENET_ZERO]})
+        weights.update({key: [] for key in ["lenet-ddp", *LENET_ZERO, "gpt-ddp", "gpt-zero-3"]})
         steps = {key: _steps(name, options, env, model, data, log, weights.get(key))
                  for key, (name, options, model, data) in runs.items()}
         weights["plain-ddp"] = _plain_ddp(env)
@@ -211,6 +213,10 @@ STEP = {
     "zero-2": [f"{RS} 66", f"{AG} 132"],
     # ZeRO-3: gather the bucket for the forward, again for the backward, reduce-scatter its gradient
     "zero-3": [f"{AG} 132", f"{AG} 132", f"{RS} 66"],
+    # the 2-layer GPT (1,920 parameters, its head tied to the embedding: one bucket): DDP's all-reduce over dp=2;
+    # ZeRO-3 gathers for the forward (the tied head keeps the bucket until it has run), again for the backward
+    "gpt-ddp": ["all_reduce 1920"],
+    "gpt-zero-3": [f"{AG} 1920", f"{AG} 1920", f"{RS} 960"],
     # LeNet, one bucket: one reduce-scatter and one all-gather per step, as DDP's one all-reduce
     "lenet-zero-1": [f"{RS} 21916", f"{AG} 43832"],
     # three buckets: reduce-scatter each as backward completes it (the last first), all-gather all three
@@ -276,6 +282,9 @@ def test_a_step_sends_what_its_strategy_needs_and_the_stop_check_one_collective_
             assert len(ours) == len(theirs) == 4
             assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), (rank, preset)
         assert all(torch.equal(a, b) for a, b in zip(got["weights"]["ddp"], got["weights"]["plain-ddp"], strict=True))
+        # ZeRO-3 trains the tied GPT to the bit-identical weights of the dp all-reduce
+        gpt, gpt_ddp = got["weights"]["gpt-zero-3"], got["weights"]["gpt-ddp"]
+        assert len(gpt) == len(gpt_ddp) == 36 and all(torch.equal(a, b) for a, b in zip(gpt, gpt_ddp)), rank
         # ZeRO in buckets trains LeNet to DDP's bit-identical weights
         for key in LENET_ZERO:
             assert len(got["weights"][key]) == len(got["weights"]["lenet-ddp"]) == 10

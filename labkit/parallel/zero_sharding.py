@@ -61,13 +61,17 @@ class ZeroSharding:
         for indices in plan_buckets(sizes, self.bucket_bytes):
             self.buckets.append(Bucket([owners[i][0] for i in indices], [p for i in indices for p in owners[i][1]],
                                        self.comm.world, self.rank, self.comm, self.stage == 1))
+        of_param = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket.params}
         for i, bucket in enumerate(self.buckets):
             if self.reduce_in_backward:
                 for p in bucket.params:
                     p.register_post_accumulate_grad_hook(lambda p, b=bucket: self._grad_ready(b))
             if self.stage == 3:
                 bucket.shard_own_storage()
-                for m in bucket.modules:
+        if self.stage == 3:  # every module using a bucket's parameters, its owners and those sharing one (a tied head)
+            for m in model.modules():
+                for i in sorted({of_param[id(p)] for p in m.parameters(recurse=False) if id(p) in of_param}):
+                    self.buckets[i].users += 1
                     m.register_forward_pre_hook(lambda m, args, i=i: self._before_forward(i))
                     m.register_forward_hook(lambda m, args, out, i=i: self._after_forward(i, out))
 
@@ -91,7 +95,7 @@ class ZeroSharding:
     def _after_forward(self, i: int, out) -> None:
         bucket = self.buckets[i]
         bucket.forwarded += 1
-        if bucket.forwarded == len(bucket.modules):  # the bucket's last module has run
+        if bucket.forwarded == bucket.users:  # the last module using the bucket has run
             bucket.free()
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(lambda grad, i=i: self._before_backward(i))

@@ -67,6 +67,7 @@ class Bucket:
         self.grad = self.full_grad[self.slice] if keep_full_grad else torch.zeros_like(self.shard.detach())  # (S,)
         self.pending = len(self.params)  # gradients backward has still to produce
         self.forwarded = 0  # modules whose forward ran since the bucket was gathered (stage 3)
+        self.users = 0  # modules whose forward uses the bucket's parameters (stage 3: set by ZeroSharding.shard)
         self.gathered, self.handle = True, None
         self.reducing = None  # (work, flat or output buffer) of a reduce-scatter in flight
 
