@@ -46,9 +46,10 @@ def held_bytes(strategy, model, optimizer) -> dict[str, int]:
 
 
 def measure(env, model: str = "mlp", optimizer: str = "adam", steps: int = 2, batch_size: int = 8,
-            sweep: list[float] | None = None) -> dict:
+            sweep: list[float] | None = None, sweep_rounds: int = 2) -> dict:
     """Per contender: ``{"memory", "bytes_per_step" (ZeRO only), "max_diff_vs_ddp"}``; plus ``"parameters"``,
-    and with ``sweep`` (bucket sizes in MB) :func:`bucket_sweep`'s result as ``"sweep"`` (one job for both).
+    and with ``sweep`` (bucket sizes in MB) :func:`bucket_sweep`'s result over ``sweep_rounds`` timed rounds as
+    ``"sweep"`` (one job for both).
 
     FSDP2 needs a process group, so a single process (``env.distributed`` False) measures DDP and ZeRO only.
     """
@@ -79,7 +80,7 @@ def measure(env, model: str = "mlp", optimizer: str = "adam", steps: int = 2, ba
         out[name] = row
     out["parameters"] = sum(p.numel() for p in reference)
     if sweep:
-        out["sweep"] = bucket_sweep(env, sweep)
+        out["sweep"] = bucket_sweep(env, sweep, rounds=sweep_rounds)
     return out
 
 
