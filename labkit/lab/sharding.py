@@ -25,6 +25,7 @@ from labkit.advisor.topology import ring_counts
 from labkit.collectives.cost import fit_alpha_beta
 from labkit.models import cnn as models
 from labkit.optim import OptimizerSpec
+from labkit.parallel.zero_units import Comm
 from labkit.strategies import get_strategy
 from labkit.train.loop import fit
 
@@ -96,18 +97,20 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def link_alpha_beta(env, sizes: tuple[int, ...] = (2**10, 2**16, 2**20), repeats: int = 7) -> dict:
-    """``{"alpha", "beta"}`` of reduce-scatter + all-gather pairs over the job's ranks: the line
+    """``{"alpha", "beta"}`` of ZeRO's reduce-scatter + all-gather pairs (:class:`~labkit.parallel.zero_units.Comm`)
+    over the job's ranks: the line
     ``T(n) = 2·((N − 1)·α + (N − 1)/N·n·β)`` fitted to the median time of a pair on buffers of ``n`` bytes
     (:func:`labkit.collectives.cost.fit_alpha_beta`; the ring counts of :func:`labkit.advisor.topology.ring_counts`)."""
     n = env.world_size
+    comm = Comm(n, True)  # the collectives ZeRO calls, on the rank's device
     points = []
     for nbytes in sizes:
-        full = torch.zeros(nbytes // 4 // n * n)
-        shard = torch.zeros(full.numel() // n)
+        full = torch.zeros(nbytes // 4 // n * n, device=env.device)
+        shard = torch.zeros(full.numel() // n, device=env.device)
 
         def pair():
-            torch.distributed.reduce_scatter_single(shard, full)
-            torch.distributed.all_gather_single(full, shard)
+            comm.reduce_scatter(shard, full)
+            comm.all_gather(full, shard)
         pair()
         points.append((full.numel() * 4, _median_seconds(pair, repeats)))
     a, c = fit_alpha_beta(*zip(*points))
