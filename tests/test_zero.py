@@ -208,3 +208,17 @@ def test_zero_stage1_checker_passes_the_answer_and_names_each_mistake():
     assert "this is plain SGD" in zero_stage1.check(plain_sgd)[0]
     assert "modified flat_param" in zero_stage1.check(in_place)[0]
     assert "shape (7,)" in zero_stage1.check(lambda p, g, m, rank, world, lr, mu: p)[0]
+
+
+def test_buckets_are_cut_from_the_last_module_back_and_print_buckets_needs_zero():
+    from labkit.errors import ConfigError
+    from labkit.parallel.dp import read_options
+    from labkit.parallel.zero_units import plan_buckets
+
+    # bytes of 3 modules: a bucket takes the next module (last first) while it stays within the cap
+    assert plan_buckets([400, 4000, 40], 4194) == [[0], [1, 2]]
+    assert plan_buckets([400, 4000, 40], 25 * 2**20) == [[0, 1, 2]]
+    assert plan_buckets([400, 4000, 40], 1) == [[0], [1], [2]]  # a module larger than the cap: a bucket of its own
+    with pytest.raises(ConfigError, match="--print-buckets prints ZeRO's buckets, but --dp-shard none"):
+        read_options({"dp_shard": "none", "print_buckets": True})
+    assert read_options({"dp_shard": "zero2", "print_buckets": True, "bucket_mb": 0.5}) == ("zero2", "ddp", 0.5)
