@@ -168,15 +168,20 @@ def test_two_level_topology_prices_collectives_across_nodes_with_the_slower_link
 
 def test_zero_and_fsdp_terms_by_hand():
     prof, t = tiny_profile(), topo()
-    # units of 400, 4000, 40 bytes; over 2 ranks RS(U) = AG(U) = 1e-3 + 1e-6 · U/2
+    # units of 400, 4000, 40 bytes; over 2 ranks RS(U) = AG(U) = 1e-3 + 1e-6 · U/2. FSDP2: per unit; ZeRO: per
+    # bucket, all three in one 25 MB bucket of 4440 bytes, or with --bucket-mb 0.004 (4194 bytes, filled from the
+    # last unit back) two: [400] and [4000, 40]
     one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
+    bucket = 1e-3 + 1e-6 * 4440 / 2
     z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),), data_parallel=2), prof, t)
-    assert z2.time["communication"] == pytest.approx(2 * one)
+    assert z2.time["communication"] == pytest.approx(2 * bucket)
     assert z2.time["update"] == pytest.approx(1e-6 * 4440 / 2)
     assert (z2.memory["parameters"], z2.memory["gradients"], z2.memory["optimizer"]) == (4440, 2220, 2220)
+    small = price(Plan("zero", 2, 2, 8, (("zero_stage", 2), ("bucket_mb", 0.004)), data_parallel=2), prof, t)
+    assert small.time["communication"] == pytest.approx(2 * (2e-3 + 1e-6 * (400 + 4040) / 2))
     z3 = price(Plan("zero", 2, 2, 8, (("zero_stage", 3),), data_parallel=2), prof, t)
-    assert z3.time["communication"] == pytest.approx(3 * one)
-    assert (z3.memory["parameters"], z3.memory["buffers"]) == (2220, 8000)
+    assert z3.time["communication"] == pytest.approx(3 * bucket)
+    assert (z3.memory["parameters"], z3.memory["buffers"]) == (2220, 8880)
     fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),), data_parallel=2), prof, t)
     assert fsdp.time["communication"] == pytest.approx(2 * one)
     assert Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),), data_parallel=2).train_args("lenet", "mnist-sample")[-1] == \
@@ -229,8 +234,8 @@ def test_buffer_broadcasts_and_ddp_buckets_by_hand():
     prof.layers[0] = replace(prof.layers[0], buffers=3, buffer_bytes=264)
     one = sum(1e-3 + 1e-6 * u / 2 for u in (400, 4000, 40))
     z2 = price(Plan("zero", 2, 2, 8, (("zero_stage", 2),), data_parallel=2), prof, t)
-    # ZeRO broadcasts each buffer before every forward: 3 α + β · 264
-    assert z2.time["communication"] == pytest.approx(2 * one + 3e-3 + 264e-6)
+    # ZeRO (one bucket of 4440 bytes) broadcasts each buffer before every forward: 3 α + β · 264
+    assert z2.time["communication"] == pytest.approx(2 * (1e-3 + 1e-6 * 4440 / 2) + 3e-3 + 264e-6)
     fsdp = price(Plan("fsdp", 2, 2, 8, (("fsdp_no_reshard", True),), data_parallel=2), prof, t)
     assert fsdp.time["communication"] == pytest.approx(2 * one)  # FSDP leaves buffers alone
     # PyTorch's DDP broadcasts the buffers once, coalesced; the kit's hand-made all-reduce does not

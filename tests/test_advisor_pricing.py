@@ -67,11 +67,13 @@ def test_each_kind_of_collective_pays_its_measured_price_whatever_the_strategy()
     assert comm["ddp"] == pytest.approx(2 * 2e-3 + 2000 * 1e-8)
     # the kit's ring: 2 point-to-point steps of 1,000 bytes each
     assert comm["ring"] == pytest.approx(2 * 1e-3 + 2000 * 1e-9)
-    # per unit (2 of 1,000 bytes): a reduce-scatter (3 ms + 500 · 20 ns) and one all-gather (4 ms + 500 · 30 ns)
+    # FSDP2 per unit (2 of 1,000 bytes): a reduce-scatter (3 ms + 500 · 20 ns) and one all-gather (4 ms + 500 · 30 ns)
     one = 3e-3 + 500 * 2e-8 + 4e-3 + 500 * 3e-8
-    assert comm["zero2"] == pytest.approx(2 * one)
-    assert comm["fsdp-no-reshard"] == pytest.approx(2 * one)  # FSDP pays what ZeRO pays for the same collectives
-    assert comm["zero3"] == pytest.approx(2 * (one + 4e-3 + 500 * 3e-8))  # gathers again before backward
+    assert comm["fsdp-no-reshard"] == pytest.approx(2 * one)
+    # ZeRO per bucket: both units in one 25 MB bucket of 2,000 bytes, the same collectives on twice the bytes
+    bucket = 3e-3 + 1000 * 2e-8 + 4e-3 + 1000 * 3e-8
+    assert comm["zero2"] == pytest.approx(bucket)
+    assert comm["zero3"] == pytest.approx(bucket + 4e-3 + 1000 * 3e-8)  # gathers again before backward
     # tensor parallelism all-reduces 16 samples · 40 bytes forward and 16 · 16 input bytes backward
     assert comm["tp"] == pytest.approx(2 * 2e-3 + 640 * 1e-8 + 2 * 2e-3 + 256 * 1e-8)
     assert not any("overhead" in term for plan in comm for term in price(Plan("fsdp", 2, 2, 16, data_parallel=2), prof, t).time)

@@ -91,7 +91,9 @@ def test_validate_runs_every_plan_round_robin_and_ranks_them(monkeypatch, tmp_pa
     from labkit.advisor.validate import ranking
 
     topo = Topology("test", 2, CostModel(1e-4, 1e-9), float("inf"), "cpu", cores=2)
-    plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),), data_parallel=2), Plan("zero", 2, 2, 32, (("zero_stage", 1),), data_parallel=2)]
+    # ZeRO with a bucket per layer (--bucket-mb 1e-6): priced dearer than the ring, as the ranking below needs
+    plans = [Plan("single", 1, 1, 32), Plan("ddp", 2, 2, 32, (("allreduce", "ring"),), data_parallel=2),
+             Plan("zero", 2, 2, 32, (("zero_stage", 1), ("bucket_mb", 1e-6)), data_parallel=2)]
     # each priced with the profile at its threads (the same made-up times): it runs at those threads
     table = sorted((price(p, _lenet_profile(2 // p.processes), topo) for p in plans), key=lambda e: e.step_s)
     advice = Advice("lenet", "mnist-sample", 32, topo, table, table)

@@ -15,6 +15,8 @@ read a step later; the throughput window's barrier after the warm-up (step 1). T
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -154,9 +156,11 @@ def _ranks(env) -> dict:
         from labkit.models import cnn as models
 
         lenet = models.get_model("lenet", num_classes=3, in_channels=1, image_size=28)
+        lenets = [copy.deepcopy(lenet) for _ in LENET_ZERO]
         alexnet = models.get_model("alexnet_small", num_classes=3, in_channels=3, image_size=16)
         runs = {"ddp": ("ddp", {}, _net(), _data()),
                 "lenet-ddp": ("ddp", {}, lenet, _data(1, 28)),
+                **{key: ("zero", options, net, _data(1, 28)) for (key, options), net in zip(LENET_ZERO.items(), lenets)},
                 "zero-1": ("zero", {"zero_stage": 1}, _net(), _data()),
                 "zero-2": ("zero", {"zero_stage": 2}, _net(), _data()),
                 "zero-3": ("zero", {"zero_stage": 3}, _net(), _data()),
@@ -169,12 +173,15 @@ def _ranks(env) -> dict:
                 "mesh-zero-3": ("mesh", {"mesh": "dp=2", "dp_shard": "zero3"}, _net(), _data()),
                 "mesh-ring": ("mesh", {"mesh": "dp=2", "allreduce": "ring"}, _net(), _data()),
                 "mesh-tp": ("mesh", {"mesh": "tp=2"}, _gpt(), _tokens()),
+                "gpt-ddp": ("mesh", {"mesh": "dp=2"}, _gpt(), _tokens()),
+                "gpt-zero-3": ("zero", {"zero_stage": 3}, _gpt(), _tokens()),
                 "mesh-pp": ("mesh", {"mesh": "pp=2", "num_microbatches": 2}, _gpt(), _tokens()),
                 "hybrid": ("hybrid", {}, alexnet, _data(3, 16)),
                 "tensor-parallel": ("tensor-parallel", {}, _net(), _data()),
                 "pipeline": ("pipeline", {"num_microbatches": 2}, _net(), _data()),
                 "ps": ("ps", {"ps_mode": "sync", "ps_timeout_s": 60}, _net(), _data())}
         weights: dict[str, list] = {key: [] for pair in PRESETS.items() for key in pair}
+        weights.update({key: [] for key in ["lenet-ddp", *LENET_ZERO, "gpt-ddp", "gpt-zero-3"]})
         steps = {key: _steps(name, options, env, model, data, log, weights.get(key))
                  for key, (name, options, model, data) in runs.items()}
         weights["plain-ddp"] = _plain_ddp(env)
@@ -183,6 +190,11 @@ def _ranks(env) -> dict:
         _restore(originals)
 
 
+#: ZeRO on LeNet (3 classes: conv1 156, conv2 2,416, fc1 30,840, fc2 10,164, fc3 255 parameters): the default
+#: 25 MB bucket holds all 43,831; 0.05 MB (13,107 floats), filled from the last layer back, cuts three buckets,
+#: [conv1, conv2] 2,572, [fc1] 30,840, [fc2, fc3] 10,419 (10,420 padded)
+LENET_ZERO = {"lenet-zero-1": {"zero_stage": 1}, "lenet-zero-2": {"zero_stage": 2, "bucket_mb": 0.05},
+              "lenet-zero-3": {"zero_stage": 3, "bucket_mb": 0.05, "zero_prefetch": True}}
 #: each data-parallel preset's run and the ``--mesh dp=2`` run it stands for
 PRESETS = {"ddp": "mesh-dp", "ddp-ring": "mesh-ring", "zero-1": "mesh-zero-1", "zero-2": "mesh-zero-2",
            "zero-3": "mesh-zero-3", "fsdp": "mesh-fsdp"}
@@ -195,19 +207,30 @@ AG, RS = "all_gather_single", "reduce_scatter_single"
 STEP = {
     "ddp": ["all_reduce 131"],  # one gradient bucket: all 131 parameters
     "lenet-ddp": ["all_reduce 43831"],  # LeNet's 43,831 parameters fit DDP's first 1 MB bucket
-    # ZeRO-1/2: reduce-scatter each unit's gradient (shards of 52 and 14), all-gather its parameters (104, 28);
-    # stage 1 after backward, stage 2 inside it (last layer first)
-    "zero-1": [f"{RS} 52", f"{RS} 14", f"{AG} 104", f"{AG} 28"],
-    "zero-2": [f"{RS} 14", f"{RS} 52", f"{AG} 104", f"{AG} 28"],
-    # ZeRO-3: gather for the forward, again for the backward (the last unit first), reduce-scatter
-    "zero-3": [f"{AG} 104", f"{AG} 28", f"{AG} 28", f"{RS} 14", f"{AG} 104", f"{RS} 52"],
+    # ZeRO-1/2: both layers in one 25 MB bucket (132 elements padded): reduce-scatter its gradient inside
+    # backward (a shard of 66), all-gather its stepped parameters
+    "zero-1": [f"{RS} 66", f"{AG} 132"],
+    "zero-2": [f"{RS} 66", f"{AG} 132"],
+    # ZeRO-3: gather the bucket for the forward, again for the backward, reduce-scatter its gradient
+    "zero-3": [f"{AG} 132", f"{AG} 132", f"{RS} 66"],
+    # the 2-layer GPT (1,920 parameters, its head tied to the embedding: one bucket): DDP's all-reduce over dp=2;
+    # ZeRO-3 gathers for the forward (the tied head keeps the bucket until it has run), again for the backward
+    "gpt-ddp": ["all_reduce 1920"],
+    "gpt-zero-3": [f"{AG} 1920", f"{AG} 1920", f"{RS} 960"],
+    # LeNet, one bucket: one reduce-scatter and one all-gather per step, as DDP's one all-reduce
+    "lenet-zero-1": [f"{RS} 21916", f"{AG} 43832"],
+    # three buckets: reduce-scatter each as backward completes it (the last first), all-gather all three
+    "lenet-zero-2": [f"{RS} 5210", f"{RS} 15420", f"{RS} 1286", f"{AG} 2572", f"{AG} 30840", f"{AG} 10420"],
+    # stage 3, a bucket ahead: each bucket's gather is launched while the one before it computes
+    "lenet-zero-3": [f"{AG} 2572", f"{AG} 30840", f"{AG} 10420", f"{AG} 10420", f"{AG} 30840", f"{RS} 5210",
+                     f"{AG} 2572", f"{RS} 15420", f"{RS} 1286"],
     "fsdp": [f"{AG} 104", f"{AG} 36", f"{AG} 36", f"{AG} 104", f"{RS} 18", f"{RS} 52"],
     # --mesh dp=2: labkit's bucketed all-reduce over the dp group after backward (131 parameters, one bucket);
     # --dp-shard fsdp: FSDP2 over the dp group, the same calls as --strategy fsdp
     "mesh-dp": ["all_reduce 131"],
     "mesh-fsdp": [f"{AG} 104", f"{AG} 36", f"{AG} 36", f"{AG} 104", f"{RS} 18", f"{RS} 52"],
     # --dp-shard zero2: labkit's ZeRO over the dp group, the same calls as --strategy zero --zero-stage 2
-    "mesh-zero-2": [f"{RS} 14", f"{RS} 52", f"{AG} 104", f"{AG} 28"],
+    "mesh-zero-2": [f"{RS} 66", f"{AG} 132"],
     # shard sizes (host memory), features and targets to rank 0, their gradients and logits back, the
     # convolutions' gradients summed (565,152 parameters, one bucket)
     "hybrid": [f"{AG} 2", "gather 2048", "gather 4", "scatter 2048", "scatter 12", "all_reduce 565152"],
@@ -259,6 +282,13 @@ def test_a_step_sends_what_its_strategy_needs_and_the_stop_check_one_collective_
             assert len(ours) == len(theirs) == 4
             assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True)), (rank, preset)
         assert all(torch.equal(a, b) for a, b in zip(got["weights"]["ddp"], got["weights"]["plain-ddp"], strict=True))
+        # ZeRO-3 trains the tied GPT to the bit-identical weights of the dp all-reduce
+        gpt, gpt_ddp = got["weights"]["gpt-zero-3"], got["weights"]["gpt-ddp"]
+        assert len(gpt) == len(gpt_ddp) == 36 and all(torch.equal(a, b) for a, b in zip(gpt, gpt_ddp)), rank
+        # ZeRO in buckets trains LeNet to DDP's bit-identical weights
+        for key in LENET_ZERO:
+            assert len(got["weights"][key]) == len(got["weights"]["lenet-ddp"]) == 10
+            assert all(torch.equal(a, b) for a, b in zip(got["weights"][key], got["weights"]["lenet-ddp"])), key
     # ps, rank 1 the worker: push its gradient, wait for the header and the parameters; the epoch's end
     # broadcasts the server's shard
     ps = [["isend 131", "irecv 2", "irecv 131"] + extra for extra in LOOP]

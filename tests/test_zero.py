@@ -17,8 +17,10 @@ from labkit.train.checkpoint import load_training_state, save_training_state
 from labkit.train.loop import fit
 
 B, SAMPLES, LR = 4, 48, 0.1
+TINY = 1e-4  # --bucket-mb 0.0001 (104 bytes): each Linear a bucket of its own; the default 25 MB: one bucket
 SHARDED = [("zero", {"zero_stage": 1}), ("zero", {"zero_stage": 2}), ("zero", {"zero_stage": 3}),
-           ("zero", {"zero_stage": 3, "zero_prefetch": True}), ("fsdp", {})]
+           ("zero", {"zero_stage": 1, "bucket_mb": TINY}), ("zero", {"zero_stage": 2, "bucket_mb": TINY}),
+           ("zero", {"zero_stage": 3, "zero_prefetch": True, "bucket_mb": TINY}), ("fsdp", {})]
 
 
 def _data():
@@ -51,17 +53,18 @@ def _full(strategy, model):
 def _train_all(env, steps, tmp=None):
     """Every strategy × optimizer through `fit` for `steps` steps; bytes sent per step and memory held;
     with ``tmp``, also the resume check (one spawn checks it all)."""
-    out = {"params": {}, "bytes": {}, "memory": {},
+    out = {"params": {}, "bytes": {}, "memory": {}, "calls": {},
            "resume": _resume(env, tmp, "zero", {"zero_stage": 3}) if tmp else None,
            "resume_fsdp": _resume(env, tmp / "fsdp", "fsdp", {}) if tmp else None}
     for optimizer in ("sgd", "adam"):
         for name, options in [("ddp", {"allreduce": "native"}), *SHARDED]:
             strategy, model, opt, loader = _setup(env, name, options, optimizer)
-            before = strategy.comm.sent_bytes if name == "zero" else 0
+            before, calls = (strategy.comm.sent_bytes, strategy.comm.calls) if name == "zero" else (0, 0)
             fit(model, loader, None, opt, epochs=1, strategy=strategy, max_steps=steps, printer=lambda s: None)
-            key = (optimizer, name, options.get("zero_stage"), options.get("zero_prefetch", False))
+            key = (optimizer, name, options.get("zero_stage"), options.get("bucket_mb"), options.get("zero_prefetch"))
             if name == "zero":
                 out["bytes"][key] = (strategy.comm.sent_bytes - before) / steps
+                out["calls"][key] = (strategy.comm.calls - calls) / steps
                 out["memory"][key] = strategy.memory_bytes(opt)
             elif name == "fsdp":
                 out["memory"][key] = strategy.memory_bytes(model, opt)
@@ -82,7 +85,8 @@ def _single_process(world, steps, optimizer):
 
 
 # (world, memory per rank in bytes: params, grads, optimizer state for SGD+momentum; Adam doubles the state)
-# Units padded to multiples of N: N=2: 36 + 18 = 54 floats, 27 per rank; N=3: 36 + 18 = 54, 18 per rank.
+# Buckets padded to multiples of N: one bucket of 53 -> 54 floats over N = 2 (27 per rank) and N = 3 (18 per rank);
+# two (TINY) of 35 + 18 -> 36 + 18 = 54 for both N as well.
 MEMORY = {2: {1: (216, 216, 108), 2: (216, 108, 108), 3: (108, 108, 108)},
           3: {1: (216, 216, 72), 2: (216, 72, 72), 3: (72, 72, 72)}}
 # bytes each rank sends per step: an all-reduce of 54 floats on a ring is 2(N-1)/N · 216 B
@@ -97,22 +101,25 @@ def test_sharded_strategies_equal_ddp_and_one_process_with_the_formulas_bytes_an
         single = _single_process(world, steps, optimizer)
         for rank in ranks:
             params = {k: v for k, v in rank["params"].items() if k[0] == optimizer}
-            ddp = params.pop((optimizer, "ddp", None, False))
+            ddp = params.pop((optimizer, "ddp", None, None, None))
             for p, q in zip(ddp, single, strict=True):
                 torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
             for key, ps in params.items():
                 for p, q in zip(ps, ddp, strict=True):  # float32: the reduction order may differ (N = 3)
                     torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=str(key))
     for rank in ranks:
-        for (optimizer, name, stage, prefetch), sent in rank["bytes"].items():
+        for (optimizer, name, stage, bucket_mb, prefetch), sent in rank["bytes"].items():
             assert sent == ALLREDUCE_BYTES[world] * (1.5 if stage == 3 else 1), (optimizer, stage, prefetch)
-        for (optimizer, name, stage, prefetch), held in rank["memory"].items():
+        for (optimizer, name, stage, bucket_mb, prefetch), calls in rank["calls"].items():
+            # per step and bucket a reduce-scatter and an all-gather (stage 3: two); 1 bucket, or 2 when tiny
+            assert calls == (3 if stage == 3 else 2) * (2 if bucket_mb == TINY else 1), (optimizer, stage, bucket_mb)
+        for (optimizer, name, stage, bucket_mb, prefetch), held in rank["memory"].items():
             if name != "zero":
                 continue
             params, grads, state = MEMORY[world][stage]
             assert held == {"params": params, "grads": grads, "optimizer": state * (2 if optimizer == "adam" else 1)}
     # FSDP2 shards each tensor along dim 0: 53 floats over the ranks, rows of 6 and 5 (weights), 1 (biases)
-    fsdp = [r["memory"][("sgd", "fsdp", None, False)]["params"] for r in ranks]
+    fsdp = [r["memory"][("sgd", "fsdp", None, None, None)]["params"] for r in ranks]
     assert sum(fsdp) == 53 * 4
     if world == 2:  # resume from the ZeRO-3 and FSDP shards: bit-identical; a corrupt shard on rank 1 stops both
         for key in ("resume", "resume_fsdp"):
@@ -201,3 +208,17 @@ def test_zero_stage1_checker_passes_the_answer_and_names_each_mistake():
     assert "this is plain SGD" in zero_stage1.check(plain_sgd)[0]
     assert "modified flat_param" in zero_stage1.check(in_place)[0]
     assert "shape (7,)" in zero_stage1.check(lambda p, g, m, rank, world, lr, mu: p)[0]
+
+
+def test_buckets_are_cut_from_the_last_module_back_and_print_buckets_needs_zero():
+    from labkit.errors import ConfigError
+    from labkit.parallel.dp import read_options
+    from labkit.parallel.zero_units import plan_buckets
+
+    # bytes of 3 modules: a bucket takes the next module (last first) while it stays within the cap
+    assert plan_buckets([400, 4000, 40], 4194) == [[0], [1, 2]]
+    assert plan_buckets([400, 4000, 40], 25 * 2**20) == [[0, 1, 2]]
+    assert plan_buckets([400, 4000, 40], 1) == [[0], [1], [2]]  # a module larger than the cap: a bucket of its own
+    with pytest.raises(ConfigError, match="--print-buckets prints ZeRO's buckets, but --dp-shard none"):
+        read_options({"dp_shard": "none", "print_buckets": True})
+    assert read_options({"dp_shard": "zero2", "print_buckets": True, "bucket_mb": 0.5}) == ("zero2", "ddp", 0.5)

@@ -28,24 +28,27 @@ def preload(name: str, device: torch.device | str, train: bool = True) -> tuple[
 
 
 class PlainLoop:
-    """``steps`` textbook SGD steps over preloaded tensors per call; returns the samples of the whole job.
+    """``steps`` textbook steps over preloaded tensors per call; returns the samples of the whole job.
 
     Args:
-        model: a module (or DDP / GPipe wrapper) that takes ``x`` on ``x.device`` and returns logits.
+        model: a module (or DDP / GPipe wrapper) that takes ``x`` on ``x.device`` and returns logits (a language
+            model's (B, T, V) against targets (B, T)).
         x, y: the preloaded split; ``y`` on the device the logits come out on.
         batch_size: samples per step on this rank.
         steps: steps per call.
         rank, world: this rank's shard of each permutation (every ``world``-th index from ``rank``).
+        optimizer: ``sgd`` (momentum 0.9) or ``adam``.
     """
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int, steps: int,
-                 rank: int = 0, world: int = 1, lr: float = 0.01, seed: int = 0):
+                 rank: int = 0, world: int = 1, lr: float = 0.01, seed: int = 0, optimizer: str = "sgd"):
         if steps * batch_size * world > len(x):
             raise ConfigError(f"{steps} steps of {batch_size} samples on {world} rank(s) need "
                               f"{steps * batch_size * world} samples; the dataset has {len(x)}: use fewer --steps")
         self.model, self.x, self.y = model, x, y
         self.batch_size, self.steps, self.rank, self.world = batch_size, steps, rank, world
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        self.optimizer = (torch.optim.Adam(model.parameters(), lr=lr) if optimizer == "adam"
+                          else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
         self.generator = torch.Generator().manual_seed(seed)  # the same permutation on every rank
 
     def __call__(self) -> int:
@@ -56,7 +59,8 @@ class PlainLoop:
             index = shard[i * b:(i + 1) * b]
             x, y = self.x[index], self.y[index.to(self.y.device)]
             self.optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(self.model(x), y).backward()
+            logits = self.model(x)
+            F.cross_entropy(logits.flatten(0, -2), y.flatten()).backward()
             self.optimizer.step()
         return self.steps * b * self.world
 

@@ -17,11 +17,14 @@ then its bucket all-reduced while backward runs; the model's buffers broadcast f
 every forward), else calls ``dist.all_reduce`` per bucket after backward, as ``native`` always does (sum, then
 divide); ``ring``, ``tree``, ... run labkit's own schedule over the group after backward.
 ``--dp-shard zero1|zero2|zero3``: labkit's ZeRO (:mod:`labkit.parallel.zero_sharding`) over the ``dp`` group of
-``d`` ranks: stage 1 shards the optimizer state, 2 also the gradients (reduce-scattered inside backward; after
-it, once the other dimensions have summed them, under pp, cp, ep or tp's sequence parallelism), 3 also the
-parameters; per step ``2 (d − 1)/d · P`` sent for stages 1, 2 and ``3 (d − 1)/d · P`` for 3 (``P``: this rank's
-tp/pp part, padded), and each of the model's buffers (e.g. batch-norm statistics) broadcast from the group's first
-rank before forward, as DDP does. ``zero_prefetch`` (``--strategy zero``'s ``--zero-prefetch``): stage 3 gathers
+``d`` ranks: stage 1 shards the optimizer state, 2 also the gradients, 3 also the parameters. The modules are
+grouped into buckets of at most ``bucket_mb`` (``--bucket-mb``, as DDP's; ``--print-buckets`` prints them), each
+one flat buffer: one reduce-scatter per bucket, launched inside backward as soon as the bucket's gradients exist
+(after backward, once the other dimensions have summed them, under pp, cp, ep or tp's sequence parallelism), and
+one all-gather per bucket (stage 3: before forward and again before backward, a bucket ahead with
+``zero_prefetch``); per step ``2 (d − 1)/d · P`` sent for stages 1, 2 and ``3 (d − 1)/d · P`` for 3 (``P``: this
+rank's tp/pp part, padded), and each of the model's buffers (e.g. batch-norm statistics) broadcast from the
+group's first rank before forward, as DDP does. ``zero_prefetch`` (``--strategy zero``'s ``--zero-prefetch``): stage 3 gathers
 the next layer while this one computes. ``--allreduce`` other than ``ddp``/``native`` is refused with a sharded dp.
 Stage 3 is refused under ``pp``: its gathers around each layer's forward and backward would run once per
 micro-batch.
@@ -43,12 +46,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.collectives import ALGORITHMS
 from labkit.dist import group as kdist
+from labkit.dist.group import print0
 from labkit.errors import ConfigError
 from labkit.parallel.base import Dimension
 from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB, average_gradients
 from labkit.parallel.mesh import MeshStrategy
 from labkit.parallel.zero_sharding import ZeroSharding
-from labkit.parallel.zero_units import Comm
+from labkit.parallel.zero_units import Comm, format_layout
 
 #: ``--dp-shard`` values: replicas, labkit's ZeRO stages, FSDP2
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp")
@@ -63,10 +67,13 @@ FLAGS = [
     {"flag": "--dp-shard", "default": "none", "choices": ["none", "zero1", "zero2", "zero3", "fsdp"],
      "help": "dp dimension: none = replicas + bucketed gradient all-reduce (--allreduce); zero1|zero2|zero3 = "
              "labkit's ZeRO stage 1-3 over the dp groups; fsdp = FSDP2 fully_shard over the dp groups"},
+    {"flag": "--print-buckets", "action": "store_true",
+     "help": "ZeRO (--dp-shard zero1|zero2|zero3, --strategy zero): print each gradient/parameter bucket's tensors "
+             "and offsets (its size: --bucket-mb)"},
 ]
 #: flags declared once by another module and shared (labkit.parallel.dimension_flags): ``--strategy ddp``'s
 #: gradient all-reduce algorithm
-SHARED_FLAGS = {"labkit.parallel.ddp": ["--allreduce"]}
+SHARED_FLAGS = {"labkit.parallel.ddp": ["--allreduce", "--bucket-mb"]}
 #: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.dp:mesh_time"}
 
@@ -75,8 +82,8 @@ def read_options(options: dict) -> tuple[str, str, float]:
     """``(dp_shard, allreduce, bucket_mb)`` from the parsed options, defaults filled in.
 
     Raises:
-        ConfigError: an unknown shard or algorithm, a bucket size <= 0, or labkit's all-reduce schedules with a
-            sharded dp (whose gradients are reduce-scattered, not all-reduced).
+        ConfigError: an unknown shard or algorithm, a bucket size <= 0, labkit's all-reduce schedules with a
+            sharded dp (whose gradients are reduce-scattered, not all-reduced), or ``--print-buckets`` without ZeRO.
     """
     shard = options.get("dp_shard") or "none"
     if shard not in SHARDS:
@@ -90,6 +97,9 @@ def read_options(options: dict) -> tuple[str, str, float]:
     bucket_mb = options.get("bucket_mb") or DEFAULT_BUCKET_MB
     if bucket_mb <= 0:
         raise ConfigError(f"--bucket-mb must be > 0, got {bucket_mb}")
+    if options.get("print_buckets") and not shard.startswith("zero"):
+        raise ConfigError(f"--print-buckets prints ZeRO's buckets, but --dp-shard {shard} has none of labkit's; "
+                          "use --dp-shard zero1|zero2|zero3 or --strategy zero")
     return shard, allreduce, float(bucket_mb)
 
 
@@ -159,7 +169,7 @@ class DataParallel(Dimension):
                       or (sizes.get("tp", 1) > 1 and bool(self.options.get("sequence_parallel"))))
             comm = Comm(self.size, self.size > 1, group=self.group)
             self.zero = ZeroSharding(int(self.shard[-1]), comm, self.rank, bool(self.options.get("zero_prefetch")),
-                                     reduce_in_backward=not others)
+                                     reduce_in_backward=not others, bucket_bytes=self.bucket_bytes)
             self.sync_last = True
 
     @property
@@ -188,6 +198,8 @@ class DataParallel(Dimension):
         if self.zero is not None:
             self.zero.shard(model)
             self.buffers = list(model.buffers())
+            if self.options.get("print_buckets"):
+                print0("\n".join(format_layout(self.zero.layout(), self.size)))
         return self._fully_shard(model) if self.shard == "fsdp" else model
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:

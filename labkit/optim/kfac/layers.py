@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from labkit.errors import CheckpointError
 from labkit.optim.kfac.linalg import (
     damped_inverse,
+    eigen_operands,
     factored_damping,
     precondition_eigen,
     precondition_inverse,
@@ -43,13 +44,29 @@ def supports(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and module.weight.requires_grad
 
 
+def gram(columns: Tensor) -> Tensor:
+    """``X Xᵀ`` of X (d, M) -> (d, d), symmetric: from d = 96 on, as two halves ``X₁, X₂`` of rows whose three
+    blocks ``X₁X₁ᵀ, X₂X₁ᵀ, X₂X₂ᵀ`` are multiplied (the fourth is a transpose): 3/4 of the products."""
+    d = columns.shape[0]
+    if d < 96:
+        return columns @ columns.t()
+    h = d // 2
+    top, bottom = columns[:h], columns[h:]
+    out = columns.new_empty(d, d)
+    out[:h, :h] = top @ top.t()
+    out[h:, :h] = bottom @ top.t()
+    out[:h, h:] = out[h:, :h].t()
+    out[h:, h:] = bottom @ bottom.t()
+    return out
+
+
 def input_covariance(columns: Tensor, bias: bool) -> Tensor:
     """``1/M Σ ā āᵀ`` of M columns (d, M) -> (d + bias, d + bias), ``ā = [a; 1]``, without a row of ones."""
     d, m = columns.shape
     if not bias:
-        return (columns @ columns.t()).div_(m)
+        return gram(columns).div_(m)
     cov = columns.new_empty(d + 1, d + 1)
-    cov[:d, :d] = columns @ columns.t()
+    cov[:d, :d] = gram(columns)
     total = columns.sum(1)  # Σ a: the cross terms with the constant 1
     cov[:d, d] = total
     cov[d, :d] = total
@@ -199,6 +216,14 @@ class LayerFactors:
         if "qa" in d:
             return precondition_eigen(grad, d["qa"], d["la"], d["qg"], d["lg"], damping)
         return precondition_inverse(grad, d["a_inv"], d["g_inv"])
+
+    def operands(self, damping: float) -> tuple[Tensor, ...]:
+        """The current decomposition as :func:`~labkit.optim.kfac.linalg.precondition_batched` takes it (eigen:
+        ``(Q_G, Q_A, 1 / (λ_G λ_Aᵀ + γ))``, precomputed; inverse: ``(G_d⁻¹, A_d⁻¹)``)."""
+        d = self.decomposition
+        if "qa" in d:
+            return eigen_operands(d["qa"], d["la"], d["qg"], d["lg"], damping)
+        return d["g_inv"], d["a_inv"]
 
     def decomposition_shapes(self, method: str) -> dict[str, tuple[int, ...]]:
         """Shapes of the tensors a decomposition holds (so non-owning ranks can receive them)."""

@@ -56,6 +56,7 @@ from labkit.optim.kfac import distributed as kfac_dist
 from labkit.optim.kfac import kaisa as kfac_kaisa
 from labkit.optim.kfac.clip import KLClip, inner_product
 from labkit.optim.kfac.layers import LayerFactors, supports
+from labkit.optim.kfac.linalg import precondition_batched
 from labkit.optim.kfac.options import (
     Approx,
     Broadcast,
@@ -130,6 +131,9 @@ class KFAC:
         self.timings = {"factors": 0.0, "communication": 0.0, "decomposition": 0.0, "precondition": 0.0}
         self.bytes_sent = {"factors": 0, "decompositions": 0, "gradients": 0}
         self._stale = True  # decompositions must be (re)computed at the next step
+        self._closed = False
+        self._arm(True)  # step 0 collects factors
+        self._stacked: dict[tuple, tuple] = {}  # shape -> (decompositions, damping, stacked operands)
         self.clip = (KLClip(self.kl_clip, self.layers[0].module.weight, self._scale_grads, optimizer)
                      if self.kl_clip > 0 else None)
 
@@ -141,10 +145,7 @@ class KFAC:
             if name in skip or type(module).__name__ in skip or not supports(module):
                 continue
             dtype = torch.float64 if module.weight.dtype == torch.float64 else torch.float32
-            layer = LayerFactors(name, module, dtype, self.approx.value)
-            self._handles.append(module.register_forward_hook(
-                lambda m, inputs, output, layer=layer: self._forward_hook(layer, inputs, output)))
-            layers.append(layer)
+            layers.append(LayerFactors(name, module, dtype, self.approx.value))
         if not layers:
             kinds = sorted({type(m).__name__ for m in model.modules()} - {type(model).__name__})
             raise ConfigError(f"K-FAC found no Linear or Conv2d layer to precondition in {type(model).__name__} "
@@ -167,11 +168,22 @@ class KFAC:
 
     def close(self) -> None:
         """Remove every hook K-FAC installed (the model trains as if K-FAC had never been attached)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._closed = True
+        self._arm(False)
         if self.clip is not None:
             self.clip.close()
+
+    def _arm(self, capture: bool) -> None:
+        """The capture hooks on the registered layers when the next step collects factors, and none otherwise:
+        between factor updates a forward or backward pass runs no K-FAC code at all."""
+        if capture and not self._handles and not self._closed:
+            self._handles = [layer.module.register_forward_hook(
+                lambda m, inputs, output, layer=layer: self._forward_hook(layer, inputs, output))
+                for layer in self.layers]
+        elif not capture:
+            for handle in self._handles:
+                handle.remove()
+            self._handles = []
 
     # ----- the step --------------------------------------------------------------------------------------------
 
@@ -187,6 +199,7 @@ class KFAC:
             self._update_decompositions()
         self._precondition(lr)
         self.steps += 1
+        self._arm(self.steps % self.factor_update_freq == 0)
 
     def _update_factors(self) -> None:
         started = self._clock()
@@ -235,8 +248,7 @@ class KFAC:
         grads = [l.grad_matrix() for l, _ in work]
         holds = [self.kaisa.holds(o) if self.kaisa is not None else not shared_grads or o == self.rank
                  for _, o in work]
-        precond = [l.precondition(g, self.damping) if h else torch.empty_like(g)
-                   for (l, _), g, h in zip(work, grads, holds)]
+        precond = self._apply([l for l, _ in work], grads, holds)
         self.timings["precondition"] += self._clock() - started
         if self.kaisa is not None:
             started = self._clock()
@@ -255,6 +267,38 @@ class KFAC:
         if vg is not None:
             self.clip.apply(vg, lr)  # ν = min(1, √(κ / (α² |Σ⟨P, ∇W⟩|))), see labkit.optim.kfac.clip
         self.timings["precondition"] += self._clock() - started
+
+    def _apply(self, layers: list[LayerFactors], grads: list[Tensor], holds: list[bool]) -> list[Tensor]:
+        """Each held layer's preconditioned gradient; layers of one shape together, in one batched product
+        (:func:`~labkit.optim.kfac.linalg.precondition_batched`), with the operands stacked once per decomposition
+        (:meth:`_operands`); a layer not held: an empty matrix its owner's broadcast fills."""
+        out: list[Tensor | None] = [None] * len(layers)
+        groups: dict[tuple, list[int]] = {}
+        for i, (g, h) in enumerate(zip(grads, holds)):
+            if h:
+                groups.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
+            else:
+                out[i] = torch.empty_like(g)
+        for key, index in groups.items():
+            stacked = torch.stack([grads[i] for i in index]) if len(index) > 1 else grads[index[0]].unsqueeze(0)
+            result = precondition_batched(stacked, self._operands(key, [layers[i] for i in index]))
+            for j, i in enumerate(index):
+                out[i] = result[j]
+        return out
+
+    def _operands(self, key: tuple, layers: list[LayerFactors]) -> tuple[Tensor, ...]:
+        """The stacked operands of ``layers`` (one shape), rebuilt only when a decomposition changed (a new
+        decomposition is a new dict: :meth:`LayerFactors.decompose`, a broadcast, a checkpoint) or the damping did.
+        They hold a copy of the decompositions: (d_out² + d_in² + d_out·d_in) numbers per eigen layer."""
+        sources = [l.decomposition for l in layers]
+        cached = self._stacked.get(key)
+        if cached is not None and cached[1] == self.damping and len(cached[0]) == len(sources) and \
+                all(a is b for a, b in zip(cached[0], sources)):
+            return cached[2]
+        per_layer = [l.operands(self.damping) for l in layers]
+        operands = tuple(torch.stack(parts) for parts in zip(*per_layer))
+        self._stacked[key] = (sources, self.damping, operands)
+        return operands
 
     def _scale_grads(self, nu: Tensor) -> None:
         """ν (on the first layer's device) scales every layer's gradients on that layer's device."""
@@ -336,6 +380,7 @@ class KFAC:
         restored = [names[name].load_state(saved, self.method.value if same_method else None)
                     for name, saved in state["layers"].items()]
         self.steps = int(state["steps"])
+        self._arm(self.steps % self.factor_update_freq == 0)
         self._stale = not all(restored) or len(restored) < len(self.layers)
 
 
