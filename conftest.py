@@ -66,7 +66,9 @@ def pytest_xdist_make_scheduler(config, log):
 # the system layer. The order only balances the workers; a name missing here or a file renamed changes no result.
 LONGEST = ("notebooks/06_cifar10_resnet32_multi_gpu.ipynb", "notebooks/03_model_parallel.ipynb",
            "tests/test_preempt.py", "notebooks/08_strategy_advisor.ipynb", "notebooks/04_pipeline.ipynb",
+           "notebooks/04b_pipeline_schedules.ipynb", "tests/test_doctor.py", "tests/test_pp_runtime.py",
            "notebooks/09_transformer_parallelism.ipynb", "tests/test_faults.py", "notebooks/02_data_parallel.ipynb",
+           "tests/test_matrix_optimizers.py", "notebooks/05b_second_order_at_scale.ipynb",
            "notebooks/11_when_it_breaks.ipynb", "tests/test_launch.py", "notebooks/01_allreduce.ipynb",
            "notebooks/10_long_context_and_experts.ipynb", "notebooks/07_sharded_data_parallel.ipynb",
            "tests/test_resume_placement.py", "notebooks/01b_synchronisation.ipynb", "notebooks/00_single_device.ipynb",
