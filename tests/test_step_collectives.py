@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
+from labkit.dist import group as kdist
 from labkit.dist.group import DistEnv
 from labkit.dist.testing import run_ranks
 from labkit.optim import OptimizerSpec
@@ -190,7 +191,10 @@ PRESETS = {"ddp": "mesh-dp", "ddp-ring": "mesh-ring", "zero-1": "mesh-zero-1", "
 #: after 4, whose answer would come after the last step), the window's barriers after the warm-up and at the end,
 #: and the epoch's metric sums (loss, correct, count)
 LOOP = [[STOP], ["barrier 0"], [STOP], [], [], ["barrier 0", "all_reduce 3"]]
-AG, RS = "all_gather_single", "reduce_scatter_single"
+#: the single-tensor all-gather and reduce-scatter under the names this torch gives them (all_gather_single and
+#: reduce_scatter_single from 2.13 on, all_gather_into_tensor and reduce_scatter_tensor before): labkit's ZeRO calls
+#: them through labkit.dist.group, PyTorch's FSDP2 by itself, and the two must agree
+AG, RS = kdist.ALL_GATHER_TENSOR, kdist.REDUCE_SCATTER_TENSOR
 #: the net: Linear(12, 8) (104 parameters) and Linear(8, 3) (27, padded to 28 for 2 ranks, FSDP2: 36 by rows)
 STEP = {
     "ddp": ["all_reduce 131"],  # one gradient bucket: all 131 parameters

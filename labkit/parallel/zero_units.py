@@ -7,8 +7,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from labkit.dist import group as kdist
 
 
 class Unit:
@@ -112,11 +113,11 @@ class Comm:
         if not self.distributed:
             full.copy_(shard)
             return None
-        return dist.all_gather_single(full, shard, group=self.group, async_op=async_op)
+        return kdist.all_gather_into_tensor(full, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         self._count(full)
         if not self.distributed:
             shard.copy_(full)
             return
-        dist.reduce_scatter_single(shard, full, group=self.group)
+        kdist.reduce_scatter_tensor(shard, full, group=self.group)
