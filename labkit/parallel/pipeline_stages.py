@@ -98,7 +98,7 @@ class StageSchedules:
         key = (batch, train)
         if key not in self._schedules:
             pp = torch_pipelining()
-            cls = getattr(pp, SCHEDULES[self.schedule_name]) if train else pp.ScheduleGPipe
+            cls = pp.Schedule1F1B if train and self.schedule_name == "1f1b" else pp.ScheduleGPipe
             if not train:
                 m = 1
             elif not any(is_train for _, is_train in self._schedules):
@@ -138,5 +138,8 @@ class StageSchedules:
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the whole batch as one micro-batch; the outputs on the last stage, None elsewhere."""
         schedule, _ = self.schedule(model, len(x), False, None)
-        out = schedule.eval(x) if self.is_first else schedule.eval()
+        # Schedule.eval (torch 2.9) runs the forward only; before it, step() does just that on a schedule built
+        # without a loss function
+        forward = schedule.eval if hasattr(schedule, "eval") else schedule.step
+        out = forward(x) if self.is_first else forward()
         return out if self.is_last else None
