@@ -27,6 +27,7 @@ from labkit.dist import group as kdist
 from labkit.dist.group import DistEnv
 from labkit.dist.testing import run_ranks
 from labkit.optim import OptimizerSpec
+from labkit.parallel.dp import fsdp_refusal
 from labkit.strategies import get_strategy
 from labkit.train import loop as ktrain
 from labkit.train.preempt import StopSignals
@@ -37,6 +38,9 @@ CALLS = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tenso
          "all_gather_object", "gather_object", "broadcast_object_list", "reduce", "reduce_scatter", "all_to_all",
          "all_to_all_single", "monitored_barrier")
 STOP = "all_reduce 2"  # the stop check: [this rank's flag, rank 0's next interval]
+#: FSDP2 runs on CPU ranks from torch 2.7 on (labkit refuses it before, labkit.parallel.dp.fsdp_refusal): its runs
+#: are left out on an older torch
+FSDP_ON_CPU = fsdp_refusal("--strategy fsdp", "cpu") is None
 
 
 def _numel(args, kwargs) -> int:
@@ -175,6 +179,7 @@ def _ranks(env) -> dict:
                 "tensor-parallel": ("tensor-parallel", {}, _net(), _data()),
                 "pipeline": ("pipeline", {"num_microbatches": 2}, _net(), _data()),
                 "ps": ("ps", {"ps_mode": "sync", "ps_timeout_s": 60}, _net(), _data())}
+        runs = {key: run for key, run in runs.items() if FSDP_ON_CPU or "fsdp" not in key}
         weights: dict[str, list] = {key: [] for pair in PRESETS.items() for key in pair}
         steps = {key: _steps(name, options, env, model, data, log, weights.get(key))
                  for key, (name, options, model, data) in runs.items()}
@@ -186,7 +191,7 @@ def _ranks(env) -> dict:
 
 #: each data-parallel preset's run and the ``--mesh dp=2`` run it stands for
 PRESETS = {"ddp": "mesh-dp", "ddp-ring": "mesh-ring", "zero-1": "mesh-zero-1", "zero-2": "mesh-zero-2",
-           "zero-3": "mesh-zero-3", "fsdp": "mesh-fsdp"}
+           "zero-3": "mesh-zero-3", **({"fsdp": "mesh-fsdp"} if FSDP_ON_CPU else {})}
 #: what the loop adds after steps 0..5: the stop check launched after steps 0 and 2 (read after 1 and 3; none
 #: after 4, whose answer would come after the last step), the window's barriers after the warm-up and at the end,
 #: and the epoch's metric sums (loss, correct, count)
@@ -218,6 +223,7 @@ STEP = {
     # Megatron's row-parallel output: one all-reduce of the logits (4 × 3); the input needs no gradient
     "tensor-parallel": ["all_reduce 12"],
 }
+STEP = {key: calls for key, calls in STEP.items() if FSDP_ON_CPU or "fsdp" not in key}
 #: pipeline, 2 micro-batches of 2 rows: rank 0 sends each one's activations (2 × 8) and receives their gradients
 PIPE = {0: ["isend 16", "isend 16", "irecv 16", "irecv 16"], 1: ["irecv 16", "irecv 16", "isend 16", "isend 16"]}
 #: the first step also agrees on the shapes between the stages
