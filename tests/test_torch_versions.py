@@ -27,6 +27,7 @@ import inspect
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -513,3 +514,40 @@ def test_fsdp_on_cpu_ranks_without_the_cpu_streams_events_is_one_line(monkeypatc
         "--dp-shard fsdp on CPU ranks needs torch 2.7 or later (FSDP2 records events on the CPU stream, which torch "
         f"2.7 added), this is torch {torch.__version__}; use --strategy zero --zero-stage 3 (the same sharding, "
         "labkit's own) or GPUs")
+
+
+def test_the_watchdog_on_gloo_without_its_flight_recorder_is_one_line(monkeypatch, tmp_path):
+    """Before torch 2.8 gloo keeps no flight recorder the watchdog can read: ``labkit train --watchdog`` on gloo and
+    the faults lab's runs are refused in one line before any rank starts; NCCL's recorder is older."""
+    from torch._C import _distributed_c10d as c10d
+
+    from labkit.errors import ConfigError
+    from labkit.faults.runner import run_program
+    from labkit.faults.watchdog import refusal, start_for_training
+
+    if hasattr(c10d, "_dump_fr_trace_json"):
+        assert refusal("gloo") is None
+        monkeypatch.delattr(c10d, "_dump_fr_trace_json")  # what torch 2.6 and 2.7 have
+    assert refusal("nccl") is None
+    why = (f"the hang watchdog reads gloo's flight recorder, which torch 2.8 added, and this is torch "
+           f"{torch.__version__}; run without --watchdog, or on torch 2.8 or later")
+    for start in (lambda: start_for_training(5, 60, "gloo"), lambda: run_program(tmp_path / "never_run.py")):
+        with pytest.raises(ConfigError) as err:
+            start()
+        assert str(err.value) == why
+
+
+def test_1f1b_on_gloo_without_waiting_every_send_and_receive_is_one_line(monkeypatch):
+    """torch 2.6's Schedule1F1B hangs on two gloo ranks (it waits for only the last operation of each batch of sends
+    and receives; 2.8 waits for each): refused in one line before any work; GPipe, and NCCL, run."""
+    from labkit.parallel.pipeline_stages import schedule_refusal, torch_pipelining
+
+    schedules = torch_pipelining().schedules
+    if hasattr(schedules, "_wait_batch_p2p"):
+        assert schedule_refusal("1f1b", "gloo") is None
+        monkeypatch.delattr(schedules, "_wait_batch_p2p")  # what torch 2.6 and 2.7 have
+    assert schedule_refusal("gpipe", "gloo") is None and schedule_refusal("1f1b", "nccl") is None
+    assert schedule_refusal("1f1b", "gloo") == (
+        "--schedule 1f1b on gloo ranks needs torch 2.8 or later (before it, the schedule waits for only the last of "
+        f"each batch of sends and receives, and 1F1B hangs on gloo), this is torch {torch.__version__}; use "
+        "--schedule gpipe, or GPUs (NCCL)")

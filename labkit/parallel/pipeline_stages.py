@@ -27,6 +27,18 @@ def torch_pipelining():
     return pipelining
 
 
+def schedule_refusal(schedule: str, backend: str) -> str | None:
+    """Why ``schedule`` cannot run on ``backend``'s ranks with this torch (one line), or None. Up to torch 2.7 a
+    schedule waits for only the last operation of each batch of sends and receives: enough under NCCL, which
+    coalesces the batch, but torch 2.6's 1F1B hangs on two gloo ranks; torch 2.8 waits for each
+    (``schedules._wait_batch_p2p``)."""
+    if schedule == "1f1b" and backend == "gloo" and not hasattr(torch_pipelining().schedules, "_wait_batch_p2p"):
+        return (f"--schedule 1f1b on gloo ranks needs torch 2.8 or later (before it, the schedule waits for only the "
+                f"last of each batch of sends and receives, and 1F1B hangs on gloo), this is torch "
+                f"{torch.__version__}; use --schedule gpipe, or GPUs (NCCL)")
+    return None
+
+
 def pipeline_options(options: dict, stages: int, on_mesh: bool = True) -> tuple[str, int]:
     """``(schedule, micro-batches)`` of a ``stages``-stage pipeline, its options checked once for every form of it:
     the mesh's ``pp`` (``on_mesh``: the messages say ``pp=P``) and ``--strategy pipeline`` (they say ranks).
