@@ -134,7 +134,7 @@ class StageSchedules:
         returns ``(mean loss, outputs)``, the others ``(None, None)``."""
         if not self._schedules:
             check_chunks(self.num_microbatches, len(x))
-        schedule, _ = self.schedule(model, len(x), True, criterion)
+        schedule, m = self.schedule(model, len(x), True, criterion)
         losses: list[torch.Tensor] = []
         with context or contextlib.nullcontext():
             if self.is_first:
@@ -143,6 +143,12 @@ class StageSchedules:
                 out = schedule.step(target=y, losses=losses)
             else:
                 out = schedule.step()
+        if not hasattr(schedule, "scale_grads"):
+            # torch 2.6 leaves the stage's gradients summed over the m micro-batches (each loss a micro-batch mean);
+            # from 2.7 on the schedule divides them by m itself (scale_grads): the mean over the whole batch
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(m)
         if not self.is_last:
             return None, None
         return torch.stack(losses).mean().detach(), out.detach()  # equal micro-batches: mean of means
