@@ -277,8 +277,11 @@ def test_a_step_sends_what_its_strategy_needs_and_the_stop_check_one_collective_
         # every preset: the calls and the bit-identical weights of its mesh; --strategy ddp those of plain DDP too
         for preset, mesh in PRESETS.items():
             calls = [list(step) for step in got[mesh]]
-            if preset == "ddp-ring":  # the group's first point-to-point schedule, here the preset's, starts on a barrier
-                calls[0].insert(0, "barrier 0")  # (labkit.collectives.execute): once per group, in the run first to use it
+            # the group's first point-to-point schedule, here the preset's, starts on a barrier
+            # (labkit.collectives.execute): once per group, in the run first to use it; on torch 2.6 the mesh's
+            # dp group is another group than the preset's, so its first schedule starts on its own barrier too
+            if preset == "ddp-ring" and calls[0][:1] != ["barrier 0"]:
+                calls[0].insert(0, "barrier 0")
             assert got[preset] == calls, (rank, preset, got[preset], got[mesh])
             ours, theirs = got["weights"][preset], got["weights"][mesh]
             assert len(ours) == len(theirs) == 4
