@@ -242,10 +242,10 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
 
 
 # ----- the single-tensor all-gather and reduce-scatter, under the name this torch gives them --------------------
-# torch 2.13 renamed dist.all_gather_into_tensor and dist.reduce_scatter_tensor (the names every torch from 2.0 on has) to
-# all_gather_single and reduce_scatter_single, and deprecated the old names: they still work up to 2.15 but warn
-# (FutureWarning) at every call site. The two functions below are the one place that picks the name, so the kit
-# runs from torch 2.6 up without an AttributeError or a warning; the collective is the same either way.
+# torch 2.13 renamed dist.all_gather_into_tensor and dist.reduce_scatter_tensor (names every torch from 2.0 on
+# has) to all_gather_single and reduce_scatter_single, and deprecated the old names: they still work up to 2.15 but
+# warn (FutureWarning) at every call site. The two functions below are the one place that picks the name, so the
+# kit runs from torch 2.6 up without an AttributeError or a warning; the collective is the same either way.
 
 #: the torch.distributed function labkit's single-tensor all-gather calls on this torch
 ALL_GATHER_TENSOR = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
