@@ -4,9 +4,10 @@ introduced it.
 labkit supports torch 2.6 and later (``pyproject.toml``). The scan below reads every module of ``labkit/`` (ast, no
 import) and lists each ``torch.distributed`` name it uses (``torch.distributed.tensor``, ``device_mesh``,
 ``pipelining``, ``fsdp``, ``elastic`` and the C extension's ``torch._C._distributed_c10d`` included), each
-``torch.optim`` name, each ``torch.cpu`` name (what FSDP2 needs on CPU ranks), and each keyword argument passed to them (``name(kw=)``): through ``import ... as``,
-``from ... import``, ``getattr`` / ``hasattr`` / ``setattr`` with a literal name (or a loop over literal names), a
-variable bound to a torch object, and a labkit function that returns a torch module (``torch_pipelining()``).
+``torch.optim`` name, each ``torch.cpu`` name (what FSDP2 needs on CPU ranks), and each keyword argument passed to
+them (``name(kw=)``): through ``import ... as``, ``from ... import``, ``getattr`` / ``hasattr`` / ``setattr`` with a
+literal name (or a loop over literal names), a variable bound to a torch object, and a labkit function that returns a
+torch module (``torch_pipelining()``).
 
 :data:`INTRODUCED` says, for each, the first release whose source has it and the file there. It was written by
 reading the Python source (and the ``.pyi`` stubs, and for two C functions the extension's strings) of each
@@ -455,7 +456,8 @@ def test_the_scan_sees_each_way_of_naming_and_of_checking(tmp_path):
     assert dynamic == ["kit/uses.py f: getattr(dist, name)"]
     table = {"torch.distributed.all_gather_single": ("2.13", ""), "torch.distributed.reduce_scatter_single":
              ("2.13", ""), "torch.distributed.init_process_group(device_id=)": ("2.3", "")}
-    assert unchecked_newer(found, table, (2, 6)) == ["torch.distributed.all_gather_single (torch 2.13) at kit/uses.py:6"]
+    assert unchecked_newer(found, table, (2, 6)) == [
+        "torch.distributed.all_gather_single (torch 2.13) at kit/uses.py:6"]
     assert unchecked_newer(found, table, (2, 2)) == [
         "torch.distributed.all_gather_single (torch 2.13) at kit/uses.py:6",
         "torch.distributed.init_process_group(device_id=) (torch 2.3) at kit/uses.py:7"]
