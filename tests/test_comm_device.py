@@ -23,17 +23,14 @@ COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_single", "al
 #: where a bare collective is the point: the helpers themselves, the all-reduce algorithms, the exercises and the
 #: broken programs of the faults lab that teach torch.distributed, the strategies' own protocols whose buffers the
 #: backend/device table keeps right, and the stop check, which launches its all-reduce without waiting
-#: (``async_op``) on a tensor it keeps on the rank's device itself, sequence parallelism's reduce-scatter, for
-#: which labkit.dist.group has no helper (it moves the tensor to the communication device itself), the advisor's link
-#: fit, whose collectives are what it times (its buffers are made on the communication device), and the pipeline
-#: runtime's point-to-point sends (on the stage's device, which the pp BACKENDS row keeps right: no gloo on CUDA)
+#: (``async_op``) on a tensor it keeps on the rank's device itself, the advisor's link fit, whose collectives are
+#: what it times (its buffers are made on the communication device), and the pipeline runtime's point-to-point
+#: sends (on the stage's device, which the pp BACKENDS row keeps right: no gloo on CUDA)
 ALLOWED_FILES = {"dist/group.py", "collectives", "exercises", "faults"}
-ALLOWED_FUNCTIONS = {("parallel/zero_units.py", "Comm.all_gather"), ("parallel/zero_units.py", "Comm.reduce_scatter"),
-                     ("strategies/ps/worker.py", "push_pull"),
+ALLOWED_FUNCTIONS = {("strategies/ps/worker.py", "push_pull"),
                      ("strategies/ps/server.py", "ServerState.receive"),
                      ("strategies/ps/server.py", "ServerState.reply"),
                      ("train/preempt.py", "StopCheck._launch"),
-                     ("parallel/mappings.py", "_reduce_scatter_sequence"),
                      ("advisor/measure.py", "_fit_rank"), ("advisor/measure.py", "_fit_rank.ring_step"),
                      ("parallel/pp_runtime.py", "ScheduleRuntime._send"),
                      ("parallel/pp_runtime.py", "ScheduleRuntime._recv")}
@@ -118,7 +115,7 @@ class _Handed(Exception):
     pass
 
 
-@pytest.mark.parametrize("call", ["all_reduce", "broadcast", "all_gather", "gather", "scatter", "all_gather_single"])
+@pytest.mark.parametrize("call", ["all_reduce", "broadcast", "all_gather", "gather", "scatter", "all_gather_tensor"])
 def test_every_helper_hands_the_collective_tensors_on_the_comm_device(call, monkeypatch):
     """``meta`` stands in for the GPU: a helper that forgot to move a tensor hands the collective a CPU one."""
     seen = []
@@ -131,15 +128,15 @@ def test_every_helper_hands_the_collective_tensors_on_the_comm_device(call, monk
         raise _Handed  # the copy back from meta has no data to copy
 
     monkeypatch.setattr(kdist, "comm_device", lambda group=None: torch.device("meta"))
-    monkeypatch.setattr(dist, call, collective)
+    monkeypatch.setattr(dist, kdist.ALL_GATHER_TENSOR if call == "all_gather_tensor" else call, collective)
     t, parts = torch.ones(2), [torch.zeros(2), torch.zeros(2)]
     args = {"all_reduce": (t,), "broadcast": (t, 0), "all_gather": (parts, t), "gather": (t, parts, 0),
-            "scatter": (t, parts, 0), "all_gather_single": (torch.zeros(4), t)}[call]
+            "scatter": (t, parts, 0), "all_gather_tensor": (torch.zeros(4), t)}[call]
     with pytest.raises(_Handed):
         getattr(kdist, call)(*args)
     assert seen and set(seen) == {torch.device("meta")}
     assert len(seen) == {"all_reduce": 1, "broadcast": 1, "all_gather": 3, "gather": 3, "scatter": 3,
-                         "all_gather_single": 2}[call]
+                         "all_gather_tensor": 2}[call]
 
 
 def _helpers(env):
@@ -150,7 +147,7 @@ def _helpers(env):
     parts_on_0 = [torch.zeros(1), torch.zeros(1)] if r == 0 else None
     kdist.gather(torch.tensor([5.0 + r]), parts_on_0, dst=0)
     got = kdist.scatter(torch.zeros(1), [torch.tensor([7.0]), torch.tensor([8.0])] if r == 0 else None, src=0)
-    single = kdist.all_gather_single(torch.zeros(2), torch.tensor([3.0 * r]))
+    single = kdist.all_gather_tensor(torch.zeros(2), torch.tensor([3.0 * r]))
     return peak.item(), b.item(), [p.item() for p in parts], parts_on_0 and [p.item() for p in parts_on_0], \
         got.item(), single.tolist()
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labkit.dist import group as kdist
 from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
 from labkit.models.gpt import GPT, GPTConfig
@@ -64,7 +65,9 @@ def _max_grad_diff(model, ref_grads, group) -> float:
 
 def _counting(log: list):
     """Wrap the collectives labkit.dist.group and labkit.parallel.mappings call; log (name, elements of this rank's part)."""
-    names = ("all_reduce", "all_gather", "reduce_scatter_single")
+    # the reduce-scatter under the name this torch gives it (reduce_scatter_single from 2.13, reduce_scatter_tensor
+    # before), logged as "reduce_scatter" either way
+    names = {"all_reduce": "all_reduce", "all_gather": "all_gather", kdist.REDUCE_SCATTER_TENSOR: "reduce_scatter"}
     originals = {n: getattr(dist, n) for n in names}
 
     def wrap(name, fn):
@@ -72,8 +75,8 @@ def _counting(log: list):
             log.append((name, args[1].numel() if name == "all_gather" else args[0].numel()))
             return fn(*args, **kwargs)
         return counted
-    for n in names:
-        setattr(dist, n, wrap(n, originals[n]))
+    for n, label in names.items():
+        setattr(dist, n, wrap(label, originals[n]))
     return originals
 
 
@@ -191,9 +194,9 @@ def test_tp_and_sp_on_two_ranks_equal_single_and_parallelize_module():
     # with SP: reduce-scatter after the embedding, per block 2 (all-gather, reduce-scatter) of B·T/t·C = 512,
     # the all-gather into the head, the loss; backward the conjugates; then the layer norms', row biases' and
     # position table's gradients in one all-reduce
-    fwd = [("reduce_scatter_single", 512)] + [("all_gather", 512), ("reduce_scatter_single", 512)] * 4 + \
+    fwd = [("reduce_scatter", 512)] + [("all_gather", 512), ("reduce_scatter", 512)] * 4 + \
         [("all_gather", 512), ("all_reduce", 32), ("all_reduce", 64)]
-    bwd = [("reduce_scatter_single", 512)] + [("all_gather", 512), ("reduce_scatter_single", 512)] * 4 + \
+    bwd = [("reduce_scatter", 512)] + [("all_gather", 512), ("reduce_scatter", 512)] * 4 + \
         [("all_gather", 512)]
     assert sp["calls"] == fwd + bwd + [("all_reduce", 960)]
     assert sp["sp_params"] == 960  # 2·(2·2·32 + 2·32) + 2·32 + 16·32
@@ -259,4 +262,4 @@ def test_formulas_give_the_counted_sizes_for_gpt_100m():
     with_sp = cost.tp_step_bytes(cfg, 8, 1024, 4, True)
     # 4·L + 2 all-reduces of B·T·C (+ the loss's 3·B·T) vs the same bytes as all-gathers and reduce-scatters
     assert no_sp == {"all_reduce": 4 * (50 * 8 * 1024 * 768 + 3 * 8 * 1024)}
-    assert with_sp["all_gather"] == with_sp["reduce_scatter_single"] == 4 * 50 * 2 * 1024 * 768  # (4L + 2) · B·T·C/t
+    assert with_sp["all_gather"] == with_sp["reduce_scatter"] == 4 * 50 * 2 * 1024 * 768  # (4L + 2) · B·T·C/t

@@ -31,6 +31,7 @@ from labkit.dist.testing import record_losses, run_ranks
 from labkit.errors import CheckpointError, ConfigError
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.optim import OptimizerSpec
+from labkit.parallel.dp import fsdp_refusal
 from labkit.strategies.base import Strategy
 from labkit.train.tasks import LanguageModelling, Task
 
@@ -139,6 +140,11 @@ FOUR = {"gpt dp=2,tp=2": ("gpt", {"mesh": "dp=2,tp=2"}),
         "gpt tp=2,pp=2": ("gpt", {"mesh": "tp=2,pp=2", "num_microbatches": 2}),
         "gpt dp=2,tp=2 zero2": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "zero2"}),
         "gpt dp=2,pp=2 zero1": ("gpt", {"mesh": "dp=2,pp=2", "dp_shard": "zero1", "num_microbatches": 2})}
+#: FSDP2 runs on CPU ranks from torch 2.7 on (labkit refuses it before, labkit.parallel.dp.fsdp_refusal): its
+#: compositions and its resume are left out on an older torch
+FSDP_ON_CPU = fsdp_refusal("--strategy fsdp", "cpu") is None
+TWO = {key: run for key, run in TWO.items() if FSDP_ON_CPU or "fsdp" not in key}
+FOUR = {key: run for key, run in FOUR.items() if FSDP_ON_CPU or "fsdp" not in key}
 EIGHT = {"gpt dp=2,tp=2,pp=2": ("gpt", {"mesh": "dp=2,tp=2,pp=2", "num_microbatches": 2})}
 
 
@@ -167,9 +173,10 @@ def _two_ranks(env, out):
     offered to dp=2 without sharding; the same with zero3, offered to zero1; --allreduce ring with zero2 refused."""
     from labkit.parallel.mesh import MeshStrategy
 
-    result = _runs(env, TWO, "cnn dp=2 fsdp", out)
-    result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
-                               result["cnn dp=2 fsdp"]["weights"])
+    result = _runs(env, TWO, "cnn dp=2 fsdp" if FSDP_ON_CPU else None, out)
+    if FSDP_ON_CPU:
+        result["resume"] = _resume(env, "cnn", {"mesh": "dp=2", "dp_shard": "fsdp"}, {"mesh": "dp=2"}, out,
+                                   result["cnn dp=2 fsdp"]["weights"])
     zero3, zero_out = {"mesh": "dp=2", "dp_shard": "zero3"}, os.path.join(out, "zero3")
     os.makedirs(zero_out, exist_ok=True)
     straight = _run(env, "cnn", zero3, zero_out)["weights"]
@@ -251,7 +258,7 @@ def test_two_rank_meshes_equal_one_process(two, single, key):
 
 
 def test_mesh_checkpoints_resume_bit_identically_and_another_mesh_is_refused(two, four):
-    for r in [*two, *four]:
+    for r in [*two, *four] if FSDP_ON_CPU else four:
         straight, resumed = r["resume"]["straight"], r["resume"]["resumed"]
         assert straight.keys() == resumed.keys()
         assert all(torch.equal(resumed[name], w) for name, w in straight.items())
@@ -261,8 +268,8 @@ def test_mesh_checkpoints_resume_bit_identically_and_another_mesh_is_refused(two
         assert all(torch.equal(resumed[name], w) for name, w in straight.items())
         assert ": it was written on --mesh dp=2 --dp-shard zero3 but this run has --mesh dp=2 --dp-shard zero1;" \
             in r["resume zero3"]["mismatch"]
-        assert ": it was written on --mesh dp=2 --dp-shard fsdp but this run has --mesh dp=2; resume with --mesh " \
-               "dp=2 --dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
+        assert not FSDP_ON_CPU or ": it was written on --mesh dp=2 --dp-shard fsdp but this run has --mesh dp=2; " \
+               "resume with --mesh dp=2 --dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
     for r in four:
         assert ": it was written on --mesh dp=2,tp=2 but this run has --mesh dp=4;" in r["resume"]["mismatch"]
 

@@ -12,15 +12,20 @@ from labkit.cli import main
 from labkit.dist.testing import run_ranks
 from labkit.errors import CheckpointError
 from labkit.optim import OptimizerSpec
+from labkit.parallel.dp import fsdp_refusal
 from labkit.strategies import get_strategy
 from labkit.train.checkpoint import load_training_state, save_training_state
 from labkit.train.loop import fit
 
 B, SAMPLES, LR = 4, 48, 0.1
 TINY = 1e-4  # --bucket-mb 0.0001 (104 bytes): each Linear a bucket of its own; the default 25 MB: one bucket
+#: FSDP2 runs on CPU ranks from torch 2.7 on (labkit refuses it before, labkit.parallel.dp.fsdp_refusal): its runs
+#: are left out on an older torch
+FSDP_ON_CPU = fsdp_refusal("--strategy fsdp", "cpu") is None
 SHARDED = [("zero", {"zero_stage": 1}), ("zero", {"zero_stage": 2}), ("zero", {"zero_stage": 3}),
            ("zero", {"zero_stage": 1, "bucket_mb": TINY}), ("zero", {"zero_stage": 2, "bucket_mb": TINY}),
-           ("zero", {"zero_stage": 3, "zero_prefetch": True, "bucket_mb": TINY}), ("fsdp", {})]
+           ("zero", {"zero_stage": 3, "zero_prefetch": True, "bucket_mb": TINY}),
+           *([("fsdp", {})] if FSDP_ON_CPU else [])]
 
 
 def _data():
@@ -55,7 +60,7 @@ def _train_all(env, steps, tmp=None):
     with ``tmp``, also the resume check (one spawn checks it all)."""
     out = {"params": {}, "bytes": {}, "memory": {}, "calls": {},
            "resume": _resume(env, tmp, "zero", {"zero_stage": 3}) if tmp else None,
-           "resume_fsdp": _resume(env, tmp / "fsdp", "fsdp", {}) if tmp else None}
+           "resume_fsdp": _resume(env, tmp / "fsdp", "fsdp", {}) if tmp and FSDP_ON_CPU else None}
     for optimizer in ("sgd", "adam"):
         for name, options in [("ddp", {"allreduce": "native"}), *SHARDED]:
             strategy, model, opt, loader = _setup(env, name, options, optimizer)
@@ -119,10 +124,11 @@ def test_sharded_strategies_equal_ddp_and_one_process_with_the_formulas_bytes_an
             params, grads, state = MEMORY[world][stage]
             assert held == {"params": params, "grads": grads, "optimizer": state * (2 if optimizer == "adam" else 1)}
     # FSDP2 shards each tensor along dim 0: 53 floats over the ranks, rows of 6 and 5 (weights), 1 (biases)
-    fsdp = [r["memory"][("sgd", "fsdp", None, None, None)]["params"] for r in ranks]
-    assert sum(fsdp) == 53 * 4
+    if FSDP_ON_CPU:
+        fsdp = [r["memory"][("sgd", "fsdp", None, None, None)]["params"] for r in ranks]
+        assert sum(fsdp) == 53 * 4
     if world == 2:  # resume from the ZeRO-3 and FSDP shards: bit-identical; a corrupt shard on rank 1 stops both
-        for key in ("resume", "resume_fsdp"):
+        for key in ("resume", "resume_fsdp") if FSDP_ON_CPU else ("resume",):
             (identical0, message0), (identical1, message1) = (r[key] for r in ranks)
             assert identical0 and identical1, key
             assert message0 == message1, key  # the same words on every rank: the job prints them once

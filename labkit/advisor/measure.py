@@ -219,8 +219,8 @@ def _fit_rank(env, windows: int, calls: int) -> dict:
                 request.wait()
 
         collective = {"p2p": ring_step, "all_reduce": lambda: dist.all_reduce(full),
-                      "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full),
-                      "all_gather": lambda: dist.all_gather_single(full, shard),
+                      "reduce_scatter": lambda: kdist.reduce_scatter_tensor(shard, full),
+                      "all_gather": lambda: kdist.all_gather_into_tensor(full, shard),
                       "broadcast": lambda: dist.broadcast(full, 0)}
         for kind in KINDS:
             extra, call = [], collective[kind]

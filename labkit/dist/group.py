@@ -222,11 +222,12 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: 
     return _restore(tensor, moved)
 
 
-def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """``dist.all_gather_single``: every rank's ``tensor`` concatenated into ``output``, in rank order."""
+def all_gather_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated into ``output``, in rank order (:func:`all_gather_into_tensor`), on the
+    communication device; returns ``output``."""
     device = comm_device(group)
     moved = _moved(output, device)
-    dist.all_gather_single(moved, _moved(tensor, device), group=group)
+    all_gather_into_tensor(moved, _moved(tensor, device), group=group)
     return _restore(output, moved)
 
 
@@ -238,3 +239,32 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     moved = _moved(output, device)
     dist.all_to_all_single(moved, _moved(tensor, device), output_split_sizes, input_split_sizes, group=group)
     return _restore(output, moved)
+
+
+# ----- the single-tensor all-gather and reduce-scatter, under the name this torch gives them --------------------
+# torch 2.13 renamed dist.all_gather_into_tensor and dist.reduce_scatter_tensor (names every torch from 2.0 on
+# has) to all_gather_single and reduce_scatter_single, and deprecated the old names: they still work up to 2.15 but
+# warn (FutureWarning) at every call site. The two functions below are the one place that picks the name, so the
+# kit runs from torch 2.6 up without an AttributeError or a warning; the collective is the same either way.
+
+#: the torch.distributed function labkit's single-tensor all-gather calls on this torch
+ALL_GATHER_TENSOR = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+#: the torch.distributed function labkit's single-tensor reduce-scatter calls on this torch
+REDUCE_SCATTER_TENSOR = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    """``dist.all_gather_into_tensor`` (``dist.all_gather_single`` from torch 2.13 on): every rank's ``tensor``
+    concatenated into ``output`` (``world`` × its size), in rank order. The tensors are handed over as they are: the
+    caller keeps them on :func:`comm_device`. Returns the work handle with ``async_op``, else None."""
+    gather = dist.all_gather_single if hasattr(dist, "all_gather_single") else dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                          async_op: bool = False):
+    """``dist.reduce_scatter_tensor`` (``dist.reduce_scatter_single`` from torch 2.13 on): ``tensor`` (``world``
+    equal blocks along dim 0) reduced over the ranks, block ``r`` into rank r's ``output``. The tensors are handed
+    over as they are: the caller keeps them on :func:`comm_device`. Returns the work handle with ``async_op``."""
+    scatter = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else dist.reduce_scatter_tensor
+    return scatter(output, tensor, op=op, group=group, async_op=async_op)

@@ -41,7 +41,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from labkit.dist.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, start, unguarded
+from labkit.errors import ConfigError
 from labkit.faults import findings, fixed_source, get
+from labkit.faults.watchdog import refusal
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labkit.faults.common", "labkit.faults.recorder",
             "labkit.faults.watchdog"]
@@ -139,6 +141,8 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
         echo: called with each line the ranks printed, ``[rank N] ...`` (after the run).
     """
     exit_if_bootstrapping()
+    if watchdog is not None and (env or {}).get("DEVICE", "cpu") == "cpu" and (why := refusal("gloo")) is not None:
+        raise ConfigError(why)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()

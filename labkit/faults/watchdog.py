@@ -257,8 +257,20 @@ def _collect(store, world: int, wait_s: float) -> list[dict]:
     return [json.loads(store.get(k)) for k in keys if store.check([k])]
 
 
-def start_for_training(seconds: float | None, timeout_s: float) -> Watchdog | None:
-    """``labkit train --watchdog SECONDS`` (None: ``$LABKIT_WATCHDOG``, which job scripts may export; 0: off)."""
+def refusal(backend: str) -> str | None:
+    """Why the watchdog cannot see where ``backend``'s ranks wait on this torch (one line), or None: gloo's flight
+    recorder dump (``torch._C._distributed_c10d._dump_fr_trace_json``) came with torch 2.8; NCCL's is older."""
+    from torch._C import _distributed_c10d as c10d
+
+    if backend == "gloo" and not hasattr(c10d, "_dump_fr_trace_json"):
+        return (f"the hang watchdog reads gloo's flight recorder, which torch 2.8 added, and this is torch "
+                f"{torch.__version__}; run without --watchdog, or on torch 2.8 or later")
+    return None
+
+
+def start_for_training(seconds: float | None, timeout_s: float, backend: str = "nccl") -> Watchdog | None:
+    """``labkit train --watchdog SECONDS`` (None: ``$LABKIT_WATCHDOG``, which job scripts may export; 0: off) on
+    ``backend``'s ranks."""
     from labkit.errors import ConfigError
 
     if seconds is None:
@@ -273,4 +285,6 @@ def start_for_training(seconds: float | None, timeout_s: float) -> Watchdog | No
     if not 0 < seconds < timeout_s:
         raise ConfigError(f"--watchdog must be 0 (off) or between 0 and --timeout-s ({timeout_s:g} s, when the "
                           f"collectives themselves give up); got {seconds:g}")
+    if (why := refusal(backend)) is not None:
+        raise ConfigError(why)
     return Watchdog(seconds).start()

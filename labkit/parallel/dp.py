@@ -117,6 +117,17 @@ def refuse_layerwise(optimizer: str, strategy: str, holds: str) -> None:
                           f" on one rank, but each rank holds only {holds}; use --strategy ddp, or sgd/adam")
 
 
+def fsdp_refusal(label: str, device_type: str) -> str | None:
+    """Why FSDP2 cannot shard on this torch's ``device_type`` ranks (one line), or None. On CPU ranks FSDP2 records
+    events on the CPU stream (``torch.cpu.Stream.record_event``), which torch 2.7 added: torch 2.6 fails there with an
+    AttributeError in the first forward."""
+    if device_type == "cpu" and not hasattr(torch.cpu.Stream, "record_event"):
+        return (f"{label} on CPU ranks needs torch 2.7 or later (FSDP2 records events on the CPU stream, which torch "
+                f"2.7 added), this is torch {torch.__version__}; use --strategy zero --zero-stage 3 (the same "
+                "sharding, labkit's own) or GPUs")
+    return None
+
+
 def price(param_bytes: float, size: int, shard: str = "none") -> dict[str, float]:
     """Bytes one rank sends per step over its ``dp`` group of ``d`` ranks, for ``P`` bytes of (this rank's)
     parameters, on ring collectives:
@@ -177,6 +188,9 @@ class DataParallel(Dimension):
         return self.size
 
     def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
+        label = "--strategy fsdp" if self.options.get("preset") else "--dp-shard fsdp"
+        if self.shard == "fsdp" and self.size > 1 and (why := fsdp_refusal(label, self.mesh.device_type)):
+            raise ConfigError(why)
         if self.shard == "zero3" and self.pipelined:
             raise ConfigError("--dp-shard zero3 with pp > 1 is not supported: stage 3 gathers each layer's parameters "
                               "around its forward and backward, which the pipeline's micro-batches interleave; use "

@@ -34,7 +34,8 @@ Bytes: each collective logs ``(op, where, payload bytes)`` in every open :class:
 ("forward" / "backward") or the caller's label; :meth:`CommLog.ring_wire_bytes` turns the payloads into the bytes a
 rank sends with ring algorithms. On a group of one rank every operator is the identity and nothing is logged. The
 collectives go through :mod:`labkit.dist.group`'s helpers (the tensor is moved to the group's communication
-device); the reduce-scatter, which :mod:`labkit.dist.group` lacks, is done here the same way.
+device); the reduce-scatter (:func:`labkit.dist.group.reduce_scatter_tensor`, which takes the tensors where they
+are) gets its tensor moved here the same way.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, where: str, group) -> torch.Tensor
     """(B, T, C) partial sums on each rank -> this rank's (B, T/t, C) part of their sum. Payload ``n`` = x's bytes
     (the whole input), ring wire ``(t-1)/t · n``.
 
-    ``dist.reduce_scatter_single`` splits its input along dim 0, so the sequence dim is moved first:
+    The reduce-scatter splits its input along dim 0, so the sequence dim is moved first:
     (B, T, C) -> (t, B, T/t, C) (rank q's slice of positions at index q), flattened.
     """
     t = group_size(group)
@@ -136,7 +137,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, where: str, group) -> torch.Tensor
     _log("reduce_scatter", where, chunks)
     device = kdist.comm_device(group)
     out = torch.empty(B * (T // t) * C, dtype=x.dtype, device=device)
-    dist.reduce_scatter_single(out, chunks.to(device), group=group)
+    kdist.reduce_scatter_tensor(out, chunks.to(device), group=group)
     return out.view(B, T // t, C).to(x.device)
 
 

@@ -56,7 +56,7 @@ def tp_step_bytes(cfg: GPTConfig, batch: int, seq: int, tp: int, sequence_parall
     if not sequence_parallel or tp == 1:
         return {"all_reduce": e * ((4 * L + 2) * btc + 3 * bt)}
     shard = e * (4 * L + 2) * btc // tp
-    return {"reduce_scatter_single": shard, "all_gather": shard,
+    return {"reduce_scatter": shard, "all_gather": shard,
             "all_reduce": e * (3 * bt + sequence_parallel_param_count(cfg))}
 
 

@@ -11,7 +11,7 @@ The plan is torchtitan's for a Llama block, adapted to this GPT: ``ColwiseParall
 ``ColwiseParallel`` with its logits left sharded for ``loss_parallel``; with SP, ``SequenceParallel`` on the
 layer norms, ``PrepareModuleInput`` all-gathering the sequence into attention and the MLP, the projections'
 outputs reduce-scattered along it, and the position table's output cut to this rank's positions. All of these
-run on gloo CPU ranks (torch 2.14).
+run on gloo CPU ranks (torch 2.6 and later).
 """
 from __future__ import annotations
 

@@ -28,6 +28,18 @@ def torch_pipelining():
     return pipelining
 
 
+def schedule_refusal(schedule: str, backend: str) -> str | None:
+    """Why ``schedule`` cannot run on ``backend``'s ranks with this torch (one line), or None. Up to torch 2.7 a
+    schedule waits for only the last operation of each batch of sends and receives: enough under NCCL, which
+    coalesces the batch, but torch 2.6's 1F1B hangs on two gloo ranks; torch 2.8 waits for each
+    (``schedules._wait_batch_p2p``)."""
+    if schedule == "1f1b" and backend == "gloo" and not hasattr(torch_pipelining().schedules, "_wait_batch_p2p"):
+        return (f"--schedule 1f1b on gloo ranks needs torch 2.8 or later (before it, the schedule waits for only the "
+                f"last of each batch of sends and receives, and 1F1B hangs on gloo), this is torch "
+                f"{torch.__version__}; use --schedule gpipe, or GPUs (NCCL)")
+    return None
+
+
 def pipeline_options(options: dict, stages: int, on_mesh: bool = True) -> tuple[str, int]:
     """``(schedule, micro-batches)`` of a ``stages``-stage pipeline, its options checked once for every form of it:
     the mesh's ``pp`` (``on_mesh``: the messages say ``pp=P``) and ``--strategy pipeline`` (they say ranks).
@@ -128,7 +140,7 @@ class StageSchedules:
         key = (batch, train)
         if key not in self._schedules:
             pp = torch_pipelining()
-            cls = getattr(pp, SCHEDULES[self.schedule_name]) if train else pp.ScheduleGPipe
+            cls = pp.Schedule1F1B if train and self.schedule_name == "1f1b" else pp.ScheduleGPipe
             if not train:
                 m = 1
             elif not any(is_train for _, is_train in self._schedules):
@@ -150,7 +162,7 @@ class StageSchedules:
         returns ``(mean loss, outputs)``, the others ``(None, None)``."""
         if not self._schedules:
             check_chunks(self.num_microbatches, len(x))
-        schedule, _ = self.schedule(model, len(x), True, criterion)
+        schedule, m = self.schedule(model, len(x), True, criterion)
         losses: list[torch.Tensor] = []
         with context or contextlib.nullcontext():
             if self.is_first:
@@ -159,6 +171,12 @@ class StageSchedules:
                 out = schedule.step(target=y, losses=losses)
             else:
                 out = schedule.step()
+        if not hasattr(schedule, "scale_grads"):
+            # torch 2.6 leaves the stage's gradients summed over the m micro-batches (each loss a micro-batch mean);
+            # from 2.7 on the schedule divides them by m itself (scale_grads): the mean over the whole batch
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(m)
         if not self.is_last:
             return None, None
         return torch.stack(losses).mean().detach(), out.detach()  # equal micro-batches: mean of means
@@ -166,5 +184,8 @@ class StageSchedules:
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """Evaluation: the whole batch as one micro-batch; the outputs on the last stage, None elsewhere."""
         schedule, _ = self.schedule(model, len(x), False, None)
-        out = schedule.eval(x) if self.is_first else schedule.eval()
+        # Schedule.eval (torch 2.9) runs the forward only; before it, step() does just that on a schedule built
+        # without a loss function
+        forward = schedule.eval if hasattr(schedule, "eval") else schedule.step
+        out = forward(x) if self.is_first else forward()
         return out if self.is_last else None

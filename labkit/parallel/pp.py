@@ -65,6 +65,7 @@ from labkit.parallel.pipeline_stages import (
     check_split,
     even_balance,
     pipeline_options,
+    schedule_refusal,
     stage_layers,
     torch_pipelining,
 )
@@ -250,6 +251,8 @@ class PipelineParallel(Dimension):
         is divided by the number of micro-batches."""
         refuse_moe("pp", self.size, model_name, "the experts' balancing loss would count once per micro-batch "
                    "while the task loss is averaged over them")
+        if self.size > 1 and (why := schedule_refusal(self.schedule_name, dist.get_backend(self.group))):
+            raise ConfigError(why)
         if self.size > 1 and self.mesh.size(self.mesh.mesh_dim_names.index("cp")) > 1:
             raise ConfigError(f"--mesh pp={self.size} with cp > 1 is not supported: a pipeline stage computes the "
                               "positions itself, not cp's; use pp or cp")

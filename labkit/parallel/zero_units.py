@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from labkit.dist import group as kdist
 
 
 def plan_buckets(sizes: list[float], cap_bytes: float) -> list[list[int]]:
@@ -174,11 +175,11 @@ class Comm:
         if not self.distributed:
             full.copy_(shard)
             return None
-        return dist.all_gather_single(full, shard, group=self.group, async_op=async_op)
+        return kdist.all_gather_into_tensor(full, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False):
         self._count(full)
         if not self.distributed:
             shard.copy_(full)
             return None
-        return dist.reduce_scatter_single(shard, full, group=self.group, async_op=async_op)
+        return kdist.reduce_scatter_tensor(shard, full, group=self.group, async_op=async_op)

@@ -113,7 +113,7 @@ class HybridStrategy(DataParallelStrategy):
         """Every rank's rows this step (shards may differ). Gathered in host memory over a gloo group: on GPUs,
         reading sizes gathered on the device would wait for every kernel queued before them, every step."""
         sizes = torch.zeros(self.env.world_size, dtype=torch.int64)
-        kdist.all_gather_single(sizes, torch.tensor([n], dtype=torch.int64), group=self._sizes_group)
+        kdist.all_gather_tensor(sizes, torch.tensor([n], dtype=torch.int64), group=self._sizes_group)
         return sizes.tolist()
 
     def _gather(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:

@@ -252,11 +252,18 @@ def config_from_argv(argv: list[str]):
     return config_from_args(args, args.owned)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
     from labkit.faults.watchdog import start_for_training
     from labkit.train.run import run
 
     cfg = config_from_args(args, owned)
-    start_for_training(args.watchdog, args.timeout_s)
+    gpus = args.device == "cuda" or (args.device == "auto" and _cuda_available())
+    start_for_training(args.watchdog, args.timeout_s, args.backend or ("nccl" if gpus else "gloo"))
     run(cfg)
     return 0

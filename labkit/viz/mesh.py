@@ -17,7 +17,8 @@ import math
 #: weights drawn by :func:`plot_shards`: the embedding, attention's q and output projection, the MLP's two
 WEIGHTS = ("tok_emb.weight", "blocks.0.attn.q.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.fc.weight",
            "blocks.0.mlp.proj.weight", "blocks.1.mlp.fc.weight")
-_COUNTED = ("all_reduce", "all_gather", "reduce_scatter_single")
+#: the kinds of collective counted (the reduce-scatter: under the name this torch gives it)
+_COUNTED = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def _locate(local, full) -> tuple[int, int, int, int] | None:
@@ -64,6 +65,7 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from labkit.dist import group as kdist
     from labkit.models import cnn as kmodels
     from labkit.models.gpt import Block
     from labkit.parallel.mesh import MeshStrategy
@@ -90,7 +92,8 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     if strategy.pipeline is not None and strategy.pipeline.embedding_group is not None:
         groups.setdefault(id(strategy.pipeline.embedding_group), "pp")
     counted: dict[str, dict[str, int]] = {}
-    originals = {n: getattr(dist, n) for n in _COUNTED}
+    called = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": kdist.REDUCE_SCATTER_TENSOR}
+    originals = {called[n]: getattr(dist, called[n]) for n in _COUNTED}
 
     def wrap(name, fn):
         def counting(*args, **kwargs):
@@ -106,7 +109,7 @@ def rank_facts(env, mesh: str, vocab_size: int, batch: int, seq_len: int, sequen
     p2p = {"bytes": 0}
     criterion = get_task("lm").criterion()
     for n in _COUNTED:
-        setattr(dist, n, wrap(n, originals[n]))
+        setattr(dist, called[n], wrap(n, originals[called[n]]))
     try:
         if strategy.pipeline is not None:
             from labkit.parallel.pp import p2p_bytes_sent

@@ -16,9 +16,7 @@ on CUDA (labkit.parallel.tp_rng's tracker on the CUDA generator): one step by ha
 (embedding, residuals) equal on both ranks, the sharded attention masks apart (twin heads: rank 1's q/k/v a copy
 of rank 0's), the CPU and CUDA random streams given back equal on both ranks; fit twice with one seed,
 bit-identical, the 15 replicated parameters bit-identical on the two ranks. One 4-rank spawn: ``dp=2,tp=2`` and
-``cp=2,tp=2``. A fit is one epoch of 2 steps (SGD with momentum), then an evaluation. No mesh here needs
-``dist.reduce_scatter_single`` / ``all_gather_single`` (torch >= 2.14; sequence parallelism, FSDP over the kit's
-units): the layer runs on torch 2.11 too.
+``cp=2,tp=2``. A fit is one epoch of 2 steps (SGD with momentum), then an evaluation.
 
 Tolerances: TF32 off and deterministic kernels (``labkit train --deterministic``; the dropout runs' attention by
 SDPA's math kernel); every step's loss within 1e-4 of the CPU run's (a loss near ln 64 = 4.16), every weight after

@@ -17,10 +17,6 @@ from labkit.results import load_run
 
 TWO = pytest.mark.skipif(torch.cuda.device_count() < 2,
                          reason=f"needs 2 GPUs, this node has {torch.cuda.device_count()}")
-#: ZeRO's units and the hybrid's shard sizes use dist.all_gather_single / reduce_scatter_single (torch >= 2.14)
-SINGLE = pytest.mark.skipif(not hasattr(torch.distributed, "reduce_scatter_single"),
-                            reason=f"needs dist.reduce_scatter_single and all_gather_single (torch >= 2.14), this "
-                                   f"is torch {torch.__version__}")
 TINY = ["--dataset", "synthetic-mnist", "--train-size", "256", "--test-size", "64", "--batch-size", "16",
         "--seed", "1", "--log-every", "1000"]
 STRATEGIES = {
@@ -91,8 +87,7 @@ def test_resume_on_one_gpu_with_kfac_equals_the_uninterrupted_run(strategy, tmp_
 # ----- two or more GPUs --------------------------------------------------------------------------------------------
 
 @TWO
-@pytest.mark.parametrize("name", [pytest.param(n, marks=SINGLE) if n in ("zero-3", "hybrid") else n
-                                  for n in STRATEGIES])
+@pytest.mark.parametrize("name", list(STRATEGIES))
 def test_every_multi_rank_strategy_on_nccl_equals_gloo_on_cpu(name, tmp_path):
     args = ["train", *STRATEGIES[name], *TINY, "--epochs", "1"]
     gpu = torchrun([*args, "--device", "cuda", "--out", str(tmp_path / "nccl")], nproc=2, echo=None)
@@ -106,7 +101,6 @@ def test_every_multi_rank_strategy_on_nccl_equals_gloo_on_cpu(name, tmp_path):
 
 
 @TWO
-@SINGLE
 def test_zero_resumes_on_nccl_like_the_uninterrupted_run(tmp_path):
     args = ["train", *STRATEGIES["zero-3"], *TINY, "--device", "cuda"]
     whole = torchrun([*args, "--epochs", "2", "--out", str(tmp_path / "whole")], nproc=2, echo=None)
