@@ -48,7 +48,8 @@ INTRODUCED = {
     "torch._C._distributed_c10d": ("2.0", PYI),
     # the flight recorder's dumps: the extension's own strings (no stub names them); labkit checks for both
     "torch._C._distributed_c10d._dump_fr_trace_json": ("2.8", "torch/lib/libtorch_python (2.8.0, not 2.7.1)"),
-    "torch._C._distributed_c10d._dump_nccl_trace_json": ("2.6", "NCCL builds only: the 2.6.0 Linux wheel has it"),
+    "torch._C._distributed_c10d._dump_fr_trace": ("2.8", "torch/lib/libtorch_python (2.8.0, not 2.7.1)"),
+    "torch._C._distributed_c10d._dump_nccl_trace": ("2.6", "NCCL builds only: the 2.6.0 Linux wheel has it"),
     "torch.distributed": ("2.0", "torch/distributed/__init__.py"),
     "torch.distributed.DistError": ("2.2", "torch/distributed/__init__.py: DistError = torch._C._DistError"),
     "torch.distributed.P2POp": ("2.0", C10D),
@@ -78,6 +79,21 @@ INTRODUCED = {
     "torch.distributed.broadcast(group=)": ("2.0", C10D),
     "torch.distributed.broadcast(src=)": ("2.0", C10D),
     "torch.distributed.destroy_process_group": ("2.0", C10D),
+    "torch.distributed.broadcast_object_list": ("2.0", C10D),
+    "torch.distributed.broadcast_object_list(src=)": ("2.0", C10D),
+    "torch.distributed.distributed_c10d": ("2.0", C10D),
+    "torch.distributed.distributed_c10d.__file__": ("2.0", C10D),
+    "torch.distributed.distributed_c10d._get_default_group": ("2.0", C10D),
+    "torch.distributed.distributed_c10d._rank_not_in_group": ("2.0", C10D),
+    "torch.distributed.elastic.multiprocessing.errors.record":
+        ("2.0", "torch/distributed/elastic/multiprocessing/errors/__init__.py"),
+    "torch.distributed.get_process_group_ranks": ("2.0", C10D),
+    "torch.distributed.irecv(group=)": ("2.0", C10D),
+    "torch.distributed.irecv(tag=)": ("2.0", C10D),
+    "torch.distributed.isend(group=)": ("2.0", C10D),
+    "torch.distributed.isend(tag=)": ("2.0", C10D),
+    "torch.distributed.run.get_args_parser": ("2.0", "torch/distributed/run.py"),
+    "torch.distributed.run.run": ("2.0", "torch/distributed/run.py"),
     "torch.distributed.device_mesh.DeviceMesh": ("2.2", "torch/distributed/device_mesh.py"),
     "torch.distributed.device_mesh.init_device_mesh": ("2.2", "torch/distributed/device_mesh.py"),
     "torch.distributed.device_mesh.init_device_mesh(mesh_dim_names=)": ("2.2", "torch/distributed/device_mesh.py"),
@@ -131,7 +147,6 @@ INTRODUCED = {
     # the new name of reduce_scatter_tensor, which 2.13 deprecates (labkit.dist.group picks the one torch has)
     "torch.distributed.reduce_scatter_single": ("2.13", C10D),
     "torch.distributed.reduce_scatter_tensor": ("2.0", C10D),
-    "torch.distributed.run.main": ("2.0", "torch/distributed/run.py"),
     "torch.distributed.scatter": ("2.0", C10D),
     "torch.distributed.scatter(group=)": ("2.0", C10D),
     "torch.distributed.scatter(src=)": ("2.0", C10D),
@@ -165,7 +180,13 @@ INTRODUCED = {
     "torch.cpu.Stream": ("2.1", "torch/cpu/__init__.py"),
     # what FSDP2 calls on CPU ranks: labkit refuses --strategy fsdp / --dp-shard fsdp on CPU ranks without it
     "torch.cpu.Stream.record_event": ("2.7", "torch/cpu/__init__.py"),
+    "torch.optim": ("2.0", "torch/optim/__init__.py"),
     "torch.optim.Adam": ("2.0", "torch/optim/adam.py"),
+    "torch.optim.AdamW": ("2.0", "torch/optim/adamw.py"),
+    "torch.optim.AdamW(betas=)": ("2.0", "torch/optim/adamw.py"),
+    "torch.optim.AdamW(lr=)": ("2.0", "torch/optim/adamw.py"),
+    "torch.optim.AdamW(weight_decay=)": ("2.0", "torch/optim/adamw.py"),
+    "torch.optim.Muon": ("2.9", "torch/optim/_muon.py (2.9.0, not 2.8.0)"),
     "torch.optim.Adam(lr=)": ("2.0", "torch/optim/adam.py"),
     "torch.optim.Adam(weight_decay=)": ("2.0", "torch/optim/adam.py"),
     "torch.optim.Optimizer": ("2.0", "torch/optim/optimizer.py"),
@@ -184,6 +205,12 @@ DYNAMIC = {
     "labkit/viz/mesh.py rank_facts: getattr(dist, called[n])",
     "labkit/viz/mesh.py rank_facts: setattr(dist, called[n], wrap(n, originals[called[n]]))",
     "labkit/viz/mesh.py rank_facts: setattr(dist, n, fn)",
+    # --check-collectives wraps every collective and point-to-point function both namespaces have (its WRAPPED
+    # names, those this torch has: getattr with a default)
+    "labkit/faults/consistency.py install: getattr(c10d, name, None)",
+    "labkit/faults/consistency.py install: getattr(dist, name)",
+    "labkit/faults/consistency.py install: setattr(c10d, name, wrapped)",
+    "labkit/faults/consistency.py install: setattr(dist, name, wrapped if current is original else _checked(name, current))",
 }
 
 
@@ -553,3 +580,18 @@ def test_1f1b_on_gloo_without_waiting_every_send_and_receive_is_one_line(monkeyp
         "--schedule 1f1b on gloo ranks needs torch 2.8 or later (before it, the schedule waits for only the last of "
         f"each batch of sends and receives, and 1F1B hangs on gloo), this is torch {torch.__version__}; use "
         "--schedule gpipe, or GPUs (NCCL)")
+
+
+def test_muon_before_torch_2_9_is_one_line(monkeypatch):
+    """``--optimizer muon`` on a torch without ``torch.optim.Muon`` (before 2.9): one ConfigError naming the release."""
+    from torch import nn
+
+    from labkit.errors import ConfigError
+    from labkit.optim.muon import MuonWithAdamW
+
+    monkeypatch.delattr(torch.optim, "Muon", raising=False)
+    hidden, head = nn.Linear(4, 4), nn.Linear(4, 2)
+    with pytest.raises(ConfigError) as err:
+        MuonWithAdamW([hidden.weight], [hidden.bias, *head.parameters()], lr=0.01, distributed=False)
+    assert str(err.value) == (f"--optimizer muon needs torch.optim.Muon, which torch 2.9 added; this is torch "
+                              f"{torch.__version__}: upgrade torch, or train with --optimizer adam")

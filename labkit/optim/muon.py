@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from labkit.errors import ConfigError
 from labkit.optim.split import OwnerSplit, mark_split, refuse_partial
 
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -116,8 +117,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.split = OwnerSplit(params, [_cost(p) for p in params], "muon", distributed)
         owned = {id(p) for i, p in enumerate(params) if self.split.mine(i)}
         mine = [[p for p in g["params"] if id(p) in owned] for g in self.param_groups]
-        self.muon = (torch.optim.Muon(mine[0], lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                      ns_steps=ns_steps, adjust_lr_fn=adjust_lr) if mine[0] else None)
+        muon = getattr(torch.optim, "Muon", None)
+        if muon is None:  # the kit runs from torch 2.6; torch.optim.Muon came with 2.9
+            raise ConfigError(f"--optimizer muon needs torch.optim.Muon, which torch 2.9 added; this is torch "
+                              f"{torch.__version__}: upgrade torch, or train with --optimizer adam")
+        self.muon = (muon(mine[0], lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
+                          adjust_lr_fn=adjust_lr) if mine[0] else None)
         self.adamw = (torch.optim.AdamW(mine[1], lr=lr, betas=ADAMW_BETAS, weight_decay=weight_decay)
                       if len(mine) > 1 and mine[1] else None)
 
