@@ -26,7 +26,7 @@ def test_torchrun_streams_output_and_returns_the_run(tmp_path):
     assert any(line.startswith("labkit train | mlp on synthetic-mnist | strategy ddp | 2 rank(s)") and
                "batch 16/rank, 32 global" in line for line in lines), lines
     final = [line for line in lines if line.startswith("train |") and line.endswith("samples/sec")]
-    assert len(final) == 1 and "epoch (100%)" in final[0]  # the end-of-epoch throughput line: a whole epoch
+    assert len(final) == 1 and "epoch 1/1 (100%)" in final[0]  # the end-of-epoch throughput line: a whole epoch
     memory = [line for line in lines if "CPU (process, all devices)" in line]
     assert [line.split(":")[0] for line in memory] == ["rank 0", "rank 1"]  # each rank's own process, named
     assert run.summary["metrics"]["memory_lines"] == memory

@@ -79,8 +79,6 @@ INTRODUCED = {
     "torch.distributed.broadcast(group=)": ("2.0", C10D),
     "torch.distributed.broadcast(src=)": ("2.0", C10D),
     "torch.distributed.destroy_process_group": ("2.0", C10D),
-    "torch.distributed.broadcast_object_list": ("2.0", C10D),
-    "torch.distributed.broadcast_object_list(src=)": ("2.0", C10D),
     "torch.distributed.distributed_c10d": ("2.0", C10D),
     "torch.distributed.distributed_c10d.__file__": ("2.0", C10D),
     "torch.distributed.distributed_c10d._get_default_group": ("2.0", C10D),

@@ -127,12 +127,12 @@ def test_one_progress_display(monkeypatch, capsys):
     fit(model, loader, None, opt, epochs=1, log_every=2, printer=lines.append)
     train = [line for line in lines if line.startswith("train |")]
     assert len(train) == 4 and all(line.endswith("(estimated)") for line in train[:-1])
-    assert "epoch (100%)" in train[-1] and not train[-1].endswith("(estimated)")
+    assert "epoch 1/1 (100%)" in train[-1] and not train[-1].endswith("(estimated)")
 
     monkeypatch.setattr(train_module, "interactive", lambda: True)
     lines = []
     fit(model, loader, None, opt, epochs=1, log_every=2, printer=lines.append)
     train = [line for line in lines if line.startswith("train |")]
-    assert len(train) == 1 and "epoch (100%)" in train[0]
+    assert len(train) == 1 and "epoch 1/1 (100%)" in train[0]
     bar = capsys.readouterr().err
     assert "epoch 1/1:" in bar and "samples/" in bar  # the estimate, in the bar

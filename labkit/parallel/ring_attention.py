@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.collectives.kv_ring import Block, KVRing, pass_on
+from labkit.dist.group import all_gather
 
 
 @dataclass
@@ -107,8 +108,7 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: KVRing
     key = (id(group), tuple(q.shape), alike)
     if key not in _AGREED:  # every rank gathers, even one whose own shapes are wrong: all raise, none waits
         mine = torch.tensor([*(tuple(q.shape) + (-1,) * 4)[:4], int(alike)], dtype=torch.int64, device=q.device)
-        shapes = [torch.empty_like(mine) for _ in range(ring.world_size)]
-        dist.all_gather(shapes, mine, group=group)
+        shapes = all_gather([torch.empty_like(mine) for _ in range(ring.world_size)], mine, group=group)
         if not all(int(s[4]) for s in shapes):
             bad = [r for r, s in enumerate(shapes) if not int(s[4])]
             raise ValueError(f"ring_attention takes q, k, v of one shape (B, H, T_local, D); rank(s) {bad} did not "

@@ -179,14 +179,22 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
     return summary
 
 
+_LOCKS_TAKEN = [0]
+
+
 def _lock_out(out_dir: Path, env: kdist.DistEnv, held: contextlib.ExitStack) -> None:
-    """Rank 0 locks ``out_dir`` for the run (:func:`labkit.results.run_dir_lock`) and tells the other ranks, so a
-    second run started on the same folder stops at once on every rank, in one line (one broadcast at start)."""
-    busy = [held.enter_context(run_dir_lock(out_dir)) if env.is_main else None]
+    """Rank 0 locks ``out_dir`` for the run (:func:`labkit.results.run_dir_lock`) and tells the other ranks through
+    the job's store (a key, not a collective: the run's collectives keep their numbers), so a second run started on
+    the same folder stops at once on every rank, in one line."""
+    busy = held.enter_context(run_dir_lock(out_dir)) if env.is_main else None
     if env.distributed:
-        dist.broadcast_object_list(busy, src=0)
-    if busy[0]:
-        raise ConfigError(busy[0])
+        _LOCKS_TAKEN[0] += 1  # every rank counts its runs alike: a key per run, never one a run before left
+        store, key = dist.distributed_c10d._get_default_store(), f"labkit/out-lock/{_LOCKS_TAKEN[0]}/{out_dir}"
+        if env.is_main:
+            store.set(key, busy or "")
+        busy = store.get(key).decode() or None
+    if busy:
+        raise ConfigError(busy)
 
 
 @contextlib.contextmanager
