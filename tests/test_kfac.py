@@ -326,13 +326,13 @@ def test_labkit_train_with_the_seed_flags(tmp_path, capsys):
     seed_flags = ["--optimizer", "kfac", "--base-lr", "0.1", "--batch-size", "128", "--kfac-update-freq", "10",
                   "--lr-decay", "35", "75", "90"]
     args = ["train", "--model", "resnet20", "--dataset", "synthetic-cifar10", *seed_flags, "--epochs", "1",
-            "--max-steps", "2", "--test-size", "16", "--device", "cpu", "--out", str(tmp_path / "run")]
+            "--max-steps", "1", "--test-size", "16", "--device", "cpu", "--out", str(tmp_path / "run")]
     assert main(args) == 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["config"]["optim_options"]["kfac_update_freq"] == 10
     assert "K-FAC: 20 layers, eigen" in capsys.readouterr().out  # 19 convolutions + the classifier
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["preconditioner"]
-    assert state["steps"] == 2 and len(state["layers"]) == 20
+    assert state["steps"] == 1 and len(state["layers"]) == 20  # one step: factors and decompositions made at step 0
     bad = ["train", "--dataset", "synthetic-mnist", "--optimizer", "kfac", "--kfac-damping", "-1", "--max-steps", "1",
            "--out", str(tmp_path / "bad")]
     with pytest.raises(SystemExit) as stop:  # refused as the flag is read
