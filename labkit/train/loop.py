@@ -88,7 +88,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         profiler=None, printer: Callable[[str], None] = print0, amp: str | None = None,
         channels_last: bool = False, position: dict | None = None, stop: StopSignals | None = None,
         on_stop: Callable[[int, dict], None] | None = None, step_delay_s: float = 0.0,
-        task: Task | None = None) -> list[dict]:
+        task: Task | None = None, utilisation=None) -> list[dict]:
     """Train ``model`` for ``epochs`` epochs and evaluate after each; return one record per epoch.
 
     Args:
@@ -110,12 +110,15 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         step_delay_s: sleep after every step: a pre-emption drill needs a run slow enough to interrupt.
         task: the loss, counts and metrics (:mod:`labkit.train.tasks`; default: classification). ``criterion``, if
             given, replaces the task's loss (e.g. a vocabulary-parallel one taking the same arguments).
+        utilisation: a :class:`labkit.train.peak.FlopUtilisation`: each epoch's rate also as MFU and HFU, in its
+            line and record (arithmetic on the epoch's rate once the window closes: nothing per step).
 
     Returns:
         ``[{"kind": "epoch", "epoch", "train_loss", "train_acc", "test_loss", "test_acc",
         "samples_per_sec", "timed_steps", "window_s", "lr", "time_s"}, ...]``: ``samples_per_sec`` is timed
         over ``window_s`` seconds of ``timed_steps`` steps after the warm-up, between barriers of all ranks.
-        Language modelling has ``train_ppl``/``test_ppl`` in place of the accuracies, and ``tokens_per_sec``.
+        Language modelling has ``train_ppl``/``test_ppl`` in place of the accuracies, and ``tokens_per_sec``; with
+        ``utilisation``, ``mfu``, ``hfu`` and ``model_flops_per_s``.
     """
     if strategy is None:
         strategy = single_strategy(model)
@@ -148,7 +151,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 bar.update(first)
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
                                 printer=printer, device=strategy.input_device, first=first, barrier=_barrier(strategy),
-                                tokens=task.name == "lm",
+                                tokens=task.name == "lm", extra=None if utilisation is None else utilisation.text,
                                 estimate_printer=None if bar is None else (
                                     lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         check = StopCheck(stop, strategy, steps) if stop is not None else None
@@ -178,6 +181,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": train["loss"], f"train_{metric}": train[metric],
                   "test_loss": test_loss, f"test_{metric}": test_metric, "samples_per_sec": rate,
                   **({"tokens_per_sec": meter.tokens_per_sec} if meter.tokens else {}),
+                  **(utilisation.of(rate) if utilisation is not None else {}),
                   "timed_steps": meter.timed_steps, "window_s": meter.window_s,
                   "lr": optimizer.param_groups[0]["lr"], "time_s": time.perf_counter() - started}
         printer(f"epoch {epoch + 1}/{epochs} | train loss {train['loss']:.4f} {metric} {train[metric]:.4f}"
