@@ -106,7 +106,10 @@ def test_report_renders_from_the_committed_references(tmp_path):
     for folder, suite in zip(folders, suites):
         assert suite["tag"] == folder.name and suite["machine"]["torch"]
         assert all("error" not in run for run in suite["strategies"].values())
+    # a suite recorded before runs reported MFU has no MFU cell; one that did names its peak beside it
+    suites[0]["strategies"]["single"].update(mfu=0.0341, hfu=0.0455, peak="2.1 TFLOP/s bf16 (test)")
     page = render(suites, tmp_path).read_text()
+    assert page.count("MFU ") == 1 and "MFU 3.41%, HFU 4.55% of 2.1 TFLOP/s bf16 (test)" in page
     for suite in suites:
         assert suite["tag"] in page and "labkit DDP / plain DDP" in page
     for name in PLOTS:
