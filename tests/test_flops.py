@@ -10,7 +10,6 @@ from labkit.models.cnn import get_model
 from labkit.train import flops as kflops
 from labkit.train import peak as kpeak
 from labkit.train.flops import counted_once, step_flops
-from labkit.train.meters import throughput_line
 from labkit.train.peak import FlopUtilisation, Peak, gpu_peak, measured_peak
 
 
@@ -99,5 +98,3 @@ def test_mfu_and_hfu_of_a_rate():
     u = FlopUtilisation(1_517_040, 2_000_000, Peak(1e11, "fp32", "test"), devices=2)
     assert u.of(1000.0) == pytest.approx({"mfu": 0.0075852, "hfu": 0.01, "model_flops_per_s": 1.51704e9})
     assert u.text(1000.0) == "MFU 0.759%, HFU 1%"
-    assert throughput_line(1, 1, 10, 10, 1000.0, False, 32000.0, u.text(1000.0)) == (
-        "train | epoch 1/1 (100%) | 1000 samples/sec, 32000 tokens/sec | MFU 0.759%, HFU 1%")

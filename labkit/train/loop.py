@@ -110,8 +110,9 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         step_delay_s: sleep after every step: a pre-emption drill needs a run slow enough to interrupt.
         task: the loss, counts and metrics (:mod:`labkit.train.tasks`; default: classification). ``criterion``, if
             given, replaces the task's loss (e.g. a vocabulary-parallel one taking the same arguments).
-        utilisation: a :class:`labkit.train.peak.FlopUtilisation`: each epoch's rate also as MFU and HFU, in its
-            line and record (arithmetic on the epoch's rate once the window closes: nothing per step).
+        utilisation: a :class:`labkit.train.peak.FlopUtilisation`: each epoch's rate also as MFU and HFU, at the
+            end of the epoch's line (``... | lr 0.05 | MFU 3.41%, HFU 3.41%``) and in its record (arithmetic on the
+            epoch's rate once its window closes: nothing per step).
 
     Returns:
         ``[{"kind": "epoch", "epoch", "train_loss", "train_acc", "test_loss", "test_acc",
@@ -151,7 +152,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                 bar.update(first)
         meter = ThroughputMeter(epoch + 1, epochs, steps, every=log_every, world_factor=strategy.data_parallel_size,
                                 printer=printer, device=strategy.input_device, first=first, barrier=_barrier(strategy),
-                                tokens=task.name == "lm", extra=None if utilisation is None else utilisation.text,
+                                tokens=task.name == "lm",
                                 estimate_printer=None if bar is None else (
                                     lambda line: bar.set_postfix_str(line.rsplit(" | ", 1)[-1])))
         check = StopCheck(stop, strategy, steps) if stop is not None else None
@@ -185,7 +186,8 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
                   "timed_steps": meter.timed_steps, "window_s": meter.window_s,
                   "lr": optimizer.param_groups[0]["lr"], "time_s": time.perf_counter() - started}
         printer(f"epoch {epoch + 1}/{epochs} | train loss {train['loss']:.4f} {metric} {train[metric]:.4f}"
-                f" | test loss {test_loss:.4f} {metric} {test_metric:.4f} | lr {record['lr']:.4g}")
+                f" | test loss {test_loss:.4f} {metric} {test_metric:.4f} | lr {record['lr']:.4g}"
+                + (f" | {utilisation.text(rate)}" if utilisation is not None and rate else ""))
         history.append(record)
         if writer is not None:
             writer.log(record)

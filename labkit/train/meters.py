@@ -34,19 +34,16 @@ def rate_text(rate: float) -> str:
 
 
 def throughput_line(epoch: int, epochs: int, done: int, steps: int, samples_per_sec: float,
-                    estimated: bool, tokens_per_sec: float | None = None, extra: str | None = None) -> str:
-    """``train | epoch {epoch}/{epochs} ({percent}%) | {rate} samples/sec[, {tokens} tokens/sec][ | {extra}][ (estimated)]``.
+                    estimated: bool, tokens_per_sec: float | None = None) -> str:
+    """``train | epoch {epoch}/{epochs} ({percent}%) | {rate} samples/sec[, {tokens} tokens/sec][ (estimated)]``.
 
     ``percent = 100 * done // steps`` with ``done`` the steps finished, so a whole epoch ends at 100%.
-    ``tokens_per_sec`` (language models) is shown beside the samples (sequences) per second; ``extra`` after them
-    (the epoch's line: ``MFU 3.41%, HFU 3.41%``).
+    ``tokens_per_sec`` (language models) is shown beside the samples (sequences) per second.
     """
     percent = 100 * done // max(steps, 1)
     line = f"train | epoch {epoch}/{epochs} ({percent}%) | {rate_text(samples_per_sec)} samples/sec"
     if tokens_per_sec is not None:
         line += f", {rate_text(tokens_per_sec)} tokens/sec"
-    if extra:
-        line += f" | {extra}"
     return line + " (estimated)" if estimated else line
 
 
@@ -126,22 +123,19 @@ class ThroughputMeter:
             a terminal shows one progress display.
         barrier: called by every rank at both ends of the window (e.g. ``torch.distributed.barrier``).
         tokens: also report tokens/sec (language models: :meth:`update` says how many tokens a sample holds).
-        extra: samples/sec -> text after the rates in the end-of-epoch line (the FLOPs utilisation); computed
-            once, when the window closes.
     """
 
     def __init__(self, epoch: int, epochs: int, steps: int, every: int = 20, warmup: int = 2,
                  printer: Callable[[str], None] = print, world_factor: int = 1, device: torch.device | None = None,
                  estimate_printer: Callable[[str], None] | None = None, first: int = 0,
-                 barrier: Callable[[], None] | None = None, tokens: bool = False,
-                 extra: Callable[[float], str] | None = None):
+                 barrier: Callable[[], None] | None = None, tokens: bool = False):
         self.epoch, self.epochs, self.steps, self.first = epoch, epochs, steps, first
         self.every, self.printer = max(1, every), printer
         self.estimate_printer = estimate_printer or printer
         self.warmup = warmup if steps - first > 2 * warmup + 1 else 0
         self.world_factor = world_factor
         self.cuda = device is not None and torch.device(device).type == "cuda"
-        self.device, self.barrier, self.extra = device, barrier, extra
+        self.device, self.barrier = device, barrier
         self.samples = 0
         self.tokens, self.tokens_per_sample = tokens, 1
         self.step = -1
@@ -204,5 +198,5 @@ class ThroughputMeter:
         rate = self.world_factor * self.samples / self.window_s if self.samples else 0.0
         self.last_rate = rate
         self.printer(throughput_line(self.epoch, self.epochs, self.first + self.step + 1, self.steps, rate, False,
-                                     self._tokens(rate), self.extra(rate) if self.extra and rate else None))
+                                     self._tokens(rate)))
         return rate
