@@ -93,6 +93,7 @@ def test_suite_records_a_strategy_and_rejects_unknown_parts(tmp_path, capsys, mo
     single = suite["strategies"]["single"]
     assert suite["machine"]["torch"] == torch.__version__ and suite["tag"].startswith("cpu-")
     assert single["samples_per_sec"] > 0 and single["epochs"][0]["test_acc"] > 0.1 and single["memory_lines"]
+    assert single["mfu"] == single["hfu"] > 0 and "matmul measured at" in single["peak"]
     assert main(["bench", "suite", "--only", "warp-drive", "--out", str(tmp_path)]) == 2
     assert "unknown suite part(s) warp-drive" in capsys.readouterr().err
 
