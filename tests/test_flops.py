@@ -1,6 +1,7 @@
 """labkit.train.flops and labkit.train.peak: a step's FLOPs counted by FlopCounterMode, by formula, the gap named
 term by term (literal numbers, worked by hand below), the device's peak, and MFU / HFU from them."""
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from labkit.train import flops as kflops
 from labkit.train import peak as kpeak
 from labkit.train.flops import counted_once, step_flops
 from labkit.train.peak import FlopUtilisation, Peak, gpu_peak, measured_peak
+from labkit.train.run import _count_flops
 
 
 def test_lenet_counted_formula_and_gap():
@@ -46,6 +48,12 @@ def test_gpt_counted_formula_and_gap():
     for block in model.blocks:
         block.forward = functools.partial(lambda f, x: checkpoint(f, x, use_reentrant=False), block.forward)
     assert step_flops("gpt-tiny", num_classes=96, seq_len=16, recomputed=model).hardware == 39_714_816 + 8_650_752
+    # labkit train reads the configuration's `recompute` where it has one: without it, or "none", nothing is recomputed
+    cfg, info = SimpleNamespace(model="gpt-tiny", seq_len=16), SimpleNamespace(num_classes=96, in_channels=0, image_size=0)
+    rank0 = SimpleNamespace(is_main=True)
+    assert _count_flops(cfg, info, model, rank0).hardware == 39_714_816
+    cfg.recompute = "full"
+    assert _count_flops(cfg, info, model, rank0).hardware == 39_714_816 + 8_650_752
 
 
 def test_moe_gap_holds_its_dropped_choices():
