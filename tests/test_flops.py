@@ -47,7 +47,6 @@ def test_gpt_counted_formula_and_gap():
         model = get_model("gpt-tiny", num_classes=96, seq_len=16)
     for block in model.blocks:
         block.forward = functools.partial(lambda f, x: checkpoint(f, x, use_reentrant=False), block.forward)
-    assert step_flops("gpt-tiny", num_classes=96, seq_len=16, recomputed=model).hardware == 39_714_816 + 8_650_752
     # labkit train reads the configuration's `recompute` where it has one: without it, or "none", nothing is recomputed
     cfg, info = SimpleNamespace(model="gpt-tiny", seq_len=16), SimpleNamespace(num_classes=96, in_channels=0, image_size=0)
     rank0 = SimpleNamespace(is_main=True)
