@@ -9,6 +9,7 @@
 """
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,14 +220,12 @@ SPLIT_OPTIONS = {"shampoo": {"shampoo_update_freq": 2}, "soap": {"soap_update_fr
 FRACTIONS = (0.5, 1.0)
 
 
-def _fit_split(env, name: str, fraction: float | None = None):
-    """fit with the DDP strategy (or one process on the global batch when env is None) and worker fraction
-    ``fraction``: per-step losses, final weights, the optimizer's owners, bytes sent and state bytes."""
+def _split_run(env, name: str, fraction: float | None):
+    """The model (placed), its loader, strategy and optimizer for one run of :func:`_fit_split`."""
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     from labkit.parallel.ddp import DDPStrategy
-    from labkit.train.loop import fit
 
     train_set = _split_data()
     if env is None:
@@ -239,18 +238,45 @@ def _fit_split(env, name: str, fraction: float | None = None):
         loader = DataLoader(train_set, batch_size=B, sampler=strategy.sampler(train_set, True, 5), drop_last=True)
     net = model if strategy is None else strategy.unwrap(model)
     opt, _ = build_optimizer(name, net, 0.01, 0.9, 0.0, {**SPLIT_OPTIONS[name], f"{name}_worker_fraction": fraction})
+    return model, loader, strategy, opt
+
+
+def _fit_split(env, name: str, fraction: float | None = None, save_to: str | None = None):
+    """fit with the DDP strategy (or one process on the global batch when env is None) and worker fraction
+    ``fraction``: per-step losses, final weights, the optimizer's owners, bytes sent and state bytes. With
+    ``save_to``, the checkpoint after step 2 is also resumed by a fresh run (same fraction, and f = 1 for Shampoo)
+    for step 3: its loss and weights."""
+    from labkit.train.checkpoint import load_training_state, save_training_state
+    from labkit.train.loop import fit
+
+    model, loader, strategy, opt = _split_run(env, name, fraction)
+    net = model if strategy is None else strategy.unwrap(model)
+    path = None if save_to is None else Path(save_to) / f"{name}.pt"
     # one step per epoch (the sampler's shard of the data is one batch): an epoch record per step
     history = []
     for epoch in range(STEPS):
         history += fit(model, loader, None, opt, epochs=epoch + 1, start_epoch=epoch, strategy=strategy, seed=5,
                        max_steps=1, printer=lambda line: None)
-    return dict(losses=[h["train_loss"] for h in history], weights=[p.detach().clone() for p in net.parameters()],
-                owners=opt.split.owners, sent=opt.split.bytes_sent, per_step=opt.split.communication_per_step(),
-                state=state_bytes(opt))
+        if path is not None and epoch == STEPS - 2:  # every rank saves (rank 0 writes the gathered state)
+            save_training_state(path, strategy, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                                None, {"epoch": epoch + 1}, {})
+    out = dict(losses=[h["train_loss"] for h in history], weights=[p.detach().clone() for p in net.parameters()],
+               owners=opt.split.owners, sent=opt.split.bytes_sent, per_step=opt.split.communication_per_step(),
+               state=state_bytes(opt))
+    for resume_fraction in ([] if path is None else [fraction] + ([1.0] if name == "shampoo" else [])):
+        model, loader, strategy, resumed = _split_run(env, name, resume_fraction)
+        load_training_state(path, strategy, model, resumed, torch.optim.lr_scheduler.LambdaLR(resumed, lambda s: 1.0),
+                            None)
+        last = fit(model, loader, None, resumed, epochs=STEPS, start_epoch=STEPS - 1, strategy=strategy, seed=5,
+                   max_steps=1, printer=lambda line: None)
+        out[f"resumed {resume_fraction}"] = dict(loss=last[0]["train_loss"], state=state_bytes(resumed),
+                                                 weights=[p.detach().clone() for p in strategy.unwrap(model).parameters()])
+    return out
 
 
-def _split_ranks(env):
-    results = {(name, f): _fit_split(env, name, f) for name in SPLIT_OPTIONS for f in FRACTIONS}
+def _split_ranks(env, save_to: str):
+    results = {(name, f): _fit_split(env, name, f, save_to if f == 0.5 else None)
+               for name in SPLIT_OPTIONS for f in FRACTIONS}
     try:  # rank 1 holds other parameters (as a pipeline stage would): one clear error on every rank, not a hang
         Shampoo(_split_model().parameters() if env.rank == 0 else [nn.Parameter(torch.zeros(3, 2))], lr=0.1)
     except ConfigError as exc:
@@ -262,10 +288,10 @@ def _split_ranks(env):
     return results
 
 
-def test_split_over_two_ranks_equals_one_process():
+def test_split_over_two_ranks_equals_one_process(tmp_path):
     from labkit.dist.testing import run_ranks
 
-    ranks = run_ranks(_split_ranks, WORLD, timeout=240)
+    ranks = run_ranks(_split_ranks, WORLD, str(tmp_path), timeout=240)
     # parameters: three 8 × 8 matrices and three biases of 8, 216 numbers, 8 bytes each: 1728 bytes leave their
     # owners every step (3 steps: 5184 bytes)
     # owners, largest cost first to the least-loaded rank (ties: the lower rank). Shampoo and SOAP, in parameter order
@@ -299,6 +325,14 @@ def test_split_over_two_ranks_equals_one_process():
                     assert (got["per_step"], got["sent"], got["state"]) == (0, 0, whole[name]), case
             for a, b in zip(ranks[0][name, fraction]["weights"], ranks[1][name, fraction]["weights"], strict=True):
                 assert torch.equal(a, b)  # the replicas stay identical
+        # the checkpoint after step 2 of the f = 1/2 run (rank 0 wrote the whole state, gathered from both owners)
+        # resumed: step 3 bit for bit as without the stop, each rank holding its share again (f = 1/2) or all (f = 1)
+        for rank, per_rank in enumerate(ranks):
+            for resume_fraction in (0.5, 1.0) if name == "shampoo" else (0.5,):
+                resumed, case = per_rank[name, 0.5][f"resumed {resume_fraction}"], (name, resume_fraction, rank)
+                assert resumed["loss"] == per_rank[name, 0.5]["losses"][-1], case
+                assert all(torch.equal(a, b) for a, b in zip(resumed["weights"], per_rank[name, 0.5]["weights"])), case
+                assert resumed["state"] == (state[name][rank] if resume_fraction == 0.5 else whole[name]), case
         assert single["sent"] == 0 and single["state"] == sum(state[name]) == whole[name], name
     for per_rank in ranks:
         assert "needs the whole model on every rank" in per_rank["mismatch"]
@@ -333,8 +367,8 @@ def test_worker_fraction_counts_state_and_bytes_per_rank():
 
 
 def test_state_round_trips_and_a_split_checkpoint_is_refused():
-    """A checkpoint of one process resumes bit-identically; one written by rank 0 of a split run holds rank 0's
-    share of the state only, and every rank refuses it alike."""
+    """A checkpoint of one process resumes bit-identically; one rank's share of a split run's state (its own
+    ``state_dict()``, not the gathered one a checkpoint saves) is refused by every rank alike."""
     from labkit.errors import CheckpointError
 
     for name in ("shampoo", "soap", "muon"):
@@ -348,5 +382,5 @@ def test_state_round_trips_and_a_split_checkpoint_is_refused():
         train(ours, opt, 2)
         train(theirs, resumed, 2)
         assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters())), name
-        with pytest.raises(CheckpointError, match="split over 2 ranks and holds rank 0's share only"):
+        with pytest.raises(CheckpointError, match="split over 2 ranks and holds one rank's share only"):
             resumed.load_state_dict({**state, "split_world_size": 2})

@@ -28,8 +28,8 @@ classifier or language-model head), not a weight shared with an ``nn.Embedding``
 (``torch.optim.Muon`` takes 2-D parameters only; Keller Jordan's reference flattens conv filters). AdamW
 (β = 0.9, 0.95) takes the rest.
 
-Under ``torch.distributed`` each parameter has one owner rank, which alone keeps its momentum (and the Adam
-moments) and runs its Newton–Schulz; the stepped parameters then travel from their owners
+Under ``torch.distributed`` each parameter has one owner rank (in each group of ranks, see
+:mod:`labkit.optim.split`), which alone keeps its momentum (and the Adam moments) and runs its Newton–Schulz; the stepped parameters then travel from their owners
 (:mod:`labkit.optim.split`), as in Moonlight's ZeRO-1-style distributed Muon (which all-gathers the
 gradient shards first because its gradients are reduce-scattered; here DDP's all-reduce already left every
 gradient whole on every rank). ``--muon-worker-fraction`` f keeps W·f copies, one per group of 1/f ranks.
@@ -151,17 +151,29 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """The torch optimizers this rank steps (where :func:`labkit.optim.split.state_bytes` finds the state)."""
         return [opt for _, opt in self._inner()]
 
+    def _states(self) -> dict[int, dict]:
+        """Each parameter's state in the torch optimizer that steps it, by its index in :attr:`param_groups`."""
+        index = {id(p): i for i, p in enumerate(self.split.params)}
+        return {index[id(p)]: dict(state) for _, opt in self._inner() for p, state in opt.state.items()}
+
     def state_dict(self) -> dict:
-        state = {"muon": self.muon.state_dict() if self.muon is not None else None,
-                 "adamw": self.adamw.state_dict() if self.adamw is not None else None,
-                 "lr": [g["lr"] for g in self.param_groups]}
-        return mark_split(state, self.split)
+        """This rank's share: ``{"state": {parameter index: its state}, "lr": per group}``, marked as a share."""
+        return mark_split({"state": self._states(), "lr": [g["lr"] for g in self.param_groups]}, self.split)
+
+    def gather_state_dict(self) -> dict:
+        """The whole state on rank 0 (every owner's, gathered): every rank calls it when a checkpoint is saved."""
+        state = {"state": self.split.gather_state(self._states()), "lr": [g["lr"] for g in self.param_groups]}
+        return mark_split(state, self.split, gathered=True)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state into the torch optimizers of the parameters this rank owns (any split resumes it)."""
         refuse_partial(state_dict, "muon")
-        for key, opt in (("muon", self.muon), ("adamw", self.adamw)):
-            if opt is not None and state_dict.get(key) is not None:
-                opt.load_state_dict(state_dict[key])
+        saved, index = state_dict["state"], {id(p): i for i, p in enumerate(self.split.params)}
+        for _, opt in self._inner():
+            inner = opt.state_dict()  # torch's own loading puts each tensor on its parameter's device
+            inner["state"] = {local: saved[index[id(p)]] for local, p in enumerate(opt.param_groups[0]["params"])
+                              if index[id(p)] in saved}
+            opt.load_state_dict(inner)
         for group, lr in zip(self.param_groups, state_dict.get("lr", [])):
             group["lr"] = lr
 

@@ -31,6 +31,10 @@ For Shampoo this is distributed Shampoo's split with the search direction replac
 same bytes). The groups are ``torch.distributed`` groups, made with ``new_group`` by every rank, for every group,
 in the same order (a group of all W ranks too, so there is one code path whatever G).
 
+A checkpoint holds the whole state: every rank calls :meth:`SplitOptimizer.gather_state_dict` when one is saved, the
+owners' states travel to rank 0 (:meth:`OwnerSplit.gather_state`), and loading keeps each rank's share again
+(:func:`re_split`), whatever the rank count and worker fraction of the resumed run.
+
 A rank that held a different model (a pipeline stage) would wait in a broadcast its peers never join, and a
 tensor-parallel shard would be overwritten by another rank's shard of the same shape, so :class:`OwnerSplit`
 compares every parameter's shape and sum once, when it is built (replicas start equal), and raises
@@ -120,6 +124,20 @@ class OwnerSplit:
         self.bytes_sent += sent
         return sent
 
+    def gather_state(self, states: dict[int, dict]) -> dict[int, dict]:
+        """The whole state, by parameter index, on rank 0: every rank calls this (one ``gather_object`` when G > 1;
+        rank 0's group holds one copy of every parameter's state, so the other groups send nothing). Tensors travel
+        and arrive on the CPU, as a checkpoint holds them. Other ranks get their own ``states`` back."""
+        if self.group_size == 1:
+            return states
+        mine = ({i: {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in s.items()}
+                 for i, s in states.items()} if self.rank < self.group_size else None)
+        parts = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if self.rank != 0:
+            return states
+        return dict(sorted((i, s) for part in parts if part for i, s in part.items()))
+
     def communication_per_step(self, world_size: int | None = None, fraction: float | None = None) -> int:
         """Payload bytes of :meth:`share` per rank on ``world_size`` ranks with worker fraction ``fraction`` (default:
         this split's), from the shapes: ``s Σ_i n_i`` if G > 1, else 0."""
@@ -152,19 +170,28 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for state in part.state.values() for t in state.values() if isinstance(t, Tensor))
 
 
-def mark_split(state: dict, split: OwnerSplit) -> dict:
-    """Record over how many ranks the state was split, G (a checkpoint written by rank 0 holds its share only)."""
-    state["split_world_size"] = split.group_size
+def mark_split(state: dict, split: OwnerSplit, gathered: bool = False) -> dict:
+    """Record over how many ranks ``state`` is split: G for one rank's share, 1 for the whole state (one process, G = 1,
+    or rank 0's after :meth:`OwnerSplit.gather_state`)."""
+    state["split_world_size"] = 1 if gathered and split.rank == 0 else split.group_size
     return state
 
 
 def refuse_partial(state: dict, name: str) -> None:
-    """A checkpoint of a split optimizer holds rank 0's share of the state: refuse it, on every rank alike."""
+    """A state that holds one rank's share only (``optimizer.state_dict()`` on one rank of a split run, not the
+    gathered one a checkpoint saves): refuse it, on every rank alike."""
     world = state.get("split_world_size", 1)
     if world > 1:
         raise CheckpointError(f"this checkpoint's --optimizer {name} state was split over {world} ranks and holds "
-                              "rank 0's share only; resuming it is not supported: start the run again without "
+                              "one rank's share only; resuming it is not supported: start the run again without "
                               "--resume")
+
+
+def re_split(optimizer: torch.optim.Optimizer, split: OwnerSplit) -> None:
+    """Keep the state of the parameters this rank owns and drop the rest (after loading the whole state)."""
+    for index, p in enumerate(split.params):
+        if not split.mine(index):
+            optimizer.state.pop(p, None)
 
 
 class SplitOptimizer(torch.optim.Optimizer):
@@ -201,8 +228,19 @@ class SplitOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict:
+        """This rank's share of the state (marked as such: see :meth:`gather_state_dict` for a checkpoint's)."""
         return mark_split(super().state_dict(), self.split)
 
+    def gather_state_dict(self) -> dict:
+        """The whole state on rank 0, every owner's gathered (:meth:`OwnerSplit.gather_state`): every rank calls it
+        when a checkpoint is saved (:func:`labkit.train.checkpoint.save_training_state`)."""
+        state = super().state_dict()
+        state["state"] = self.split.gather_state(state["state"])
+        return mark_split(state, self.split, gathered=True)
+
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state (one process's or a gathered one), then keep this rank's share: any rank count and
+        worker fraction resumes it."""
         refuse_partial(state_dict, self.name)
         super().load_state_dict(state_dict)
+        re_split(self, self.split)
