@@ -9,6 +9,7 @@
 """
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,6 +175,8 @@ def test_optimizer_state_bytes():
 def test_bad_values_are_one_clear_error():
     with pytest.raises(ConfigError, match="Shampoo decay must be in"):
         build_optimizer("shampoo", two_layer(), 0.01, 0.9, 0.0, {"shampoo_decay": 1.5})
+    with pytest.raises(ConfigError, match="--muon-worker-fraction 0.5 on 1 ranks: f·W must divide W; choose one of 1/1"):
+        build_optimizer("muon", _split_model(), 0.01, 0.9, 0.0, {"muon_worker_fraction": 0.5})
     with pytest.raises(ConfigError, match="--optimizer muon with --strategy zero: Muon orthogonalises"):
         refuse_layerwise("muon", "zero", "a shard")
 
@@ -213,16 +216,16 @@ def _split_model() -> nn.Module:
 
 
 SPLIT_OPTIONS = {"shampoo": {"shampoo_update_freq": 2}, "soap": {"soap_update_freq": 2}, "muon": {}}
+#: the worker fractions 2 ranks allow: 1/2 (one owner per parameter) and 1 (every rank steps every parameter)
+FRACTIONS = (0.5, 1.0)
 
 
-def _fit_split(env, name: str):
-    """fit with the DDP strategy (or one process on the global batch when env is None): per-step losses, final
-    weights, the optimizer's owners, bytes sent and state bytes."""
+def _split_run(env, name: str, fraction: float | None):
+    """The model (placed), its loader, strategy and optimizer for one run of :func:`_fit_split`."""
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     from labkit.parallel.ddp import DDPStrategy
-    from labkit.train.loop import fit
 
     train_set = _split_data()
     if env is None:
@@ -234,19 +237,46 @@ def _fit_split(env, name: str):
         model = strategy.prepare(_split_model())
         loader = DataLoader(train_set, batch_size=B, sampler=strategy.sampler(train_set, True, 5), drop_last=True)
     net = model if strategy is None else strategy.unwrap(model)
-    opt, _ = build_optimizer(name, net, 0.01, 0.9, 0.0, SPLIT_OPTIONS[name])
+    opt, _ = build_optimizer(name, net, 0.01, 0.9, 0.0, {**SPLIT_OPTIONS[name], f"{name}_worker_fraction": fraction})
+    return model, loader, strategy, opt
+
+
+def _fit_split(env, name: str, fraction: float | None = None, save_to: str | None = None):
+    """fit with the DDP strategy (or one process on the global batch when env is None) and worker fraction
+    ``fraction``: per-step losses, final weights, the optimizer's owners, bytes sent and state bytes. With
+    ``save_to``, the checkpoint after step 2 is also resumed by a fresh run (same fraction, and f = 1 for Shampoo)
+    for step 3: its loss and weights."""
+    from labkit.train.checkpoint import load_training_state, save_training_state
+    from labkit.train.loop import fit
+
+    model, loader, strategy, opt = _split_run(env, name, fraction)
+    net = model if strategy is None else strategy.unwrap(model)
+    path = None if save_to is None else Path(save_to) / f"{name}.pt"
     # one step per epoch (the sampler's shard of the data is one batch): an epoch record per step
     history = []
     for epoch in range(STEPS):
         history += fit(model, loader, None, opt, epochs=epoch + 1, start_epoch=epoch, strategy=strategy, seed=5,
                        max_steps=1, printer=lambda line: None)
-    return dict(losses=[h["train_loss"] for h in history], weights=[p.detach().clone() for p in net.parameters()],
-                owners=opt.split.owners, sent=opt.split.bytes_sent, per_step=opt.split.communication_per_step(),
-                state=state_bytes(opt))
+        if path is not None and epoch == STEPS - 2:  # every rank saves (rank 0 writes the gathered state)
+            save_training_state(path, strategy, model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                                None, {"epoch": epoch + 1}, {})
+    out = dict(losses=[h["train_loss"] for h in history], weights=[p.detach().clone() for p in net.parameters()],
+               owners=opt.split.owners, sent=opt.split.bytes_sent, per_step=opt.split.communication_per_step(),
+               state=state_bytes(opt))
+    for resume_fraction in ([] if path is None else [fraction] + ([1.0] if name == "shampoo" else [])):
+        model, loader, strategy, resumed = _split_run(env, name, resume_fraction)
+        load_training_state(path, strategy, model, resumed, torch.optim.lr_scheduler.LambdaLR(resumed, lambda s: 1.0),
+                            None)
+        last = fit(model, loader, None, resumed, epochs=STEPS, start_epoch=STEPS - 1, strategy=strategy, seed=5,
+                   max_steps=1, printer=lambda line: None)
+        out[f"resumed {resume_fraction}"] = dict(loss=last[0]["train_loss"], state=state_bytes(resumed),
+                                                 weights=[p.detach().clone() for p in strategy.unwrap(model).parameters()])
+    return out
 
 
-def _split_ranks(env):
-    results = {name: _fit_split(env, name) for name in SPLIT_OPTIONS}
+def _split_ranks(env, save_to: str):
+    results = {(name, f): _fit_split(env, name, f, save_to if f == 0.5 else None)
+               for name in SPLIT_OPTIONS for f in FRACTIONS}
     try:  # rank 1 holds other parameters (as a pipeline stage would): one clear error on every rank, not a hang
         Shampoo(_split_model().parameters() if env.rank == 0 else [nn.Parameter(torch.zeros(3, 2))], lr=0.1)
     except ConfigError as exc:
@@ -258,10 +288,10 @@ def _split_ranks(env):
     return results
 
 
-def test_split_over_two_ranks_equals_one_process():
+def test_split_over_two_ranks_equals_one_process(tmp_path):
     from labkit.dist.testing import run_ranks
 
-    ranks = run_ranks(_split_ranks, WORLD, timeout=240)
+    ranks = run_ranks(_split_ranks, WORLD, str(tmp_path), timeout=240)
     # parameters: three 8 × 8 matrices and three biases of 8, 216 numbers, 8 bytes each: 1728 bytes leave their
     # owners every step (3 steps: 5184 bytes)
     # owners, largest cost first to the least-loaded rank (ties: the lower rank). Shampoo and SOAP, in parameter order
@@ -275,28 +305,70 @@ def test_split_over_two_ranks_equals_one_process():
     # moments 128 = 192 numbers = 1536 bytes + W3's step count (a 0-d float32) 4 = 1540; rank 1: W2's momentum 64 +
     # the biases' moments 48 = 112 numbers = 896 bytes + 3 step counts = 908
     state = {"shampoo": [6144, 3456], "soap": [6144, 3456], "muon": [1540, 908]}
+    # worker fraction 1 (groups of G = 1 rank): each rank owns all six parameters, holds the single process's state
+    # (Shampoo, SOAP 6144 + 3456 = 9600; Muon 1540 + 908 = 2448) and sends nothing
+    whole = {"shampoo": 9600, "soap": 9600, "muon": 2448}
     for name in SPLIT_OPTIONS:
         single = _fit_split(None, name)
+        for fraction in FRACTIONS:
+            for rank, per_rank in enumerate(ranks):
+                got, case = per_rank[name, fraction], (name, fraction, rank)
+                for step, (a, b) in enumerate(zip(got["losses"], single["losses"], strict=True)):
+                    assert a == pytest.approx(b, abs=1e-9), (*case, step)
+                for a, b in zip(got["weights"], single["weights"], strict=True):
+                    torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6, msg=lambda m: f"{case}: {m}")
+                if fraction == 0.5:
+                    assert got["owners"] == owners[name], case
+                    assert (got["per_step"], got["sent"], got["state"]) == (1728, 3 * 1728, state[name][rank]), case
+                else:
+                    assert got["owners"] == [rank] * 6, case
+                    assert (got["per_step"], got["sent"], got["state"]) == (0, 0, whole[name]), case
+            for a, b in zip(ranks[0][name, fraction]["weights"], ranks[1][name, fraction]["weights"], strict=True):
+                assert torch.equal(a, b)  # the replicas stay identical
+        # the checkpoint after step 2 of the f = 1/2 run (rank 0 wrote the whole state, gathered from both owners)
+        # resumed: step 3 bit for bit as without the stop, each rank holding its share again (f = 1/2) or all (f = 1)
         for rank, per_rank in enumerate(ranks):
-            got = per_rank[name]
-            for step, (a, b) in enumerate(zip(got["losses"], single["losses"], strict=True)):
-                assert a == pytest.approx(b, abs=1e-9), (name, rank, step)
-            for a, b in zip(got["weights"], single["weights"], strict=True):
-                torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6, msg=lambda m: f"{name} rank {rank}: {m}")
-            assert got["owners"] == owners[name], name
-            assert (got["per_step"], got["sent"]) == (1728, 3 * 1728), name
-            assert got["state"] == state[name][rank], (name, rank)
-        assert single["sent"] == 0 and single["state"] == sum(state[name]), name
-        for a, b in zip(ranks[0][name]["weights"], ranks[1][name]["weights"], strict=True):
-            assert torch.equal(a, b)  # the replicas stay identical
+            for resume_fraction in (0.5, 1.0) if name == "shampoo" else (0.5,):
+                resumed, case = per_rank[name, 0.5][f"resumed {resume_fraction}"], (name, resume_fraction, rank)
+                assert resumed["loss"] == per_rank[name, 0.5]["losses"][-1], case
+                assert all(torch.equal(a, b) for a, b in zip(resumed["weights"], per_rank[name, 0.5]["weights"])), case
+                assert resumed["state"] == (state[name][rank] if resume_fraction == 0.5 else whole[name]), case
+        assert single["sent"] == 0 and single["state"] == sum(state[name]) == whole[name], name
     for per_rank in ranks:
         assert "needs the whole model on every rank" in per_rank["mismatch"]
         assert "needs the whole model on every rank" in per_rank["shards"]
 
 
+def test_worker_fraction_counts_state_and_bytes_per_rank():
+    """On 6 ranks each worker fraction f groups the ranks by G = 1/f; each group holds one copy of the state.
+
+    _split_model(), float64: matrices W1 W2 W3 (64 numbers) and biases b1 b2 b3 (8). Shampoo keeps 6 · 64 = 384 numbers
+    per matrix (3072 bytes) and 16 per bias (128). Owners within a group of G, largest cost first to the least loaded
+    (costs 1088 per matrix, 8 per bias): G = 6: W1 W2 W3 b1 b2 b3 -> 0..5; G = 3: W1 b1 -> 0, W2 b2 -> 1, W3 b3 -> 2
+    (3200 each); G = 2: as on 2 ranks, 6144 and 3456; G = 1: all, 9600. Muon (order W1 W2 | b1 W3 b2 b3, costs 512 512
+    | 8 64 8 8), G = 3: W1 b1 -> 0, W2 b2 -> 1, W3 b3 -> 2; W1's momentum 512 bytes, a bias's AdamW moments 128 + its
+    step count 4, W3's 1024 + 4: 644, 644, 1160. Every parameter leaves its owner once per step in each group of
+    G > 1: 216 · 8 = 1728 bytes; none for G = 1."""
+    expected = {("shampoo", 1 / 6): [3072] * 3 + [128] * 3, ("shampoo", 1 / 3): [3200] * 6,
+                ("shampoo", 1 / 2): [6144, 3456] * 3, ("shampoo", 1.0): [9600] * 6, ("muon", 1 / 3): [644, 644, 1160] * 2}
+    for name in ("shampoo", "muon"):
+        net = _split_model()
+        opt, _ = build_optimizer(name, net, 0.01, 0.9, 0.0, {})
+        x, y = _split_data().tensors
+        nn.functional.cross_entropy(net(x[:4]), y[:4]).backward()
+        opt.step()
+        for (which, fraction), want in expected.items():
+            if which == name:
+                assert opt.split.state_bytes_per_rank(opt, 6, fraction) == want, (name, fraction)
+                assert opt.split.communication_per_step(6, fraction) == (0 if fraction == 1 else 1728), (name, fraction)
+    with pytest.raises(ConfigError, match="--soap-worker-fraction 0.25 on 6 ranks: f·W must divide W; choose one of "
+                                          "1/6, 2/6, 3/6, 6/6"):
+        SOAP(net.parameters(), lr=0.1).split.communication_per_step(6, 0.25)
+
+
 def test_state_round_trips_and_a_split_checkpoint_is_refused():
-    """A checkpoint of one process resumes bit-identically; one written by rank 0 of a split run holds rank 0's
-    share of the state only, and every rank refuses it alike."""
+    """A checkpoint of one process resumes bit-identically; one rank's share of a split run's state (its own
+    ``state_dict()``, not the gathered one a checkpoint saves) is refused by every rank alike."""
     from labkit.errors import CheckpointError
 
     for name in ("shampoo", "soap", "muon"):
@@ -310,5 +382,5 @@ def test_state_round_trips_and_a_split_checkpoint_is_refused():
         train(ours, opt, 2)
         train(theirs, resumed, 2)
         assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters())), name
-        with pytest.raises(CheckpointError, match="split over 2 ranks and holds rank 0's share only"):
+        with pytest.raises(CheckpointError, match="split over 2 ranks and holds one rank's share only"):
             resumed.load_state_dict({**state, "split_world_size": 2})

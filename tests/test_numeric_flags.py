@@ -50,10 +50,11 @@ BAD = {
                                "--kfac-grad-worker-fraction": ["0", "1.5"], "--lars-trust-coefficient": ["0"],
                                "--lamb-betas": ["-1"], "--lamb-eps": ["0"]},
     "train --optimizer shampoo": {"--shampoo-update-freq": ["0"], "--shampoo-decay": ["0", "1.5"],
-                                  "--shampoo-eps": ["0"], "--shampoo-max-dim": ["0"]},
+                                  "--shampoo-eps": ["0"], "--shampoo-max-dim": ["0"],
+                                  "--shampoo-worker-fraction": ["0", "1.5"]},
     "train --optimizer soap": {"--soap-update-freq": ["0"], "--soap-betas": ["-1", "1"], "--soap-shampoo-beta": ["1"],
-                               "--soap-eps": ["0"], "--soap-max-dim": ["0"]},
-    "train --optimizer muon": {"--muon-ns-steps": ["0", "100"]},
+                               "--soap-eps": ["0"], "--soap-max-dim": ["0"], "--soap-worker-fraction": ["0", "1.5"]},
+    "train --optimizer muon": {"--muon-ns-steps": ["0", "100"], "--muon-worker-fraction": ["0", "1.5"]},
     "bench single": {"--batch-size": ["0"], "--steps": ["0"], "--rounds": ["0"], "--threads": ["0"]},
     "bench ddp": {"--compare-ranks": ["-1"], "--batch-size": ["0"], "--steps": ["0"], "--rounds": ["0"],
                   "--repeat": ["0"], "--threads": ["0"], "--compare-epochs": ["0"]},
@@ -133,7 +134,7 @@ PAIRS = ("--lamb-betas", "--soap-betas")  # nargs=2
 def test_the_table_names_every_numeric_flag():
     flags = _all_numeric_flags()
     assert set(flags) == {f"{command} {flag}" for command, flag, _ in _cases()}
-    assert len(flags) == 157  # train 21, its strategies and optimizers 45, benchmarks 71, the others 20
+    assert len(flags) == 160  # train 21, its strategies and optimizers 48, benchmarks 71, the others 20
     for key, action in flags.items():  # each is checked as it is read, and its default is allowed
         assert hasattr(action.type, "range"), f"{key}: type=within(kind, interval) or a FLAGS 'range'"
         defaults = action.default if isinstance(action.default, (list, tuple)) else [action.default]

@@ -2,9 +2,15 @@
 optimizer trained through :func:`labkit.train.loop.fit` in rounds of a few steps, the held-out loss measured after
 every round (off the clock), and what each would hold and send on W data-parallel ranks counted.
 
+Two budgets, one run per optimizer: an equal *step* budget (every optimizer trains at least ``steps`` steps) and an
+equal *time* budget T (every optimizer trains on until the next round would take its own training clock past T;
+the rounds inside T, and the steps they hold, are its time-budget run). A slow optimizer spends T before its
+``steps`` steps (the step budget then carries on from the same state: no step is trained twice), a fast one gets
+more steps than ``steps`` within T. Without a given T, T is the first optimizer's time for its ``steps`` steps.
+
     records = race(["sgd", "shampoo"], steps=100)
-    records["shampoo"]["eval_loss"][-1]            # held-out loss after 100 steps
-    loss_within(records["shampoo"], seconds=2.0)   # ... after the rounds that fit in 2 s of training
+    records["shampoo"]["eval_loss"][records["shampoo"]["steps"].index(100)]   # held-out loss after 100 steps
+    records["shampoo"]["budget"]       # {"seconds": T, "steps", "used_s", "eval_loss", "eval_acc"} of the time budget
     counted(records["shampoo"], world_size=8)      # {"state_bytes": per rank, "comm_bytes": per step per rank}
 """
 from __future__ import annotations
@@ -50,12 +56,21 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(196, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def race(names, steps: int, round_steps: int = 10, batch_size: int = 64, data=None) -> dict[str, dict]:
-    """Train each optimizer for ``steps`` steps on the same batches.
+def race(names, steps: int, seconds: float | None = None, round_steps: int = 10, batch_size: int = 64,
+         data=None) -> dict[str, dict]:
+    """Train each optimizer on the same batches for a step budget of ``steps`` and a time budget of ``seconds``.
+
+    Each trains in rounds of ``round_steps`` steps (one :func:`fit` call each, timed) while it has fewer than
+    ``steps`` steps, or while its clock plus its last round's time is within T; after every round the held-out
+    loss, off the clock. Its time-budget run is the rounds that ended within T (the first round at least).
+
+    Args:
+        seconds: T; ``None``: the first optimizer's time for its ``steps`` steps (it sets T for the others).
 
     Returns:
         per name: ``{"steps", "seconds" (training time after each round, cumulative), "eval_loss", "eval_acc" (after
-        each round), "model", "optimizer", "preconditioner", "state_bytes"}``.
+        each round), "budget": {"seconds": T, "steps": steps within T, "used_s": their time, "eval_loss",
+        "eval_acc"}, "model", "optimizer", "preconditioner", "state_bytes"}``.
     """
     train_set, test_set = data or digits()
     criterion = nn.CrossEntropyLoss()
@@ -67,25 +82,27 @@ def race(names, steps: int, round_steps: int = 10, batch_size: int = 64, data=No
         loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True)
         test_loader = DataLoader(test_set, batch_size=1000)
         record = {"steps": [], "seconds": [], "eval_loss": [], "eval_acc": []}
-        clock = 0.0
-        for r in range(steps // round_steps):
+        clock, last, r = 0.0, 0.0, 0
+        while r * round_steps < steps or seconds is not None and clock + last <= seconds:
             started = time.perf_counter()
             fit(net, loader, None, optimizer, epochs=r + 1, start_epoch=r, preconditioner=pre, max_steps=round_steps,
                 printer=lambda line: None)
-            clock += time.perf_counter() - started
+            last = time.perf_counter() - started
+            clock += last
+            r += 1
             loss, acc = evaluate(net, test_loader, single_strategy(net), criterion)
-            record["steps"].append((r + 1) * round_steps)
+            record["steps"].append(r * round_steps)
             record["seconds"].append(clock)
             record["eval_loss"].append(loss)
             record["eval_acc"].append(acc)
+        if seconds is None:
+            seconds = record["seconds"][record["steps"].index(-(-steps // round_steps) * round_steps)]
+        inside = max(1, sum(t <= seconds for t in record["seconds"]))  # rounds within T (the first at least)
+        record["budget"] = {"seconds": seconds, "steps": record["steps"][inside - 1],
+                            "used_s": record["seconds"][inside - 1], "eval_loss": record["eval_loss"][inside - 1],
+                            "eval_acc": record["eval_acc"][inside - 1]}
         out[name] = dict(record, model=net, optimizer=optimizer, preconditioner=pre, state_bytes=state_bytes(optimizer))
     return out
-
-
-def loss_within(record: dict, seconds: float) -> float:
-    """The held-out loss after the last round that ended within ``seconds`` of training (the first round's if none)."""
-    done = [loss for loss, t in zip(record["eval_loss"], record["seconds"]) if t <= seconds]
-    return done[-1] if done else record["eval_loss"][0]
 
 
 def counted(record: dict, world_size: int) -> dict[str, int]:

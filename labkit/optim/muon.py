@@ -28,11 +28,11 @@ classifier or language-model head), not a weight shared with an ``nn.Embedding``
 (``torch.optim.Muon`` takes 2-D parameters only; Keller Jordan's reference flattens conv filters). AdamW
 (β = 0.9, 0.95) takes the rest.
 
-Under ``torch.distributed`` each parameter has one owner rank, which alone keeps its momentum (and the Adam
-moments) and runs its Newton–Schulz; the stepped parameters then travel from their owners
+Under ``torch.distributed`` each parameter has one owner rank (in each group of ranks, see
+:mod:`labkit.optim.split`), which alone keeps its momentum (and the Adam moments) and runs its Newton–Schulz; the stepped parameters then travel from their owners
 (:mod:`labkit.optim.split`), as in Moonlight's ZeRO-1-style distributed Muon (which all-gathers the
 gradient shards first because its gradients are reduce-scattered; here DDP's all-reduce already left every
-gradient whole on every rank).
+gradient whole on every rank). ``--muon-worker-fraction`` f keeps W·f copies, one per group of 1/f ranks.
 """
 from __future__ import annotations
 
@@ -54,6 +54,10 @@ FLAGS = [
      "default": "match_rms_adamw",
      "help": "the step's scale per matrix shape: match_rms_adamw (Moonlight: one learning rate for Muon and AdamW), "
              "original (Keller Jordan's √max(1, m/n)) or spectral_unclamped (√(m/n))"},
+    {"flag": "--muon-worker-fraction", "type": "float", "range": "(0, 1]", "default": None, "metavar": "F",
+     "help": "several ranks: the fraction of them holding each matrix's state and step, 1/W (default: one owner, "
+             "the least memory) .. 1 (every rank steps every matrix, nothing travels); f·W must divide W, as "
+             "--kfac-grad-worker-fraction"},
 ]
 
 
@@ -97,6 +101,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         ns_steps: Newton–Schulz iterations.
         adjust_lr: ``torch.optim.Muon``'s ``adjust_lr_fn``.
         distributed: split over the ranks (:mod:`labkit.optim.split`); None: when several ranks are running.
+        worker_fraction: f, the fraction of the ranks holding each parameter's state; None: 1/W, one owner.
 
     Attributes:
         muon, adamw: the two torch optimizers over the parameters this rank owns (None where it owns none).
@@ -105,7 +110,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon_params: list[Tensor], other_params: list[Tensor], lr: float, momentum: float = 0.95,
                  weight_decay: float = 0.0, ns_steps: int = 5, adjust_lr: str = "match_rms_adamw",
-                 distributed: bool | None = None):
+                 distributed: bool | None = None, worker_fraction: float | None = None):
         if not muon_params:
             raise ValueError("Muon found no hidden nn.Linear weight to orthogonalise in this model (only the output "
                              "layer, convolutions, embeddings, biases); use --optimizer adam")
@@ -114,7 +119,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             groups.append({"params": list(other_params), "kind": "adamw"})
         super().__init__(groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
         params = [p for g in self.param_groups for p in g["params"]]
-        self.split = OwnerSplit(params, [_cost(p) for p in params], "muon", distributed)
+        self.split = OwnerSplit(params, [_cost(p) for p in params], "muon", distributed, worker_fraction)
         owned = {id(p) for i, p in enumerate(params) if self.split.mine(i)}
         mine = [[p for p in g["params"] if id(p) in owned] for g in self.param_groups]
         muon = getattr(torch.optim, "Muon", None)
@@ -146,17 +151,29 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """The torch optimizers this rank steps (where :func:`labkit.optim.split.state_bytes` finds the state)."""
         return [opt for _, opt in self._inner()]
 
+    def _states(self) -> dict[int, dict]:
+        """Each parameter's state in the torch optimizer that steps it, by its index in :attr:`param_groups`."""
+        index = {id(p): i for i, p in enumerate(self.split.params)}
+        return {index[id(p)]: dict(state) for _, opt in self._inner() for p, state in opt.state.items()}
+
     def state_dict(self) -> dict:
-        state = {"muon": self.muon.state_dict() if self.muon is not None else None,
-                 "adamw": self.adamw.state_dict() if self.adamw is not None else None,
-                 "lr": [g["lr"] for g in self.param_groups]}
-        return mark_split(state, self.split)
+        """This rank's share: ``{"state": {parameter index: its state}, "lr": per group}``, marked as a share."""
+        return mark_split({"state": self._states(), "lr": [g["lr"] for g in self.param_groups]}, self.split)
+
+    def gather_state_dict(self) -> dict:
+        """The whole state on rank 0 (every owner's, gathered): every rank calls it when a checkpoint is saved."""
+        state = {"state": self.split.gather_state(self._states()), "lr": [g["lr"] for g in self.param_groups]}
+        return mark_split(state, self.split, gathered=True)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state into the torch optimizers of the parameters this rank owns (any split resumes it)."""
         refuse_partial(state_dict, "muon")
-        for key, opt in (("muon", self.muon), ("adamw", self.adamw)):
-            if opt is not None and state_dict.get(key) is not None:
-                opt.load_state_dict(state_dict[key])
+        saved, index = state_dict["state"], {id(p): i for i, p in enumerate(self.split.params)}
+        for _, opt in self._inner():
+            inner = opt.state_dict()  # torch's own loading puts each tensor on its parameter's device
+            inner["state"] = {local: saved[index[id(p)]] for local, p in enumerate(opt.param_groups[0]["params"])
+                              if index[id(p)] in saved}
+            opt.load_state_dict(inner)
         for group, lr in zip(self.param_groups, state_dict.get("lr", [])):
             group["lr"] = lr
 
@@ -167,4 +184,5 @@ def build(model: nn.Module, lr: float, momentum: float, weight_decay: float, opt
     taken = {id(p) for p in muon}
     other = [p for p in model.parameters() if p.requires_grad and id(p) not in taken]
     return MuonWithAdamW(muon, other, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                         ns_steps=options["muon_ns_steps"], adjust_lr=options["muon_adjust_lr"])
+                         ns_steps=options["muon_ns_steps"], adjust_lr=options["muon_adjust_lr"],
+                         worker_fraction=options.get("muon_worker_fraction"))

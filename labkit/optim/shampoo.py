@@ -35,7 +35,8 @@ the ε chosen relative to the largest eigenvalue, inverse roots by coupled Newto
 the graft alone (``start_preconditioning_step``), bias correction of L and R, and fp64 statistics.
 
 Under ``torch.distributed`` each rank steps only the parameters it owns and broadcasts them
-(:mod:`labkit.optim.split`): the roots are computed once, on one rank, not W times.
+(:mod:`labkit.optim.split`): the roots are computed once per group of G ranks, not W times
+(``--shampoo-worker-fraction`` f = 1/G, distributed Shampoo's per-group workers).
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ FLAGS = [
      "help": "whose step length Shampoo's direction borrows: Adam's (its second moment, β₂ 0.999) or SGD's"},
     {"flag": "--shampoo-max-dim", "type": "int", "range": "[1, inf)", "default": 1024, "metavar": "D",
      "help": "a side longer than D is left unpreconditioned (identity)"},
+    {"flag": "--shampoo-worker-fraction", "type": "float", "range": "(0, 1]", "default": None, "metavar": "F",
+     "help": "several ranks: the fraction of them holding each matrix's state and step, 1/W (default: one owner, "
+             "the least memory) .. 1 (every rank steps every matrix, nothing travels); f·W must divide W, as "
+             "--kfac-grad-worker-fraction"},
 ]
 
 
@@ -96,6 +101,8 @@ class Shampoo(SplitOptimizer):
         max_dim: sides longer than this are not preconditioned.
         distributed: split the parameters over the ranks (:mod:`labkit.optim.split`); None: when a process group
             of several ranks is running.
+        worker_fraction: f, the fraction of the ranks holding each parameter's state (:mod:`labkit.optim.split`;
+            f·W must divide W); None: 1/W, one owner.
 
     Attributes:
         split: the :class:`~labkit.optim.split.OwnerSplit` (owners, bytes sent).
@@ -105,7 +112,8 @@ class Shampoo(SplitOptimizer):
 
     def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0, update_freq: int = 10,
                  decay: float = 1.0, eps: float = 1e-6, graft: str = "adam", graft_beta2: float = 0.999,
-                 graft_eps: float = 1e-8, max_dim: int = 1024, distributed: bool | None = None):
+                 graft_eps: float = 1e-8, max_dim: int = 1024, distributed: bool | None = None,
+                 worker_fraction: float | None = None):
         if not lr > 0:
             raise ValueError(f"Shampoo learning rate must be > 0, got {lr}")
         if not 0 <= momentum < 1:
@@ -123,7 +131,8 @@ class Shampoo(SplitOptimizer):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, update_freq=update_freq, decay=decay,
                         eps=eps, graft=graft, graft_beta2=graft_beta2, graft_eps=graft_eps, max_dim=max_dim)
         super().__init__(params, defaults)
-        self._split([matrix_cost(p, g["max_dim"]) for g in self.param_groups for p in g["params"]], distributed)
+        self._split([matrix_cost(p, g["max_dim"]) for g in self.param_groups for p in g["params"]], distributed,
+                    worker_fraction)
 
     def _step_one(self, p: Tensor, group: dict) -> None:
         state = self.state[p]
@@ -177,5 +186,6 @@ def build(model: nn.Module, lr: float, momentum: float, weight_decay: float, opt
     params = [p for p in model.parameters() if p.requires_grad]
     return Shampoo(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
                    update_freq=options["shampoo_update_freq"], decay=options["shampoo_decay"],
-                   eps=options["shampoo_eps"], graft=options["shampoo_graft"], max_dim=options["shampoo_max_dim"])
+                   eps=options["shampoo_eps"], graft=options["shampoo_graft"], max_dim=options["shampoo_max_dim"],
+                   worker_fraction=options.get("shampoo_worker_fraction"))
 

@@ -24,7 +24,8 @@ eigh), it carries V over to the new basis by reordering its entries, it merges s
 tensors instead of flattening them to (out, rest), and it skips the parameter update on the very first step.
 
 Under ``torch.distributed`` each rank steps only the parameters it owns and broadcasts them
-(:mod:`labkit.optim.split`).
+(:mod:`labkit.optim.split`; ``--soap-worker-fraction`` f: each group of 1/f ranks
+holds one copy of the state).
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ FLAGS = [
     {"flag": "--soap-eps", "type": "float", "range": "(0, inf)", "default": 1e-8, "help": "Adam's ε"},
     {"flag": "--soap-max-dim", "type": "int", "range": "[1, inf)", "default": 1024, "metavar": "D",
      "help": "a side longer than D keeps the identity basis"},
+    {"flag": "--soap-worker-fraction", "type": "float", "range": "(0, 1]", "default": None, "metavar": "F",
+     "help": "several ranks: the fraction of them holding each matrix's state and step, 1/W (default: one owner, "
+             "the least memory) .. 1 (every rank steps every matrix, nothing travels); f·W must divide W, as "
+             "--kfac-grad-worker-fraction"},
 ]
 
 
@@ -61,13 +66,14 @@ class SOAP(SplitOptimizer):
         update_freq: F >= 1, steps between eigendecompositions.
         max_dim: sides longer than this keep the identity basis.
         distributed: split over the ranks (:mod:`labkit.optim.split`); None: when several ranks are running.
+        worker_fraction: f, the fraction of the ranks holding each parameter's state; None: 1/W, one owner.
     """
 
     name = "soap"
 
     def __init__(self, params, lr: float, betas: tuple[float, float] = (0.95, 0.95), shampoo_beta: float = 0.95,
                  eps: float = 1e-8, weight_decay: float = 0.0, update_freq: int = 10, max_dim: int = 1024,
-                 distributed: bool | None = None):
+                 distributed: bool | None = None, worker_fraction: float | None = None):
         if not lr > 0:
             raise ValueError(f"SOAP learning rate must be > 0, got {lr}")
         if not all(0 <= b < 1 for b in (*betas, shampoo_beta)):
@@ -79,7 +85,8 @@ class SOAP(SplitOptimizer):
         defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         update_freq=update_freq, max_dim=max_dim)
         super().__init__(params, defaults)
-        self._split([matrix_cost(p, g["max_dim"]) for g in self.param_groups for p in g["params"]], distributed)
+        self._split([matrix_cost(p, g["max_dim"]) for g in self.param_groups for p in g["params"]], distributed,
+                    worker_fraction)
 
     def _step_one(self, p: Tensor, group: dict) -> None:
         state = self.state[p]
@@ -137,4 +144,4 @@ def build(model: nn.Module, lr: float, momentum: float, weight_decay: float, opt
     params = [p for p in model.parameters() if p.requires_grad]
     return SOAP(params, lr=lr, betas=tuple(options["soap_betas"]), shampoo_beta=options["soap_shampoo_beta"],
                 eps=options["soap_eps"], weight_decay=weight_decay, update_freq=options["soap_update_freq"],
-                max_dim=options["soap_max_dim"])
+                max_dim=options["soap_max_dim"], worker_fraction=options.get("soap_worker_fraction"))

@@ -28,11 +28,16 @@ def save_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
 
     What the model and optimizer parts hold (whole or this rank's shard) is the strategy's
     :meth:`~labkit.strategies.base.Strategy.state_dict`; ``progress`` says where training stands
-    (``{"epoch": finished epochs}``); the loop decides when to call this.
+    (``{"epoch": finished epochs}``); the loop decides when to call this, on every rank. An optimizer whose state is
+    split over the ranks (:mod:`labkit.optim.split`) has ``gather_state_dict()``, which every rank calls here so
+    that rank 0 saves the whole state (its load keeps each rank's share).
     """
+    gathered = optimizer.gather_state_dict() if hasattr(optimizer, "gather_state_dict") else None
     if not strategy.writes_checkpoint():
         return
     state = strategy.state_dict(model, optimizer)
+    if gathered is not None:
+        state["optimizer"] = gathered
     state.update(scheduler=scheduler.state_dict(), config=config,
                  preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
     save_checkpoint(path, state)

@@ -30,12 +30,13 @@ from labkit.errors import ConfigError
 from labkit.optim.kfac import distributed as kfac_dist
 
 
-def grad_workers(world_size: int, fraction: float) -> int:
-    """g = f·W, which must be a whole divisor of W (so the ranks form a grid of blocks and columns)."""
+def grad_workers(world_size: int, fraction: float, flag: str = "--kfac-grad-worker-fraction") -> int:
+    """g = f·W, which must be a whole divisor of W (so the ranks form a grid of blocks and columns); ``flag`` names
+    the fraction in the error (the split optimizers of :mod:`labkit.optim.split` take the same fraction)."""
     g = Fraction(fraction).limit_denominator(1_000) * world_size
     if not 0 < fraction <= 1 or g.denominator != 1 or world_size % int(g):
         divisors = [f"{d}/{world_size}" for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"--kfac-grad-worker-fraction {fraction:g} on {world_size} ranks: f·W must divide W; "
+        raise ConfigError(f"{flag} {fraction:g} on {world_size} ranks: f·W must divide W; "
                           f"choose one of {', '.join(divisors)}")
     return int(g)
 
