@@ -34,15 +34,19 @@ from torch.utils.checkpoint import checkpoint
 from labkit.models.names import check_recompute
 
 
-@contextlib.contextmanager
-def _buffers_kept(module: nn.Module):
-    """The replay's updates to ``module``'s buffers (batch-norm statistics) undone: the forward made them once."""
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    try:
-        yield
-    finally:
+class _BuffersKept:
+    """The replay's updates to ``module``'s buffers (batch-norm statistics) undone: the forward made them once.
+    Re-entrant: a backward split in two (a pipeline's B and W passes) replays a block twice."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.saved = module, []
+
+    def __enter__(self):
+        self.saved = [(b, b.detach().clone()) for b in self.module.buffers()]
+
+    def __exit__(self, *exc):
         with torch.no_grad():
-            for b, value in saved:
+            for b, value in self.saved:
                 b.copy_(value)
 
 
@@ -51,7 +55,7 @@ def recomputed(module: nn.Module, fn, *args):
     if not torch.is_grad_enabled():
         return fn(*args)
     return checkpoint(fn, *args, use_reentrant=False,
-                      context_fn=lambda: (contextlib.nullcontext(), _buffers_kept(module)))
+                      context_fn=lambda: (contextlib.nullcontext(), _BuffersKept(module)))
 
 
 def _transformer_blocks(model: nn.Module) -> list[nn.Module]:
