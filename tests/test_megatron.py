@@ -17,6 +17,7 @@ from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.parallel import megatron_cost as cost
+from labkit.parallel.memory import layer_activation_bytes
 from labkit.parallel.megatron import (
     VocabParallelCrossEntropy,
     parallelize_gpt,
@@ -209,7 +210,7 @@ def test_tp_and_sp_on_two_ranks_equal_single_and_parallelize_module():
     # without SP, 4 · (s·b·h·(2 + 14/2) + 4·s·b/2 + a·s·b/2) with it; the formula gives it exactly
     assert (tp["block_saved"], sp["block_saved"]) == (41728, 37376)
     for key, sequence_parallel in (("tp", False), ("sp", True)):
-        formula = cost.activation_bytes_per_layer(B, T, CFG.n_embd, CFG.n_head, 2, sequence_parallel)
+        formula = layer_activation_bytes(B, T, CFG.n_embd, CFG.n_head, 2, sequence_parallel)
         assert results[0][key]["block_saved"] == formula, key
 
 
