@@ -17,13 +17,13 @@ from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
 from labkit.models.gpt import GPT, GPTConfig
 from labkit.parallel import megatron_cost as cost
-from labkit.parallel.memory import layer_activation_bytes
 from labkit.parallel.megatron import (
     VocabParallelCrossEntropy,
     parallelize_gpt,
     sequence_parallel_params,
     sync_sequence_parallel_grads,
 )
+from labkit.parallel.memory import layer_activation_bytes
 
 CFG = GPTConfig(vocab_size=33, block_size=16, n_layer=2, n_head=4, n_embd=32)
 B, T, TOL = 2, 16, 1e-5
