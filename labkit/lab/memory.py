@@ -31,8 +31,9 @@ def _strategy(env: DistEnv | None, options: dict):
 
 
 def peak_of_step(model, x, y, optimizer, strategy, criterion, task) -> dict[str, int]:
-    """One :func:`train_step` under MemTracker: ``{"peak": bytes, kind: bytes at the peak, ...}`` on this rank's
-    device (the model, optimizer and batch registered before it starts)."""
+    """One :func:`train_step` under MemTracker: ``{"peak": bytes, kind: bytes at the peak, ..., "loss": the step's
+    loss sum (0 on a rank that does not own the loss)}`` on this rank's device (the model, optimizer and batch
+    registered before it starts)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -43,7 +44,7 @@ def peak_of_step(model, x, y, optimizer, strategy, criterion, task) -> dict[str,
     snapshot = tracker.get_tracker_snapshot("peak")
     device = next(iter(snapshot))
     kinds = {str(getattr(k, "value", k)).lower(): int(v) for k, v in snapshot[device].items() if v}
-    return {"peak": kinds.pop("total"), **kinds}
+    return {"peak": kinds.pop("total"), **kinds, "loss": float(totals[0])}
 
 
 def measure(env: DistEnv | None, cfg, batch: int, runs: dict[str, dict]) -> dict[str, dict]:
@@ -51,9 +52,9 @@ def measure(env: DistEnv | None, cfg, batch: int, runs: dict[str, dict]) -> dict
     ``cfg`` (a :class:`~labkit.models.gpt.GPTConfig`) with ``batch`` sequences per data-parallel rank: this rank's
     :func:`peak_of_step` and its final loss, by label."""
     task = LanguageModelling()
-    g = torch.Generator().manual_seed(1)
     out = {}
     for label, options in runs.items():
+        g = torch.Generator().manual_seed(1)  # the same batches for every configuration
         options = dict(options)
         recompute = options.pop("recompute", "none")
         strategy = _strategy(env, options)
