@@ -1,6 +1,7 @@
 """Test-run settings shared by tests/ and the notebooks nbval executes."""
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -12,6 +13,9 @@ os.environ.setdefault("LABKIT_PLAIN", "1")
 # One compute thread per process (workers, notebook kernels, launched ranks): the pytest workers already fill
 # the cores, and a second OpenMP thread per process only spins against the other workers' processes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The matmul peak a CPU run's MFU is measured against (labkit.train.peak) is cached here, not in the user's cache
+# folder: measured while the tests fill the cores it is low, and a learner's MFU read against it would be high.
+os.environ.setdefault("LABKIT_CACHE", os.path.join(tempfile.gettempdir(), "labkit-test-cache"))
 # Python's bytecode cache on, for this process and every one it starts (workers, kernels, ranks, SLURM jobs): the
 # run starts a few hundred interpreters, and where PYTHONDONTWRITEBYTECODE is set (some images set it) each of them
 # would compile torch from source again (12.6 CPU-s to import torch and torch._dynamo instead of 5.1). The first

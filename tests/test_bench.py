@@ -93,6 +93,7 @@ def test_suite_records_a_strategy_and_rejects_unknown_parts(tmp_path, capsys, mo
     single = suite["strategies"]["single"]
     assert suite["machine"]["torch"] == torch.__version__ and suite["tag"].startswith("cpu-")
     assert single["samples_per_sec"] > 0 and single["epochs"][0]["test_acc"] > 0.1 and single["memory_lines"]
+    assert single["mfu"] == single["hfu"] > 0 and "matmul measured at" in single["peak"]
     assert main(["bench", "suite", "--only", "warp-drive", "--out", str(tmp_path)]) == 2
     assert "unknown suite part(s) warp-drive" in capsys.readouterr().err
 
@@ -106,7 +107,10 @@ def test_report_renders_from_the_committed_references(tmp_path):
     for folder, suite in zip(folders, suites):
         assert suite["tag"] == folder.name and suite["machine"]["torch"]
         assert all("error" not in run for run in suite["strategies"].values())
+    # a suite recorded before runs reported MFU has no MFU cell; one that did names its peak beside it
+    suites[0]["strategies"]["single"].update(mfu=0.0341, hfu=0.0455, peak="2.1 TFLOP/s bf16 (test)")
     page = render(suites, tmp_path).read_text()
+    assert page.count("MFU ") == 1 and "MFU 3.41%, HFU 4.55% of 2.1 TFLOP/s bf16 (test)" in page
     for suite in suites:
         assert suite["tag"] in page and "labkit DDP / plain DDP" in page
     for name in PLOTS:

@@ -72,7 +72,8 @@ def test_gpt_trains_below_the_unigram_baseline_and_samples(tmp_path, capsys):
     assert summary["config"]["optimizer"] == "adam" and summary["config"]["base_lr"] == 1e-3
     lines = capsys.readouterr().out.splitlines()
     assert any(" tokens/sec" in line and line.startswith("train | epoch 1/1 (100%)") for line in lines)
-    assert any(line.startswith("epoch 1/1 | train loss") and " ppl " in line for line in lines)
+    assert metrics["mfu"] > 0 and metrics["flops"]["tokens_per_sample"] == 32
+    assert any(line.startswith("epoch 1/1 | train loss") and " ppl " in line and " | MFU " in line for line in lines)
 
     texts = []
     for _ in range(2):

@@ -1,5 +1,6 @@
 """labkit.train.loop: the one loop — LR schedule, metrics, checkpoints, resume, divergence, profiling, config errors."""
 import json
+import re
 
 import pytest
 import torch
@@ -70,6 +71,16 @@ def test_run_writes_results_and_checkpoint(tmp_path, capsys):
     assert {r["kind"] for r in records} == {"attempt", "epoch", "utilisation"}  # the CPU use, sampled while training
     assert [e["epoch"] for e in epochs] == [1, 2]
     assert summary["metrics"]["final_test_acc"] == epochs[-1]["test_acc"]
+    # FLOPs and MFU: the MLP's forward MACs 784·512 + 512·512 + 512·10 = 668,672; counted 6·668,672 less fc1's input
+    # gradient 2·784·512 = 3,209,216 per sample (tests/test_flops.py works LeNet and the GPT through)
+    flops = summary["metrics"]["flops"]
+    assert (flops["model_per_sample"], flops["formula_per_sample"], flops["model_per_step"]) == (
+        3_209_216, 4_012_032, 32 * 3_209_216)
+    assert summary["metrics"]["mfu"] == summary["metrics"]["hfu"] == epochs[-1]["mfu"] > 0
+    assert flops["peak_precision"] == "fp32" and "matmul measured at" in flops["peak_source"]
+    assert re.search(r"^FLOPs \| 3\.21 MFLOP per sample counted, 4\.01 MFLOP by formula \| peak [\d.]+ [GMT]FLOP/s fp32 "
+                     r"\([0-9x]+ matmul measured at \d+ threads?, cached in ", out, re.M)
+    assert re.search(r"^epoch 2/2 \| train loss .* \| lr [\d.]+ \| MFU [\d.]+%, HFU [\d.]+%$", out, re.M)
 
 
 def test_resume_continues_bit_identically(tmp_path):

@@ -5,6 +5,8 @@
 Each RUN is a folder holding ``suite.json`` (:mod:`labkit.bench.suite`) or that file itself. The page shows:
 
 - throughput: samples/s of every strategy on the same model and data;
+- MFU: each strategy's model FLOP/s over its devices' peak (:mod:`labkit.train.peak`; the table names the peak, a
+  suite recorded before runs reported MFU has no bar);
 - scaling efficiency: DDP weak scaling, ``speedup(n) / n`` with ``speedup(n) = rate(n) / rate(1)``;
 - peak memory per device: the CUDA allocator's peak on each GPU, or the process's peak RSS on a CPU;
 - communication share: ``1 - efficiency(n)``, the part of each DDP step not spent computing (gradient
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from labkit.errors import ConfigError
 
-PLOTS = ("throughput", "scaling", "memory", "communication", "time_to_accuracy")
+PLOTS = ("throughput", "mfu", "scaling", "memory", "communication", "time_to_accuracy")
 
 
 #: ``labkit bench report`` flags, plain data read without importing this module (labkit.flags)
@@ -87,6 +89,18 @@ def plot_throughput(suites: list[dict], ax) -> None:
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], ticks, rotation=20)
     ax.set_ylabel("samples/s")
     ax.set_title("throughput, LeNet on mnist-sample")
+
+
+def plot_mfu(suites: list[dict], ax) -> None:
+    names, ticks = _names(suites)
+    width = 0.8 / len(suites)
+    for i, suite in enumerate(suites):
+        ok = _ok(suite["strategies"])
+        ax.bar([k + i * width for k in range(len(names))], [100 * (ok.get(n, {}).get("mfu") or 0) for n in names],
+               width, label=_label(suite))
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], ticks, rotation=20)
+    ax.set_ylabel("MFU (% of peak)")
+    ax.set_title("model FLOPs utilisation: model FLOP/s ÷ (devices × peak)")
 
 
 def _efficiency(suite: dict) -> dict[int, float]:
@@ -157,6 +171,13 @@ def _ratio_rows(suite: dict) -> list[tuple[str, str]]:
     return rows
 
 
+def _utilisation(run: dict) -> list[str]:
+    """``MFU 3.41%, HFU 3.41% of <peak>`` for a run that recorded them, else nothing."""
+    if run.get("mfu") is None:
+        return []
+    return [f"MFU {100 * run['mfu']:.3g}%, HFU {100 * run['hfu']:.3g}% of {run.get('peak') or 'the peak'}"]
+
+
 def render(suites: list[dict], out: str | Path) -> Path:
     """Write ``out/report.html`` and one PNG per plot; return the HTML path."""
     import matplotlib
@@ -167,7 +188,7 @@ def render(suites: list[dict], out: str | Path) -> Path:
     from labkit.results import atomic_write, atomic_write_text, make_dirs
 
     out = make_dirs(out)
-    draw = {"throughput": plot_throughput, "scaling": plot_scaling, "memory": plot_memory,
+    draw = {"throughput": plot_throughput, "mfu": plot_mfu, "scaling": plot_scaling, "memory": plot_memory,
             "communication": plot_communication, "time_to_accuracy": plot_time_to_accuracy}
     for name in PLOTS:
         fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -188,7 +209,7 @@ def render(suites: list[dict], out: str | Path) -> Path:
         for what, value in _ratio_rows(suite):
             parts.append(f"<tr><td>{html.escape(what)}</td><td>{value}</td></tr>")
         for name, run in suite["strategies"].items():
-            cell = run.get("error") or "; ".join(run["memory_lines"])
+            cell = run.get("error") or "; ".join(_utilisation(run) + run["memory_lines"])
             parts.append(f"<tr><td>{html.escape(name)}</td><td>{html.escape(cell)}</td></tr>")
         parts.append("</table>")
     parts += [f"<h2>{name.replace('_', ' ')}</h2><img src='{name}.png' alt='{name}'>" for name in PLOTS]

@@ -107,7 +107,8 @@ def _labkit(args: list[str], nproc: int, out: Path) -> dict:
 
 
 def strategy_part(name: str, quick: bool, device: str, out: Path) -> dict:
-    """One ``labkit train`` run of strategy ``name``; its throughput, memory and accuracy-over-time."""
+    """One ``labkit train`` run of strategy ``name``; its throughput, MFU and HFU (and the peak they divide by),
+    memory and accuracy-over-time."""
     from labkit.results import load_run
 
     ranks, extra = strategy_runs()[name]
@@ -120,7 +121,8 @@ def strategy_part(name: str, quick: bool, device: str, out: Path) -> dict:
     metrics = summary["metrics"]
     config = summary["config"]
     return {"ranks": ranks, "model": config["model"], "dataset": config["dataset"], "samples_per_sec": metrics["samples_per_sec"], "peak_memory_gb": metrics["peak_memory_gb"],
-            "memory_lines": metrics["memory_lines"], "final_test_acc": metrics["final_test_acc"], "epochs": epochs}
+            "memory_lines": metrics["memory_lines"], "final_test_acc": metrics["final_test_acc"], "epochs": epochs,
+            "mfu": metrics.get("mfu"), "hfu": metrics.get("hfu"), "peak": (metrics.get("flops") or {}).get("peak_source")}
 
 
 BENCHES: dict[str, list[str]] = {  # name -> quick command line; a full run appends _FULL's flags (the last wins)

@@ -88,7 +88,7 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         profiler=None, printer: Callable[[str], None] = print0, amp: str | None = None,
         channels_last: bool = False, position: dict | None = None, stop: StopSignals | None = None,
         on_stop: Callable[[int, dict], None] | None = None, step_delay_s: float = 0.0,
-        task: Task | None = None) -> list[dict]:
+        task: Task | None = None, utilisation=None) -> list[dict]:
     """Train ``model`` for ``epochs`` epochs and evaluate after each; return one record per epoch.
 
     Args:
@@ -110,12 +110,16 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         step_delay_s: sleep after every step: a pre-emption drill needs a run slow enough to interrupt.
         task: the loss, counts and metrics (:mod:`labkit.train.tasks`; default: classification). ``criterion``, if
             given, replaces the task's loss (e.g. a vocabulary-parallel one taking the same arguments).
+        utilisation: a :class:`labkit.train.peak.FlopUtilisation`: each epoch's rate also as MFU and HFU, at the
+            end of the epoch's line (``... | lr 0.05 | MFU 3.41%, HFU 3.41%``) and in its record (arithmetic on the
+            epoch's rate once its window closes: nothing per step).
 
     Returns:
         ``[{"kind": "epoch", "epoch", "train_loss", "train_acc", "test_loss", "test_acc",
         "samples_per_sec", "timed_steps", "window_s", "lr", "time_s"}, ...]``: ``samples_per_sec`` is timed
         over ``window_s`` seconds of ``timed_steps`` steps after the warm-up, between barriers of all ranks.
-        Language modelling has ``train_ppl``/``test_ppl`` in place of the accuracies, and ``tokens_per_sec``.
+        Language modelling has ``train_ppl``/``test_ppl`` in place of the accuracies, and ``tokens_per_sec``; with
+        ``utilisation``, ``mfu``, ``hfu`` and ``model_flops_per_s``.
     """
     if strategy is None:
         strategy = single_strategy(model)
@@ -178,10 +182,12 @@ def fit(model: nn.Module, train_loader: DataLoader, test_loader: DataLoader | No
         record = {"kind": "epoch", "epoch": epoch + 1, "train_loss": train["loss"], f"train_{metric}": train[metric],
                   "test_loss": test_loss, f"test_{metric}": test_metric, "samples_per_sec": rate,
                   **({"tokens_per_sec": meter.tokens_per_sec} if meter.tokens else {}),
+                  **(utilisation.of(rate) if utilisation is not None else {}),
                   "timed_steps": meter.timed_steps, "window_s": meter.window_s,
                   "lr": optimizer.param_groups[0]["lr"], "time_s": time.perf_counter() - started}
         printer(f"epoch {epoch + 1}/{epochs} | train loss {train['loss']:.4f} {metric} {train[metric]:.4f}"
-                f" | test loss {test_loss:.4f} {metric} {test_metric:.4f} | lr {record['lr']:.4g}")
+                f" | test loss {test_loss:.4f} {metric} {test_metric:.4f} | lr {record['lr']:.4g}"
+                + (f" | {utilisation.text(rate)}" if utilisation is not None and rate else ""))
         history.append(record)
         if writer is not None:
             writer.log(record)

@@ -10,6 +10,7 @@ checkpoints and results.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -25,15 +26,18 @@ from labkit.dist import group as kdist
 from labkit.dist.group import distributed, print0
 from labkit.errors import ConfigError
 from labkit.models import cnn as kmodels
+from labkit.models.names import LANGUAGE_MODELS
 from labkit.optim import OptimizerSpec
 from labkit.results import RunWriter, make_dirs, run_dir_lock
 from labkit.strategies import backends, get_strategy, strategy_literal
 from labkit.train.checkpoint import checkpoint_on_every_rank, checkpoint_path, load_training_state, save_training_state
 from labkit.train.config import TrainConfig
+from labkit.train.flops import StepFlops, counted_once
 from labkit.train.loop import fit, lr_factor
 from labkit.train.meters import memory_lines, peak_memory_gb
 from labkit.train.monitor import UtilisationMonitor, nvml_indices
 from labkit.train.monitor import gather as gather_utilisation
+from labkit.train.peak import FlopUtilisation, Peak, device_peak, flops_text
 from labkit.train.preempt import (
     Preempted,
     StopSignals,
@@ -95,6 +99,8 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
                                   recompute=cfg.recompute)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)  # before DDP/partitioning take views of the weights
+        # counted on a meta copy of the model as it will train (activation checkpointing included), before placement
+        flops = _count_flops(cfg, info, model, env)
         model = strategy.prepare(model)
         lr = cfg.base_lr * (dp if cfg.scale_lr else 1)
         optimizer, preconditioner = strategy.build_optimizer(model, OptimizerSpec(
@@ -135,6 +141,7 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
         print0(f"labkit train | {cfg.model} on {cfg.dataset} | strategy {cfg.strategy} | {env.world_size} rank(s) "
                f"on {env.device} | batch {cfg.batch_size}/rank, {cfg.batch_size * dp} global | lr {lr:g} | "
                f"{steps} steps/epoch, {cfg.epochs} epoch(s), {total} steps in all")
+        utilisation, flops = _flop_utilisation(cfg, flops, strategy, env)
         started = time.perf_counter()
         monitor = UtilisationMonitor(interval_s=1.0, gpus=nvml_indices(strategy.devices()))
         with _profiler(cfg.profile, out_dir, env.rank) as prof, monitor, _stop_signals(cfg.checkpoint) as stop:
@@ -144,7 +151,7 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
                               start_epoch=start_epoch, seed=cfg.seed, max_steps=cfg.max_steps, total_steps=cfg.steps,
                               log_every=cfg.log_every, on_epoch_end=lambda epoch: save(epoch + 1), profiler=prof,
                               amp=cfg.amp, channels_last=cfg.channels_last, position=position, stop=stop,
-                              on_stop=save, step_delay_s=cfg.step_delay_s, task=task)
+                              on_stop=save, step_delay_s=cfg.step_delay_s, task=task, utilisation=utilisation)
             except Preempted as stopped:
                 name = signal_of_any_rank(stopped.signal_name, env)
                 if env.is_main:
@@ -172,6 +179,9 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
                        "epoch": last["epoch"], "timed_steps": last["timed_steps"], "seconds": last["window_s"],
                        "barriers": env.distributed and strategy.step_boundary()} if last else None,
                    "global_batch_size": cfg.batch_size * dp, "memory_lines": lines,
+                   "mfu": last.get("mfu"), "hfu": last.get("hfu"),
+                   "flops": {**flops.as_dict(cfg.batch_size * dp), **utilisation.as_dict(),
+                             "model_flops_per_s": last.get("model_flops_per_s")},
                    "utilisation": gather_utilisation(monitor, env, writer)}
         summary = writer.finish(cfg.run_name, "train", asdict(cfg), metrics, env,
                                 attempts=attempts(writer.read("attempt"), finished=now_utc()))
@@ -181,6 +191,40 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
 
 
 _LOCKS_TAKEN = [0]
+
+
+def _count_flops(cfg: TrainConfig, info, model: torch.nn.Module, env: kdist.DistEnv) -> StepFlops | None:
+    """Rank 0: one step's FLOPs per sample (:func:`labkit.train.flops.step_flops`, on a fresh meta-device model: no
+    work on the run's model, no random draw; counted once per model and shape, :func:`labkit.train.flops.counted_once`). ``cfg.recompute`` (activation checkpointing) other than ``"none"``:
+    the hardware FLOPs are counted on a meta copy of ``model`` as it is here, recompute applied. Other ranks: None."""
+    if not env.is_main:
+        return None
+    recompute = getattr(cfg, "recompute", "none")  # a TrainConfig without --recompute trains without it
+    return counted_once(cfg.model, info.num_classes, info.in_channels, info.image_size, cfg.seq_len or DEFAULT_SEQ_LEN,
+                      recomputed=model if recompute not in (None, "none") else None)
+
+
+def _flop_utilisation(cfg: TrainConfig, flops: StepFlops | None, strategy,
+                      env: kdist.DistEnv) -> tuple[FlopUtilisation, StepFlops]:
+    """MFU and HFU for :func:`labkit.train.loop.fit`: rank 0 finds the device's peak (:func:`labkit.train.peak.
+    device_peak`: a datasheet figure, or a matmul measured once and cached) and prints it with the FLOPs; the other
+    ranks read both from the job's store (a key, not a collective: the run's collectives keep their numbers), so
+    every rank's summary is the same. The job's devices: one per rank, times a one-process pipeline's GPUs."""
+    devices = strategy.devices()
+    if env.is_main:
+        peak = device_peak(devices[0], cfg.amp, convolutional=cfg.model not in LANGUAGE_MODELS)
+        count = env.world_size * (len(set(devices)) if devices[0].type == "cuda" else 1)
+        shared = {"flops": flops.__dict__, "peak": peak.__dict__, "devices": count}
+        print0(f"FLOPs | {flops_text(flops.model)} per sample counted, {flops_text(flops.formula)} by formula"
+               + (f", {flops_text(flops.hardware)} with recompute" if flops.hardware != flops.model else "")
+               + f" | peak {peak.describe()}" + (f" × {count} devices" if count > 1 else ""))
+    if env.distributed:
+        store, key = dist.distributed_c10d._get_default_store(), f"labkit/flops/{_LOCKS_TAKEN[0]}"
+        if env.is_main:
+            store.set(key, json.dumps(shared))
+        shared = json.loads(store.get(key).decode())
+    flops = StepFlops(**shared["flops"])
+    return FlopUtilisation(flops.model, flops.hardware, Peak(**shared["peak"]), shared["devices"]), flops
 
 
 def _lock_out(out_dir: Path, env: kdist.DistEnv, held: contextlib.ExitStack) -> None:
