@@ -6,8 +6,9 @@ and what it recomputes instead.
     set_recompute(get_model("resnet20"), "full")           # each residual block
 
 * ``full``: a block's forward runs without keeping its intermediate tensors; only its input is kept, and in backward
-  the block's forward runs again (Chen et al. 2016) to rebuild them. One forward more per step, the activations
-  of every block but one replaced by their inputs.
+  the block's forward runs again (Chen et al. 2016) to rebuild them: the activations of every block but one
+  replaced by their inputs, for nearly one forward more per step (the replay stops as soon as every tensor backward
+  needs is rebuilt, so a block's last product, the MLP's output projection, is not run again; notebook 12 counts it).
 * ``selective`` (a GPT only): only attention's core, ``softmax(q kᵀ/√d + mask)`` (its dropout) ``· v``, is
   recomputed (Korthikanti et al. 2022, §4: the part whose saved tensors grow as ``a·s²`` and whose FLOPs are few).
   Where the attention kernel is a fused one that never keeps the scores (scaled_dot_product_attention's flash
