@@ -73,3 +73,14 @@ def test_a_model_without_attention_or_blocks_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="^--recompute full recomputes each block and lenet has none; use it with "
                                           "resnet8, resnet20, resnet32, resnet50 or a GPT$"):
         get_model("lenet", recompute="full")
+
+
+def test_labkit_train_refuses_a_bad_recompute_before_work():
+    from labkit.train.config import TrainConfig
+
+    for cfg, words in [(TrainConfig(model="lenet", recompute="full"), "--recompute full recomputes each block and "
+                                                                       "lenet has none"),
+                       (TrainConfig(model="gpt-tiny", dataset="text-sample", recompute="some"),
+                        "--recompute 'some' is not one of: none, full, selective")]:
+        with pytest.raises(ConfigError, match="^" + words):
+            cfg.validate()
