@@ -37,3 +37,16 @@ def test_a_run_s_terms_and_its_peak():
     z2 = predict_memory(CFG, 2, dp=2, zero=2, recompute=True)
     assert (z2["parameters"], z2["gradients"], z2["optimizer"]) == (28800, 14400, 28800)
     assert z2["phases"]["last block's backward"] == 28800 + 28800 + 7584 + 6596 + 16896 == z2["peak"] == 88676
+
+
+def test_pipeline_stages_and_context_parallel_ranks():
+    # pp = 2: a stage's 1 block + the embeddings, 3280 + 40·16 = 3920 parameters (W = G = 15680, O = 31360); 1F1B's
+    # first stage holds 2 micro-batches in flight of its 1 block: 2·16896 + the head 4548 = 38340
+    pp = predict_memory(CFG, 2, pp=2, in_flight=2)
+    assert (pp["parameters"], pp["optimizer"], pp["activations"]) == (15680, 31360, 38340)
+    assert pp["peak"] == 15680 + 31360 + 38340 + 4096 == 89476
+    # cp = 2: 4 tokens a rank; ring attention keeps its log-sum-exp: 4·(4·2·16·16 + 4·8 + 4·8) = 8448 per block;
+    # the head 4·8·66 + 16·8 + 8·4 + 4 = 2276; the weights whole, so the end of backward is the peak
+    cp = predict_memory(CFG, 2, cp=2)
+    assert (cp["layer"], cp["activations"]) == (8448, 2 * 8448 + 2276)
+    assert cp["moment"] == "backward end" and cp["peak"] == 28800 + 57600 + 28800
