@@ -74,7 +74,8 @@ LONGEST = ("notebooks/06_cifar10_resnet32_multi_gpu.ipynb", "notebooks/03_model_
            "notebooks/09_transformer_parallelism.ipynb", "tests/test_faults.py", "notebooks/02_data_parallel.ipynb",
            "tests/test_matrix_optimizers.py", "notebooks/05b_second_order_at_scale.ipynb",
            "notebooks/11_when_it_breaks.ipynb", "tests/test_launch.py", "notebooks/01_allreduce.ipynb",
-           "notebooks/10_long_context_and_experts.ipynb", "notebooks/07_sharded_data_parallel.ipynb",
+           "notebooks/10_long_context_and_experts.ipynb", "notebooks/12_flops_and_memory.ipynb",
+           "notebooks/07_sharded_data_parallel.ipynb",
            "tests/test_resume_placement.py", "notebooks/01b_synchronisation.ipynb", "notebooks/00_single_device.ipynb",
            "notebooks/05_kfac.ipynb", "tests/test_defaults.py", "tests/test_exercises.py", "tests/test_bad_input.py",
            "tests/test_bench.py", "tests/test_ps.py")

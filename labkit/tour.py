@@ -33,7 +33,8 @@ NOTEBOOKS = """\
     08_strategy_advisor   which strategy for this model on this machine: predicted vs measured
     09_transformer_parallelism      one GPT on a mesh: dp, tp, sequence parallel, dp x tp x pp
     10_long_context_and_experts     ring attention (cp) and a mixture of experts (ep): the KV ring, all-to-all
-    11_when_it_breaks     ten broken programs: read the hang table, catch silent failures, fix them"""
+    11_when_it_breaks     ten broken programs: read the hang table, catch silent failures, fix them
+    12_flops_and_memory   a GPT's peak memory predicted, then measured; recomputation; MFU here vs a GPU's"""
 
 
 def next_steps(cwd: Path | None = None) -> list[tuple[str, str]]:

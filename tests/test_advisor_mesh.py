@@ -26,11 +26,15 @@ def test_one_plan_by_hand():
     dp = price_mesh(MeshPlan(2, 1, 1, 1), TINY, t, 4)
     assert dp.time["compute"] == pytest.approx(7.2)
     assert dp.time["dp"] == pytest.approx(1.092)  # (2 − 1)/2 · 2 · 1072 bytes · 1e-3 + 2 · 0.01
-    # 2 bytes each of parameters and gradients, 12 of Adam; per block 560 saved elements of 2 bytes (b = 2, s = 4,
-    # h = 4: 4·sbh + 12·sbh + 4·sb + a·sb)
-    assert dp.memory == {"parameters": 1072, "gradients": 1072, "optimizer": 6432, "activations": 2240}
+    # the peak is at the start of backward (labkit.parallel.memory): 2 bytes of parameters, 12 of Adam, no
+    # gradients yet; per block 560 saved elements of 2 bytes (b = 2, s = 4, h = 4: 4·sbh + 12·sbh + 4·sb + a·sb),
+    # the head's 2·b·s·(2h + 2 + V) = 288 bytes, the ids and targets 16·b·s = 128, positions 8·s = 32, the loss 4;
+    # the loss's two fp32 temporaries 2·4·b·s·V = 512. (At the end of backward: 1072 + 6432 + 1072, less.)
+    assert dp.memory == {"parameters": 1072, "gradients": 0, "optimizer": 6432, "activations": 2692,
+                         "temporaries": 512}
     z3 = price_mesh(MeshPlan(2, 1, 1, 1, zero=3), TINY, t, 4)
-    assert z3.memory == {"parameters": 536, "gradients": 536, "optimizer": 3216, "activations": 2240}
+    assert z3.memory == {"parameters": 536, "gradients": 0, "optimizer": 3216, "activations": 2692,
+                         "temporaries": 512}
     assert z3.time["dp"] == pytest.approx(1.628)  # 3 collectives' bytes: 1.5 · 1072 · 1e-3 + 2 · 0.01
     pipe = price_mesh(MeshPlan(1, 1, 2, 1, microbatches=4), TINY, t, 4)
     assert pipe.time["compute"] == pytest.approx(7.2) and pipe.time["bubble"] == pytest.approx(1.8)  # (p − 1)/m
@@ -109,8 +113,10 @@ def test_expert_parallel_terms_by_hand():
     assert ep.time["ep"] == pytest.approx(0.136 + 0.05)
     # the shared 2·152 = 304 bytes all-reduced over 2 ranks; the experts are one copy each: nothing
     assert ep.time["dp"] == pytest.approx(0.304 + 0.02)
-    # parameters 304 + 296/2·2 bytes; Adam 12 bytes each; one block's 560 saved elements of 2 bytes
-    assert ep.memory == {"parameters": 600, "gradients": 600, "optimizer": 3600, "activations": 1120}
+    # at the start of backward: parameters 304 + 296/2·2 bytes; Adam 12 bytes each; no gradients yet; one block's
+    # 560 saved elements of 2 bytes and the head's 452 bytes (as in test_one_plan_by_hand); the loss's 512
+    assert ep.memory == {"parameters": 600, "gradients": 0, "optimizer": 3600, "activations": 1572,
+                         "temporaries": 512}
     # without ep the experts' 2·296 = 592 bytes join the all-reduce: 304 + 592 = 896 bytes against the
     # all-to-all's 136 and the shared 304
     free = _topo(CostModel(0.0, 1e-3), flops=1e12)

@@ -8,7 +8,15 @@ import torch
 
 from labkit.cli import main
 from labkit.errors import ConfigError
-from labkit.exercises import average_gradients, kfac_factors, lr_schedule, online_softmax, row_parallel, training_step
+from labkit.exercises import (
+    activation_memory,
+    average_gradients,
+    kfac_factors,
+    lr_schedule,
+    online_softmax,
+    row_parallel,
+    training_step,
+)
 from labkit.exercises.cli import CHECKS, STARTERS, run_check, write_starter
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -136,6 +144,40 @@ def test_online_softmax_checker_passes_the_answers_and_its_oracle_is_sdpa():
         q, k[..., :3, :], v[..., :3, :], scale=0.5), rtol=1e-12, atol=1e-12)
     starter = online_softmax.check(_from_source(online_softmax.STARTER, "merge"))
     assert starter[0].startswith("out adds the partial outputs") and starter[1].startswith("lse is one block's")
+
+def _block_bytes(tp_divides=True, selective_drops=True, element=None):
+    """A learner's block_activation_bytes written from the exercise's list of tensors, with switchable slips."""
+    def block_activation_bytes(b, s, h, a, tp, recompute="none", bytes_per_element=2):
+        t = tp if tp_divides else 1
+        sbh, sb = s * b * h, s * b
+        elements = 2 * sbh / t + 4 * sb / t + 2 * sbh + 3 * sbh / t + sbh / t + 8 * sbh / t
+        if recompute != "selective" or not selective_drops:
+            elements += a * sb / t
+        return elements * (element or bytes_per_element)
+    return block_activation_bytes
+
+
+@pytest.mark.parametrize("slip, expected", [
+    (_block_bytes(tp_divides=False), "nothing is divided by tp"),
+    (_block_bytes(selective_drops=False), "the log-sum-exp is counted under selective recompute"),
+    (_block_bytes(element=4), "counted 4 bytes per element: in bf16 an element is 2 bytes"),
+    (lambda b, s, h, a, tp, recompute="none", bytes_per_element=2:
+     activation_memory.reference(b, s, h, a, tp, recompute, bytes_per_element) + bytes_per_element * a * s * s * b / tp,
+     "counted the s × s attention scores"),
+], ids=["no-tp", "selective-lse", "fp32-for-bf16", "scores"])
+def test_activation_memory_checker_names_the_mistake(slip, expected):
+    problems = activation_memory.check(slip)
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_activation_memory_checker_passes_an_answer_and_fails_the_starter():
+    # b = 2, s = 16, h = 32, a = 4, tp = 2, fp32: 4·(1024·(2 + 14/2) + 4·32/2 + 4·32/2) bytes
+    assert activation_memory.reference(2, 16, 32, 4, 2, "none", 4) == 37376
+    assert activation_memory.check(_block_bytes()) == [] and activation_memory.check(activation_memory.reference) == []
+    starter = activation_memory.check(_from_source(activation_memory.STARTER, "block_activation_bytes"))
+    assert starter == ["65536 bytes, expected 37376 (b=2, s=16, h=32, a=4, tp=2, recompute='none', 4 bytes per "
+                       "element)"]
+
 
 AVERAGE_SLIPS = """
 import torch.distributed as dist

@@ -23,6 +23,7 @@ from labkit.parallel.megatron import (
     sequence_parallel_params,
     sync_sequence_parallel_grads,
 )
+from labkit.parallel.memory import layer_activation_bytes
 
 CFG = GPTConfig(vocab_size=33, block_size=16, n_layer=2, n_head=4, n_embd=32)
 B, T, TOL = 2, 16, 1e-5
@@ -209,7 +210,7 @@ def test_tp_and_sp_on_two_ranks_equal_single_and_parallelize_module():
     # without SP, 4 · (s·b·h·(2 + 14/2) + 4·s·b/2 + a·s·b/2) with it; the formula gives it exactly
     assert (tp["block_saved"], sp["block_saved"]) == (41728, 37376)
     for key, sequence_parallel in (("tp", False), ("sp", True)):
-        formula = cost.activation_bytes_per_layer(B, T, CFG.n_embd, CFG.n_head, 2, sequence_parallel)
+        formula = layer_activation_bytes(B, T, CFG.n_embd, CFG.n_head, 2, sequence_parallel)
         assert results[0][key]["block_saved"] == formula, key
 
 

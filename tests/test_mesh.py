@@ -5,9 +5,12 @@ refused on resume.
 One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce; and with
 ``--allreduce ring``, labkit's ring over the dp group), on
 ``dp=2 --dp-shard fsdp`` (FSDP2 over the mesh's dp group) and on ``dp=2 --dp-shard zero3`` (labkit's ZeRO over
-it), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0) on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone); the CNN on
+it), a 2-layer GPT (d=32, T=16, vocabulary 64, dropout 0) on ``dp=2``, ``pp=2``, ``tp=2``, ``tp=2 --sequence-parallel`` and ``cp=2`` (ring attention alone), and with ``--recompute full``
+on ``pp=2 --pp-schedule zb-h1`` (each block replayed in B and again in W), against the same oracle (recompute
+changes nothing but memory); the CNN on
 fsdp runs two epochs and is resumed from the checkpoint it wrote after the first, that checkpoint offered to
-another mesh; the CNN on zero3 the same (its parameters gathered over dp to be saved, loaded and compared). One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP), on
+another mesh; the CNN on zero3 the same (its parameters gathered over dp to be saved, loaded and compared). One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP; and with
+``--recompute full``: the replay gathers the blocks' shards again), on
 ``tp=2,pp=2``, on ``dp=2,tp=2 --dp-shard zero2`` and ``dp=2,pp=2 --dp-shard zero1`` (labkit's ZeRO over the dp
 groups); the GPT on ``dp=2,tp=2`` resumed the same way, its checkpoint offered to ``dp=4``. One 8-rank
 spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and ``dp=2,pp=2`` is ``tests/test_pp.py``'s.) Each fit is
@@ -30,6 +33,7 @@ from labkit.dist.group import DistEnv
 from labkit.dist.testing import record_losses, run_ranks
 from labkit.errors import CheckpointError, ConfigError
 from labkit.models.gpt import GPT, GPTConfig
+from labkit.models.recompute import set_recompute
 from labkit.optim import OptimizerSpec
 from labkit.parallel.dp import fsdp_refusal
 from labkit.strategies.base import Strategy
@@ -102,9 +106,11 @@ def _run(env, kind: str, options: dict, out=None) -> dict:
     its checkpoint after the first of its two epochs there."""
     from labkit.parallel.mesh import MeshStrategy
 
+    options = dict(options)
+    recompute = options.pop("recompute", "none")  # labkit train --recompute: set on the model it builds
     strategy = MeshStrategy(env, options)
     strategy.check_model("gpt-tiny" if kind == "gpt" else "lenet")
-    model = strategy.prepare(_model(kind))
+    model = strategy.prepare(set_recompute(_model(kind), recompute))
     epochs = EPOCHS if out is None else RESUMED_EPOCHS
     losses = _fit(strategy, model, kind, epochs, out=out)
     with strategy.whole_parameters():  # --dp-shard zero3: gathered over dp
@@ -134,9 +140,12 @@ TWO = {"cnn dp=2": ("cnn", {"mesh": "dp=2"}),
        "gpt pp=2": ("gpt", {"mesh": "pp=2", "num_microbatches": 2}),
        "gpt tp=2": ("gpt", {"mesh": "tp=2"}),
        "gpt tp=2 sp": ("gpt", {"mesh": "tp=2", "sequence_parallel": True}),
-       "gpt cp=2": ("gpt", {"mesh": "cp=2"})}
+       "gpt cp=2": ("gpt", {"mesh": "cp=2"}),
+       "gpt pp=2 zb-h1 recompute full": ("gpt", {"mesh": "pp=2", "num_microbatches": 2, "pp_schedule": "zb-h1",
+                                                 "recompute": "full"})}
 FOUR = {"gpt dp=2,tp=2": ("gpt", {"mesh": "dp=2,tp=2"}),
         "gpt dp=2,tp=2 fsdp": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp"}),
+        "gpt dp=2,tp=2 fsdp recompute full": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp", "recompute": "full"}),
         "gpt tp=2,pp=2": ("gpt", {"mesh": "tp=2,pp=2", "num_microbatches": 2}),
         "gpt dp=2,tp=2 zero2": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "zero2"}),
         "gpt dp=2,pp=2 zero1": ("gpt", {"mesh": "dp=2,pp=2", "dp_shard": "zero1", "num_microbatches": 2})}

@@ -23,6 +23,7 @@ from labkit.dist.testing import run_ranks
 from labkit.errors import ConfigError
 from labkit.models.gpt import gpt
 from labkit.models.moe import AddAuxLoss, MoE, MoEConfig, balance_loss, gpt_moe, moe_layers, route
+from labkit.models.recompute import set_recompute
 from labkit.parallel.ep import ExpertParallel, dense_allreduce_bytes
 from labkit.train.tasks import LanguageModelling
 
@@ -243,13 +244,15 @@ def _mesh_rank(env, mesh: str) -> dict:
     from labkit.parallel.mesh import MeshStrategy
 
     result = {}
-    runs = [(case, case, {}) for case in CASES]
+    runs = [(case, case, {}) for case in CASES] + [("top1 recompute", "top1", {"recompute": "full"})]
     if mesh == "dp=2,ep=2":                  # top-2 with drops, with replicas and with FSDP2 over dp (DTensors)
         runs = [("top2-cap", "top2-cap", {}), ("top2-cap fsdp", "top2-cap", {"dp_shard": "fsdp"})]
     for key, case, options in runs:
+        options = dict(options)
+        recompute = options.pop("recompute", "none")  # full: each block replayed, its all-to-alls again
         strategy = MeshStrategy(env, {"mesh": mesh, **options})
         strategy.check_model("gpt-moe-tiny")
-        model = strategy.prepare(_model(case))
+        model = strategy.prepare(set_recompute(_model(case), recompute))
         offset = moe_layers(model)[0].expert_offset
         result[key] = _fit(strategy, model, lambda n: re.sub(r"experts\.(\d+)",
                                                              lambda m: f"experts.{int(m[1]) + offset}", n))

@@ -107,6 +107,8 @@ INTRODUCED = {
     "torch.distributed.fsdp.fully_shard(mesh=)": ("2.6", "torch/distributed/fsdp/_fully_shard/_fully_shard.py"),
     "torch.distributed.fsdp.fully_shard(reshard_after_forward=)":
         ("2.6", "torch/distributed/fsdp/_fully_shard/_fully_shard.py"),
+    # the memory lesson's tracker (notebook 12, labkit.lab.memory); torch/distributed/_tools appeared in 2.5
+    "torch.distributed._tools.mem_tracker.MemTracker": ("2.5", "torch/distributed/_tools/mem_tracker.py"),
     "torch.distributed.gather": ("2.0", C10D),
     "torch.distributed.gather(dst=)": ("2.0", C10D),
     "torch.distributed.gather(group=)": ("2.0", C10D),

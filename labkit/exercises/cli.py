@@ -31,6 +31,7 @@ CHECKS: dict[str, str] = {
     "advisor-cost": "labkit.exercises.pipeline_bubble:main",
     "row-parallel": "labkit.exercises.row_parallel:main",
     "pp-schedule": "labkit.exercises.pp_schedule:main",
+    "activation-memory": "labkit.exercises.activation_memory:main",
 }
 
 #: exercise name -> "module:ATTRIBUTE", the text of its starting file (``--init FILE``)
@@ -48,6 +49,7 @@ STARTERS: dict[str, str] = {
     "advisor-cost": "labkit.exercises.pipeline_bubble:STARTER",
     "row-parallel": "labkit.exercises.row_parallel:STARTER",
     "pp-schedule": "labkit.exercises.pp_schedule:STARTER",
+    "activation-memory": "labkit.exercises.activation_memory:STARTER",
 }
 
 # notebook 11: each broken program of labkit.faults is an exercise; its starting file is the program itself

@@ -31,6 +31,7 @@ from torch import nn
 
 from labkit.errors import ConfigError
 from labkit.models.names import LANGUAGE_MODELS
+from labkit.models.recompute import set_recompute
 
 if TYPE_CHECKING:
     import torchvision
@@ -266,7 +267,8 @@ def check_model_name(name: str) -> None:
 
 
 def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size: int = 28,
-              sequential: bool = False, seq_len: int | None = None, dropout: float = 0.0) -> nn.Module:
+              sequential: bool = False, seq_len: int | None = None, dropout: float = 0.0,
+              recompute: str = "none") -> nn.Module:
     """Build model ``name`` for (B, in_channels, image_size, image_size) inputs and ``num_classes`` logits; a
     language model (:data:`LANGUAGE_MODELS`) for (B, T <= seq_len) tokens of a ``num_classes``-token vocabulary.
 
@@ -274,6 +276,8 @@ def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size
         sequential: return the flat ``nn.Sequential`` form (see :func:`to_sequential`).
         seq_len: a GPT's longest sequence (its position table; default: the size's own).
         dropout: a GPT's dropout probability (other models have none).
+        recompute: ``--recompute`` (:mod:`labkit.models.recompute`): ``full`` recomputes each block (a GPT's,
+            a ResNet's residual blocks) in backward, ``selective`` a GPT's attention scores.
 
     Raises:
         ConfigError: unknown name, or sizes the model cannot take.
@@ -286,6 +290,7 @@ def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size
 
         build = gpt_moe if LANGUAGE_MODELS[name] in MOE_SIZES else gpt
         model = build(LANGUAGE_MODELS[name], vocab_size=num_classes, block_size=seq_len, dropout=dropout)
+        set_recompute(model, recompute, name)
         return to_sequential(model) if sequential else model
     check_model_name(name)
     build, min_size = MODELS[name]
@@ -293,7 +298,7 @@ def get_model(name: str, num_classes: int = 10, in_channels: int = 1, image_size
                                ("image_size", image_size, min_size)):
         if value < least:
             raise ConfigError(f"{name} needs {what} >= {least}, got {value}")
-    model = build(num_classes, in_channels, image_size)
+    model = set_recompute(build(num_classes, in_channels, image_size), recompute, name)
     return to_sequential(model) if sequential else model
 
 

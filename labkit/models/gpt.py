@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labkit.models.recompute import recomputed
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -78,14 +80,20 @@ class CausalSelfAttention(nn.Module):
         #: the random stream of the attention dropout: the default one here; a tensor-parallel rank's own for its
         #: heads (:mod:`labkit.parallel.tp_rng`), given a ``device -> context manager``
         self.dropout_stream = None
+        #: ``--recompute selective``: keep q, k, v only and recompute :meth:`core` in backward
+        self.recompute_scores = False
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q kᵀ / √d_head + causal mask) (dropped out) v: (B, H, T, D) each -> (B, H, T, D)."""
+        p = self.dropout if self.training else 0.0
+        with self.dropout_stream(q.device) if p and self.dropout_stream else nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape                                                    # (B, T, C)
         q, k, v = (layer(x).view(B, T, -1, self.head_dim).transpose(1, 2)   # (B, H, T, D)
                    for layer in (self.q, self.k, self.v))
-        p = self.dropout if self.training else 0.0
-        with self.dropout_stream(x.device) if p and self.dropout_stream else nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)  # (B, H, T, D)
+        y = recomputed(self, self.core, q, k, v) if self.recompute_scores else self.core(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, -1)                               # (B, T, H*D)
         return self.proj(y)                                                   # (B, T, C)
 
@@ -104,7 +112,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x)))."""
+    """Pre-norm transformer block: x + drop(attn(ln1(x))), then x + drop(mlp(ln2(x))). With ``recompute``
+    (``--recompute full``) it keeps only its input for backward and runs :meth:`body` again there."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -113,10 +122,14 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        self.recompute = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def body(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))  # (B, T, C)
         return x + self.drop(self.mlp(self.ln2(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return recomputed(self, self.body, x) if self.recompute else self.body(x)
 
 
 class GPT(nn.Module):

@@ -1,14 +1,15 @@
-"""Activation memory of a GPT per rank under context parallelism: measured (saved-tensor bytes) and the formula.
+"""Activation memory of a GPT per rank under context parallelism, measured: the bytes autograd saves.
 
     saved_tensor_bytes(lambda: loss_fn(model(x), y).backward, model.parameters())  # measured, forward only
-    activation_bytes(cfg, batch=2, seq_len=32, cp=2)                                   # the formula
+    predict_memory(cfg.replace(block_size=32), 2, cp=2)["activations"]              # the formula (labkit.parallel.memory)
 
 What autograd keeps from the forward for the backward is what grows with the sequence. Per token of a rank, in
 float32 (4 bytes), a GPT block saves its two layer-norm inputs and outputs (4·C) and their mean and 1/std (4),
 q, k, v (3·C), the attention output (C) and its log-sum-exp per head (H), the MLP's hidden layer before and after
 GELU (8·C): ``16·C + H + 4`` values. The head saves ``ln_f``'s input, output and statistics and the log-softmax
 over the vocabulary: ``2·C + 2 + V`` values. The token ids and the targets are int64 (8 bytes each per token),
-the positions int64 per position, the loss one float::
+the positions int64 per position, the loss one float (:func:`labkit.parallel.memory.predict_memory`'s
+``activations``, the one memory model)::
 
     bytes = B·(T/cp)·(4·(L·(16·C + H + 4) + 2·C + 2 + V) + 16) + 8·T/cp + 4
 
@@ -40,9 +41,3 @@ def saved_tensor_bytes(fn: Callable[[], object], exclude: Iterable[torch.Tensor]
         fn()
     return sum(seen.values())
 
-
-def activation_bytes(cfg, batch: int, seq_len: int, cp: int = 1) -> int:
-    """The formula of the module docstring for a :class:`~labkit.models.gpt.GPTConfig` (float32, dropout 0)."""
-    tokens = seq_len // cp
-    C, H, V, L = cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer
-    return batch * tokens * (4 * (L * (16 * C + H + 4) + 2 * C + 2 + V) + 16) + 8 * tokens + 4

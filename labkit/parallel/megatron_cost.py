@@ -20,8 +20,8 @@ the whole tensor; all-gather: the shard it sends; reduce-scatter: the shard it r
 A ring all-reduce of n elements sends ``2(t−1)/t·n``, an all-gather or reduce-scatter of shard n/t sends
 ``(t−1)/t·n``: SP moves the same bytes over the wire (:func:`ring_wire_bytes`).
 
-**Activation memory** (:func:`activation_bytes_per_layer`): the tensors one block saves for backward, each
-storage once, on one rank. Korthikanti et al. (2022) count, in 2-byte units with dropout masks and the a·s²
+**Activation memory** (:func:`labkit.parallel.memory.layer_activation_bytes`, the block term of the one memory
+model): the tensors one block saves for backward, each storage once, on one rank. Korthikanti et al. (2022) count, in 2-byte units with dropout masks and the a·s²
 attention matrix stored, ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` without SP and ``s·b·h/t·(34 + 5·a·s/h)`` with it
 (:func:`korthikanti_bytes_per_layer`). This GPT, as it runs here (dropout 0: no masks; SDPA's fused kernel saves
 q, k, v, its output and a per-row log-sum-exp instead of the s×s scores), saves in elements of ``e`` bytes:
@@ -63,17 +63,6 @@ def tp_step_bytes(cfg: GPTConfig, batch: int, seq: int, tp: int, sequence_parall
 def ring_wire_bytes(step_bytes: dict[str, int], tp: int) -> float:
     """Bytes a rank sends with ring algorithms for :func:`tp_step_bytes`'s parts."""
     return sum(n * (2 * (tp - 1) / tp if op == "all_reduce" else tp - 1) for op, n in step_bytes.items())
-
-
-def activation_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, tp: int,
-                               sequence_parallel: bool, bytes_per_element: int = 4) -> int:
-    """Bytes one block saves for backward on one rank, as this GPT runs (see above)."""
-    b, s, h, a, t = batch, seq, hidden, heads, tp
-    if sequence_parallel:
-        elements = s * b * h * 2 + s * b * h * 14 // t + 4 * s * b // t + a * s * b // t
-    else:
-        elements = s * b * h * 4 + s * b * h * 12 // t + 4 * s * b + a * s * b // t
-    return bytes_per_element * elements
 
 
 def korthikanti_bytes_per_layer(batch: int, seq: int, hidden: int, heads: int, tp: int,

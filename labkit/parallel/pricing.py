@@ -23,14 +23,13 @@ samples per pipeline column, terms in this order:
 
 Each collective uses the link its group spans (:meth:`labkit.advisor.topology.Topology.link_of`): ranks
 are laid out ``pp, dp, cp, tp`` (``dp, ep`` for a MoE) with the last innermost, so a group of size ``g`` and
-stride ``s`` spans ``g·s`` ranks. Memory per device: ``parameters``, ``gradients``, ``optimizer`` (a GPT in
-mixed precision with Adam, 2 + 2 + 12 bytes per parameter, Rajbhandari et al. 2020; a CNN in fp32 with
-momentum, 4 + 4 + 4), ZeRO 1 sharding the optimizer over the ``d`` ranks holding the same weights, 2 also the
-gradients, 3 all three; ``activations`` for the micro-batches in flight (the same simulation's peak: 1F1B's
-``min(pp, m)``, ZB-H1's ``pp``, GPipe's ``m``): a GPT's
-:func:`labkit.parallel.megatron_cost.activation_bytes_per_layer` × ``L/pp`` (a MoE's ``k`` experts add
-``(k − 1)·8·bTC`` elements; with recomputation each block's input plus one block's activations), a CNN's
-saved bytes of its fullest stage.
+stride ``s`` spans ``g·s`` ranks. Memory per device: a GPT's is
+:func:`labkit.parallel.memory.predict_memory` (the one memory model: its terms at the moment of the step where
+they peak, in mixed precision with Adam, 2 + 2 + 12 bytes per parameter, Rajbhandari et al. 2020; ZeRO 1 sharding
+the optimizer over the ``d`` ranks holding the same weights, 2 also the gradients, 3 all three; the activations of
+the micro-batches in flight, the same simulation's peak: 1F1B's ``min(pp, m)``, ZB-H1's ``pp``, GPipe's ``m``; a
+MoE's ``k`` experts add ``(k − 1)·8·bTC`` elements per block); a CNN's, in fp32 with momentum (4 + 4 + 4, sharded
+by :func:`labkit.parallel.memory.weight_bytes`), the saved bytes of its fullest stage.
 """
 from __future__ import annotations
 
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from labkit.advisor.plan import Estimate, MeshPlan, Profile
 from labkit.advisor.topology import Topology, common_terms, compute_scale, memory_terms, stages_of
 from labkit.flags import resolve
+from labkit.parallel.memory import predict_memory, weight_bytes
 
 E = 2                #: bytes per element of a GPT's weights, activations and messages (bf16)
 ADAM = 12            #: bytes per parameter of a GPT's optimizer: fp32 master copy, momentum, variance
@@ -181,16 +181,6 @@ def pricers() -> dict:
     return {dim: resolve(entry["price"]) for dim, entry in registered("ADVISOR").items()}
 
 
-def _weights(plan: MeshPlan, replicas, optimizer: float) -> dict[str, float]:
-    """Parameters, gradients and ``optimizer`` bytes per parameter byte of each replica set, sharded by ZeRO."""
-    memory = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0}
-    for nbytes, d, _ in replicas:
-        shard = {0: (1, 1, 1), 1: (1, 1, d), 2: (1, d, d), 3: (d, d, d)}[plan.zero]
-        for key, per, s in zip(memory, (nbytes, nbytes, nbytes * optimizer), shard):
-            memory[key] += per / s
-    return memory
-
-
 def pipeline_step(plan: MeshPlan) -> tuple[float, float]:
     """``(idle, held)``: the plan's pipeline schedule simulated (:func:`labkit.parallel.pp_simulate.unit_step`), one
     rank's idle time in micro-batches' work and the peak of micro-batches in flight (1 without a pipeline)."""
@@ -208,8 +198,6 @@ def price_mesh(plan: MeshPlan, model: GPTShape | Profile, topo: Topology, batch:
     a GPT's shape or a CNN's profile."""
     if isinstance(model, Profile):
         return _price_cnn(plan, model, topo, batch)
-    from labkit.parallel.megatron_cost import activation_bytes_per_layer
-
     gpt, step = model, MeshStep(plan, model, topo, batch)
     L, C, T = gpt.n_layer, gpt.n_embd, gpt.seq
     flops = 6 * gpt.active_params * batch * T + 12 * L * batch * T * T * C
@@ -217,13 +205,13 @@ def price_mesh(plan: MeshPlan, model: GPTShape | Profile, topo: Topology, batch:
     idle, held = pipeline_step(plan)
     time = {"compute": compute, "bubble": idle / plan.microbatches * compute}
     time.update((dim, price(step)) for dim, price in pricers().items())
-    memory = _weights(plan, step.replicas, ADAM / E)
     b, s = step.b, step.tokens
-    layer = activation_bytes_per_layer(b, s, C, gpt.n_head, plan.tp, plan.sequence_parallel, E)
-    layer += max(0, gpt.top_k - 1) * 8 * b * s * C * E
-    held = held * step.layers
-    memory["activations"] = held * b * s * C * E + layer if plan.recompute else held * layer
-    return Estimate(plan, time, memory, topo.memory_bytes)
+    memory = predict_memory(gpt, step.b, dp=plan.dp, tp=plan.tp, pp=plan.pp, cp=plan.cp, zero=plan.zero,
+                            sequence_parallel=plan.sequence_parallel, recompute=plan.recompute, in_flight=held,
+                            replicas=[(nbytes / E, d) for nbytes, d, _ in step.replicas], param_bytes=E,
+                            grad_bytes=E, optimizer_bytes=ADAM, e=E,
+                            extra_layer_bytes=max(0, gpt.top_k - 1) * 8 * b * s * C * E)
+    return Estimate(plan, time, dict(memory["at_peak"]), topo.memory_bytes)
 
 
 def _price_cnn(plan: MeshPlan, prof: Profile, topo: Topology, batch: int) -> Estimate:
@@ -241,7 +229,7 @@ def _price_cnn(plan: MeshPlan, prof: Profile, topo: Topology, batch: int) -> Est
     fullest = {}
     for s in stages:  # the stage with the most bytes sets the memory a device needs
         memory = memory_terms(prof, topo, 0.0, held * prof.saved_bytes(b, s))
-        memory.update(_weights(plan, [(prof.params(s), plan.dp, 1)], 1.0))
+        memory.update(weight_bytes([(prof.params(s), plan.dp)], plan.zero, 1, 1, 1))
         fullest = max(fullest, memory, key=lambda x: sum(x.values(), 0.0))
     shard = plan.dp if plan.zero else 1  # ZeRO 1-3 step the optimizer over a shard
     time.update(common_terms(prof, topo, step.replicas[0][0] / shard, batch // plan.dp))

@@ -15,7 +15,7 @@ from labkit.data.cli import ROOT_HELP
 from labkit.dist.mesh import MeshShape
 from labkit.errors import ConfigError, flag_error
 from labkit.flags import add_flags
-from labkit.models.names import default_optimizer
+from labkit.models.names import RECOMPUTE, default_optimizer
 from labkit.optim import OPTIMIZERS
 from labkit.optim import add_arguments as add_optimizer_arguments
 from labkit.parallel import available as available_dimensions
@@ -141,6 +141,9 @@ def add_parser(sub) -> None:
                    help="tokens per example of a text dataset (the GPT's context); None: 128")
     g.add_argument("--dropout", type=_number("dropout"), default=0.0,
                    help="a GPT's dropout probability (embedding, attention, residual)")
+    g.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                   help="activation checkpointing: none; full = each block (a GPT's, a ResNet's residual blocks) "
+                        "keeps only its input and runs again in backward; selective = a GPT's attention scores only")
     g.add_argument("--data-root", default=None, help=ROOT_HELP)
     g.add_argument("--download", action="store_true", help="download the dataset if missing (needs internet)")
     g.add_argument("--augment", action="store_true", help="random crop + flip (CIFAR10)")

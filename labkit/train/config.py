@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labkit.errors import ConfigError
-from labkit.models.names import LANGUAGE_MODELS, default_optimizer
+from labkit.models.names import LANGUAGE_MODELS, check_recompute, default_optimizer
 from labkit.ranges import check
 
 #: ``labkit train``'s own numbers, by dest: their kind and the values allowed (:mod:`labkit.ranges`), checked as
@@ -70,6 +70,7 @@ class TrainConfig:
     step_delay_s: float = 0.0
     seq_len: int | None = None  # text datasets: tokens per example (None: labkit.data.text.DEFAULT_SEQ_LEN)
     dropout: float = 0.0  # a GPT's dropout probability
+    recompute: str = "none"  # activation checkpointing: none | full (each block) | selective (a GPT's attention scores)
     strategy_options: dict = field(default_factory=dict)
     optim_options: dict = field(default_factory=dict)
 
@@ -114,6 +115,7 @@ class TrainConfig:
                               f"--model {' | '.join(LANGUAGE_MODELS)}")
         if self.seq_len is not None and not text:
             raise ConfigError(f"--seq-len applies to text datasets ({', '.join(TEXT_NAMES)}), not {self.dataset}")
+        check_recompute(self.model, self.recompute)
         if self.dropout and self.model not in LANGUAGE_MODELS:
             raise ConfigError(f"--dropout applies to the GPT models (--model {' | '.join(LANGUAGE_MODELS)}), "
                               f"not {self.model}")

@@ -95,7 +95,8 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
                               f"({dp} ranks × --batch-size {cfg.batch_size}); use fewer ranks or a smaller batch")
         model = kmodels.get_model(cfg.model, num_classes=info.num_classes, in_channels=info.in_channels,
                                   image_size=info.image_size, sequential=strategy.sequential_model,
-                                  seq_len=cfg.seq_len or DEFAULT_SEQ_LEN, dropout=cfg.dropout)
+                                  seq_len=cfg.seq_len or DEFAULT_SEQ_LEN, dropout=cfg.dropout,
+                                  recompute=cfg.recompute)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)  # before DDP/partitioning take views of the weights
         # counted on a meta copy of the model as it will train (activation checkpointing included), before placement
