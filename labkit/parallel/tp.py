@@ -102,6 +102,7 @@ class TensorParallel(Dimension):
         self._criterion = VocabParallelCrossEntropy(self.group)
         self.vocab_size: int | None = None
         self.vocab_parallel = False  # a GPT: its output is this rank's slice of the logits
+        self.whole_shapes: dict[str, tuple[int, ...]] = {}  # by name, before parallelize cut them
 
     def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         refuse_moe("tp", self.size, model_name, "tensor parallelism splits a dense MLP, and a mixture-of-experts "
@@ -119,6 +120,7 @@ class TensorParallel(Dimension):
     def parallelize(self, model: nn.Module) -> nn.Module:
         if self.size == 1:
             return model
+        self.whole_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         if isinstance(model, nn.Sequential):
             return parallelize_linears(model, self.group)
         if not isinstance(model, GPT):

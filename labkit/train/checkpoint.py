@@ -15,6 +15,7 @@ from torch import nn
 
 from labkit.errors import CheckpointError
 from labkit.results import atomic_write
+from labkit.train.reshard import checkpoint_files, param_names, remove_stale, resharded, written_elsewhere
 
 
 def checkpoint_path(out_dir: Path, strategy) -> Path:
@@ -35,7 +36,12 @@ def save_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
     state = strategy.state_dict(model, optimizer)
     state.update(scheduler=scheduler.state_dict(), config=config,
                  preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
+    why = strategy.reshard_refusal()  # how the tensors cut the whole model, so another mesh can resume it
+    state.update(layout=strategy.layout(model) if why is None else None, layout_refusal=why,
+                 param_names=param_names(strategy.unwrap(model), optimizer))
     save_checkpoint(path, state)
+    if strategy.env.is_main:
+        remove_stale(path.parent, strategy)
 
 
 def _ranks_where(flag: bool, strategy) -> list[int]:
@@ -53,7 +59,10 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def checkpoint_on_every_rank(path: Path, strategy) -> bool:
-    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error."""
+    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error; a
+    strategy that reshards (:mod:`labkit.train.reshard`) takes any labkit checkpoint in the folder."""
+    if strategy.reshard_refusal() is None and checkpoint_files(path.parent):
+        return True
     if strategy.replicated or not strategy.env.distributed:
         return path.exists()
     have = _ranks_where(path.exists(), strategy)
@@ -77,10 +86,19 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
     so a bad shard on one rank stops them all with the same :class:`CheckpointError`.
     """
     sharded = not strategy.replicated and strategy.env.distributed
-    try:
-        state, error = load_checkpoint(path), None
-    except CheckpointError as exc:
-        state, error = None, exc
+    files = checkpoint_files(path.parent)
+    if strategy.reshard_refusal() is None and files and written_elsewhere(files, strategy):
+        # another mesh, rank count or strategy wrote it: every rank reads every file (the same answer everywhere)
+        sharded = False
+        try:
+            state, error = resharded(files, strategy, model, optimizer), None
+        except CheckpointError as exc:
+            state, error = None, CheckpointError(f"checkpoint in {path.parent}: {exc}")
+    else:
+        try:
+            state, error = load_checkpoint(path), None
+        except CheckpointError as exc:
+            state, error = None, exc
     if sharded:
         failed = _ranks_where(error is not None, strategy)
         if failed:
