@@ -44,7 +44,8 @@ def whole_model(run: str | Path) -> dict:
     Raises:
         ConfigError: no checkpoint there. CheckpointError: damaged, or written on a setup that does not reshard.
     """
-    from labkit.train.reshard import checkpoint_files, read_all, whole_state
+    from labkit.train.checkpoint import checkpoint_files, read_all
+    from labkit.train.reshard import whole_state
 
     files = checkpoint_files(run)
     if not files:

@@ -19,6 +19,8 @@ and one backward per pair; its output is whole on every rank, so the loss and ev
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,7 +87,9 @@ def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = Non
         out += [*layers[done:i], ColumnParallelLinear(layers[i], group, enter=True, rank=rank, world_size=world_size),
                 *layers[i + 1:j], RowParallelLinear(layers[j], group, rank=rank, world_size=world_size)]
         done = j + 1
-    return nn.Sequential(*out, *layers[done:])
+    # the same names as the whole model's (``fc1``, or ``0``, ``1``, ...): one checkpoint layout on every mesh
+    return nn.Sequential(OrderedDict(zip((name for name, _ in model.named_children()), [*out, *layers[done:]],
+                                         strict=True)))
 
 
 

@@ -8,6 +8,7 @@ goes on, so no rank is left waiting in a collective for a rank that stopped.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -15,7 +16,52 @@ from torch import nn
 
 from labkit.errors import CheckpointError
 from labkit.results import atomic_write
-from labkit.train.reshard import checkpoint_files, param_names, remove_stale, resharded, written_elsewhere
+from labkit.train.reshard import check, param_names, resharded
+
+_RANK_FILE = re.compile(r"checkpoint\.rank(\d+)\.pt")
+
+
+def checkpoint_files(out_dir: str | Path) -> list[Path]:
+    """The checkpoint files of the run in ``out_dir``: ``checkpoint.pt``, else ``checkpoint.rank{r}.pt`` in rank
+    order (empty if none)."""
+    out = Path(out_dir)
+    if (out / "checkpoint.pt").is_file():
+        return [out / "checkpoint.pt"]
+    ranks = sorted(int(m[1]) for f in (out.glob("checkpoint.rank*.pt") if out.is_dir() else ())
+                   if (m := _RANK_FILE.fullmatch(f.name)))
+    return [out / f"checkpoint.rank{r}.pt" for r in ranks]
+
+
+def remove_stale(out_dir: str | Path, strategy) -> None:
+    """After a save (rank 0): the files an earlier attempt on another setup left, which this save does not
+    replace (``checkpoint.pt`` beside rank files, or rank files beyond this job's ranks), so the folder holds one
+    checkpoint."""
+    out = Path(out_dir)
+    keep = {strategy.checkpoint_file(out).name} if strategy.replicated else {
+        f"checkpoint.rank{r}.pt" for r in range(strategy.env.world_size)}
+    for f in [out / "checkpoint.pt", *out.glob("checkpoint.rank*.pt")]:
+        if f.name not in keep and f.is_file():
+            f.unlink()
+
+
+def written_elsewhere(files: list[Path], strategy) -> bool:
+    """Were ``files`` written by another setup than ``strategy``'s (another file set, rank count or mesh)?"""
+    expected = [strategy.checkpoint_file(files[0].parent)] if strategy.replicated else [
+        files[0].parent / f"checkpoint.rank{r}.pt" for r in range(strategy.env.world_size)]
+    if files != expected:
+        return True
+    saved = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    mesh = strategy.mesh_key() if hasattr(strategy, "mesh_key") else None
+    return isinstance(saved, dict) and saved.get("mesh") != mesh
+
+
+def read_all(files: list[Path], strategy=None) -> list[dict]:
+    """Every file of one checkpoint (:func:`checkpoint_files`), each through :func:`load_checkpoint`; refused in
+    one line where they come from different saves or their writer does not reshard (:func:`labkit.train.reshard.
+    check`, naming ``strategy``'s setup)."""
+    states = [load_checkpoint(f) for f in files]
+    check(states, files[0].parent, strategy)
+    return states
 
 
 def checkpoint_path(out_dir: Path, strategy) -> Path:
@@ -91,7 +137,7 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
         # another mesh, rank count or strategy wrote it: every rank reads every file (the same answer everywhere)
         sharded = False
         try:
-            state, error = resharded(files, strategy, model, optimizer), None
+            state, error = resharded(read_all(files, strategy), strategy, model, optimizer), None
         except CheckpointError as exc:
             state, error = None, CheckpointError(f"checkpoint in {path.parent}: {exc}")
     else:

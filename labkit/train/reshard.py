@@ -29,7 +29,6 @@ after a reshard are the new mesh's own, so equality holds without dropout).
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -38,48 +37,12 @@ from torch import nn
 from labkit.errors import CheckpointError
 from labkit.parallel.mappings import part
 
-_RANK_FILE = re.compile(r"checkpoint\.rank(\d+)\.pt")
-
-
-def checkpoint_files(out_dir: str | Path) -> list[Path]:
-    """The checkpoint files of the run in ``out_dir``: ``checkpoint.pt``, else ``checkpoint.rank{r}.pt`` in rank
-    order (empty if none)."""
-    out = Path(out_dir)
-    if (out / "checkpoint.pt").is_file():
-        return [out / "checkpoint.pt"]
-    ranks = sorted(int(m[1]) for f in (out.glob("checkpoint.rank*.pt") if out.is_dir() else ())
-                   if (m := _RANK_FILE.fullmatch(f.name)))
-    return [out / f"checkpoint.rank{r}.pt" for r in ranks]
-
-
-def remove_stale(out_dir: str | Path, strategy) -> None:
-    """After a save (rank 0): the files an earlier attempt on another setup left, which this save does not
-    replace (``checkpoint.pt`` beside rank files, or rank files beyond this job's ranks), so the folder holds one
-    checkpoint."""
-    out = Path(out_dir)
-    keep = {strategy.checkpoint_file(out).name} if strategy.replicated else {
-        f"checkpoint.rank{r}.pt" for r in range(strategy.env.world_size)}
-    for f in [out / "checkpoint.pt", *out.glob("checkpoint.rank*.pt")]:
-        if f.name not in keep and f.is_file():
-            f.unlink()
-
 
 def param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
     """The name of each of ``optimizer``'s parameters, in its state's index order (a shared parameter: its first
     name)."""
     names = {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
     return [names.get(id(p), "") for group in optimizer.param_groups for p in group["params"]]
-
-
-def written_elsewhere(files: list[Path], strategy) -> bool:
-    """Were ``files`` written by another setup than ``strategy``'s (another file set, rank count or mesh)?"""
-    expected = [strategy.checkpoint_file(files[0].parent)] if strategy.replicated else [
-        files[0].parent / f"checkpoint.rank{r}.pt" for r in range(strategy.env.world_size)]
-    if files != expected:
-        return True
-    saved = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
-    mesh = strategy.mesh_key() if hasattr(strategy, "mesh_key") else None
-    return isinstance(saved, dict) and saved.get("mesh") != mesh
 
 
 def _setup(state: dict) -> str:
@@ -97,16 +60,13 @@ def _key_of(strategy) -> dict:
             "world_size": strategy.env.world_size}
 
 
-def read_all(files: list[Path], strategy=None) -> list[dict]:
-    """Every file of one checkpoint; refused in one line where one is damaged, the files come from different
+def check(states: list[dict], folder: Path, strategy=None) -> None:
+    """Refuse in one line where the files of one checkpoint (``states``, read from ``folder``) come from different
     saves, or their writer's layout cannot be resharded (naming ``strategy``'s setup, the run offered it)."""
-    from labkit.train.checkpoint import load_checkpoint
-
-    states = [load_checkpoint(f) for f in files]
     first = states[0]
     where = {(s.get("epoch"), (s.get("position") or {}).get("step", 0)) for s in states}
     if len(where) > 1:
-        raise CheckpointError(f"the checkpoint files in {files[0].parent} come from different saves "
+        raise CheckpointError(f"the checkpoint files in {folder} come from different saves "
                               f"({sorted(where)}); delete the stale ones or run without --resume")
     why = next((s.get("layout_refusal") or "it has no layout (written by an older labkit)" for s in states
                 if s.get("layout") is None), None)
@@ -114,8 +74,6 @@ def read_all(files: list[Path], strategy=None) -> list[dict]:
         mine = "" if strategy is None else f" but this run has {_setup(_key_of(strategy))}"
         raise CheckpointError(f"it was written on {_setup(first)}{mine}; {why}: resume with {_setup(first)} or "
                               "start without --resume")
-    return states
-
 
 def whole_state(states: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """``(model, optimizer)``: every tensor of the model whole, by name, and every parameter's optimizer state by
@@ -161,13 +119,13 @@ def cut(whole: torch.Tensor, spec: list | None) -> torch.Tensor:
     return whole.narrow(dim, start, stop - start).clone()
 
 
-def resharded(files: list[Path], strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The checkpoint in ``files`` cut for this rank of ``strategy`` (what its ``load_state_dict`` takes).
+def resharded(states: list[dict], strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The checkpoint whose files hold ``states`` (checked by :func:`check`) cut for this rank of ``strategy``
+    (what its ``load_state_dict`` takes).
 
     Raises:
-        CheckpointError: in one line, where the writer's layout cannot be resharded or the tensors do not fit.
+        CheckpointError: in one line, where the tensors do not fit.
     """
-    states = read_all(files, strategy)
     first = states[0]
     if first.get("preconditioner") is not None:
         raise CheckpointError(f"it was written on {_setup(first)} with K-FAC, whose factors are kept per rank: "
