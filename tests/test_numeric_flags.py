@@ -135,7 +135,7 @@ PAIRS = ("--lamb-betas", "--soap-betas")  # nargs=2
 def test_the_table_names_every_numeric_flag():
     flags = _all_numeric_flags()
     assert set(flags) == {f"{command} {flag}" for command, flag, _ in _cases()}
-    assert len(flags) == 157  # train 21, its strategies and optimizers 45, benchmarks 71, the others 20
+    assert len(flags) == 163  # train 21, its strategies and optimizers 51, benchmarks 71, the others 20
     for key, action in flags.items():  # each is checked as it is read, and its default is allowed
         assert hasattr(action.type, "range"), f"{key}: type=within(kind, interval) or a FLAGS 'range'"
         defaults = action.default if isinstance(action.default, (list, tuple)) else [action.default]

@@ -8,8 +8,8 @@ resumed on another mesh.
     resume_here("runs/reshard")                     # the same checkpoint in this one process
 
 Every run goes through :func:`labkit.train.loop.fit` with :class:`labkit.parallel.mesh.MeshStrategy` (``--mesh
-dp=W --sync ...``), from the same initial weights on the same digits. The elements every ``torch.distributed``
-call inside a training step moves are counted by wrapping the call (:func:`counting`), not taken from a formula.
+dp=W --sync ...``), from the same initial weights on the same digits. The elements every all-reduce inside a
+training step moves are counted by wrapping the call (:func:`counting`), not taken from a formula.
 """
 from __future__ import annotations
 
@@ -29,24 +29,19 @@ from labkit.strategies.base import Strategy
 from labkit.train import loop
 from labkit.train.checkpoint import load_training_state, save_training_state
 
-#: the collectives a data-parallel step can call
-CALLS = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
-
 
 @contextlib.contextmanager
 def counting(per_step: list[int]):
-    """Within the block, every ``torch.distributed`` collective called inside a :func:`labkit.train.loop.train_step`
-    adds its first tensor's element count to that step's entry of ``per_step`` (one entry per step)."""
-    originals = {name: getattr(dist, name) for name in CALLS if hasattr(dist, name)}
-    step_fn, inside = loop.train_step, [False]
+    """Within the block, every ``torch.distributed.all_reduce`` called inside a :func:`labkit.train.loop.train_step`
+    adds its tensor's element count to that step's entry of ``per_step`` (one entry per step). A data-parallel step
+    of replicas calls no other collective (``tests/test_step_collectives.py``); nor does a meeting of local SGD or
+    DiLoCo."""
+    all_reduce, step_fn, inside = dist.all_reduce, loop.train_step, [False]
 
-    def wrap(fn):
-        def counted(*args, **kwargs):
-            if inside[0]:
-                first = next((a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)), None)
-                per_step[-1] += 0 if first is None else first.numel()
-            return fn(*args, **kwargs)
-        return counted
+    def counted(tensor, *args, **kwargs):
+        if inside[0]:
+            per_step[-1] += tensor.numel()
+        return all_reduce(tensor, *args, **kwargs)
 
     def step(*args, **kwargs):
         per_step.append(0)
@@ -56,15 +51,11 @@ def counting(per_step: list[int]):
         finally:
             inside[0] = False
 
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(fn))
-    loop.train_step = step
+    dist.all_reduce, loop.train_step = counted, step
     try:
         yield per_step
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        loop.train_step = step_fn
+        dist.all_reduce, loop.train_step = all_reduce, step_fn
 
 
 def _digits(train_size: int, test_size: int, dataset: str = "mnist-sample"):

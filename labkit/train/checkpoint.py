@@ -50,7 +50,10 @@ def written_elsewhere(files: list[Path], strategy) -> bool:
         files[0].parent / f"checkpoint.rank{r}.pt" for r in range(strategy.env.world_size)]
     if files != expected:
         return True
-    saved = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    try:
+        saved = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # a damaged file: the ordinary load names it (several exception types, as in load_checkpoint)
+        return False
     mesh = strategy.mesh_key() if hasattr(strategy, "mesh_key") else None
     return isinstance(saved, dict) and saved.get("mesh") != mesh
 
@@ -140,6 +143,10 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
             state, error = resharded(read_all(files, strategy), strategy, model, optimizer), None
         except CheckpointError as exc:
             state, error = None, CheckpointError(f"checkpoint in {path.parent}: {exc}")
+        failed = _ranks_where(error is not None, strategy)  # a rank whose part does not fit: all stop
+        if failed and error is None:
+            error = CheckpointError(f"checkpoint in {path.parent}: {_ranks(failed)} could not cut {'its' if len(failed) == 1 else 'their'} "
+                                    "part of it; resume on the setup that wrote it or start without --resume")
     else:
         try:
             state, error = load_checkpoint(path), None
