@@ -17,10 +17,12 @@ elements all-reduced per step are counted, 131 every step for every-step data pa
 131 every second step at H = 2 (half the bytes); the next-step loss after a resume on another mesh equals the
 uninterrupted run's within 1e-5 (float32 sums in another order over another number of ranks); the export loads
 into a plain ``GPT`` with ``load_state_dict`` and holds each rank's shard. Without a spawn: ``labkit sample`` reads
-an exported ``gpt-tiny``.
+an exported ``gpt-tiny``; uneven tensor-parallel parts join and cut again as ``torch.tensor_split`` cuts; a mid-epoch
+resume with another global batch is refused in one line.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -186,6 +188,7 @@ def _ranks(env, out):
 
 
 def test_local_sgd_diloco_and_resharded_checkpoints(tmp_path):
+    torch.optim.SGD([torch.zeros(1)], lr=1.0)  # the first optimizer imports torch._dynamo: here once, not in 4 ranks
     ranks = run_ranks(_ranks, 4, str(tmp_path), timeout=300)
 
     # local SGD at H = 1 with SGD, DiLoCo at H = 1 with outer lr 1 and no momentum: DDP, every step and after 4
@@ -269,3 +272,33 @@ def test_labkit_sample_reads_an_exported_file(tmp_path):
     loaded, _, cfg = load_run(tmp_path / "model.pt")
     assert cfg == config
     assert all(torch.equal(t, model.state_dict()[name]) for name, t in loaded.state_dict().items())
+
+
+def test_uneven_parts_join_and_cut_again_as_tensor_split_cuts():
+    """Pure: a (5, 3) weight saved in 2 parts of rows (3 + 2, as ``torch.tensor_split`` and the tp layers cut an
+    uneven vocabulary), its momentum beside it and a bias kept whole; joined, and cut for 3 parts (2 + 2 + 1)."""
+    from labkit.train.reshard import cut, whole_state
+
+    w = torch.arange(15.0).reshape(5, 3)
+    states = [{"layout": {"w": [0, r, 2, [5, 3]]}, "param_names": ["w", "b"],
+               "model": {"w": w[rows], "b": torch.ones(3)},
+               "optimizer": {"state": {0: {"momentum_buffer": -w[rows], "step": torch.tensor(7.0)}, 1: {}}}}
+              for r, rows in enumerate((slice(0, 3), slice(3, 5)))]
+    model, optimizer = whole_state(states)
+    assert torch.equal(model["w"], w) and torch.equal(model["b"], torch.ones(3))
+    assert torch.equal(optimizer["w"]["momentum_buffer"], -w) and optimizer["w"]["step"].item() == 7.0
+    assert [cut(model["w"], [0, r, 3, [5, 3]]).tolist() for r in range(3)] == [
+        [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]], [[12.0, 13.0, 14.0]]]
+
+
+def test_a_mid_epoch_resume_with_another_global_batch_is_refused_in_one_line():
+    """Pure: a position counts steps of the writer's global batch (``--batch-size`` is per data-parallel rank)."""
+    from labkit.train.checkpoint import _check_same_batch
+
+    state = {"config": {"batch_size": 16}, "data_parallel_size": 2, "epoch": 0, "position": {"step": 3}}
+    with pytest.raises(CheckpointError) as refused:
+        _check_same_batch(state, {"batch_size": 16}, 1)
+    assert str(refused.value) == ("it stopped in epoch 1 after step 3 of global batches of 32 samples, and this run's "
+                                  "global batch is 16 (16 per rank × 1); resume with --batch-size 32 so that the step "
+                                  "holds the same samples")
+    _check_same_batch(state, {"batch_size": 8}, 4)  # 8 × 4 = 32: the same samples

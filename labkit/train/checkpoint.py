@@ -87,7 +87,8 @@ def save_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
                  preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
     why = strategy.reshard_refusal()  # how the tensors cut the whole model, so another mesh can resume it
     state.update(layout=strategy.layout(model) if why is None else None, layout_refusal=why,
-                 param_names=param_names(strategy.unwrap(model), optimizer))
+                 param_names=param_names(strategy.unwrap(model), optimizer),
+                 data_parallel_size=strategy.data_parallel_size)
     save_checkpoint(path, state)
     if strategy.env.is_main:
         remove_stale(path.parent, strategy)
@@ -141,6 +142,7 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
         sharded = False
         try:
             state, error = resharded(read_all(files, strategy), strategy, model, optimizer), None
+            _check_same_batch(state, config or {}, strategy.data_parallel_size)
         except CheckpointError as exc:
             state, error = None, CheckpointError(f"checkpoint in {path.parent}: {exc}")
         failed = _ranks_where(error is not None, strategy)  # a rank whose part does not fit: all stop
@@ -176,6 +178,20 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
     if preconditioner is not None and state.get("preconditioner") is not None:
         preconditioner.load_state_dict(state["preconditioner"])
     return state
+
+
+def _check_same_batch(state: dict, config: dict, dp: int) -> None:
+    """A mid-epoch position counts steps of the writer's global batch (``--batch-size`` is per data-parallel rank):
+    on another data-parallel size the same step holds other samples unless the global batch is the same."""
+    saved, position = state.get("config") or {}, state.get("position")
+    if not position or not saved.get("batch_size") or not config.get("batch_size"):
+        return
+    old, new = saved["batch_size"] * state.get("data_parallel_size", 1), config["batch_size"] * dp
+    if old != new:
+        fix = f"--batch-size {old // dp}" if old % dp == 0 else f"a data-parallel size that divides {old}"
+        raise CheckpointError(f"it stopped in epoch {state['epoch'] + 1} after step {position['step']} of global "
+                              f"batches of {old} samples, and this run's global batch is {new} ({config['batch_size']} "
+                              f"per rank × {dp}); resume with {fix} so that the step holds the same samples")
 
 
 def _check_same_run(saved: dict, config: dict, path: Path) -> None:
