@@ -268,7 +268,7 @@ class MeshStrategy(DataParallelStrategy):
             return "local SGD saved between two meetings does not reshard (the replicas differ)"
         return None
 
-    def layout(self, model: nn.Module) -> dict:
+    def shard_layout(self, model: nn.Module) -> dict:
         """Each tensor-parallel shard of this rank: ``[dim, tp rank, tp size, whole shape]`` by name (the whole
         shapes recorded by :meth:`labkit.parallel.tp.TensorParallel.parallelize` before it cut them)."""
         tp = next((d for d in self.dims if d.name == "tp"), None)

@@ -169,7 +169,7 @@ class Strategy:
         reshard (:mod:`labkit.train.reshard`). The single device and the mesh reshard; other strategies do not."""
         return None if self.name == "single" else f"--strategy {self.name} does not reshard"
 
-    def layout(self, model: nn.Module) -> dict:
+    def shard_layout(self, model: nn.Module) -> dict:
         """How this rank's tensors cut the whole model: ``{name: [dim, part, parts, whole shape]}`` for each tensor
         held in part (a tensor-parallel shard), saved with the checkpoint; a name not listed is whole. Asked only
         where :meth:`reshard_refusal` is None. One device: everything is whole."""

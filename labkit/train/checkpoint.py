@@ -86,7 +86,7 @@ def save_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
     state.update(scheduler=scheduler.state_dict(), config=config,
                  preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
     why = strategy.reshard_refusal()  # how the tensors cut the whole model, so another mesh can resume it
-    state.update(layout=strategy.layout(model) if why is None else None, layout_refusal=why,
+    state.update(layout=strategy.shard_layout(model) if why is None else None, layout_refusal=why,
                  param_names=param_names(strategy.unwrap(model), optimizer),
                  data_parallel_size=strategy.data_parallel_size)
     save_checkpoint(path, state)

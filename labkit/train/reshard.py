@@ -7,7 +7,7 @@
 
 The layout is labkit's own, kept beside the files it already writes (one per rank, or ``checkpoint.pt``): each
 file adds ``layout``, how its tensors cut the whole model (``{name: [dim, part, parts, whole shape]}`` for a
-tensor-parallel shard, :meth:`labkit.strategies.base.Strategy.layout`; a name not listed is whole), and
+tensor-parallel shard, :meth:`labkit.strategies.base.Strategy.shard_layout`; a name not listed is whole), and
 ``param_names``, the name of each optimizer state index. Resharding is then plain tensor work on any number of
 processes: every rank reads every file, joins the parts of each tensor along their dimension
 (:func:`whole_state`, in part order) and cuts its own part for the new mesh with the same rule the tensor-parallel
@@ -132,7 +132,7 @@ def resharded(states: list[dict], strategy, model: nn.Module, optimizer: torch.o
                               f"resume with {_setup(first)} or start without --resume")
     whole, opt = whole_state(states)
     module = strategy.unwrap(model)
-    target = strategy.layout(model)
+    target = strategy.shard_layout(model)
     local = {}
     for name, ref in module.state_dict().items():
         if name not in whole:
