@@ -188,7 +188,6 @@ def _ranks(env, out):
 
 
 def test_local_sgd_diloco_and_resharded_checkpoints(tmp_path):
-    torch.optim.SGD([torch.zeros(1)], lr=1.0)  # the first optimizer imports torch._dynamo: here once, not in 4 ranks
     ranks = run_ranks(_ranks, 4, str(tmp_path), timeout=300)
 
     # local SGD at H = 1 with SGD, DiLoCo at H = 1 with outer lr 1 and no momentum: DDP, every step and after 4

@@ -166,8 +166,9 @@ class Strategy:
 
     def reshard_refusal(self) -> str | None:
         """Why this strategy's checkpoints resume only on the setup that wrote them (one clause), or None: they
-        reshard (:mod:`labkit.train.reshard`). The single device and the mesh reshard; other strategies do not."""
-        return None if self.name == "single" else f"--strategy {self.name} does not reshard"
+        reshard (:mod:`labkit.train.reshard`). The single device (this class itself, not a subclass) and the mesh
+        reshard; other strategies do not."""
+        return None if type(self) is Strategy else f"--strategy {self.name} does not reshard"
 
     def shard_layout(self, model: nn.Module) -> dict:
         """How this rank's tensors cut the whole model: ``{name: [dim, part, parts, whole shape]}`` for each tensor

@@ -145,6 +145,9 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
             _check_same_batch(state, config or {}, strategy.data_parallel_size)
         except CheckpointError as exc:
             state, error = None, CheckpointError(f"checkpoint in {path.parent}: {exc}")
+        except Exception as exc:  # any other failure still reaches the agreement below: no rank left waiting
+            state, error = None, CheckpointError(f"checkpoint in {path.parent} could not be resharded "
+                                                 f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
         failed = _ranks_where(error is not None, strategy)  # a rank whose part does not fit: all stop
         if failed and error is None:
             error = CheckpointError(f"checkpoint in {path.parent}: {_ranks(failed)} could not cut {'its' if len(failed) == 1 else 'their'} "
