@@ -5,7 +5,7 @@ resumed on another mesh.
     result = per_rank[0]   # {"every-step": {...}, "local-sgd H=4": {...}, ...}: counted elements, losses
 
     run_ranks(save_and_resume, 2, "runs/reshard", save_on={"mesh": "tp=2"}, resume_on={"mesh": "dp=2"})
-    resume_here("runs/reshard")                     # the same checkpoint in this one process
+    resume_here("runs/reshard")                     # the same checkpoint in one process
 
 Every run goes through :func:`labkit.train.loop.fit` with :class:`labkit.parallel.mesh.MeshStrategy` (``--mesh
 dp=W --sync ...``), from the same initial weights on the same digits. The elements every all-reduce inside a
@@ -118,8 +118,10 @@ def save_and_resume(env: DistEnv, out: str, save_on: dict, resume_on: dict, *, s
                     train_size: int = 512, batch_size: int = 32, lr: float = 0.05, model: str = "mlp") -> dict:
     """``steps`` steps on the mesh ``save_on`` (e.g. ``{"mesh": "tp=2"}``), a checkpoint with that mid-epoch
     position in ``out``, one more step in memory; then that checkpoint resumed on the mesh ``resume_on`` for the
-    one next step. Every rank returns ``{"saved": losses, "resumed": loss, "owner": ...}`` (losses of the ranks that
-    own them; the global loss is the mean over the owners)."""
+    one next step, and on rank 0 also by one process of its own (:func:`resume_here`, no process group: its
+    first optimizer's imports are paid in the rank, not in the notebook's kernel). Every rank returns ``{"saved":
+    losses, "resumed": losses, "saved owner", "resumed owner"}`` (losses of the ranks that own them; the global
+    loss is the mean over the owners), rank 0 also ``"one process"``."""
     from labkit.parallel.mesh import MeshStrategy
     from labkit.train.loop import epoch_position
 
@@ -142,6 +144,9 @@ def save_and_resume(env: DistEnv, out: str, save_on: dict, resume_on: dict, *, s
             state = load_training_state(strategy.checkpoint_file(out), strategy, net, optimizer, scheduler, None)
             result["resumed"], _ = _fit(strategy, net, optimizer, train, batch_size, steps + 1, state["position"])
         result[f"{key} owner"] = strategy.metric_owner()
+    if env.rank == 0:
+        result["one process"] = resume_here(out, steps=steps, train_size=train_size, batch_size=batch_size, lr=lr,
+                                            model=model)
     return result
 
 
