@@ -301,3 +301,12 @@ def test_a_mid_epoch_resume_with_another_global_batch_is_refused_in_one_line():
                                   "global batch is 16 (16 per rank × 1); resume with --batch-size 32 so that the step "
                                   "holds the same samples")
     _check_same_batch(state, {"batch_size": 8}, 4)  # 8 × 4 = 32: the same samples
+
+
+def test_export_without_a_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
+    from labkit.cli import main
+
+    assert main(["export", str(tmp_path), str(tmp_path / "model.pt")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"labkit: error: {tmp_path}: no checkpoint there (checkpoint.pt or checkpoint.rank*.pt); train with labkit "
+        "train --out RUN (checkpoints are on by default)"]

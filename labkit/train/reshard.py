@@ -62,7 +62,8 @@ def _key_of(strategy) -> dict:
 
 def check(states: list[dict], folder: Path, strategy=None) -> None:
     """Refuse in one line where the files of one checkpoint (``states``, read from ``folder``) come from different
-    saves, or their writer's layout cannot be resharded (naming ``strategy``'s setup, the run offered it)."""
+    saves, or their writer's layout cannot be resharded (naming ``strategy``'s setup, the run offered it; None:
+    ``labkit export``, which joins the parts)."""
     first = states[0]
     where = {(s.get("epoch"), (s.get("position") or {}).get("step", 0)) for s in states}
     if len(where) > 1:
@@ -70,10 +71,12 @@ def check(states: list[dict], folder: Path, strategy=None) -> None:
                               f"({sorted(where)}); delete the stale ones or run without --resume")
     why = next((s.get("layout_refusal") or "it has no layout (written by an older labkit)" for s in states
                 if s.get("layout") is None), None)
+    if why is not None and strategy is None:
+        raise CheckpointError(f"it was written on {_setup(first)}; {why}, so its parts cannot be joined into one "
+                              "model")
     if why is not None:
-        mine = "" if strategy is None else f" but this run has {_setup(_key_of(strategy))}"
-        raise CheckpointError(f"it was written on {_setup(first)}{mine}; {why}: resume with {_setup(first)} or "
-                              "start without --resume")
+        raise CheckpointError(f"it was written on {_setup(first)} but this run has {_setup(_key_of(strategy))}; "
+                              f"{why}: resume with {_setup(first)} or start without --resume")
 
 def whole_state(states: list[dict]) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """``(model, optimizer)``: every tensor of the model whole, by name, and every parameter's optimizer state by
