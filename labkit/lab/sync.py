@@ -99,9 +99,9 @@ def compare_sync(env: DistEnv, every: tuple[int, ...] = (1, 4, 16), syncs: tuple
     return out
 
 
-def _fit(strategy, net, optimizer, train, batch_size, steps, position=None) -> list[float]:
-    """``steps`` steps of one epoch of fit (from ``position``, a mid-epoch checkpoint's); the loss of each step on
-    this rank (None where it does not own the loss)."""
+def _fit(strategy, net, optimizer, train, batch_size, steps, position=None) -> tuple[list, object]:
+    """``steps`` steps of one epoch of fit (from ``position``, a mid-epoch checkpoint's); ``(the loss of each step
+    on this rank (None where it does not own the loss), the constant LR schedule it stepped)``."""
     from labkit.dist.testing import record_losses
 
     losses = record_losses(strategy)
@@ -153,10 +153,8 @@ def save_and_resume(env: DistEnv, out: str, save_on: dict, resume_on: dict, *, s
 def resume_here(out: str | Path, *, steps: int = 3, train_size: int = 512, batch_size: int = 32, lr: float = 0.05,
                 model: str = "mlp") -> float:
     """The checkpoint :func:`save_and_resume` wrote, resumed in this one process: the loss of its next step."""
-    from labkit.dist.group import DistEnv as Env
-
     info, train, _ = _digits(train_size, 10)
-    strategy = Strategy(Env())
+    strategy = Strategy(DistEnv())
     net = _model(info, model)
     optimizer, _ = strategy.build_optimizer(net, OptimizerSpec("sgd", lr, 0.9))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
