@@ -9,6 +9,9 @@
     model = get_model(saved["config"]["model"], ...)          # the run's model, built as labkit train built it
     model.load_state_dict(saved["model"])                     # the whole state_dict, one tensor per name
 
+A CNN/MLP trained with tensor or pipeline parallelism is the flat ``nn.Sequential`` form of the model
+(``get_model(name, ..., sequential=True)``), and its file has that form's names (``fc1.weight``, ...).
+
 The run may have trained on any mesh whose checkpoint reshards (:mod:`labkit.train.reshard`): tensor-parallel
 shards are joined, replicas read once. Nothing starts a process group; the file is written atomically. What does
 not reshard (a pipeline split, ZeRO or FSDP shards, ...) is refused in one line. The parser imports no torch.

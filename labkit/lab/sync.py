@@ -64,9 +64,9 @@ def _digits(train_size: int, test_size: int, dataset: str = "mnist-sample"):
                                                                                   limit=test_size)
 
 
-def _model(info, name: str = "mlp", sequential: bool = True):
-    """The model, seeded; a flat ``nn.Sequential`` by default (the layout tp cuts, and one set of parameter names
-    on every mesh)."""
+def _model(info, name: str = "mlp", sequential: bool = False):
+    """The model, seeded, as ``labkit train`` builds it: nested, or (``sequential``: for tp and pp) the flat
+    ``nn.Sequential`` of its layers, whose tensors are named by layer (:func:`labkit.train.reshard.flat_names`)."""
     torch.manual_seed(0)
     return kmodels.get_model(name, num_classes=info.num_classes, in_channels=info.in_channels,
                              image_size=info.image_size, sequential=sequential)
@@ -130,7 +130,7 @@ def save_and_resume(env: DistEnv, out: str, save_on: dict, resume_on: dict, *, s
     for key, options in (("saved", save_on), ("resumed", resume_on)):
         strategy = MeshStrategy(env, options)
         strategy.check_model(model)
-        net = strategy.prepare(_model(info, model))
+        net = strategy.prepare(_model(info, model, strategy.sequential_model))
         optimizer, _ = strategy.build_optimizer(net, OptimizerSpec("sgd", lr, 0.9, env=env))
         if key == "saved":
             losses, scheduler = _fit(strategy, net, optimizer, train, batch_size, steps)

@@ -16,7 +16,7 @@ from torch import nn
 
 from labkit.errors import CheckpointError
 from labkit.results import atomic_write
-from labkit.train.reshard import check, param_names, resharded
+from labkit.train.reshard import check, flat_names, param_names, resharded
 
 _RANK_FILE = re.compile(r"checkpoint\.rank(\d+)\.pt")
 
@@ -88,6 +88,7 @@ def save_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
     why = strategy.reshard_refusal()  # how the tensors cut the whole model, so another mesh can resume it
     state.update(layout=strategy.shard_layout(model) if why is None else None, layout_refusal=why,
                  param_names=param_names(strategy.unwrap(model), optimizer),
+                 flat_names=flat_names(strategy.unwrap(model)) if why is None else {},
                  data_parallel_size=strategy.data_parallel_size)
     save_checkpoint(path, state)
     if strategy.env.is_main:

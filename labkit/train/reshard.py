@@ -136,11 +136,12 @@ def resharded(states: list[dict], strategy, model: nn.Module, optimizer: torch.o
     whole, opt = whole_state(states)
     module = strategy.unwrap(model)
     target = strategy.shard_layout(model)
+    source = _saved_names(module, whole, first.get("flat_names") or {})
     local = {}
     for name, ref in module.state_dict().items():
-        if name not in whole:
+        if source(name) not in whole:
             raise CheckpointError(f"it was written on {_setup(first)} and holds no {name}; is it this model?")
-        local[name] = cut(whole[name], target.get(name))
+        local[name] = cut(whole[source(name)], target.get(name))
         if local[name].shape != ref.shape:
             raise CheckpointError(f"{name} is {tuple(whole[name].shape)} there, this run's is {tuple(ref.shape)} on "
                                   "this rank")
@@ -151,17 +152,51 @@ def resharded(states: list[dict], strategy, model: nn.Module, optimizer: torch.o
                               f"{len(sd['param_groups'])}; resume with the same --optimizer")
     for mine, saved in zip(sd["param_groups"], saved_groups, strict=True):
         mine.update({k: v for k, v in saved.items() if k != "params"})
-    full_shapes = {name: whole[name].shape for name in whole}
     sd["state"] = {}
     for i, name in enumerate(param_names(module, optimizer)):
-        if name in opt:
+        saved = source(name)
+        if saved in opt:
             sd["state"][i] = {k: cut(v, target.get(name)) if isinstance(v, torch.Tensor)
-                              and v.shape == full_shapes[name] else v for k, v in opt[name].items()}
+                              and v.shape == whole[saved].shape else v for k, v in opt[saved].items()}
     state = {**first, "model": local, "optimizer": sd, "world_size": strategy.env.world_size,
-             "position": _position(first.get("position"), strategy.env.world_size)}
+             "position": _position(first.get("position"), strategy.env.world_size), "resharded_from": _setup(first)}
     if hasattr(strategy, "mesh_key"):
         state["mesh"] = strategy.mesh_key()
     return state
+
+
+def flat_names(module: nn.Module) -> dict[str, str]:
+    """``{name: name in the flat form}`` of each tensor of a CNN/MLP built nested (``labkit train --model mlp``):
+    tensor and pipeline parallelism build the same model as the flat ``nn.Sequential`` of its layers
+    (:func:`labkit.models.cnn.to_sequential`, sharing its tensors), which names them by layer (``fc1.weight`` for
+    ``linear_relu_stack.fc1.weight``). Empty for a model that is flat already or has no flat form (the GPT: one set of
+    names on every mesh)."""
+    from labkit.errors import ConfigError
+    from labkit.models.cnn import to_sequential
+
+    if isinstance(module, nn.Sequential):
+        return {}
+    try:
+        flat = to_sequential(module)
+    except ConfigError:
+        return {}
+    by_tensor = {id(t): name for name, t in flat.state_dict(keep_vars=True).items()}
+    return {name: by_tensor[id(t)] for name, t in module.state_dict(keep_vars=True).items() if id(t) in by_tensor}
+
+
+def _saved_names(module: nn.Module, whole: dict, saved_flat: dict[str, str]):
+    """``name -> the name the checkpoint holds it under``: the same, or across the flat and the nested form of one
+    CNN/MLP (this model nested and the checkpoint flat, or the other way: the writer's ``flat_names``)."""
+    names = list(module.state_dict())
+    if all(n in whole for n in names):
+        return lambda n: n
+    mine = flat_names(module)
+    if mine and all(mine.get(n) in whole for n in names):
+        return lambda n: mine[n]
+    nested = {flat: name for name, flat in saved_flat.items()}
+    if nested and all(nested.get(n) in whole for n in names):
+        return lambda n: nested[n]
+    return lambda n: n
 
 
 def _position(position: dict | None, world: int) -> dict | None:
