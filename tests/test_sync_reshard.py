@@ -9,7 +9,9 @@ through the same ``labkit.train.loop.fit`` a user runs. One 4-rank spawn:
 * a 2-layer GPT (d = 32, vocabulary 64, T = 16, dropout 0) on ``--mesh dp=2,tp=2``, global batch 8, 4 steps per epoch:
   2 steps, a checkpoint with the mid-epoch position (step 2), and the third step continued in memory; that
   checkpoint resumed on ``dp=4`` and on ``tp=4`` (the third step only), and offered to ``tp=2,pp=2`` (refused).
-  The same checkpoint is resumed in this process (one process) and exported to one file (``labkit export``).
+  The same checkpoint is resumed in this process (one process) and exported to one file (``labkit export``);
+* labkit's MLP (16 → 512 → 512 → 3) saved mid-epoch by one process (its nested names, ``linear_relu_stack.fc1``)
+  resumed on ``tp=4`` (its flat form, ``fc1``, cut in four) for the next step.
 
 The claims: local SGD at H = 1 with SGD, and DiLoCo at H = 1 with outer SGD lr 1 and no momentum, equal DDP (the
 loss of every step within 1e-6, the weights after 4 steps within 1e-6: only the order of the sums differs); the
@@ -21,6 +23,8 @@ an exported ``gpt-tiny``; uneven tensor-parallel parts join and cut again as ``t
 resume with another global batch is refused in one line.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -183,11 +187,54 @@ def _reshard_runs(env, out) -> dict:
     return result
 
 
+def _mlp_images():
+    g = torch.Generator().manual_seed(4)
+    return TensorDataset(torch.randn(STEPS * BATCH, 1, 4, 4, generator=g), torch.randint(0, 3, (STEPS * BATCH,),
+                                                                                       generator=g))
+
+
+def _labkit_mlp(sequential: bool) -> nn.Module:
+    from labkit.models.cnn import get_model
+
+    torch.manual_seed(5)
+    return get_model("mlp", num_classes=3, in_channels=1, image_size=4, sequential=sequential)
+
+
+def _mlp_on_tp4(env, out) -> float | None:
+    """The one-process MLP checkpoint in ``out`` (nested names) resumed on tp=4 (the flat form, cut): step 2."""
+    from labkit.parallel.mesh import MeshStrategy
+    from labkit.train.checkpoint import load_training_state
+
+    strategy = MeshStrategy(env, {"mesh": "tp=4"})
+    strategy.check_model("mlp")
+    model = strategy.prepare(_labkit_mlp(strategy.sequential_model))
+    optimizer, scheduler = _built(strategy, model)
+    state = load_training_state(strategy.checkpoint_file(out), strategy, model, optimizer, scheduler, None)
+    losses = _fit(strategy, model, _mlp_images(), 2, position=state["position"], optimizer=optimizer,
+                  scheduler=scheduler)
+    return losses[-1] if strategy.metric_owner() else None
+
+
 def _ranks(env, out):
-    return {"sync": _sync_runs(env), "reshard": _reshard_runs(env, out)}
+    return {"sync": _sync_runs(env), "reshard": _reshard_runs(env, out),
+            "mlp tp=4": _mlp_on_tp4(env, os.path.join(out, "mlp"))}
 
 
 def test_local_sgd_diloco_and_resharded_checkpoints(tmp_path):
+    from labkit.train.checkpoint import save_training_state
+    from labkit.train.loop import epoch_position
+
+    # one process, labkit's MLP as labkit train builds it (nested names): step 1, a mid-epoch checkpoint, step 2
+    single = Strategy(DistEnv())
+    mlp = _labkit_mlp(sequential=False)
+    optimizer, scheduler = _built(single, mlp)
+    mlp_losses = _fit(single, mlp, _mlp_images(), 1, optimizer=optimizer, scheduler=scheduler)
+    position = epoch_position(1, torch.zeros(3, dtype=torch.float64), single)
+    (tmp_path / "mlp").mkdir()
+    save_training_state(single.checkpoint_file(tmp_path / "mlp"), single, mlp, optimizer, scheduler, None,
+                        {"epoch": 0, "position": position}, {})
+    _fit(single, mlp, _mlp_images(), 2, position=position, optimizer=optimizer, scheduler=scheduler)
+
     ranks = run_ranks(_ranks, 4, str(tmp_path), timeout=300)
 
     # local SGD at H = 1 with SGD, DiLoCo at H = 1 with outer lr 1 and no momentum: DDP, every step and after 4
@@ -224,6 +271,11 @@ def test_local_sgd_diloco_and_resharded_checkpoints(tmp_path):
     assert all(r["reshard"]["pp"] == f"checkpoint in {tmp_path}: it was written on --mesh dp=2,tp=2 but this run has "
                "--mesh pp=2,tp=2 --pp-balance [1, 1]; a pipeline split does not reshard (another split moves the stage boundaries): "
                "resume with --mesh dp=2,tp=2 or start without --resume" for r in ranks), ranks[0]["reshard"]["pp"]
+
+    # the one-process MLP (nested names) on tp=4 (its flat form, cut in 4): the same next step
+    tp4_mlp = [r["mlp tp=4"] for r in ranks if r["mlp tp=4"] is not None]
+    assert len(mlp_losses) == 2 and len(tp4_mlp) == 1
+    torch.testing.assert_close(tp4_mlp[0], mlp_losses[1], rtol=0, atol=1e-5)
 
     # one process: the same checkpoint, the same next step
     from labkit.train.checkpoint import load_training_state
