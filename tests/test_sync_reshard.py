@@ -5,7 +5,8 @@ through the same ``labkit.train.loop.fit`` a user runs. One 4-rank spawn:
   epoch of 4 steps of 8 samples: DDP (PyTorch's), every-step data parallelism with ``--allreduce native`` (its
   all-reduces visible to Python), local SGD at H = 1, DiLoCo at H = 1 with ``--outer-lr 1 --outer-momentum 0``,
   and local SGD and DiLoCo (the paper's outer lr 0.7, Nesterov 0.9) at H = 2. Every ``torch.distributed`` call made
-  inside a ``train_step`` is logged with its element count;
+  inside a ``train_step`` is logged with its element count. DiLoCo at H = 2 is also stopped after step 3 (between
+  two meetings), checkpointed and resumed for step 4: bit-identical weights;
 * a 2-layer GPT (d = 32, vocabulary 64, T = 16, dropout 0) on ``--mesh dp=2,tp=2``, global batch 8, 4 steps per epoch:
   2 steps, a checkpoint with the mid-epoch position (step 2), and the third step continued in memory; that
   checkpoint resumed on ``dp=4`` and on ``tp=4`` (the third step only), and offered to ``tp=2,pp=2`` (refused).
@@ -123,14 +124,20 @@ def _built(strategy, model):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 
 
-def _sync_runs(env) -> dict:
+def _small_mlp(strategy):
+    torch.manual_seed(0)
+    return strategy.prepare(nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3)))
+
+
+def _sync_runs(env, out) -> dict:
     from labkit.parallel.mesh import MeshStrategy
+    from labkit.train.checkpoint import load_training_state, save_training_state
+    from labkit.train.loop import epoch_position
 
     result = {}
     for key, options in SYNCS.items():
         strategy = MeshStrategy(env, options)
-        torch.manual_seed(0)
-        model = strategy.prepare(nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3)))
+        model = _small_mlp(strategy)
         optimizer, scheduler = _built(strategy, model)
         log: list = []
         undo = _counted(log)
@@ -140,6 +147,22 @@ def _sync_runs(env) -> dict:
             undo()
         weights = {n: p.detach().clone() for n, p in strategy.unwrap(model).named_parameters()}
         result[key] = {"losses": torch.stack(losses), "weights": weights, "calls": log}
+    # DiLoCo at H = 2 stopped after step 3, between two meetings, and resumed for step 4 (a meeting: the global
+    # parameters and the outer momentum come back from each rank's checkpoint)
+    options = SYNCS["diloco H=2"]
+    stopped = MeshStrategy(env, options)
+    model = _small_mlp(stopped)
+    optimizer, scheduler = _built(stopped, model)
+    _fit(stopped, model, _mlp_data(), 3, optimizer=optimizer, scheduler=scheduler)
+    position = epoch_position(3, torch.zeros(3, dtype=torch.float64), stopped)
+    save_training_state(stopped.checkpoint_file(out), stopped, model, optimizer, scheduler, None,
+                        {"epoch": 0, "position": position}, {})
+    again = MeshStrategy(env, options)
+    model = _small_mlp(again)
+    optimizer, scheduler = _built(again, model)
+    state = load_training_state(again.checkpoint_file(out), again, model, optimizer, scheduler, None)
+    _fit(again, model, _mlp_data(), STEPS, position=state["position"], optimizer=optimizer, scheduler=scheduler)
+    result["diloco H=2 resumed"] = {n: p.detach().clone() for n, p in again.unwrap(model).named_parameters()}
     return result
 
 
@@ -216,7 +239,7 @@ def _mlp_on_tp4(env, out) -> float | None:
 
 
 def _ranks(env, out):
-    return {"sync": _sync_runs(env), "reshard": _reshard_runs(env, out),
+    return {"sync": _sync_runs(env, os.path.join(out, "diloco")), "reshard": _reshard_runs(env, out),
             "mlp tp=4": _mlp_on_tp4(env, os.path.join(out, "mlp"))}
 
 
@@ -235,6 +258,7 @@ def test_local_sgd_diloco_and_resharded_checkpoints(tmp_path):
                         {"epoch": 0, "position": position}, {})
     _fit(single, mlp, _mlp_images(), 2, position=position, optimizer=optimizer, scheduler=scheduler)
 
+    (tmp_path / "diloco").mkdir()
     ranks = run_ranks(_ranks, 4, str(tmp_path), timeout=300)
 
     # local SGD at H = 1 with SGD, DiLoCo at H = 1 with outer lr 1 and no momentum: DDP, every step and after 4
@@ -258,6 +282,9 @@ def test_local_sgd_diloco_and_resharded_checkpoints(tmp_path):
             assert any(not torch.allclose(r["sync"][key]["weights"][n], ddp[0]["weights"][n], atol=1e-4)
                        for n in ddp[0]["weights"])
             torch.testing.assert_close(r["sync"][key]["weights"], ranks[0]["sync"][key]["weights"], rtol=0, atol=0)
+        # stopped between two meetings and resumed on the same mesh: bit-identical
+        straight = r["sync"]["diloco H=2"]["weights"]
+        assert all(torch.equal(r["sync"]["diloco H=2 resumed"][n], w) for n, w in straight.items())
 
     # the next-step loss after a resume on another mesh: the uninterrupted dp=2,tp=2 run's third step (the mean over
     # its two dp groups' owners)
