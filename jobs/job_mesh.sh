@@ -8,6 +8,8 @@
 #   sbatch jobs/job_mesh.sh                                    # 2 nodes × 4 GPUs: --mesh dp=2,tp=4
 #   MESH=pp=2,dp=2,tp=2 sbatch jobs/job_mesh.sh                # 8 ranks: a pipeline stage per node
 #   MESH=dp=8 EXTRA_ARGS="--dp-shard fsdp" sbatch jobs/job_mesh.sh   # FSDP2 over every rank
+#   EXTRA_ARGS="--sync diloco --sync-every 64" sbatch jobs/job_mesh.sh   # a replica group per node, meeting every 64 steps
+#   LABKIT_OUT=runs/mesh-<jobid> RESUME=1 sbatch --nodes=1 jobs/job_mesh.sh  # that dp=2,tp=4 run continued on tp=4
 #   SBATCH_GRES=none LABKIT_QUICK=1 sbatch jobs/job_mesh.sh    # CPU nodes, tiny sizes (gloo)
 #   bash jobs/job_mesh.sh                                      # no SLURM: one node, torchrun on this machine
 #
@@ -17,7 +19,8 @@
 #   BASE_LR [3e-4]      OPTIMIZER [adam]
 #   NPROC [ranks per node: the node's GPUs; on CPU 1, or 2 without SLURM]
 #   RDZV_PORT [29500 + job id mod 1000]   EXTRA_ARGS: more `labkit train` flags (e.g. --sequence-parallel)
-#   RESUME [0]: 1 continues the checkpoint in LABKIT_OUT (same --mesh; a requeued job does so by itself)
+#   RESUME [0]: 1 continues the checkpoint in LABKIT_OUT, on this --mesh or another one it reshards to
+#     (labkit/train/reshard.py: not across a pp split, ZeRO/FSDP or DiLoCo); a requeued job does so by itself
 #   Pre-emption and time limits: see jobs/lib/run.sh (--signal=B:USR1@120 below: checkpoint, requeue)
 #   LABKIT_QUICK=1: lenet on the offline mnist-sample, 1 short epoch, --mesh dp=<all ranks>, CPU/gloo
 #   LABKIT_OUT: results folder, on a file system all nodes share [runs/mesh-<jobid>]

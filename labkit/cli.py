@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("labkit.train.cli", "train a model with a parallel strategy"),
     "data": ("labkit.data.cli", "fetch datasets (on a login node) and list what is on disk"),
     "sample": ("labkit.sample", "print text from a trained language model's run"),
+    "export": ("labkit.export", "write a run's checkpoint as one whole model file"),
     "allreduce": ("labkit.collectives.cli", "verify, animate and benchmark the all-reduce algorithms"),
     "bench": ("labkit.bench", "benchmarks (labkit vs plain PyTorch, scaling, sweeps)"),
     "check": ("labkit.exercises.cli", "check a workshop exercise"),

@@ -1,6 +1,6 @@
 """labkit.parallel.mesh on gloo CPU ranks: each composition, through the same ``labkit.train.loop.fit`` a user runs,
-equals single-process ``fit`` on the global batch; mesh checkpoints resume bit-identically; another mesh is
-refused on resume.
+equals single-process ``fit`` on the global batch; mesh checkpoints resume bit-identically; a mesh that does not
+reshard is refused on resume (resharding: ``tests/test_sync_reshard.py``).
 
 One 2-rank spawn runs several fits in turn: a CNN on ``--mesh dp=2`` (replicas + bucketed all-reduce; and with
 ``--allreduce ring``, labkit's ring over the dp group), on
@@ -12,7 +12,7 @@ fsdp runs two epochs and is resumed from the checkpoint it wrote after the first
 another mesh; the CNN on zero3 the same (its parameters gathered over dp to be saved, loaded and compared). One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP; and with
 ``--recompute full``: the replay gathers the blocks' shards again), on
 ``tp=2,pp=2``, on ``dp=2,tp=2 --dp-shard zero2`` and ``dp=2,pp=2 --dp-shard zero1`` (labkit's ZeRO over the dp
-groups); the GPT on ``dp=2,tp=2`` resumed the same way, its checkpoint offered to ``dp=4``. One 8-rank
+groups); the GPT on ``dp=2,tp=2`` resumed the same way, its checkpoint offered to ``dp=2,tp=2 --dp-shard zero1``. One 8-rank
 spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and ``dp=2,pp=2`` is ``tests/test_pp.py``'s.) Each fit is
 one epoch of 2 steps (with evaluation), the two resumed ones two epochs.
 
@@ -198,12 +198,12 @@ def _two_ranks(env, out):
 
 
 def _four_ranks(env, out):
-    """On each of 4 ranks: the FOUR compositions; the GPT on dp=2,tp=2 resumed, its checkpoint offered to dp=4;
+    """On each of 4 ranks: the FOUR compositions; the GPT on dp=2,tp=2 resumed, its checkpoint offered to zero1;
     --dp-shard zero3 on dp=2,pp=2 refused."""
     from labkit.parallel.mesh import MeshStrategy
 
     result = _runs(env, FOUR, "gpt dp=2,tp=2", out)
-    result["resume"] = _resume(env, "gpt", {"mesh": "dp=2,tp=2"}, {"mesh": "dp=4"}, out,
+    result["resume"] = _resume(env, "gpt", {"mesh": "dp=2,tp=2"}, {"mesh": "dp=2,tp=2", "dp_shard": "zero1"}, out,
                                result["gpt dp=2,tp=2"]["weights"])
     try:
         MeshStrategy(env, {"mesh": "dp=2,pp=2", "dp_shard": "zero3"}).check_model("gpt-tiny")
@@ -278,9 +278,12 @@ def test_mesh_checkpoints_resume_bit_identically_and_another_mesh_is_refused(two
         assert ": it was written on --mesh dp=2 --dp-shard zero3 but this run has --mesh dp=2 --dp-shard zero1;" \
             in r["resume zero3"]["mismatch"]
         assert not FSDP_ON_CPU or ": it was written on --mesh dp=2 --dp-shard fsdp but this run has --mesh dp=2; " \
-               "resume with --mesh dp=2 --dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
-    for r in four:
-        assert ": it was written on --mesh dp=2,tp=2 but this run has --mesh dp=4;" in r["resume"]["mismatch"]
+               "--dp-shard fsdp does not reshard (a rank holds a shard of each tensor): resume with --mesh dp=2 " \
+               "--dp-shard fsdp or start without --resume" in r["resume"]["mismatch"]
+    for r in four:  # (another mesh of replicas and tensor-parallel shards reshards: tests/test_sync_reshard.py)
+        assert ": it was written on --mesh dp=2,tp=2 but this run has --mesh dp=2,tp=2 --dp-shard zero1; --dp-shard " \
+               "zero1 does not reshard (a rank holds a slice of each layer's flat buffer): resume with --mesh " \
+               "dp=2,tp=2 or start without --resume" in r["resume"]["mismatch"]
 
 
 def test_an_allreduce_algorithm_with_a_sharded_dp_is_refused_in_one_line(two):

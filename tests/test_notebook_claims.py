@@ -12,8 +12,7 @@ SHOWS_ACCURACY = re.compile(r"\btest_acc\b|final_test_acc")
 ASSERT = re.compile(r"^\s*assert\b.*$", re.M)
 COMPARED = re.compile(r"[<>]=?\s*(\d*\.\d+|\w+\[[^]]*\]\[\"test_acc\"\])")  # with a number or another run's accuracy
 #: notebooks that show a test accuracy without asserting one yet, and why
-NOT_YET = {"01b_synchronisation": "its accuracy panel compares sync, async and SSP per second of training; the "
-                                  "claims asserted are the staleness counts"}
+NOT_YET: dict[str, str] = {}
 
 
 def _asserts_accuracy(code: str) -> bool:

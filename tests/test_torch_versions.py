@@ -193,6 +193,7 @@ INTRODUCED = {
     "torch.optim.SGD": ("2.0", "torch/optim/sgd.py"),
     "torch.optim.SGD(lr=)": ("2.0", "torch/optim/sgd.py"),
     "torch.optim.SGD(momentum=)": ("2.0", "torch/optim/sgd.py"),
+    "torch.optim.SGD(nesterov=)": ("2.0", "torch/optim/sgd.py"),
     "torch.optim.SGD(weight_decay=)": ("2.0", "torch/optim/sgd.py"),
     "torch.optim.lr_scheduler.LambdaLR": ("2.0", "torch/optim/lr_scheduler.py"),
     "torch.optim.optimizer.register_optimizer_step_post_hook": ("2.0", "torch/optim/optimizer.py"),

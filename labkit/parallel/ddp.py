@@ -62,6 +62,8 @@ FLAGS = [
 ADVISOR = {"price": "labkit.parallel.ddp:price_ddp", "plans": "spread", "batch": "split", "keep": "cheapest",
            "grid": {"allreduce": ["ddp", "ring", "tree", "butterfly", "rabenseifner", "master-worker", "all-to-all",
                                  "round-robin"]}}
+#: flags declared once by another module and shared (labkit.flags.module_flags): the replicas' synchronisation
+SHARED_FLAGS = {"labkit.parallel.local_sgd": ["--sync", "--sync-every", "--outer-lr", "--outer-momentum"]}
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run
 BENCH = {"ranks": 2, "flags": []}
 #: backend/device combinations it cannot run on (labkit.strategies.backends): the kit's schedules send point to point

@@ -50,6 +50,8 @@ from labkit.dist.group import print0
 from labkit.errors import ConfigError
 from labkit.parallel.base import Dimension
 from labkit.parallel.data_parallel import DEFAULT_BUCKET_MB, average_gradients
+from labkit.parallel.local_sgd import build as build_sync
+from labkit.parallel.local_sgd import read_sync
 from labkit.parallel.mesh import MeshStrategy
 from labkit.parallel.zero_sharding import ZeroSharding
 from labkit.parallel.zero_units import Comm, format_layout
@@ -73,7 +75,8 @@ FLAGS = [
 ]
 #: flags declared once by another module and shared (labkit.parallel.dimension_flags): ``--strategy ddp``'s
 #: gradient all-reduce algorithm
-SHARED_FLAGS = {"labkit.parallel.ddp": ["--allreduce", "--bucket-mb"]}
+SHARED_FLAGS = {"labkit.parallel.ddp": ["--allreduce", "--bucket-mb"],
+                "labkit.parallel.local_sgd": ["--sync", "--sync-every", "--outer-lr", "--outer-momentum"]}
 #: ``labkit advise --model gpt-*``'s mesh search (labkit.parallel.pricing): the pricing function below
 ADVISOR = {"price": "labkit.parallel.dp:mesh_time"}
 
@@ -162,12 +165,20 @@ class DataParallel(Dimension):
         super().__init__(mesh, options)
         self.shard, self.allreduce, self.bucket_mb = read_options(self.options)
         self.label = self.options.get("preset") or f"mesh --dp-shard {self.shard}"
+        self.holds = HOLDS.get(self.shard, "a whole replica")  # of each layer
+        self.sync, self.sync_every, self.outer_lr, self.outer_momentum = read_sync(self.options)
+        self.periodic = None  # --sync local-sgd|diloco: the meetings every H steps (built with the optimizer)
+        if self.sync != "every-step" and (self.shard != "none" or self.allreduce != "ddp"):
+            what = f"--dp-shard {self.shard}" if self.shard != "none" else f"--allreduce {self.allreduce}"
+            raise ConfigError(f"--sync {self.sync} averages whole replicas every --sync-every steps, but {what} "
+                              "shards or all-reduces gradients every step; leave it out (or use --sync every-step)")
         self.algorithm = "native" if self.allreduce == "ddp" else self.allreduce
         self.bucket_bytes = int(self.bucket_mb * 2**20)
         sizes = {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)}
         alone = all(size == 1 for n, size in sizes.items() if n != "dp")
-        self.wraps_ddp = self.size > 1 and self.shard == "none" and self.allreduce == "ddp" and alone
-        self.averages_gradients = self.size > 1 and self.shard == "none" and not self.wraps_ddp
+        every_step = self.sync == "every-step"
+        self.wraps_ddp = self.size > 1 and self.shard == "none" and self.allreduce == "ddp" and alone and every_step
+        self.averages_gradients = self.size > 1 and self.shard == "none" and not self.wraps_ddp and every_step
         self.reshard = not self.options.get("fsdp_no_reshard")
         self.buffers: list[torch.Tensor] = []
         self.pipelined = sizes.get("pp", 1) > 1
@@ -230,7 +241,10 @@ class DataParallel(Dimension):
         return self.zero.gathered() if self.zero is not None else contextlib.nullcontext()
 
     def state_key(self) -> dict:
-        return {"dp": self.size, "dp_shard": self.shard}  # fsdp and ZeRO shards do not load into replicas
+        key = {"dp": self.size, "dp_shard": self.shard}  # fsdp and ZeRO shards do not load into replicas
+        if self.sync != "every-step":
+            key.update(sync=self.sync, sync_every=self.sync_every)
+        return key
 
     def begin_step(self) -> None:
         """ZeRO: stage 1's flat gradients zeroed; the buffers (e.g. batch-norm statistics) follow the group's first
@@ -248,6 +262,8 @@ class DataParallel(Dimension):
             return
         if self.size == 1 or self.shard == "fsdp" or self.wraps_ddp:  # FSDP2, DDP: reduced during backward
             return
+        if self.sync != "every-step":  # local SGD, DiLoCo: each replica steps on its own gradient
+            return
         average_gradients(model.parameters(), self.algorithm, self.bucket_bytes, group=self.group)
 
     def build_optimizer(self, model: nn.Module, spec):
@@ -259,7 +275,16 @@ class DataParallel(Dimension):
             return self.zero.build_optimizer(spec)
         if self.shard == "fsdp":
             refuse_layerwise(spec.name, self.label, HOLDS[self.shard])
-        return spec.build(model.module if self.wraps_ddp else model)
+        if self.sync != "every-step" and (spec.name.startswith("kfac") or spec.name in ("shampoo", "soap", "muon")):
+            raise ConfigError(f"--optimizer {spec.name} with --sync {self.sync}: it shares its work or its factors "
+                              "over the ranks every step, but each replica steps alone between meetings; use sgd, "
+                              "adam, lars or lamb (or --sync every-step)")
+        built = spec.build(model.module if self.wraps_ddp else model)
+        if self.sync != "every-step" and self.size > 1:
+            self.periodic = build_sync(self.sync, model, self.group, self.size, self.sync_every, self.outer_lr,
+                                       self.outer_momentum)
+            self.periodic.attach(built[0])
+        return built
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
@@ -299,6 +324,8 @@ class DataParallelPreset(MeshStrategy):
         options = dict(options or {})
         options.update(mesh=f"dp={env.world_size}", dp_shard=self.shard_of(options), preset=self.name)
         self.shard, self.allreduce, self.bucket_mb = read_options(options)
+        if read_sync(options)[0] != "every-step":  # the replicas differ between meetings: each rank saves its own
+            self.replicated = False
         super().__init__(env, options)
 
     def shard_of(self, options: dict) -> str:

@@ -249,24 +249,68 @@ class MeshStrategy(DataParallelStrategy):
         dp = next((d for d in self.dims if d.name == "dp"), None)
         return dp.whole_parameters() if dp is not None else contextlib.nullcontext()
 
+    def reshard_refusal(self) -> str | None:
+        """Why this mesh's checkpoint resumes only on this mesh (:mod:`labkit.train.reshard`), or None: a pipeline
+        (another split moves the stage boundaries), expert parallelism (experts live on their ranks), ZeRO/FSDP
+        shards (flat buffers, DTensors), DiLoCo (its global parameters and outer momentum), local SGD between two
+        meetings (the replicas differ)."""
+        for name, why in (("pp", "a pipeline split does not reshard (another split moves the stage boundaries)"),
+                          ("ep", "expert parallelism does not reshard (the experts live on their ep ranks)")):
+            if self.shape[name] > 1:
+                return why
+        dp = next((d for d in self.dims if d.name == "dp"), None)
+        if dp is not None and dp.shard != "none":
+            return f"--dp-shard {dp.shard} does not reshard (a rank holds {dp.holds})"
+        periodic = self._periodic()
+        if dp is not None and dp.sync == "diloco":
+            return "DiLoCo does not reshard (its global parameters and outer momentum)"
+        if periodic is not None and not periodic.at_meeting():
+            return "local SGD saved between two meetings does not reshard (the replicas differ)"
+        return None
+
+    def shard_layout(self, model: nn.Module) -> dict:
+        """Each tensor-parallel shard of this rank: ``[dim, tp rank, tp size, whole shape]`` by name (the whole
+        shapes recorded by :meth:`labkit.parallel.tp.TensorParallel.parallelize` before it cut them)."""
+        tp = next((d for d in self.dims if d.name == "tp"), None)
+        if tp is None:
+            return {}
+        found = {}
+        for name, t in self.unwrap(model).state_dict().items():
+            whole = tp.whole_shapes.get(name)
+            if whole is not None and tuple(t.shape) != whole:
+                dim = next(i for i, (a, b) in enumerate(zip(t.shape, whole, strict=True)) if a != b)
+                found[name] = [dim, tp.rank, tp.size, list(whole)]
+        return found
+
     def state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         with self.whole_parameters():
             state = local_state(self.unwrap(model), optimizer)
             state["model"] = {k: v.clone() for k, v in state["model"].items()}  # ZeRO-3 frees them after the block
+        periodic = self._periodic()
+        if periodic is not None:  # --sync local-sgd|diloco: the step count (and DiLoCo's θ and outer momentum)
+            state["sync"] = periodic.state_dict()
         return {**state, "world_size": self.env.world_size, "mesh": self.mesh_key()}
+
+    def _periodic(self):
+        """The dp dimension's meetings every H steps (``--sync local-sgd|diloco``), or None."""
+        dp = next((d for d in self.dims if d.name == "dp"), None)
+        return getattr(dp, "periodic", None)
 
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         saved = state.get("mesh")
         if saved != self.mesh_key():
-            written = _describe(saved) if isinstance(saved, dict) else "no mesh"
+            written = describe(saved) if isinstance(saved, dict) else "no mesh"
+            why = self.reshard_refusal() or state.get("layout_refusal")
             raise CheckpointError(f"it was written on --mesh {written} but this run has --mesh "
-                                  f"{_describe(self.mesh_key())}; resume with --mesh {written} or start without "
-                                  "--resume")
+                                  f"{describe(self.mesh_key())}; {why + ': ' if why else ''}resume with --mesh "
+                                  f"{written} or start without --resume")
         with self.whole_parameters():
             load_local_state(self.unwrap(model), optimizer, state)
+        if self._periodic() is not None and state.get("sync") is not None:
+            self._periodic().load_state_dict(state["sync"])
 
 
-def _describe(key: dict) -> str:
+def describe(key: dict) -> str:
     """``{"dp": 2, "dp_shard": "fsdp", "tp": 1, ...}`` -> ``"dp=2 --dp-shard fsdp"`` (options at their default
     ``none``/``False`` left out)."""
     options = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in key.items()

@@ -19,6 +19,8 @@ and one backward per pair; its output is whole on every rank, so the loss and ev
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,7 +87,9 @@ def parallelize_linears(model: nn.Sequential, group=None, rank: int | None = Non
         out += [*layers[done:i], ColumnParallelLinear(layers[i], group, enter=True, rank=rank, world_size=world_size),
                 *layers[i + 1:j], RowParallelLinear(layers[j], group, rank=rank, world_size=world_size)]
         done = j + 1
-    return nn.Sequential(*out, *layers[done:])
+    # the same names as the whole model's (``fc1``, or ``0``, ``1``, ...): one checkpoint layout on every mesh
+    return nn.Sequential(OrderedDict(zip((name for name, _ in model.named_children()), [*out, *layers[done:]],
+                                         strict=True)))
 
 
 
@@ -102,6 +106,7 @@ class TensorParallel(Dimension):
         self._criterion = VocabParallelCrossEntropy(self.group)
         self.vocab_size: int | None = None
         self.vocab_parallel = False  # a GPT: its output is this rank's slice of the logits
+        self.whole_shapes: dict[str, tuple[int, ...]] = {}  # by name, before parallelize cut them
 
     def check(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
         refuse_moe("tp", self.size, model_name, "tensor parallelism splits a dense MLP, and a mixture-of-experts "
@@ -119,6 +124,7 @@ class TensorParallel(Dimension):
     def parallelize(self, model: nn.Module) -> nn.Module:
         if self.size == 1:
             return model
+        self.whole_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
         if isinstance(model, nn.Sequential):
             return parallelize_linears(model, self.group)
         if not isinstance(model, GPT):

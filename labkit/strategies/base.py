@@ -164,6 +164,18 @@ class Strategy:
             state["world_size"] = self.env.world_size
         return state
 
+    def reshard_refusal(self) -> str | None:
+        """Why this strategy's checkpoints resume only on the setup that wrote them (one clause), or None: they
+        reshard (:mod:`labkit.train.reshard`). The single device (this class itself, not a subclass) and the mesh
+        reshard; other strategies do not."""
+        return None if type(self) is Strategy else f"--strategy {self.name} does not reshard"
+
+    def shard_layout(self, model: nn.Module) -> dict:
+        """How this rank's tensors cut the whole model: ``{name: [dim, part, parts, whole shape]}`` for each tensor
+        held in part (a tensor-parallel shard), saved with the checkpoint; a name not listed is whole. Asked only
+        where :meth:`reshard_refusal` is None. One device: everything is whole."""
+        return {}
+
     def load_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Restore what :meth:`state_dict` saved.
 

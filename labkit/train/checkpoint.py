@@ -8,6 +8,7 @@ goes on, so no rank is left waiting in a collective for a rank that stopped.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -15,6 +16,55 @@ from torch import nn
 
 from labkit.errors import CheckpointError
 from labkit.results import atomic_write
+from labkit.train.reshard import check, flat_names, param_names, resharded
+
+_RANK_FILE = re.compile(r"checkpoint\.rank(\d+)\.pt")
+
+
+def checkpoint_files(out_dir: str | Path) -> list[Path]:
+    """The checkpoint files of the run in ``out_dir``: ``checkpoint.pt``, else ``checkpoint.rank{r}.pt`` in rank
+    order (empty if none)."""
+    out = Path(out_dir)
+    if (out / "checkpoint.pt").is_file():
+        return [out / "checkpoint.pt"]
+    ranks = sorted(int(m[1]) for f in (out.glob("checkpoint.rank*.pt") if out.is_dir() else ())
+                   if (m := _RANK_FILE.fullmatch(f.name)))
+    return [out / f"checkpoint.rank{r}.pt" for r in ranks]
+
+
+def remove_stale(out_dir: str | Path, strategy) -> None:
+    """After a save (rank 0): the files an earlier attempt on another setup left, which this save does not
+    replace (``checkpoint.pt`` beside rank files, or rank files beyond this job's ranks), so the folder holds one
+    checkpoint."""
+    out = Path(out_dir)
+    keep = {strategy.checkpoint_file(out).name} if strategy.replicated else {
+        f"checkpoint.rank{r}.pt" for r in range(strategy.env.world_size)}
+    for f in [out / "checkpoint.pt", *out.glob("checkpoint.rank*.pt")]:
+        if f.name not in keep and f.is_file():
+            f.unlink()
+
+
+def written_elsewhere(files: list[Path], strategy) -> bool:
+    """Were ``files`` written by another setup than ``strategy``'s (another file set, rank count or mesh)?"""
+    expected = [strategy.checkpoint_file(files[0].parent)] if strategy.replicated else [
+        files[0].parent / f"checkpoint.rank{r}.pt" for r in range(strategy.env.world_size)]
+    if files != expected:
+        return True
+    try:
+        saved = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # a damaged file: the ordinary load names it (several exception types, as in load_checkpoint)
+        return False
+    mesh = strategy.mesh_key() if hasattr(strategy, "mesh_key") else None
+    return isinstance(saved, dict) and saved.get("mesh") != mesh
+
+
+def read_all(files: list[Path], strategy=None) -> list[dict]:
+    """Every file of one checkpoint (:func:`checkpoint_files`), each through :func:`load_checkpoint`; refused in
+    one line where they come from different saves or their writer does not reshard (:func:`labkit.train.reshard.
+    check`, naming ``strategy``'s setup)."""
+    states = [load_checkpoint(f) for f in files]
+    check(states, files[0].parent, strategy)
+    return states
 
 
 def checkpoint_path(out_dir: Path, strategy) -> Path:
@@ -40,7 +90,14 @@ def save_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
         state["optimizer"] = gathered
     state.update(scheduler=scheduler.state_dict(), config=config,
                  preconditioner=preconditioner.state_dict() if preconditioner is not None else None, **progress)
+    why = strategy.reshard_refusal()  # how the tensors cut the whole model, so another mesh can resume it
+    state.update(layout=strategy.shard_layout(model) if why is None else None, layout_refusal=why,
+                 param_names=param_names(strategy.unwrap(model), optimizer),
+                 flat_names=flat_names(strategy.unwrap(model)) if why is None else {},
+                 data_parallel_size=strategy.data_parallel_size)
     save_checkpoint(path, state)
+    if strategy.env.is_main:
+        remove_stale(path.parent, strategy)
 
 
 def _ranks_where(flag: bool, strategy) -> list[int]:
@@ -58,7 +115,10 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def checkpoint_on_every_rank(path: Path, strategy) -> bool:
-    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error."""
+    """Does the checkpoint exist? With one file per rank, either every rank has its file or it is an error; a
+    strategy that reshards (:mod:`labkit.train.reshard`) takes any labkit checkpoint in the folder."""
+    if strategy.reshard_refusal() is None and checkpoint_files(path.parent):
+        return True
     if strategy.replicated or not strategy.env.distributed:
         return path.exists()
     have = _ranks_where(path.exists(), strategy)
@@ -82,10 +142,27 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
     so a bad shard on one rank stops them all with the same :class:`CheckpointError`.
     """
     sharded = not strategy.replicated and strategy.env.distributed
-    try:
-        state, error = load_checkpoint(path), None
-    except CheckpointError as exc:
-        state, error = None, exc
+    files = checkpoint_files(path.parent)
+    if strategy.reshard_refusal() is None and files and written_elsewhere(files, strategy):
+        # another mesh, rank count or strategy wrote it: every rank reads every file (the same answer everywhere)
+        sharded = False
+        try:
+            state, error = resharded(read_all(files, strategy), strategy, model, optimizer), None
+            _check_same_batch(state, config or {}, strategy.data_parallel_size)
+        except CheckpointError as exc:
+            state, error = None, CheckpointError(f"checkpoint in {path.parent}: {exc}")
+        except Exception as exc:  # any other failure still reaches the agreement below: no rank left waiting
+            state, error = None, CheckpointError(f"checkpoint in {path.parent} could not be resharded "
+                                                 f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
+        failed = _ranks_where(error is not None, strategy)  # a rank whose part does not fit: all stop
+        if failed and error is None:
+            error = CheckpointError(f"checkpoint in {path.parent}: {_ranks(failed)} could not cut {'its' if len(failed) == 1 else 'their'} "
+                                    "part of it; resume on the setup that wrote it or start without --resume")
+    else:
+        try:
+            state, error = load_checkpoint(path), None
+        except CheckpointError as exc:
+            state, error = None, exc
     if sharded:
         failed = _ranks_where(error is not None, strategy)
         if failed:
@@ -110,6 +187,20 @@ def load_training_state(path: Path, strategy, model: nn.Module, optimizer, sched
     if preconditioner is not None and state.get("preconditioner") is not None:
         preconditioner.load_state_dict(state["preconditioner"])
     return state
+
+
+def _check_same_batch(state: dict, config: dict, dp: int) -> None:
+    """A mid-epoch position counts steps of the writer's global batch (``--batch-size`` is per data-parallel rank):
+    on another data-parallel size the same step holds other samples unless the global batch is the same."""
+    saved, position = state.get("config") or {}, state.get("position")
+    if not position or not saved.get("batch_size") or not config.get("batch_size"):
+        return
+    old, new = saved["batch_size"] * state.get("data_parallel_size", 1), config["batch_size"] * dp
+    if old != new:
+        fix = f"--batch-size {old // dp}" if old % dp == 0 else f"a data-parallel size that divides {old}"
+        raise CheckpointError(f"it stopped in epoch {state['epoch'] + 1} after step {position['step']} of global "
+                              f"batches of {old} samples, and this run's global batch is {new} ({config['batch_size']} "
+                              f"per rank × {dp}); resume with {fix} so that the step holds the same samples")
 
 
 def _check_same_run(saved: dict, config: dict, path: Path) -> None:

@@ -126,7 +126,9 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
             state = load_training_state(ckpt, strategy, model, optimizer, scheduler, preconditioner, asdict(cfg))
             start_epoch, position = state["epoch"], state.get("position")
             resumed_at = {"epoch": start_epoch, "step": position["step"] if position else 0}
-            print0(f"resumed from {ckpt} {where(start_epoch, resumed_at['step'])}")
+            source = (f"{out_dir} (written on {state['resharded_from']}, resharded)" if state.get("resharded_from")
+                      else ckpt)
+            print0(f"resumed from {source} {where(start_epoch, resumed_at['step'])}")
         writer.log(attempt_started(resumed_at))
 
         def save(epochs_done: int, position: dict | None = None) -> None:
