@@ -1,0 +1,293 @@
+"""Is a figure readable? The defects a learner meets, found on the figure itself after layout.
+
+    defects(fig)            # ["axes 'loss': x tick labels '128' and '256' overlap", ...]; [] when readable
+    check(fig)              # raises FigureDefect naming the figure and each defect
+    unlabelled(ax, "why")   # a deliberate exemption from the axis-label rule (a diagram, not a plot)
+
+What counts as a defect, each measured in display (pixel) coordinates:
+
+- **tick labels overlap**: two drawn tick labels of one axis share more than a pixel;
+- **legend over data**: the legend's box crosses a plotted line, bar, point or filled area of any axes under it
+  (twins included); the message names a standard place inside the axes that crosses nothing, or, where none
+  does, says to move the legend out of the axes (``bbox_to_anchor``) or make room with the axis limits;
+- **axis without a label**: an axis that shows tick labels has no label, neither its own, nor a shared
+  sibling's, nor the figure's ``supxlabel``/``supylabel``; images (``imshow`` frames), colour bars and axes
+  marked :func:`unlabelled` are exempt;
+- **fractional ticks on a count axis**: an axis labelled by ranks, devices, GPUs, workers, stages, nodes or
+  processes shows a non-integer tick;
+- **a float at full precision**: any text shows a number with six or more decimals (``1.5437500476837158``);
+- **unreadable text**: text smaller than :data:`MIN_TEXT_PX` pixels at the resolution the figure is shown or
+  saved at (10-point text at 50 dpi is 7 pixels).
+
+Under the test run every notebook kernel loads this module as an IPython extension
+(:func:`load_ipython_extension`): each figure open at the end of a cell is checked and then closed (what
+Jupyter's inline backend does after showing it), and each figure is checked the first time it is saved
+(animation frames, PNG frames), so a defect fails the notebook's cell with the figure and the defect named.
+"""
+from __future__ import annotations
+
+import re
+import weakref
+
+#: the smallest readable text height, in pixels at the figure's output resolution
+MIN_TEXT_PX = 8.0
+#: an axis label that names a count of ranks/devices: its ticks must be whole numbers
+COUNT_AXIS = re.compile(r"^\s*(number of |# ?)?(ranks?|devices?|GPUs?|workers?|stages?|nodes?|processes)\b",
+                        re.IGNORECASE)
+#: a number written with six or more decimals: a float printed without a format
+FULL_PRECISION = re.compile(r"\d\.\d{6,}")
+#: the nine places a legend can take inside its axes: (name, horizontal, vertical) as 0 / 0.5 / 1 fractions
+PLACES = (("upper right", 1, 1), ("upper left", 0, 1), ("lower left", 0, 0), ("lower right", 1, 0),
+          ("center left", 0, 0.5), ("center right", 1, 0.5), ("lower center", 0.5, 0), ("upper center", 0.5, 1),
+          ("center", 0.5, 0.5))
+
+#: what an unlabelled artist is called in a message
+KIND = {"Line2D": "a line", "Rectangle": "a bar", "PathCollection": "points", "LineCollection": "a line"}
+
+
+class FigureDefect(AssertionError):
+    """A figure a learner cannot read; the message names the figure and each defect."""
+
+
+def unlabelled(ax, reason: str):
+    """Exempt ``ax`` from the axis-label rule (a diagram whose ticks name things); returns ``ax``."""
+    ax._labkit_unlabelled = reason
+    return ax
+
+
+def describe(fig) -> str:
+    """A figure's name for a message: its suptitle, else its axes' titles, else its size."""
+    sup = getattr(fig, "_suptitle", None)
+    if sup is not None and sup.get_text():
+        return repr(sup.get_text())
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    if titles:
+        return " / ".join(repr(t) for t in titles[:3])
+    w, h = fig.get_size_inches()
+    return f"({w:g} x {h:g} in, {len(fig.axes)} axes, no title)"
+
+
+def _name(ax) -> str:
+    return f"axes {ax.get_title()!r}" if ax.get_title() else f"axes #{ax.figure.axes.index(ax) + 1}"
+
+
+def _drawn_tick_labels(axis):
+    """The tick labels ``axis`` draws (in view, visible, with text), major and minor."""
+    if not axis.get_visible():
+        return []
+    labels = []
+    for tick in axis._update_ticks():
+        for label in (tick.label1, tick.label2):
+            if label.get_visible() and label.get_text().strip():
+                labels.append((tick.get_loc(), label))
+    return labels
+
+
+def _overlap(a, b, slack: float = 1.0) -> bool:
+    """Whether boxes ``a`` and ``b`` share more than ``slack`` pixels in both directions."""
+    return (min(a.x1, b.x1) - max(a.x0, b.x0) > slack) and (min(a.y1, b.y1) - max(a.y0, b.y0) > slack)
+
+
+def tick_collisions(ax, renderer) -> list[str]:
+    """Pairs of drawn tick labels of one axis of ``ax`` that overlap."""
+    found = []
+    for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+        boxes = [(label.get_text(), label.get_window_extent(renderer)) for _, label in _drawn_tick_labels(axis)]
+        for i, (text_a, a) in enumerate(boxes):
+            for text_b, b in boxes[i + 1:]:
+                if _overlap(a, b):
+                    found.append(f"{_name(ax)}: {which} tick labels {text_a!r} and {text_b!r} overlap")
+                    break
+    return found
+
+
+def _crosses(artist, box, renderer) -> bool:
+    """Whether the plotted ``artist`` (a line, bar, point set or filled area) has anything inside ``box``."""
+    from matplotlib.collections import PathCollection, PolyCollection, QuadMesh
+    from matplotlib.lines import Line2D
+
+    if not artist.get_visible():
+        return False
+    if isinstance(artist, Line2D):
+        path = artist.get_transform().transform_path(artist.get_path())
+        if artist.get_linestyle() in ("None", "none", "", " "):
+            return any(box.contains(x, y) for x, y in path.vertices)
+        return path.intersects_bbox(box, filled=False)
+    if isinstance(artist, QuadMesh):
+        return False  # a colour mesh fills its axes, like an image
+    if isinstance(artist, PathCollection) and len(artist.get_offsets()):
+        points = artist.get_offset_transform().transform(artist.get_offsets())
+        return any(box.contains(x, y) for x, y in points)
+    if hasattr(artist, "get_paths"):  # fill_between, broken_barh, contour lines, error bars
+        transform = artist.get_transform()
+        filled = isinstance(artist, PolyCollection)
+        return any(transform.transform_path(p).intersects_bbox(box, filled=filled) for p in artist.get_paths())
+    extent = artist.get_window_extent(renderer)  # a bar or another patch
+    return _overlap(extent, box, slack=0.0)
+
+
+def _data_under(box, fig, renderer) -> list[str]:
+    """What is plotted under ``box``, in every axes of ``fig`` (a twin's line too)."""
+    from matplotlib.transforms import Bbox
+
+    under = []
+    for ax in fig.axes:
+        inside = Bbox.intersection(box, ax.bbox)
+        if inside is None or inside.width < 2 or inside.height < 2:
+            continue
+        inside = inside.padded(-1)
+        owner = {id(part): container.get_label() for container in ax.containers for part in container}
+        for artist in (*ax.lines, *ax.patches, *ax.collections):
+            if _crosses(artist, inside, renderer):
+                label = owner.get(id(artist)) or artist.get_label()
+                under.append(label if label and not label.startswith("_") else KIND.get(type(artist).__name__,
+                                                                                      "a filled area"))
+    return under
+
+
+def legend_over_data(fig, renderer) -> list[str]:
+    """Legends that cover plotted data, each with a place that would not."""
+    from matplotlib.transforms import Bbox
+
+    found = []
+    legends = [(ax, ax.get_legend()) for ax in fig.axes if ax.get_legend() is not None]
+    legends += [(None, legend) for legend in fig.legends]
+    for ax, legend in legends:
+        if not legend.get_visible():
+            continue
+        box = legend.get_window_extent(renderer)
+        under = _data_under(box, fig, renderer)
+        if not under:
+            continue
+        parent = ax.bbox if ax is not None else fig.bbox
+        if Bbox.intersection(box, parent) is None:
+            continue  # placed outside its axes (bbox_to_anchor): nothing of its own axes is under it
+        pad = renderer.points_to_pixels(legend.borderaxespad * legend.prop.get_size_in_points())
+        room = parent.padded(-pad)
+        free = "move it out of the axes (bbox_to_anchor) or make room (axis limits)"
+        for place, fx, fy in PLACES:
+            x0 = room.x0 + fx * (room.width - box.width)
+            y0 = room.y0 + fy * (room.height - box.height)
+            if not _data_under(Bbox.from_bounds(x0, y0, box.width, box.height), fig, renderer):
+                free = f"loc={place!r} would cover nothing"
+                break
+        where = _name(ax) if ax is not None else "the figure"
+        found.append(f"{where}: the legend covers {', '.join(sorted(set(under))[:3])}; {free}")
+    return found
+
+
+def _label_of(ax, which: str) -> str:
+    """The label an axis is read by: its own, a shared sibling's, or the figure's sup-label."""
+    own = ax.get_xlabel() if which == "x" else ax.get_ylabel()
+    if own.strip():
+        return own
+    group = ax.get_shared_x_axes() if which == "x" else ax.get_shared_y_axes()
+    for sibling in group.get_siblings(ax):
+        text = sibling.get_xlabel() if which == "x" else sibling.get_ylabel()
+        if text.strip():
+            return text
+    sup = getattr(ax.figure, "_supxlabel" if which == "x" else "_supylabel", None)
+    return sup.get_text() if sup is not None else ""
+
+
+def missing_labels(ax) -> list[str]:
+    """Axes of ``ax`` that show tick labels but have no label (images, colour bars and exemptions aside)."""
+    has_data = ax.lines or ax.patches or ax.collections or ax.containers
+    if (not ax.axison or ax.images or not has_data or hasattr(ax, "_colorbar")
+            or getattr(ax, "_labkit_unlabelled", None)):
+        return []
+    return [f"{_name(ax)}: the {which} axis has no label"
+            for which, axis in (("x", ax.xaxis), ("y", ax.yaxis))
+            if _drawn_tick_labels(axis) and not _label_of(ax, which).strip()]
+
+
+def fractional_counts(ax) -> list[str]:
+    """Count axes (ranks, devices, ...) that show a tick between two whole numbers."""
+    found = []
+    for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+        label = _label_of(ax, which)
+        if not COUNT_AXIS.search(label):
+            continue
+        bad = [text.get_text() for loc, text in _drawn_tick_labels(axis) if abs(loc - round(loc)) > 1e-9]
+        if bad:
+            found.append(f"{_name(ax)}: the {which} axis counts {label.split()[0]} but shows ticks {bad[:4]}")
+    return found
+
+
+def text_defects(fig, dpi: float) -> list[str]:
+    """Texts too small to read at ``dpi``, and numbers written at full precision."""
+    from matplotlib.text import Text
+
+    found, smallest = [], None
+    for text in fig.findobj(Text):
+        content = text.get_text()
+        if not content.strip() or not text.get_visible():
+            continue
+        px = text.get_fontsize() * dpi / 72
+        if px < MIN_TEXT_PX and (smallest is None or px < smallest[0]):
+            smallest = (px, content)
+        if FULL_PRECISION.search(content):
+            found.append(f"the text {content!r} prints a float at full precision")
+    if smallest is not None:
+        found.append(f"text {smallest[1][:30]!r} is {smallest[0]:.1f} pixels high at {dpi:g} dpi "
+                     f"(readable from {MIN_TEXT_PX:g}: raise the dpi or the font size)")
+    return found
+
+
+def defects(fig, dpi: float | None = None) -> list[str]:
+    """Every defect of ``fig`` as it is shown (at ``fig.dpi``) or saved at ``dpi``; [] when it is readable."""
+    fig.draw_without_rendering()  # the layout (tight_layout, legend placement, ticks) as a draw would do it
+    renderer = fig._get_renderer()
+    found = []
+    for ax in fig.axes:
+        if not ax.get_visible():
+            continue
+        found += tick_collisions(ax, renderer) + missing_labels(ax) + fractional_counts(ax)
+    found += legend_over_data(fig, renderer)
+    found += text_defects(fig, dpi or fig.dpi)
+    return found
+
+
+def check(fig, dpi: float | None = None) -> None:
+    """Raise :class:`FigureDefect` naming ``fig`` and its defects, if it has any."""
+    found = defects(fig, dpi)
+    if found:
+        raise FigureDefect(f"figure {describe(fig)} is hard to read:\n  - " + "\n  - ".join(found))
+
+
+_checked: weakref.WeakSet = weakref.WeakSet()
+
+
+def check_open_figures() -> None:
+    """Check the figures pyplot holds, then close them (Jupyter's inline backend closes each once shown)."""
+    import sys
+
+    if "matplotlib.pyplot" not in sys.modules:
+        return
+    import matplotlib.pyplot as plt
+
+    figures = [plt.figure(n) for n in plt.get_fignums()]
+    plt.close("all")
+    for fig in figures:
+        if fig not in _checked:
+            _checked.add(fig)
+            check(fig)
+
+
+def load_ipython_extension(ipython) -> None:
+    """In a kernel: check every figure at the end of the cell that draws it, and the first time one is saved."""
+    from matplotlib.figure import Figure
+
+    if not getattr(Figure.savefig, "_labkit_checked", False):
+        save = Figure.savefig
+
+        def savefig(self, *args, **kwargs):
+            if self not in _checked:
+                _checked.add(self)
+                dpi = kwargs.get("dpi")
+                check(self, dpi if isinstance(dpi, (int, float)) else None)
+            return save(self, *args, **kwargs)
+
+        savefig._labkit_checked = True
+        Figure.savefig = savefig
+    ipython.events.register("post_execute", check_open_figures)
