@@ -53,6 +53,13 @@ def test_colliding_tick_labels_are_found():
     assert found and found[0] == "axes #1: x tick labels 'label 0' and 'label 1' overlap", found
     ax.set_xticks([0, 9], ["label 0", "label 9"])
     assert defects(fig) == []
+    fig, ax = plot(figsize=(6, 3))  # turned labels: apart when their strips are, though their upright boxes overlap
+    ax.bar([f"a long plan name {i}" for i in range(6)], range(6))
+    ax.set(ylabel="ms per step")
+    ax.tick_params(axis="x", rotation=30)
+    assert defects(fig) == []
+    ax.tick_params(axis="x", labelsize=30)
+    assert defects(fig)[0] == "axes #1: x tick labels 'a long plan name 0' and 'a long plan name 1' overlap"
 
 
 def test_missing_labels_are_found_and_images_and_exemptions_pass():
@@ -67,6 +74,12 @@ def test_missing_labels_are_found_and_images_and_exemptions_pass():
     fig, ax = plot()
     ax.imshow([[0, 1], [1, 0]])
     assert defects(fig) == []
+    fig, ax = plot()  # tick labels that are names say what the axis holds; numbers as strings do not
+    ax.barh(["rank 0", "rank 1"], [3, 4])
+    ax.set_xlabel("ms")
+    assert defects(fig) == []
+    ax.set_yticks([0, 1], ["8", "32"])
+    assert defects(fig) == ["axes #1: the y axis has no label"]
 
 
 def test_shared_axes_take_their_siblings_label():

@@ -6,15 +6,16 @@
 
 What counts as a defect, each measured in display (pixel) coordinates:
 
-- **tick labels overlap**: two drawn tick labels of one axis share more than a pixel;
+- **tick labels overlap**: two drawn tick labels of one axis share more than a pixel (turned labels: their
+  letters' strips, not their upright boxes);
 - **legend over data**: the legend's box crosses a plotted line, bar, point or filled area of any axes under it
-  (twins included); the message names a standard place inside the axes that crosses nothing, or, where none
+  (twins included; contour lines and colour meshes are the field under the data, not data); the message names a standard place inside the axes that crosses nothing, or, where none
   does, says to move the legend out of the axes (``bbox_to_anchor``) or make room with the axis limits;
-- **axis without a label**: an axis that shows tick labels has no label, neither its own, nor a shared
-  sibling's, nor the figure's ``supxlabel``/``supylabel``; images (``imshow`` frames), colour bars and axes
-  marked :func:`unlabelled` are exempt;
-- **fractional ticks on a count axis**: an axis labelled by ranks, devices, GPUs, workers, stages, nodes or
-  processes shows a non-integer tick;
+- **axis without a label**: an axis that shows numeric tick labels has no label, neither its own, nor a shared
+  sibling's, nor the figure's ``supxlabel``/``supylabel``; images (``imshow`` frames), colour bars, categorical
+  axes (tick labels that are names: ``"rank 0"``, a layer, a plan) and axes marked :func:`unlabelled` are exempt;
+- **fractional ticks on a count axis**: an axis labelled by ranks, devices, GPUs, workers, stages, nodes,
+  processes or experts shows a non-integer tick;
 - **a float at full precision**: any text shows a number with six or more decimals (``1.5437500476837158``);
 - **unreadable text**: text smaller than :data:`MIN_TEXT_PX` pixels at the resolution the figure is shown or
   saved at (10-point text at 50 dpi is 7 pixels).
@@ -26,13 +27,14 @@ Jupyter's inline backend does after showing it), and each figure is checked the 
 """
 from __future__ import annotations
 
+import math
 import re
 import weakref
 
 #: the smallest readable text height, in pixels at the figure's output resolution
 MIN_TEXT_PX = 8.0
 #: an axis label that names a count of ranks/devices: its ticks must be whole numbers
-COUNT_AXIS = re.compile(r"^\s*(number of |# ?)?(ranks?|devices?|GPUs?|workers?|stages?|nodes?|processes)\b",
+COUNT_AXIS = re.compile(r"^\s*(number of |# ?)?(ranks?|devices?|GPUs?|workers?|stages?|nodes?|processes|experts?)\b",
                         re.IGNORECASE)
 #: a number written with six or more decimals: a float printed without a format
 FULL_PRECISION = re.compile(r"\d\.\d{6,}")
@@ -88,15 +90,33 @@ def _overlap(a, b, slack: float = 1.0) -> bool:
     return (min(a.x1, b.x1) - max(a.x0, b.x0) > slack) and (min(a.y1, b.y1) - max(a.y0, b.y0) > slack)
 
 
+def _collide(a, b, renderer) -> bool:
+    """Whether tick labels ``a`` and ``b`` (Text) overlap. Labels turned by an angle other than a right angle
+    are parallel strips, one line high: they collide where their centre lines are closer than that height and
+    their lengths overlap (their upright boxes overlap long before the letters do)."""
+    box_a, box_b = a.get_window_extent(renderer), b.get_window_extent(renderer)
+    angle = math.radians(a.get_rotation())
+    sin, cos = abs(math.sin(angle)), abs(math.cos(angle))
+    if min(sin, cos) < 0.02 or a.get_rotation() != b.get_rotation():
+        return _overlap(box_a, box_b)
+    height = renderer.points_to_pixels(max(a.get_fontsize(), b.get_fontsize()))
+    dx, dy = box_b.x0 + box_b.width / 2 - box_a.x0 - box_a.width / 2, box_b.y0 + box_b.height / 2 - box_a.y0 - \
+        box_a.height / 2
+    along = abs(dx * math.cos(angle) + dy * math.sin(angle))
+    across = abs(-dx * math.sin(angle) + dy * math.cos(angle))
+    length_a, length_b = ((box.width - height * sin) / cos for box in (box_a, box_b))
+    return across < height - 1 and along < (length_a + length_b) / 2 - 1
+
+
 def tick_collisions(ax, renderer) -> list[str]:
     """Pairs of drawn tick labels of one axis of ``ax`` that overlap."""
     found = []
     for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
-        boxes = [(label.get_text(), label.get_window_extent(renderer)) for _, label in _drawn_tick_labels(axis)]
-        for i, (text_a, a) in enumerate(boxes):
-            for text_b, b in boxes[i + 1:]:
-                if _overlap(a, b):
-                    found.append(f"{_name(ax)}: {which} tick labels {text_a!r} and {text_b!r} overlap")
+        labels = [label for _, label in _drawn_tick_labels(axis)]
+        for i, a in enumerate(labels):
+            for b in labels[i + 1:]:
+                if _collide(a, b, renderer):
+                    found.append(f"{_name(ax)}: {which} tick labels {a.get_text()!r} and {b.get_text()!r} overlap")
                     break
     return found
 
@@ -104,6 +124,7 @@ def tick_collisions(ax, renderer) -> list[str]:
 def _crosses(artist, box, renderer) -> bool:
     """Whether the plotted ``artist`` (a line, bar, point set or filled area) has anything inside ``box``."""
     from matplotlib.collections import PathCollection, PolyCollection, QuadMesh
+    from matplotlib.contour import ContourSet
     from matplotlib.lines import Line2D
 
     if not artist.get_visible():
@@ -113,8 +134,8 @@ def _crosses(artist, box, renderer) -> bool:
         if artist.get_linestyle() in ("None", "none", "", " "):
             return any(box.contains(x, y) for x, y in path.vertices)
         return path.intersects_bbox(box, filled=False)
-    if isinstance(artist, QuadMesh):
-        return False  # a colour mesh fills its axes, like an image
+    if isinstance(artist, (QuadMesh, ContourSet)):
+        return False  # a colour mesh or contour lines fill their axes, like an image: the field under the data
     if isinstance(artist, PathCollection) and len(artist.get_offsets()):
         points = artist.get_offset_transform().transform(artist.get_offsets())
         return any(box.contains(x, y) for x, y in points)
@@ -190,15 +211,32 @@ def _label_of(ax, which: str) -> str:
     return sup.get_text() if sup is not None else ""
 
 
+def _names_things(axis, labels) -> bool:
+    """Whether ``axis`` is categorical: its ticks are names (``"rank 0"``, ``"conv1"``, a plan) given as strings,
+    not numbers; such tick labels say what the axis holds."""
+    from matplotlib.category import StrCategoryFormatter
+    from matplotlib.ticker import FixedFormatter
+
+    def number(text: str) -> bool:
+        return re.fullmatch(r"[−+-]?[\d.,]+(e[−+-]?\d+)?%?", text.strip()) is not None
+
+    return (isinstance(axis.get_major_formatter(), (StrCategoryFormatter, FixedFormatter))
+            and not any(number(label.get_text()) for _, label in labels))
+
+
 def missing_labels(ax) -> list[str]:
-    """Axes of ``ax`` that show tick labels but have no label (images, colour bars and exemptions aside)."""
+    """Axes of ``ax`` that show numeric tick labels but have no label (images, colour bars, categorical axes, whose
+    tick labels are names, and exemptions aside)."""
     has_data = ax.lines or ax.patches or ax.collections or ax.containers
     if (not ax.axison or ax.images or not has_data or hasattr(ax, "_colorbar")
             or getattr(ax, "_labkit_unlabelled", None)):
         return []
-    return [f"{_name(ax)}: the {which} axis has no label"
-            for which, axis in (("x", ax.xaxis), ("y", ax.yaxis))
-            if _drawn_tick_labels(axis) and not _label_of(ax, which).strip()]
+    found = []
+    for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+        labels = _drawn_tick_labels(axis)
+        if labels and not _names_things(axis, labels) and not _label_of(ax, which).strip():
+            found.append(f"{_name(ax)}: the {which} axis has no label")
+    return found
 
 
 def fractional_counts(ax) -> list[str]:
