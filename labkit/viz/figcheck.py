@@ -90,34 +90,34 @@ def _overlap(a, b, slack: float = 1.0) -> bool:
     return (min(a.x1, b.x1) - max(a.x0, b.x0) > slack) and (min(a.y1, b.y1) - max(a.y0, b.y0) > slack)
 
 
-def _collide(a, b, renderer) -> bool:
-    """Whether tick labels ``a`` and ``b`` (Text) overlap. Labels turned by an angle other than a right angle
-    are parallel strips, one line high: they collide where their centre lines are closer than that height and
-    their lengths overlap (their upright boxes overlap long before the letters do)."""
-    box_a, box_b = a.get_window_extent(renderer), b.get_window_extent(renderer)
+def _collide(a, box_a, b, box_b, renderer) -> bool:
+    """Whether tick labels ``a`` and ``b`` (Text, with their boxes) overlap. Labels turned by an angle other than a
+    right angle are parallel strips, one line high: they collide where their centre lines are closer than that
+    height and their lengths overlap (their upright boxes overlap long before the letters do)."""
     angle = math.radians(a.get_rotation())
     sin, cos = abs(math.sin(angle)), abs(math.cos(angle))
     if min(sin, cos) < 0.02 or a.get_rotation() != b.get_rotation():
         return _overlap(box_a, box_b)
     height = renderer.points_to_pixels(max(a.get_fontsize(), b.get_fontsize()))
-    dx, dy = box_b.x0 + box_b.width / 2 - box_a.x0 - box_a.width / 2, box_b.y0 + box_b.height / 2 - box_a.y0 - \
-        box_a.height / 2
+    dx = box_b.x0 + box_b.width / 2 - box_a.x0 - box_a.width / 2
+    dy = box_b.y0 + box_b.height / 2 - box_a.y0 - box_a.height / 2
     along = abs(dx * math.cos(angle) + dy * math.sin(angle))
     across = abs(-dx * math.sin(angle) + dy * math.cos(angle))
     length_a, length_b = ((box.width - height * sin) / cos for box in (box_a, box_b))
     return across < height - 1 and along < (length_a + length_b) / 2 - 1
 
 
-def tick_collisions(ax, renderer) -> list[str]:
-    """Pairs of drawn tick labels of one axis of ``ax`` that overlap."""
+def tick_collisions(ax, renderer, ticks=None) -> list[str]:
+    """Pairs of drawn tick labels of one axis of ``ax`` that overlap (each label against its two next ones along
+    the axis). ``ticks``: ``{axis: _drawn_tick_labels(axis)}`` where already found."""
     found = []
     for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
-        labels = [label for _, label in _drawn_tick_labels(axis)]
-        for i, a in enumerate(labels):
-            for b in labels[i + 1:]:
-                if _collide(a, b, renderer):
-                    found.append(f"{_name(ax)}: {which} tick labels {a.get_text()!r} and {b.get_text()!r} overlap")
-                    break
+        drawn = ticks[axis] if ticks else _drawn_tick_labels(axis)
+        labels = [(label, label.get_window_extent(renderer)) for _, label in sorted(drawn, key=lambda t: t[0])]
+        for i, (a, box_a) in enumerate(labels):
+            hit = next((b for b, box_b in labels[i + 1:i + 3] if _collide(a, box_a, b, box_b, renderer)), None)
+            if hit is not None:
+                found.append(f"{_name(ax)}: {which} tick labels {a.get_text()!r} and {hit.get_text()!r} overlap")
     return found
 
 
@@ -224,7 +224,7 @@ def _names_things(axis, labels) -> bool:
             and not any(number(label.get_text()) for _, label in labels))
 
 
-def missing_labels(ax) -> list[str]:
+def missing_labels(ax, ticks=None) -> list[str]:
     """Axes of ``ax`` that show numeric tick labels but have no label (images, colour bars, categorical axes, whose
     tick labels are names, and exemptions aside)."""
     has_data = ax.lines or ax.patches or ax.collections or ax.containers
@@ -233,34 +233,44 @@ def missing_labels(ax) -> list[str]:
         return []
     found = []
     for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
-        labels = _drawn_tick_labels(axis)
+        labels = ticks[axis] if ticks else _drawn_tick_labels(axis)
         if labels and not _names_things(axis, labels) and not _label_of(ax, which).strip():
             found.append(f"{_name(ax)}: the {which} axis has no label")
     return found
 
 
-def fractional_counts(ax) -> list[str]:
+def fractional_counts(ax, ticks=None) -> list[str]:
     """Count axes (ranks, devices, ...) that show a tick between two whole numbers."""
     found = []
     for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
         label = _label_of(ax, which)
         if not COUNT_AXIS.search(label):
             continue
-        bad = [text.get_text() for loc, text in _drawn_tick_labels(axis) if abs(loc - round(loc)) > 1e-9]
+        drawn = ticks[axis] if ticks else _drawn_tick_labels(axis)
+        bad = [text.get_text() for loc, text in drawn if abs(loc - round(loc)) > 1e-9]
         if bad:
             found.append(f"{_name(ax)}: the {which} axis counts {label.split()[0]} but shows ticks {bad[:4]}")
     return found
 
 
-def text_defects(fig, dpi: float) -> list[str]:
-    """Texts too small to read at ``dpi``, and numbers written at full precision."""
-    from matplotlib.text import Text
+def _texts(fig, ticks):
+    """The texts ``fig`` draws: titles, axis labels, drawn tick labels, annotations, legends, figure texts."""
+    texts = [*fig.texts, *(getattr(fig, f"_sup{k}", None) for k in ("title", "xlabel", "ylabel"))]
+    for ax in fig.axes:
+        texts += [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+        texts += [label for axis in (ax.xaxis, ax.yaxis) for _, label in ticks.get(axis, [])]
+    for legend in [*fig.legends, *(ax.get_legend() for ax in fig.axes)]:
+        if legend is not None:
+            texts += [legend.get_title(), *legend.get_texts()]
+    return [t for t in texts if t is not None and t.get_visible() and t.get_text().strip()]
 
+
+def text_defects(fig, dpi: float, ticks=None) -> list[str]:
+    """Texts too small to read at ``dpi``, and numbers written at full precision."""
+    ticks = ticks or {axis: _drawn_tick_labels(axis) for ax in fig.axes for axis in (ax.xaxis, ax.yaxis)}
     found, smallest = [], None
-    for text in fig.findobj(Text):
+    for text in _texts(fig, ticks):
         content = text.get_text()
-        if not content.strip() or not text.get_visible():
-            continue
         px = text.get_fontsize() * dpi / 72
         if px < MIN_TEXT_PX and (smallest is None or px < smallest[0]):
             smallest = (px, content)
@@ -276,13 +286,13 @@ def defects(fig, dpi: float | None = None) -> list[str]:
     """Every defect of ``fig`` as it is shown (at ``fig.dpi``) or saved at ``dpi``; [] when it is readable."""
     fig.draw_without_rendering()  # the layout (tight_layout, legend placement, ticks) as a draw would do it
     renderer = fig._get_renderer()
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    ticks = {axis: _drawn_tick_labels(axis) for ax in axes for axis in (ax.xaxis, ax.yaxis)}
     found = []
-    for ax in fig.axes:
-        if not ax.get_visible():
-            continue
-        found += tick_collisions(ax, renderer) + missing_labels(ax) + fractional_counts(ax)
+    for ax in axes:
+        found += tick_collisions(ax, renderer, ticks) + missing_labels(ax, ticks) + fractional_counts(ax, ticks)
     found += legend_over_data(fig, renderer)
-    found += text_defects(fig, dpi or fig.dpi)
+    found += text_defects(fig, dpi or fig.dpi, ticks)
     return found
 
 
