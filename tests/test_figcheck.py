@@ -80,6 +80,8 @@ def test_missing_labels_are_found_and_images_and_exemptions_pass():
     assert defects(fig) == []
     ax.set_yticks([0, 1], ["8", "32"])
     assert defects(fig) == ["axes #1: the y axis has no label"]
+    ax.set_yticks([0, 1], ["stage 0", "stage 1"])
+    assert defects(fig) == []
 
 
 def test_shared_axes_take_their_siblings_label():

@@ -27,6 +27,7 @@ Jupyter's inline backend does after showing it), and each figure is checked the 
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import weakref
@@ -215,13 +216,16 @@ def _names_things(axis, labels) -> bool:
     """Whether ``axis`` is categorical: its ticks are names (``"rank 0"``, ``"conv1"``, a plan) given as strings,
     not numbers; such tick labels say what the axis holds."""
     from matplotlib.category import StrCategoryFormatter
-    from matplotlib.ticker import FixedFormatter
+    from matplotlib.ticker import FixedFormatter, FuncFormatter
 
     def number(text: str) -> bool:
         return re.fullmatch(r"[−+-]?[\d.,]+(e[−+-]?\d+)?%?", text.strip()) is not None
 
-    return (isinstance(axis.get_major_formatter(), (StrCategoryFormatter, FixedFormatter))
-            and not any(number(label.get_text()) for _, label in labels))
+    formatter = axis.get_major_formatter()
+    given = isinstance(formatter, (StrCategoryFormatter, FixedFormatter)) or (  # set_ticks(locs, labels)
+        isinstance(formatter, FuncFormatter) and isinstance(formatter.func, functools.partial)
+        and getattr(formatter.func.func, "__name__", "") == "_format_with_dict")
+    return given and not any(number(label.get_text()) for _, label in labels)
 
 
 def missing_labels(ax, ticks=None) -> list[str]:
