@@ -101,6 +101,8 @@ def test_fractional_rank_ticks_are_found():
     assert defects(fig) == ["axes #1: the y axis counts rank but shows ticks ['0.2', '0.4', '0.6', '0.8']"]
     ax.set_yticks([0, 1])
     assert defects(fig) == []
+    ax.set_yticks([0.2, 0.8], ["0", "1"])  # what a tick says counts, not where it sits (between a rank's bars)
+    assert defects(fig) == []
 
 
 def test_full_precision_and_small_text_are_found():

@@ -243,15 +243,25 @@ def missing_labels(ax, ticks=None) -> list[str]:
     return found
 
 
+def _whole(text: str) -> bool:
+    """Whether a tick label reads as a whole number, or is not a number at all (``"rank 0"``)."""
+    try:
+        value = float(text.replace("−", "-").replace(",", ""))
+    except ValueError:
+        return True
+    return value == round(value)
+
+
 def fractional_counts(ax, ticks=None) -> list[str]:
-    """Count axes (ranks, devices, ...) that show a tick between two whole numbers."""
+    """Count axes (ranks, devices, ...) whose tick labels show a number between two whole ones (what a tick says,
+    not where it sits: a rank's tick may sit between its bars)."""
     found = []
     for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
         label = _label_of(ax, which)
         if not COUNT_AXIS.search(label):
             continue
         drawn = ticks[axis] if ticks else _drawn_tick_labels(axis)
-        bad = [text.get_text() for loc, text in drawn if abs(loc - round(loc)) > 1e-9]
+        bad = [text.get_text() for _, text in drawn if not _whole(text.get_text())]
         if bad:
             found.append(f"{_name(ax)}: the {which} axis counts {label.split()[0]} but shows ticks {bad[:4]}")
     return found
