@@ -306,7 +306,7 @@ def defects(fig, dpi: float | None = None) -> list[str]:
     axes = [ax for ax in fig.axes if ax.get_visible()]
     for ax in axes:
         ax.apply_aspect()
-    ticks = {axis: _drawn_tick_labels(axis) for ax in axes for axis in (ax.xaxis, ax.yaxis)}
+    ticks = {axis: _drawn_tick_labels(axis) if ax.axison else [] for ax in axes for axis in (ax.xaxis, ax.yaxis)}
     found = []
     for ax in axes:
         found += tick_collisions(ax, renderer, ticks) + missing_labels(ax, ticks) + fractional_counts(ax, ticks)
