@@ -9,13 +9,14 @@ What counts as a defect, each measured in display (pixel) coordinates:
 - **tick labels overlap**: two drawn tick labels of one axis share more than a pixel (turned labels: their
   letters' strips, not their upright boxes);
 - **legend over data**: the legend's box crosses a plotted line, bar, point or filled area of any axes under it
-  (twins included; contour lines and colour meshes are the field under the data, not data); the message names a standard place inside the axes that crosses nothing, or, where none
-  does, says to move the legend out of the axes (``bbox_to_anchor``) or make room with the axis limits;
+  (twins included; contour lines and colour meshes are the field under the data, not data); the message names
+  a standard place inside the axes that crosses nothing, or, where none does, says to move the legend out of
+  the axes (``bbox_to_anchor``) or make room with the axis limits;
 - **axis without a label**: an axis that shows numeric tick labels has no label, neither its own, nor a shared
   sibling's, nor the figure's ``supxlabel``/``supylabel``; images (``imshow`` frames), colour bars, categorical
   axes (tick labels that are names: ``"rank 0"``, a layer, a plan) and axes marked :func:`unlabelled` are exempt;
 - **fractional ticks on a count axis**: an axis labelled by ranks, devices, GPUs, workers, stages, nodes,
-  processes or experts shows a non-integer tick;
+  processes or experts has a tick label that reads as a fraction (where the tick sits does not matter);
 - **a float at full precision**: any text shows a number with six or more decimals (``1.5437500476837158``);
 - **unreadable text**: text smaller than :data:`MIN_TEXT_PX` pixels at the resolution the figure is shown or
   saved at (10-point text at 50 dpi is 7 pixels).
