@@ -1,13 +1,24 @@
 """Test-run settings shared by tests/ and the notebooks nbval executes."""
+import atexit
 import os
+import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
 # Notebooks run in quick mode (offline data, CPU-minutes); kernels inherit this environment.
 os.environ.setdefault("LABKIT_QUICK", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# Every figure a notebook draws must be readable: the kernels nbval starts load labkit.viz.figcheck as an IPython
+# extension (through this process's own IPython directory), which fails the cell that draws a figure with a defect.
+_ipython_dir = Path(tempfile.mkdtemp(prefix="labkit-ipython-"))
+(_ipython_dir / "profile_default").mkdir()
+(_ipython_dir / "profile_default" / "ipython_kernel_config.py").write_text(
+    'c.InteractiveShellApp.extensions = ["labkit.viz.figcheck"]\n')
+os.environ["IPYTHONDIR"] = str(_ipython_dir)
+atexit.register(shutil.rmtree, _ipython_dir, True)
 # Plain log lines instead of progress bars in captured output.
 os.environ.setdefault("LABKIT_PLAIN", "1")
 # One compute thread per process (workers, notebook kernels, launched ranks): the pytest workers already fill

@@ -14,6 +14,7 @@ from labkit.advisor.plan import Advice
 from labkit.advisor.topology import GB
 from labkit.dist.testing import run_ranks
 from labkit.train.cli import config_from_argv
+from labkit.train.meters import interactive
 from labkit.train.run import run
 
 
@@ -74,7 +75,8 @@ def validate(advice: Advice, repeats: int = 3, steps: int = 8, out: str | Path =
     ``ratio`` = measured / predicted (``memory_ratio`` alike), ``final_train_loss`` and ``run``."""
     chosen = [e for e in advice.table if e.feasible]
     runs = {e.plan.label: [] for e in chosen if "error" not in advice.measured.get(e.plan.label, {})}
-    bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False, disable=not progress)
+    bar = tqdm(total=len(chosen) * repeats, desc="validating plans", leave=False,
+               disable=not progress or not interactive())  # a notebook keeps plain text, not a half-drawn bar
     counts = sorted({e.plan.processes for e in chosen})
     for r in range(max(1, repeats) if chosen else 0):  # round r: r plans further on, the other count first
         turn = chosen[r % len(chosen):] + chosen[:r % len(chosen)]

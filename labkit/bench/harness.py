@@ -126,9 +126,11 @@ def alternate(contenders: dict[str, Callable[[], int]], rounds: int, devices: It
         devices: the devices the contenders compute on (synchronised around every timed call).
         warmup: untimed calls per contender first.
         log: called with every record (e.g. ``RunWriter.log``).
-        progress: show a tqdm bar.
+        progress: show a tqdm bar (in a terminal only: a notebook keeps plain text, not a half-drawn bar).
     """
     from tqdm.auto import tqdm
+
+    from labkit.train.meters import interactive
 
     devices = list(devices)
     names = list(contenders)
@@ -136,7 +138,7 @@ def alternate(contenders: dict[str, Callable[[], int]], rounds: int, devices: It
         for name in names:
             contenders[name]()
     results = Results()
-    bar = tqdm(total=rounds * len(names), desc="benchmark rounds", disable=not progress, leave=False)
+    bar = tqdm(total=rounds * len(names), desc="benchmark rounds", disable=not progress or not interactive(), leave=False)
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:

@@ -230,10 +230,12 @@ def reference_suites(root: str | Path | None = None) -> list[dict]:
     return [load_suite(p) for p in sorted(root.glob("*/suite.json"))]
 
 
-def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", ax=None, references=None):
+def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", ax=None, references=None,
+                          printer=print):
     """Bars: the learner's ``run`` (a folder, :class:`labkit.results.Run` or summary dict) next to the reference
     machines' value of ``metric`` for ``strategy`` - only references of the same model and dataset (like with
-    like). Where none exists, the chart says so and names what the references did train."""
+    like). Where none exists, nothing is drawn (one bar compares with nothing): ``printer`` says so and names
+    what the references did train, and the function returns None."""
     import matplotlib.pyplot as plt
 
     from labkit.results import Run, load_run
@@ -253,13 +255,16 @@ def plot_beside_reference(run, strategy: str, metric: str = "samples_per_sec", a
             values.append(ref[metric])
         else:
             others.add(f"{ref_model} on {ref.get('dataset', '?')}")
+    if len(values) == 1:
+        printer(f"{strategy}: no reference run of {model}{f' on {dataset}' if dataset else ''} yet, so no chart"
+                + (f" (the references train {', '.join(sorted(others))})" if others else "")
+                + f"; your run: {values[0]:,.1f} {metric.replace('_per_sec', '/s').replace('_', ' ')}")
+        return None
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 2.8))
     ax.barh(labels, values, color=["tab:orange"] + ["tab:blue"] * (len(values) - 1))
     ax.set_xlabel(metric.replace("_per_sec", "/s").replace("_", " "))
+    ax.set_ylabel("run")
     ax.set_title(f"{strategy}: your run beside the reference machines", fontsize=10)
-    if len(values) == 1:
-        ax.set_title(f"{strategy}: no reference run of {model}{f' on {dataset}' if dataset else ''} yet"
-                     + (f"\n(the references train {', '.join(sorted(others))})" if others else ""), fontsize=9)
     ax.grid(alpha=0.3, axis="x")
     return ax

@@ -21,10 +21,9 @@ from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from labkit import quick
 from labkit.collectives.kv_ring import KVRing
 from labkit.errors import ConfigError
-from labkit.viz.allreduce import BOX_H, BOX_W, FrameCanvas, _edge, offline, rank_color
+from labkit.viz.allreduce import BOX_H, BOX_W, FRAME_DPI, FrameCanvas, _edge, offline, rank_color
 
 
 class KVRingView:
@@ -124,7 +123,7 @@ class KVRingView:
         done = [sum(b.score_entries(chunk) for s in range(index + 1) for b in self.ring.blocks(r, s)) for r in range(p)]
         ax.set_title(f"{self.ring.layout}: scores computed per rank so far, T = {2 * p}: {done}", fontsize=9)
 
-    def png(self, index: int, dpi: int = 80) -> bytes:
+    def png(self, index: int, dpi: int = FRAME_DPI) -> bytes:
         """Frame ``index`` as PNG bytes (for widgets)."""
         import io
 
@@ -142,14 +141,13 @@ class KVRingView:
 def to_html(ring: KVRing, interval_ms: int = 1500, dpi: int | None = None) -> str:
     """The animation as a stand-alone offline HTML/JavaScript player (show with ``IPython.display.HTML``).
 
-    ``dpi``: the frames' resolution; by default 100, or 50 in quick mode (``LABKIT_QUICK=1``: laptops and CI),
-    where the frames render in about half the time."""
+    ``dpi``: the frames' resolution (:data:`labkit.viz.allreduce.FRAME_DPI` by default)."""
     view = KVRingView(ring)
-    view.fig.set_dpi(dpi or (50 if quick() else 100))
+    view.fig.set_dpi(dpi or FRAME_DPI)
     return offline(view.animation(interval_ms).to_jshtml(fps=1000 / interval_ms, default_mode="once"))
 
 
-def save_animation(ring: KVRing, path: str | Path, interval_ms: int = 1500, dpi: int = 72) -> Path:
+def save_animation(ring: KVRing, path: str | Path, interval_ms: int = 1500, dpi: int = FRAME_DPI) -> Path:
     """Write the animation of ``ring`` to ``path``: ``.html`` (stand-alone player) or ``.gif``."""
     path = Path(path)
     suffix = path.suffix.lower()

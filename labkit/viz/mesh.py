@@ -154,12 +154,15 @@ def _layout(shape: dict[str, int]) -> tuple[list[str], int, int]:
 
 
 def plot_mesh(shape: dict[str, int], axes=None):
-    """The ranks on the grid, once per named dimension, each rank coloured by its coordinate along it (rank
-    numbers written in). The ranks of one group of a dimension are those that differ only in its coordinate."""
+    """The ranks on the grid, once per named dimension: each rank in its own colour (the colour it has in every
+    picture of the kit, :func:`labkit.viz.allreduce.rank_color`), with its coordinate along the dimension and its
+    group of the dimension written in (a group: the ranks that differ only in that coordinate)."""
     import matplotlib.pyplot as plt
-    import numpy as np
+    from matplotlib.patches import Rectangle
 
     from labkit.dist.mesh import MeshShape
+    from labkit.viz.allreduce import rank_color
+    from labkit.viz.figcheck import unlabelled
 
     shape = MeshShape(shape)
     named, rows, cols = _layout(shape)
@@ -168,22 +171,31 @@ def plot_mesh(shape: dict[str, int], axes=None):
                                squeeze=False)
         axes = axes[0]
     for ax, dim in zip(axes, named):
-        grid = np.zeros((rows, cols))
+        groups: dict[tuple, int] = {}
         for rank in range(rows * cols):
-            grid[rank // cols, rank % cols] = shape.coordinates(rank)[dim]
-            ax.text(rank % cols, rank // cols, f"rank {rank}", ha="center", va="center", fontsize=8)
-        ax.imshow(grid, cmap="Pastel1", vmin=0, vmax=8)
+            row, col = divmod(rank, cols)
+            coords = shape.coordinates(rank)
+            group = groups.setdefault(tuple(v for d, v in coords.items() if d != dim), len(groups))
+            ax.add_patch(Rectangle((col - 0.45, row - 0.4), 0.9, 0.8, facecolor=rank_color(rank), alpha=0.3,
+                                   edgecolor=rank_color(rank)))
+            ax.text(col, row, f"rank {rank}\n{dim} {coords[dim]}, group {group}", ha="center", va="center",
+                    fontsize=7.5)
+        ax.set_xlim(-0.5, cols - 0.5), ax.set_ylim(rows - 0.5, -0.5)
         ax.set_xticks([]), ax.set_yticks([])
-        ax.set_title(f"colour: {dim} coordinate", fontsize=9)
+        ax.set_title(f"{dim}: coordinate and group", fontsize=9)
+        unlabelled(ax, "a diagram of the ranks")
     return axes
 
 
 def plot_shards(facts: list[dict], weights=WEIGHTS, axes=None):
     """Each weight as its whole (rows × columns) rectangle, with the part each rank holds outlined and labelled
-    with the ranks that hold it (replicas share a part); a weight a rank does not hold (a pipeline stage
-    without it) is left out for that rank."""
+    with the ranks that hold it, filled in their colours (:func:`labkit.viz.allreduce.rank_color`, one stripe
+    per rank where replicas share a part); a weight a rank does not hold (a pipeline stage without it) is left
+    out for that rank."""
     import matplotlib.patches as patches
     import matplotlib.pyplot as plt
+
+    from labkit.viz.allreduce import rank_color
 
     shapes = facts[0]["shapes"]
     if axes is None:
@@ -195,13 +207,17 @@ def plot_shards(facts: list[dict], weights=WEIGHTS, axes=None):
             region = f["regions"].get(name)
             if region is not None:
                 holders.setdefault(region, []).append(f["rank"])
-        for i, ((r0, r1, c0, c1), ranks) in enumerate(sorted(holders.items())):
-            ax.add_patch(patches.Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=f"C{i}", alpha=0.35,
-                                           edgecolor="k"))
+        for (r0, r1, c0, c1), ranks in sorted(holders.items()):
+            width = (c1 - c0) / len(ranks)  # one stripe per rank holding the part, in that rank's colour
+            for k, rank in enumerate(ranks):
+                ax.add_patch(patches.Rectangle((c0 + k * width, r0), width, r1 - r0, facecolor=rank_color(rank),
+                                               alpha=0.35, edgecolor="none"))
+            ax.add_patch(patches.Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor="none", edgecolor="k"))
             ax.text((c0 + c1) / 2, (r0 + r1) / 2, "ranks\n" + ",".join(map(str, ranks)), ha="center",
                     va="center", fontsize=7)
         ax.set_xlim(0, cols), ax.set_ylim(rows, 0)
         ax.set_title(f"{name.replace('.weight', '')}\n({rows} × {cols})", fontsize=8)
         ax.set_xticks([0, cols]), ax.set_yticks([0, rows])
+        ax.set_xlabel("column", fontsize=7, labelpad=-6), ax.set_ylabel("row", fontsize=7, labelpad=-6)
         ax.tick_params(labelsize=7)
     return axes

@@ -85,10 +85,13 @@ def bubble_fraction(trace: Mapping, step: int | None = None) -> dict:
 def plot_schedule(trace: Mapping, step: int | None = None, ax=None, title: str | None = None, unit: str = "ms"):
     """Gantt chart of one measured step: a row per rank, forward boxes solid, backward hatched, each labelled
     with its micro-batch; grey bars underneath are waits on communication. The title gives the measured
-    bubble next to the theoretical one."""
+    bubble next to the theoretical one. An idealised trace (:func:`ideal_trace`) is drawn in its own units (one
+    stage's forward = 1), whatever ``unit`` says."""
     import matplotlib.pyplot as plt
 
     events = step_events(trace, step)
+    if trace.get("idealised"):
+        unit = "s"  # no seconds: the simulated clock counts forward passes, drawn as they are
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.7 + 0.6 * trace["num_stages"]))
@@ -109,8 +112,9 @@ def plot_schedule(trace: Mapping, step: int | None = None, ax=None, title: str |
     else:
         summary = f"bubble measured {bubble['measured']:.0%}, simulated {bubble['theoretical']:.0%}"
     ax.set_title(f"{name}\n{summary}", fontsize=10)
-    ax.set_xlabel(f"time in the step ({unit})\nnumber = micro-batch, hatched = backward (dotted: W), grey = comm wait",
-                  fontsize=8)
+    clock = ("time in the step (idealised units: one stage's forward of one micro-batch = 1)"
+             if trace.get("idealised") else f"time in the step ({unit})")
+    ax.set_xlabel(f"{clock}\nnumber = micro-batch, hatched = backward (dotted: W), grey = comm wait", fontsize=8)
     return ax
 
 
