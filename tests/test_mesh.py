@@ -10,7 +10,8 @@ on ``pp=2 --pp-schedule zb-h1`` (each block replayed in B and again in W), again
 changes nothing but memory); the CNN on
 fsdp runs two epochs and is resumed from the checkpoint it wrote after the first, that checkpoint offered to
 another mesh; the CNN on zero3 the same (its parameters gathered over dp to be saved, loaded and compared). One 4-rank spawn: the GPT on ``dp=2,tp=2``, on ``dp=2,tp=2 --dp-shard fsdp`` (FSDP2 x TP; and with
-``--recompute full``: the replay gathers the blocks' shards again), on
+``--recompute full``: the replay gathers the blocks' shards again; and with ``--sequence-parallel``: the layer
+norms', row biases' and position table's gradients, FSDP2's dp shards by then, summed over tp), on
 ``tp=2,pp=2``, on ``dp=2,tp=2 --dp-shard zero2`` and ``dp=2,pp=2 --dp-shard zero1`` (labkit's ZeRO over the dp
 groups); the GPT on ``dp=2,tp=2`` resumed the same way, its checkpoint offered to ``dp=2,tp=2 --dp-shard zero1``. One 8-rank
 spawn: ``dp=2,tp=2,pp=2``. (The CNN on ``pp=2`` and ``dp=2,pp=2`` is ``tests/test_pp.py``'s.) Each fit is
@@ -146,6 +147,7 @@ TWO = {"cnn dp=2": ("cnn", {"mesh": "dp=2"}),
 FOUR = {"gpt dp=2,tp=2": ("gpt", {"mesh": "dp=2,tp=2"}),
         "gpt dp=2,tp=2 fsdp": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp"}),
         "gpt dp=2,tp=2 fsdp recompute full": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp", "recompute": "full"}),
+        "gpt dp=2,tp=2 fsdp sp": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "fsdp", "sequence_parallel": True}),
         "gpt tp=2,pp=2": ("gpt", {"mesh": "tp=2,pp=2", "num_microbatches": 2}),
         "gpt dp=2,tp=2 zero2": ("gpt", {"mesh": "dp=2,tp=2", "dp_shard": "zero2"}),
         "gpt dp=2,pp=2 zero1": ("gpt", {"mesh": "dp=2,pp=2", "dp_shard": "zero1", "num_microbatches": 2})}

@@ -228,12 +228,21 @@ class DataParallel(Dimension):
         return self._fully_shard(model) if self.shard == "fsdp" else model
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
+        """FSDP2 over ``mesh["dp"]``. ``fully_shard`` puts a new DTensor parameter in each parameter's place, without
+        the attributes other dimensions set on it (tp's sequence-parallel mark,
+        :func:`labkit.parallel.layers.mark_sequence_parallel`): they are carried over by name."""
         from torch.distributed.fsdp import fully_shard
 
+        marks = {name: dict(vars(p)) for name, p in model.named_parameters() if vars(p)}
         submesh = self.mesh["dp"]
         for module in _units(model):
             fully_shard(module, mesh=submesh, reshard_after_forward=self.reshard)
-        return fully_shard(model, mesh=submesh, reshard_after_forward=self.reshard)
+        model = fully_shard(model, mesh=submesh, reshard_after_forward=self.reshard)
+        params = dict(model.named_parameters())
+        for name, attributes in marks.items():
+            for key, value in attributes.items():
+                setattr(params[name], key, value)
+        return model
 
     def whole_parameters(self) -> contextlib.AbstractContextManager:
         """A block in which every parameter of this rank's model is whole (``--dp-shard zero3``: all-gathered over

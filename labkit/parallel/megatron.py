@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from labkit.errors import ConfigError
 from labkit.models.gpt import GPT
@@ -161,13 +162,23 @@ def sequence_parallel_params(model: nn.Module) -> list[nn.Parameter]:
 
 def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
     """Sum the gradients of :func:`sequence_parallel_params` over ``group``: one all-reduce of them all
-    flattened (each rank's layer norms saw only its T/t tokens). No-op without SP or on one rank."""
-    grads = [p.grad for p in sequence_parallel_params(model) if p.grad is not None]
+    flattened (each rank's layer norms saw only its T/t tokens). No-op without SP or on one rank.
+
+    Under FSDP2 over dp (``--dp-shard fsdp``) a gradient is a DTensor holding this rank's dp shard, already
+    reduce-scattered over dp: its local shard is summed (the ranks of one tp group share their dp coordinate, so
+    they hold the same shard, and a sum over tp commutes with the average over dp)."""
+    grads = [_local(p.grad) for p in sequence_parallel_params(model) if p.grad is not None]
     if not grads or group_size(group) == 1:
         return
     flat = all_reduce_copy(torch.cat([g.reshape(-1) for g in grads]), group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
+    with torch.no_grad():
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's tensor on this rank: a DTensor's local shard (the same storage), a plain tensor itself."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 class _VocabParallelCE(torch.autograd.Function):
