@@ -68,8 +68,8 @@ class Decision:
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
     """A client of the job's store at ``host:port`` (the supervisor hosts it)."""
     host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    # (host, port, world_size, is_master, timeout, wait_for_workers): positional, as the binding has no signature
+    return dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout_s), False)
 
 
 class Quorum:

@@ -13,7 +13,7 @@ every step) into ``<out>/reference`` and reports the loss gap.
 
 ``<out>/ft.json`` (schema ``labkit.ft/1``): ``timeline`` (per step: its quorum's ``members``, ``committed``, the
 members' mean ``loss``), ``events`` (``lost`` with the exit status, ``restarted``, ``healed`` at a step),
-``committed`` and ``discarded`` counts, the final test metrics of the run and of the reference and their ``gap``.
+``committed`` and ``discarded`` counts, ``shards_trained`` of ``shards`` (replicas × steps), the final test metrics of the run and of the reference and their ``gap``.
 
 On a cluster each replica group is its own job step (one per node) started with the hidden flags, and the store is
 held by a process that outlives them: ``python -m labkit.train.ft_supervise --serve PORT`` (jobs/README.md).
@@ -119,8 +119,7 @@ def _hold_store(pipe) -> None:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), False)  # the master, no wait
     pipe.send(store.port)
     while True:
         time.sleep(3600)
@@ -141,6 +140,7 @@ def _replica(cfg) -> None:
 
     code = 0
     sys.stdout = open(os.devnull, "w")  # the replicas' banners and epoch lines: their run folders hold them
+    sys.stderr = sys.__stderr__ or sys.stderr  # the process's own stream (a notebook kernel's would not reach it)
     try:
         run(cfg)
     except LabkitError as exc:
@@ -172,7 +172,9 @@ def timeline(out: Path, replicas: int) -> dict:
         losses = step.pop("losses")
         rows.append({**step, "quorum": len(step["members"]), "loss": sum(losses.values()) / len(losses)})
     committed = sum(r["committed"] for r in rows)
+    trained = sum(r["quorum"] for r in rows if r["committed"])  # shards trained on, of replicas × steps
     return {"timeline": rows, "committed": committed, "discarded": len(rows) - committed,
+            "shards_trained": trained, "shards": replicas * len(rows),
             "healed": [{"event": "healed", "replica": h["replica"], "step": h["step"]} for h in healed]}
 
 
@@ -206,7 +208,7 @@ def summary_line(rep: dict) -> str:
         if not sizes or sizes[-1] != row["quorum"]:
             sizes.append(row["quorum"])
     line = (f"ft: {len(rep['timeline'])} steps, {rep['committed']} committed, {rep['discarded']} discarded | "
-            f"quorum {' → '.join(map(str, sizes))}")
+            f"quorum {' → '.join(map(str, sizes))} | {rep['shards_trained']} of {rep['shards']} shards trained")
     for e in rep["events"]:
         if e["event"] == "healed":
             line += f" | replica {e['replica']} healed at step {e['step']}"
@@ -222,8 +224,7 @@ def serve(port: int) -> None:
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+    store = dist.TCPStore("0.0.0.0", port, None, True, datetime.timedelta(seconds=60), False)
     print(f"labkit ft store on port {store.port}", flush=True)
     while True:
         time.sleep(3600)
