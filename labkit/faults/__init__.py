@@ -92,7 +92,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           (("lr=LR, momentum=0.9)", "lr=LR * dist.get_world_size(), momentum=0.9)  # the global batch grew"),),
           remedy="lr = LR * world size (linear scaling)"),
     Fault("replica-lost", False, "a replica's node dies mid-run, and plain data parallelism dies with it",
-          "the survivor's next all-reduce fails (Connection closed by peer) and the job ends",
+          "the survivor's next all-reduce fails (the peer's connection is closed or reset) and the job ends",
           (("    losses, step = [], 0\n", "    losses, step, peers = [], 0, True\n"),
            ("            average_gradients(model)\n            optimizer.step()\n",
             "            try:\n                if peers:\n                    average_gradients(model)\n"
