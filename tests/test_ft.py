@@ -37,6 +37,8 @@ def test_a_bad_kill_or_a_replica_that_is_a_mesh_is_one_line(capsys, tmp_path):
                                                "leave out --mesh")
     assert _exit_code(["train", "--ft-replicas", "2", "--ft-kill", "2@3", "--model", "mlp", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "labkit: error: --ft-kill 2@3: there are 2 replicas (0 to 1)"
+    assert _exit_code(["train", "--ft-replicas", "2", "--resume", "--model", "mlp", "--out", str(tmp_path)]) == 2
+    assert "--resume does not apply to --ft-replicas" in capsys.readouterr().err
 
 
 def test_a_killed_replica_is_dropped_then_heals_and_no_sample_counts_twice(tmp_path):

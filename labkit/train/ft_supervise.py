@@ -45,6 +45,9 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
     options = cfg.strategy_options
     replicas = options.get("ft_replicas", 2)
     kill = parse_kill(options.get("ft_kill"), replicas)  # a bad --ft-kill: one line before any work
+    if cfg.resume:
+        raise ConfigError("--resume does not apply to --ft-replicas: a lost replica heals from its live peers, and a "
+                          "run whose replicas all stopped starts again without --resume")
     for module in _PRELOAD:  # once here, not in every replica and restart (torch._dynamo: the optimizers' import)
         importlib.import_module(module)
     timeout = float(options.get("ft_timeout_s", 10.0))
