@@ -181,7 +181,8 @@ class FaultTolerantStrategy(Strategy):
         if decision.joiners and self.quorum.source(decision) == self.replica:
             self._pending = decision
         within = self.step % self.steps_per_epoch
-        self._record({"step": self.step, "members": list(members), "committed": self.committed,
+        self._record({"step": self.step, "epoch_steps": self.steps_per_epoch, "members": list(members),
+                      "committed": self.committed,
                       "loss": float(self._loss) if self._loss is not None else None,
                       "ids": self._epoch_ids[within * self.batch_size:(within + 1) * self.batch_size],
                       "next": list(decision.members)})

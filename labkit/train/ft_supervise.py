@@ -108,7 +108,7 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
     report_["events"] = events + report_.pop("healed")
     report_["final"] = _final(next(p for p in sorted(out.glob("replica*")) if (p / "summary.json").exists()))
     if kill is not None:
-        report_["reference"] = _final(_reference(cfg, replicas, out / "reference"))
+        report_["reference"] = _final(_reference(cfg, replicas, report_["epoch_steps"], out / "reference"))
         report_["gap"] = {k: report_["final"][k] - report_["reference"][k] for k in report_["final"]}
     report_.update(schema=SCHEMA, replicas=replicas, kill=options.get("ft_kill"),
                    seconds=round(time.monotonic() - started, 2))
@@ -156,7 +156,7 @@ def timeline(out: Path, replicas: int) -> dict:
     """The steps of the run from the replicas' records: per step its members, whether it was committed, their mean
     loss; the ``healed`` events; the committed and discarded counts."""
     steps: dict[int, dict] = {}
-    healed = []
+    healed, epoch_steps = [], None
     for r in range(replicas):
         path = out / f"ft_replica{r}.jsonl"
         for line in path.read_text().splitlines() if path.exists() else []:
@@ -166,6 +166,7 @@ def timeline(out: Path, replicas: int) -> dict:
                 continue
             step = steps.setdefault(rec["step"], {"step": rec["step"], "members": rec["members"],
                                                   "committed": rec["committed"], "losses": {}})
+            epoch_steps = rec["epoch_steps"]
             if step["members"] != rec["members"] or step["committed"] != rec["committed"]:
                 raise LabkitError(f"replicas disagree on step {rec['step']}: {step} vs {rec}")
             step["losses"][rec["replica"]] = rec["loss"]
@@ -177,7 +178,7 @@ def timeline(out: Path, replicas: int) -> dict:
     committed = sum(r["committed"] for r in rows)
     trained = sum(r["quorum"] for r in rows if r["committed"])  # shards trained on, of replicas × steps
     return {"timeline": rows, "committed": committed, "discarded": len(rows) - committed,
-            "shards_trained": trained, "shards": replicas * len(rows),
+            "shards_trained": trained, "shards": replicas * len(rows), "epoch_steps": epoch_steps,
             "healed": [{"event": "healed", "replica": h["replica"], "step": h["step"]} for h in healed]}
 
 
@@ -186,13 +187,16 @@ def _final(path: Path) -> dict:
     return {k: last[k] for k in ("test_loss", "test_acc", "test_ppl") if k in last}
 
 
-def _reference(cfg, replicas: int, out: Path) -> Path:
-    """The uninterrupted run: one process, the global batch of a full quorum, the same learning rate."""
+def _reference(cfg, replicas: int, epoch_steps: int, out: Path) -> Path:
+    """The uninterrupted run: one process, the global batch of a full quorum, the same learning rate, and the
+    replicas' ``epoch_steps`` full global batches per epoch (``--max-steps``: the data-parallel shards drop the last
+    partial one), so its step k trains the samples of a full quorum's step k."""
     from labkit.train.run import run
 
     ref = copy.deepcopy(cfg)
     ref.strategy, ref.strategy_options, ref.out, ref.resume = "single", {}, str(out), False
     ref.batch_size = cfg.batch_size * replicas
+    ref.max_steps = min(epoch_steps, cfg.max_steps or epoch_steps)
     if ref.scale_lr:
         ref.base_lr, ref.scale_lr = ref.base_lr * replicas, False
     with open(os.devnull, "w") as quiet:
