@@ -86,6 +86,8 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
                     other.kill()
                 raise SystemExit(2)
             events.append({"event": "lost", "replica": r, "exit": proc.exitcode, "s": seconds})
+            how = f"signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
+            print(f"ft: replica {r} lost ({how}) at {seconds:.1f} s; the others go on", flush=True)
             if finished_at is None and restarts[r] < options.get("ft_restarts", 3):
                 restarts[r] += 1
                 due[r] = time.monotonic() + options.get("ft_restart_delay_s", 0.0)
@@ -95,6 +97,7 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
                 if finished_at is None:
                     procs[r] = _start(cfg, r, address, out)
                     events.append({"event": "restarted", "replica": r, "s": round(time.monotonic() - started, 2)})
+                    print(f"ft: replica {r} restarted; it heals from a peer at the next step", flush=True)
         if finished_at is not None and procs and time.monotonic() - finished_at > 2 * timeout:
             for r, proc in procs.items():  # e.g. a replica restarted too late to join before the end
                 proc.kill()
