@@ -151,6 +151,11 @@ def _replica(cfg) -> None:
         run(cfg)
     except LabkitError as exc:
         code = report(exc)
+    except Exception as exc:  # e.g. the store gone with its supervisor: one line, not a traceback per replica
+        line = str(exc).strip().splitlines()
+        print(f"labkit: replica {cfg.strategy_options['ft_replica']}: {type(exc).__name__}: "
+              f"{line[0] if line else ''}", file=sys.stderr)
+        code = 1
     sys.stderr.flush()
     os._exit(code)
 
