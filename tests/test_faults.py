@@ -12,7 +12,7 @@ from torch.utils.data import DistributedSampler
 from labkit import faults
 from labkit.cli import main
 from labkit.exercises.cli import run_check
-from labkit.faults.check import reference
+from labkit.faults.check import PEER_GONE, reference
 from labkit.faults.common import toy_data, toy_model
 from labkit.faults.runner import Outcome, run_fault, run_program
 from labkit.faults.table import describe, hang_table
@@ -71,7 +71,9 @@ def fixed():
 def test_every_fixed_version_finishes_with_equal_replicas_and_nothing_found(fixed):
     for name, run in fixed.items():
         assert (run.status, run.findings) == ("finished", []), (name, run.error, run.table)
-        assert all(torch.equal(run.state(0)[k], run.state(1)[k]) for k in run.state(0)), name
+        alive = [r["rank"] for r in run.ranks]
+        assert alive == [r for r in (0, 1) if r != faults.FAULTS[name].lost] and run.lost == ([1] if name == "replica-lost" else []), name
+        assert all(torch.equal(run.state(0)[k], run.state(r)[k]) for r in alive for k in run.state(0)), name
 
 
 def test_fixed_data_parallel_equals_one_process_on_the_global_batch(fixed):
@@ -97,6 +99,15 @@ def test_fixed_data_parallel_equals_one_process_on_the_global_batch(fixed):
     for k, v in model.state_dict().items():
         assert torch.allclose(run.state(0)[k], v, atol=1e-6), k
     assert len(run.ranks[0]["losses"]) == 16
+
+
+def test_a_lost_replica_ends_plain_data_parallelism_and_the_fix_trains_on_alone(fixed):
+    """Rank 1 exits in step 5 (of 8 per epoch, 2 epochs): the broken program's rank 0 fails in that step's
+    all-reduce; the fix discards that step and trains the other 10 alone, on its own shard (15 steps in all)."""
+    broken = run_fault("replica-lost")
+    assert (broken.status, broken.lost, [f["rank"] for f in broken.failures]) == ("failed", [1], [0])
+    assert any(words in broken.failures[0]["message"] for words in PEER_GONE)  # gloo says closed or reset
+    assert len(fixed["replica-lost"].ranks[0]["losses"]) == 15
 
 
 def test_unscaled_learning_rate_converges_slower_and_the_command_says_what_it_found(fixed, capsys):
@@ -190,7 +201,7 @@ def test_bad_input_is_one_line(capsys, argv, message):
 
 def test_list_and_watchdog_settings(capsys, monkeypatch):
     assert main(["faults", "list"]) == 0
-    assert capsys.readouterr().out.count("\n") == 2 * 10
+    assert capsys.readouterr().out.count("\n") == 2 * 11
     monkeypatch.setenv("LABKIT_WATCHDOG", "0")
     assert start_for_training(None, 1800) is None and start_for_training(0, 1800) is None
 

@@ -26,6 +26,7 @@ class Fault:
     remedy: str = ""  # what the fixed version does (the checker compares a fix with it)
     launcher: str = "torchrun"  # "srun": the ranks get SLURM's variables only
     even_ranks: bool = False
+    lost: int | None = None  # the rank the program loses on purpose (exit code faults.common.LOST): not a failure
 
     @property
     def path(self) -> Path:
@@ -90,6 +91,18 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "no hang: slower convergence than the scaled recipe",
           (("lr=LR, momentum=0.9)", "lr=LR * dist.get_world_size(), momentum=0.9)  # the global batch grew"),),
           remedy="lr = LR * world size (linear scaling)"),
+    Fault("replica-lost", False, "a replica's node dies mid-run, and plain data parallelism dies with it",
+          "the survivor's next all-reduce fails (the peer's connection is closed or reset) and the job ends",
+          (("    losses, step = [], 0\n", "    losses, step, peers = [], 0, True\n"),
+           ("            average_gradients(model)\n            optimizer.step()\n",
+            "            try:\n                if peers:\n                    average_gradients(model)\n"
+            "            except RuntimeError:  # a peer is gone: discard this step, go on alone\n"
+            "                peers = False\n                step += 1\n                continue\n"
+            "            optimizer.step()\n"),
+           ("    dist.barrier()\n", "    if peers:\n        dist.barrier()\n")),
+          remedy="the failed all-reduce's step is discarded (no optimizer step) and the survivor trains on alone, "
+                 "its own shard only; at the end it skips the barrier its lost peer cannot join",
+          lost=1),
 )}
 
 

@@ -37,7 +37,7 @@ def reference(name: str, ranks: int):
 def check_file(name: str, path: str | Path, ranks: int = 2, watchdog: float = 5.0) -> list[str]:
     """The problems of the fix in ``path`` for fault ``name``; [] when it is right."""
     fault = get(name)
-    mine = run_program(path, ranks, watchdog, fault.launcher)
+    mine = run_program(path, ranks, watchdog, fault.launcher, lost=fault.lost)
     if mine.status == "hung":
         return [f"it still hangs:\n{mine.table}"]
     if mine.status == "failed":

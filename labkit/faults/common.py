@@ -10,6 +10,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 FEATURES, CLASSES = 20, 10
+#: the exit code of a rank a program loses on purpose (``replica-lost``): the runner counts it as the scenario
+LOST = 43
 
 #: the GPU index a program chose with :func:`use_gpu` (on a machine without GPUs it runs on the CPU)
 chosen_gpu: int | None = None

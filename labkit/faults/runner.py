@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 from labkit.dist.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, start, unguarded
 from labkit.errors import ConfigError
 from labkit.faults import findings, fixed_source, get
+from labkit.faults.common import LOST
 from labkit.faults.watchdog import refusal
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labkit.faults.common", "labkit.faults.recorder",
@@ -61,6 +62,7 @@ class Outcome:
     error: str = ""  # the first failure's traceback (or what the rank printed last)
     logs: dict[int, str] = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)  # {rank, time, message, error}, ordered by time
+    lost: list[int] = field(default_factory=list)  # ranks the program lost on purpose (exit code common.LOST)
 
     def state(self, rank: int = 0) -> dict:
         return next(r["state"] for r in self.ranks if r["rank"] == rank)
@@ -129,7 +131,7 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
 
 def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0, launcher: str = "torchrun",
                 env: dict[str, str] | None = None, timeout: float = 300.0,
-                echo: Callable[[str], None] | None = None) -> Outcome:
+                echo: Callable[[str], None] | None = None, lost: int | None = None) -> Outcome:
     """Run the program at ``path`` on ``ranks`` local ranks; see the module's docstring.
 
     Args:
@@ -139,6 +141,8 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
         env: extra environment variables for the ranks (e.g. ``{"DEVICE": "cuda"}``).
         timeout: a last resort for what the watchdog cannot see (a rank stuck outside any collective).
         echo: called with each line the ranks printed, ``[rank N] ...`` (after the run).
+        lost: the rank the program loses on purpose: its exit with code :data:`labkit.faults.common.LOST` is the
+            scenario (``Outcome.lost``), not a failure.
     """
     exit_if_bootstrapping()
     if watchdog is not None and (env or {}).get("DEVICE", "cpu") == "cpu" and (why := refusal("gloo")) is not None:
@@ -166,12 +170,15 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
             for line in text.splitlines():
                 echo(f"[rank {r}] {line}")
     per_rank = [done[r] for r in sorted(done)]
+    gone = [r for r in failed if r == lost and procs[r].exitcode == LOST]
+    for r in gone:
+        del failed[r]
     if hang is not None:
-        return Outcome("hung", per_rank, hang["table"], hang, logs=logs)
+        return Outcome("hung", per_rank, hang["table"], hang, logs=logs, lost=gone)
     if failed:
         failures = sorted(({"rank": r, **f} for r, f in failed.items()), key=lambda f: (f["time"], f["rank"]))
-        return Outcome("failed", per_rank, error=failures[0]["error"], logs=logs, failures=failures)
-    return Outcome("finished", per_rank, findings=findings.silent(per_rank), logs=logs)
+        return Outcome("failed", per_rank, error=failures[0]["error"], logs=logs, failures=failures, lost=gone)
+    return Outcome("finished", per_rank, findings=findings.silent(per_rank), logs=logs, lost=gone)
 
 
 def _silent(proc, log: Path, text: str, ended: float | None) -> dict:
@@ -244,11 +251,11 @@ def run_fault(name: str, fixed: bool = False, **kwargs) -> Outcome:
     """Run fault ``name``'s broken program (or, with ``fixed``, its fixed version) through :func:`run_program`."""
     fault = get(name)
     if not fixed:
-        return run_program(fault.path, launcher=fault.launcher, **kwargs)
+        return run_program(fault.path, launcher=fault.launcher, lost=fault.lost, **kwargs)
     with tempfile.TemporaryDirectory(prefix="labkit-fixed-") as tmp:
         path = Path(tmp) / fault.path.name
         path.write_text(fixed_source(name))
-        return run_program(path, launcher=fault.launcher, **kwargs)
+        return run_program(path, launcher=fault.launcher, lost=fault.lost, **kwargs)
 
 
 def _doctor_rank(argv, rank, world_size, port, tmp, environ):

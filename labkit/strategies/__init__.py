@@ -36,6 +36,7 @@ STRATEGIES: dict[str, str] = {
     "fsdp": "labkit.parallel.fsdp:FSDPStrategy",
     "ps": "labkit.strategies.ps.strategy:ParameterServerStrategy",
     "mesh": "labkit.parallel.mesh:MeshStrategy",
+    "ft": "labkit.strategies.ft:FaultTolerantStrategy",
 }
 
 

@@ -7,7 +7,8 @@ A strategy never runs its own training loop; :func:`labkit.train.run.run` and :f
     [strategy.load_state_dict(model, optimizer, state)]                 # --resume
     for epoch: strategy.set_epoch(epoch)
         for x, y: loss, out = strategy.forward_backward(model, x, y, criterion)
-                  strategy.sync_gradients(model); [preconditioner.step()]; optimizer.step()
+                  strategy.sync_gradients(model)
+                  if strategy.step_committed(): [preconditioner.step()]; optimizer.step(); scheduler.step()
         strategy.epoch_end(); strategy.all_reduce_sum(metric sums)
         [save strategy.state_dict(model, optimizer) to strategy.checkpoint_file(out)]  # writes_checkpoint()
 
@@ -116,6 +117,18 @@ class Strategy:
 
     def sync_gradients(self, model: nn.Module) -> None:
         pass
+
+    def step_committed(self) -> bool:
+        """May this step's update be applied? Asked by the loop after :meth:`sync_gradients`; False (``--strategy ft``
+        when the quorum's all-reduce did not complete) skips the preconditioner, the optimizer, the schedule and the
+        step's metric sums on every member alike. Always True here: no extra work, no communication."""
+        return True
+
+    def join(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict | None:
+        """Called once before training, after the optimizer and schedule exist: a replica joining a live run copies
+        its peers' state into them and returns where to start, ``{"epoch", "position"}`` (as a resume does); None
+        (here: always) starts from the beginning or the ``--resume`` checkpoint."""
+        return None
 
     def metric_owner(self) -> bool:
         return True

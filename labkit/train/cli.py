@@ -41,8 +41,15 @@ class TrainParser(argparse.ArgumentParser):
         peek.add_argument("--optimizer", default=None)  # None: the model's (sgd or adam: no flags of their own)
         peek.add_argument("--model", default="lenet")
         peek.add_argument("--mesh", default=None)
+        peek.add_argument("--ft-replicas", default=None)
         chosen, _ = peek.parse_known_args(args)
         chosen.optimizer = chosen.optimizer or default_optimizer(chosen.model)
+        if chosen.ft_replicas is not None and chosen.strategy in (None, "ft"):  # --ft-replicas means --strategy ft
+            if chosen.mesh is not None:
+                self.error(f"--ft-replicas runs each replica as one process; a replica that is itself a mesh "
+                           f"(--mesh {chosen.mesh}) is not supported: leave out --mesh")
+            args = args if chosen.strategy == "ft" else [*args, "--strategy", "ft"]
+            chosen.strategy = "ft"
         if chosen.strategy is None:  # --mesh alone means --strategy mesh
             chosen.strategy = "single" if chosen.mesh is None else "mesh"
             args = args if chosen.mesh is None else [*args, "--strategy", "mesh"]
@@ -266,6 +273,11 @@ def _run(args: argparse.Namespace, owned: dict[str, list[str]]) -> int:
     from labkit.train.run import run
 
     cfg = config_from_args(args, owned)
+    if cfg.strategy == "ft" and cfg.strategy_options.get("ft_replica") is None:  # the replicas' supervisor
+        from labkit.train.ft_supervise import supervise
+
+        supervise(cfg)
+        return 0
     gpus = args.device == "cuda" or (args.device == "auto" and _cuda_available())
     start_for_training(args.watchdog, args.timeout_s, args.backend or ("nccl" if gpus else "gloo"))
     run(cfg)

@@ -204,7 +204,8 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: to
     """One optimizer step of :func:`fit` on the batch ``(x, y)``, its bookkeeping included.
 
     ``strategy.forward_backward`` -> ``strategy.sync_gradients`` -> ``preconditioner.step`` ->
-    ``optimizer.step`` -> ``scheduler.step`` (-> ``profiler.step``); on a rank that owns the outputs, the
+    ``optimizer.step`` -> ``scheduler.step`` (-> ``profiler.step``), the three only when
+    ``strategy.step_committed()`` (a discarded step changes nothing and counts no metric); on a rank that owns the outputs, the
     batch's sums from ``task`` (default classification: loss sum, correct predictions, sample count; language
     modelling counts tokens) are added to ``totals`` (on the device: no host sync, no host-to-device copy).
     The strategy advisor times this very function (:mod:`labkit.advisor.measure`).
@@ -218,14 +219,16 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, optimizer: to
     with autocast(amp, strategy.input_device):
         loss, out = strategy.forward_backward(model, to_channels_last(x) if channels_last else x, y, criterion)
     strategy.sync_gradients(model)
-    if preconditioner is not None:
+    committed = strategy.step_committed()  # False: a fault-tolerant quorum discarded this step on every member
+    if committed and preconditioner is not None:
         preconditioner.step()
-    optimizer.step()
-    if scheduler is not None:
+    if committed:
+        optimizer.step()
+    if committed and scheduler is not None:
         scheduler.step()
     if profiler is not None:
         profiler.step()
-    if loss is None or not strategy.metric_owner():
+    if loss is None or not committed or not strategy.metric_owner():
         return False
     y = y.to(out.device)
     totals += (task or _CLASSIFICATION).sums(loss, out, y).to(totals.device)

@@ -129,6 +129,10 @@ def run(cfg: TrainConfig, env: kdist.DistEnv | None = None) -> dict:
             source = (f"{out_dir} (written on {state['resharded_from']}, resharded)" if state.get("resharded_from")
                       else ckpt)
             print0(f"resumed from {source} {where(start_epoch, resumed_at['step'])}")
+        joined = strategy.join(model, optimizer, scheduler)  # a replica joining a live run: its peers' state
+        if joined is not None:
+            start_epoch, position = joined["epoch"], joined["position"]
+            resumed_at = {"epoch": start_epoch, "step": position["step"] if position else 0}
         writer.log(attempt_started(resumed_at))
 
         def save(epochs_done: int, position: dict | None = None) -> None:

@@ -1,0 +1,252 @@
+"""The supervisor of ``labkit train --ft-replicas R``: it hosts the job's store, runs each replica as its own process,
+restarts a replica that dies, and writes the run's timeline (:mod:`labkit.strategies.ft` is one replica).
+
+    from labkit.train.ft_supervise import supervise
+    report = supervise(cfg)          # cfg.strategy == "ft"; returns what <out>/ft.json holds
+
+Replicas are forked from this process (torch is imported once), each running :func:`labkit.train.run.run` with
+``--ft-replica r --ft-store HOST:PORT`` and its own results folder ``<out>/replica<r>``; their per-step records go to
+``<out>/ft_replica<r>.jsonl``. A replica that exits for any reason but success is started again (``--ft-restarts``
+times); it then asks to join and heals from a peer. After ``--ft-kill`` the supervisor also trains the uninterrupted
+reference (one process, the global batch R × b, the same order, seed and learning rate: what a full quorum trains at
+every step) into ``<out>/reference`` and reports the loss gap.
+
+``<out>/ft.json`` (schema ``labkit.ft/1``): ``timeline`` (per step: its quorum's ``members``, ``committed``, the
+members' mean ``loss``), ``events`` (``lost`` with the exit status, ``restarted``, ``healed`` at a step),
+``committed`` and ``discarded`` counts, ``shards_trained`` of ``shards`` (replicas × steps), the final test metrics of the run and of the reference and their ``gap``.
+
+On a cluster each replica group is its own job step (one per node) started with the hidden flags, and the store is
+held by a process that outlives them: ``python -m labkit.train.ft_supervise --serve PORT`` (jobs/README.md).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+from labkit.errors import ConfigError, LabkitError, report
+from labkit.results import atomic_write_text, load_run, make_dirs
+
+SCHEMA = "labkit.ft/1"
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "labkit.train.run", "labkit.strategies.ft")
+
+
+def supervise(cfg, poll_s: float = 0.05) -> dict:
+    """Run ``cfg`` (strategy ``ft``) as its replicas, to the end; return (and write) the ``ft.json`` report."""
+    import importlib
+
+    from labkit.strategies.ft import parse_kill
+
+    cfg.validate()
+    options = cfg.strategy_options
+    replicas = options.get("ft_replicas", 2)
+    kill = parse_kill(options.get("ft_kill"), replicas)  # a bad --ft-kill: one line before any work
+    if cfg.resume:
+        raise ConfigError("--resume does not apply to --ft-replicas: a lost replica heals from its live peers, and a "
+                          "run whose replicas all stopped starts again without --resume")
+    for module in _PRELOAD:  # once here, not in every replica and restart (torch._dynamo: the optimizers' import)
+        importlib.import_module(module)
+    timeout = float(options.get("ft_timeout_s", 10.0))
+    out = make_dirs(cfg.out_dir)
+    for old in out.glob("ft_replica*.jsonl"):
+        old.unlink()  # a fresh run's records
+    # the store lives in a process of its own: this one forks the replicas, and a fork must not copy the store's
+    # server thread mid-request (a lock it holds would stay held in the child)
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe()
+    holder = context.Process(target=_hold_store, args=(theirs,), daemon=True)
+    holder.start()
+    if not ours.poll(60):
+        raise LabkitError("the job's store did not start within 60 s")
+    address = f"127.0.0.1:{ours.recv()}"
+    print(f"labkit train --ft-replicas {replicas} | store {address} | replicas' results in {out}/replica<r>",
+          flush=True)
+    started = time.monotonic()
+    events: list[dict] = []
+    procs = {r: _start(cfg, r, address, out) for r in range(replicas)}
+    restarts = dict.fromkeys(procs, 0)
+    finished_at = None
+    due: dict[int, float] = {}  # replica -> when it restarts
+    while procs or due:
+        time.sleep(poll_s)
+        for r, proc in list(procs.items()):
+            if proc.exitcode is None:
+                continue
+            del procs[r]
+            seconds = round(time.monotonic() - started, 2)
+            if proc.exitcode == 0:
+                finished_at = finished_at or time.monotonic()
+                continue
+            if proc.exitcode == 2:  # a configuration error is everyone's: stop
+                for other in [*procs.values(), holder]:
+                    other.kill()
+                raise SystemExit(2)
+            events.append({"event": "lost", "replica": r, "exit": proc.exitcode, "s": seconds})
+            how = f"signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
+            print(f"ft: replica {r} lost ({how}) at {seconds:.1f} s; the others go on", flush=True)
+            if finished_at is None and restarts[r] < options.get("ft_restarts", 3):
+                restarts[r] += 1
+                due[r] = time.monotonic() + options.get("ft_restart_delay_s", 0.0)
+        for r, when in list(due.items()):
+            if time.monotonic() >= when:
+                del due[r]
+                if finished_at is None:
+                    procs[r] = _start(cfg, r, address, out)
+                    events.append({"event": "restarted", "replica": r, "s": round(time.monotonic() - started, 2)})
+                    print(f"ft: replica {r} restarted; it heals from a peer at the next step", flush=True)
+        if finished_at is not None and procs and time.monotonic() - finished_at > 2 * timeout:
+            for r, proc in procs.items():  # e.g. a replica restarted too late to join before the end
+                proc.kill()
+                proc.join()
+                events.append({"event": "stopped at the end", "replica": r})
+            procs.clear()
+    holder.kill()
+    if finished_at is None:
+        raise LabkitError(f"every replica of {out} failed; see their lines above")
+    report_ = timeline(out, replicas)
+    report_["events"] = events + report_.pop("healed")
+    report_["final"] = _final(next(p for p in sorted(out.glob("replica*")) if (p / "summary.json").exists()))
+    if kill is not None:
+        report_["reference"] = _final(_reference(cfg, replicas, report_["epoch_steps"], out / "reference"))
+        report_["gap"] = {k: report_["final"][k] - report_["reference"][k] for k in report_["final"]}
+    report_.update(schema=SCHEMA, replicas=replicas, kill=options.get("ft_kill"),
+                   seconds=round(time.monotonic() - started, 2))
+    atomic_write_text(out / "ft.json", json.dumps(report_, indent=2) + "\n")
+    print(summary_line(report_), flush=True)
+    return report_
+
+
+def _hold_store(pipe) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), False)  # the master, no wait
+    pipe.send(store.port)
+    while True:
+        time.sleep(3600)
+
+
+def _start(cfg, replica: int, address: str, out: Path) -> multiprocessing.Process:
+    mine = copy.deepcopy(cfg)
+    mine.out = str(out / f"replica{replica}")
+    mine.strategy_options = {**cfg.strategy_options, "ft_replica": replica, "ft_store": address,
+                             "ft_log": str(out / f"ft_replica{replica}.jsonl")}
+    proc = multiprocessing.get_context("fork").Process(target=_replica, args=(mine,), daemon=True)
+    proc.start()
+    return proc
+
+
+def _replica(cfg) -> None:
+    from labkit.train.run import run
+
+    code = 0
+    sys.stdout = open(os.devnull, "w")  # the replicas' banners and epoch lines: their run folders hold them
+    sys.stderr = sys.__stderr__ or sys.stderr  # the process's own stream (a notebook kernel's would not reach it)
+    try:
+        run(cfg)
+    except LabkitError as exc:
+        code = report(exc)
+    except Exception as exc:  # e.g. the store gone with its supervisor: one line, not a traceback per replica
+        line = str(exc).strip().splitlines()
+        print(f"labkit: replica {cfg.strategy_options['ft_replica']}: {type(exc).__name__}: "
+              f"{line[0] if line else ''}", file=sys.stderr)
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def timeline(out: Path, replicas: int) -> dict:
+    """The steps of the run from the replicas' records: per step its members, whether it was committed, their mean
+    loss; the ``healed`` events; the committed and discarded counts."""
+    steps: dict[int, dict] = {}
+    healed, epoch_steps = [], None
+    for r in range(replicas):
+        path = out / f"ft_replica{r}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            rec = json.loads(line)
+            if rec.get("event") == "healed":
+                healed.append(rec)
+                continue
+            step = steps.setdefault(rec["step"], {"step": rec["step"], "members": rec["members"],
+                                                  "committed": rec["committed"], "losses": {}})
+            epoch_steps = rec["epoch_steps"]
+            if step["members"] != rec["members"] or step["committed"] != rec["committed"]:
+                raise LabkitError(f"replicas disagree on step {rec['step']}: {step} vs {rec}")
+            step["losses"][rec["replica"]] = rec["loss"]
+    rows = []
+    for k in sorted(steps):
+        step = steps.pop(k)
+        losses = step.pop("losses")
+        rows.append({**step, "quorum": len(step["members"]), "loss": sum(losses.values()) / len(losses)})
+    committed = sum(r["committed"] for r in rows)
+    trained = sum(r["quorum"] for r in rows if r["committed"])  # shards trained on, of replicas × steps
+    return {"timeline": rows, "committed": committed, "discarded": len(rows) - committed,
+            "shards_trained": trained, "shards": replicas * len(rows), "epoch_steps": epoch_steps,
+            "healed": [{"event": "healed", "replica": h["replica"], "step": h["step"]} for h in healed]}
+
+
+def _final(path: Path) -> dict:
+    last = load_run(path).records_of("epoch")[-1]
+    return {k: last[k] for k in ("test_loss", "test_acc", "test_ppl") if k in last}
+
+
+def _reference(cfg, replicas: int, epoch_steps: int, out: Path) -> Path:
+    """The uninterrupted run: one process, the global batch of a full quorum, the same learning rate, and the
+    replicas' ``epoch_steps`` full global batches per epoch (``--max-steps``: the data-parallel shards drop the last
+    partial one), so its step k trains the samples of a full quorum's step k."""
+    from labkit.train.run import run
+
+    ref = copy.deepcopy(cfg)
+    ref.strategy, ref.strategy_options, ref.out, ref.resume = "single", {}, str(out), False
+    ref.batch_size = cfg.batch_size * replicas
+    ref.max_steps = min(epoch_steps, cfg.max_steps or epoch_steps)
+    if ref.scale_lr:
+        ref.base_lr, ref.scale_lr = ref.base_lr * replicas, False
+    with open(os.devnull, "w") as quiet:
+        stdout, sys.stdout = sys.stdout, quiet
+        try:
+            run(ref)
+        finally:
+            sys.stdout = stdout
+    return out
+
+
+def summary_line(rep: dict) -> str:
+    """``ft: 24 steps, 23 committed, 1 discarded | quorum 3 → 2 → 3 | test loss 0.41 vs 0.40 uninterrupted``."""
+    sizes = []
+    for row in rep["timeline"]:
+        if not sizes or sizes[-1] != row["quorum"]:
+            sizes.append(row["quorum"])
+    line = (f"ft: {len(rep['timeline'])} steps, {rep['committed']} committed, {rep['discarded']} discarded | "
+            f"quorum {' → '.join(map(str, sizes))} | {rep['shards_trained']} of {rep['shards']} shards trained")
+    for e in rep["events"]:
+        if e["event"] == "healed":
+            line += f" | replica {e['replica']} healed at step {e['step']}"
+    if "gap" in rep:
+        line += (f" | test loss {rep['final']['test_loss']:.4f} vs {rep['reference']['test_loss']:.4f} "
+                 f"uninterrupted (gap {rep['gap']['test_loss']:+.4f})")
+    return line
+
+
+def serve(port: int) -> None:
+    """Hold the job's store on ``port`` until killed (a cluster's replica groups connect to it)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("0.0.0.0", port, None, True, datetime.timedelta(seconds=60), False)
+    print(f"labkit ft store on port {store.port}", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--serve"] or len(sys.argv) != 3 or not sys.argv[2].isdigit():
+        raise SystemExit(report(ConfigError("usage: python -m labkit.train.ft_supervise --serve PORT")))
+    serve(int(sys.argv[2]))
+
