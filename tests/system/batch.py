@@ -32,11 +32,13 @@ JOB_TIME_LIMIT_MIN = 8
 # the lean subsets: ZeRO stage 3 (tests/test_zero.py compares every stage and FSDP with DDP), one pipeline
 # schedule (both in tests/test_pipelining.py), the hybrid run without its DDP twin (job_ddp), the K-FAC run without
 # its SGD baseline (the same command with --kfac-update-freq 0; job_ddp trains with SGD); the seed's ResNet-50
-# hands-on scripts at the smallest batch their micro-batches allow
+# hands-on scripts at the smallest batch their micro-batches allow; the parameter server for 4 of its 16 steps
+# (tests/test_ps.py compares its modes with one process)
 LEAN = {"job_zero": {"RUNS": "zero-3"}, "job_kfac": {"RUNS": "kfac"}, "job_pipeline": {"SCHEDULES": "1f1b"},
         "job_hybrid": {"COMPARE_DDP": "0"},
         "gpipe-job_gpipe_answer": {"BATCHSIZE": "4", "NUM_MICROBATCHES": "2"},
-        "gpipe-job_gpipe_exercise": {"BATCHSIZE": "4"}, "gpipe-job_pytorch": {"BATCHSIZE": "4"}}
+        "gpipe-job_gpipe_exercise": {"BATCHSIZE": "4"}, "gpipe-job_pytorch": {"BATCHSIZE": "4"},
+        "job_ps": {"EXTRA_ARGS": "--max-steps 4"}}
 
 # The pre-emption test: job_ddp.sh on 2 CPU ranks × 16 samples, 12 steps per epoch, 2 epochs, run twice: "job_ddp"
 # uninterrupted (the batch's job_ddp) and "warned", slowed down (which changes no result) so that SLURM's warning
