@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from labkit.train.peak import device_name
+
 SUITE_FILE = "suite.json"
 
 
@@ -63,7 +65,7 @@ def machine() -> dict:
     """What the numbers were measured on: device, core count, torch / CUDA / NCCL versions."""
     cuda = torch.cuda.is_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and torch.distributed.is_nccl_available() else None
-    return {"device": torch.cuda.get_device_name(0) if cuda else _cpu_name(), "gpus": torch.cuda.device_count(),
+    return {"device": torch.cuda.get_device_name(0) if cuda else device_name(torch.device("cpu")), "gpus": torch.cuda.device_count(),
             "cpu_count": os.cpu_count(), "torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
             "nccl": nccl, "python": platform.python_version()}
 
@@ -76,16 +78,6 @@ def machine_tag(info: dict | None = None) -> str:
         name = re.sub(r"[^a-z0-9]+", "-", info["device"].lower()).strip("-")
         return f"{name}-x{info['gpus']}-cuda{info['cuda']}-torch{torch_version}"
     return f"cpu-{info['cpu_count']}c-torch{torch_version}"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def _labkit(args: list[str], nproc: int, out: Path) -> dict:
