@@ -225,10 +225,7 @@ def _flop_utilisation(cfg: TrainConfig, flops: StepFlops | None, strategy,
                + (f", {flops_text(flops.hardware)} with recompute" if flops.hardware != flops.model else "")
                + f" | peak {peak.describe()}" + (f" × {count} devices" if count > 1 else ""))
     if env.distributed:
-        store, key = dist.distributed_c10d._get_default_store(), f"labkit/flops/{_LOCKS_TAKEN[0]}"
-        if env.is_main:
-            store.set(key, json.dumps(shared))
-        shared = json.loads(store.get(key).decode())
+        shared = json.loads(_from_rank0(env, f"labkit/flops/{_LOCKS_TAKEN[0]}", json.dumps(shared) if env.is_main else ""))
     flops = StepFlops(**shared["flops"])
     return FlopUtilisation(flops.model, flops.hardware, Peak(**shared["peak"]), shared["devices"]), flops
 
@@ -240,12 +237,18 @@ def _lock_out(out_dir: Path, env: kdist.DistEnv, held: contextlib.ExitStack) -> 
     busy = held.enter_context(run_dir_lock(out_dir)) if env.is_main else None
     if env.distributed:
         _LOCKS_TAKEN[0] += 1  # every rank counts its runs alike: a key per run, never one a run before left
-        store, key = dist.distributed_c10d._get_default_store(), f"labkit/out-lock/{_LOCKS_TAKEN[0]}/{out_dir}"
-        if env.is_main:
-            store.set(key, busy or "")
-        busy = store.get(key).decode() or None
+        busy = _from_rank0(env, f"labkit/out-lock/{_LOCKS_TAKEN[0]}/{out_dir}", busy or "") or None
     if busy:
         raise ConfigError(busy)
+
+
+def _from_rank0(env: kdist.DistEnv, key: str, value: str) -> str:
+    """Rank 0's ``value``, on every rank, through the job's store under ``key`` (a key, not a collective: the run's
+    collectives keep their numbers); what other ranks pass is not used."""
+    store = dist.distributed_c10d._get_default_store()
+    if env.is_main:
+        store.set(key, value)
+    return store.get(key).decode()
 
 
 @contextlib.contextmanager
