@@ -83,6 +83,8 @@ def plot_scaling(rows: list[dict], path: str | Path | None = None):
     """Throughput, speedup (with the ideal line) and efficiency against the number of ranks."""
     import matplotlib.pyplot as plt
 
+    from labkit.viz.figcheck import legend_beside
+
     n = [r["ranks"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
     axes[0].plot(n, [r["samples_per_sec"] for r in rows], marker="o")
@@ -91,7 +93,7 @@ def plot_scaling(rows: list[dict], path: str | Path | None = None):
     axes[1].plot(n, [r["speedup"] for r in rows], marker="o", label="measured")
     axes[1].plot(n, [k / n[0] for k in n], "--", color="gray", label="ideal")
     axes[1].set_ylabel("speedup")
-    axes[1].legend()
+    legend_beside(axes[1])  # measured speedup: no place inside is free in every run
     axes[2].plot(n, [r["efficiency"] for r in rows], marker="o")
     axes[2].axhline(1.0, ls="--", color="gray")
     axes[2].set_ylabel("efficiency")

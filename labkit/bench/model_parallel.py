@@ -139,6 +139,8 @@ def plot_sweep(result: dict, ax=None):
     """samples/s vs split size, with the single-device and naive-split rates as lines."""
     import matplotlib.pyplot as plt
 
+    from labkit.viz.figcheck import legend_beside
+
     rates = result["rates"]
     sizes = sorted(int(k.split()[1]) for k in rates if k.startswith("split "))
     if ax is None:
@@ -153,7 +155,7 @@ def plot_sweep(result: dict, ax=None):
     devices = result["devices"]
     ax.set_title(f"split-size sweep: {len(devices)} stages on {', '.join(dict.fromkeys(devices))}", fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    legend_beside(ax, fontsize=8)  # measured rates: no place inside is free in every run
     return ax
 
 

@@ -3,6 +3,7 @@
     defects(fig)            # ["axes 'loss': x tick labels '128' and '256' overlap", ...]; [] when readable
     check(fig)              # raises FigureDefect naming the figure and each defect
     unlabelled(ax, "why")   # a deliberate exemption from the axis-label rule (a diagram, not a plot)
+    legend_beside(ax)       # the legend of a plot of measured data, outside the axes: no data can land under it
 
 What counts as a defect, each measured in display (pixel) coordinates:
 
@@ -57,6 +58,13 @@ def unlabelled(ax, reason: str):
     """Exempt ``ax`` from the axis-label rule (a diagram whose ticks name things); returns ``ax``."""
     ax._labkit_unlabelled = reason
     return ax
+
+
+def legend_beside(ax, **kwargs):
+    """Draw ``ax``'s legend to the right of the axes, top-aligned. For plots of measured data (times, rates):
+    where the points land changes from run to run, so no place inside the axes is free in every run, and
+    ``loc="best"`` can only choose among places that all cross some run's data."""
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
 
 
 def describe(fig) -> str:

@@ -18,6 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from labkit.viz.figcheck import legend_beside
 from labkit.viz.timeline import plot_timeline
 from labkit.viz.units import plain_log_ticks
 
@@ -175,7 +176,7 @@ def plot_sweep(records: Sequence[Mapping]):
         ax.set_xlabel("micro-batches per batch")
         ax.set_ylabel(label, fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    legend_beside(memory, fontsize=8)  # one legend for both (measured: no place inside is free in every run)
     fig.suptitle(f"GPipe micro-batch sweep, batch {records[0]['batch_size']}, balance {records[0]['balance']} "
                  "(measured)", fontsize=10)
     fig.tight_layout()
