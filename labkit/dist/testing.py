@@ -6,15 +6,21 @@
 
     per_rank = run_ranks(grads_on_rank, 3, x)   # [rank0_result, rank1_result, rank2_result]
 
-The ranks are forked from multiprocessing's *forkserver*, a process that imported torch once (and
-``torch._dynamo``, which every optimizer's first ``step()`` imports: 2.8 s of a rank's start here): a rank starts
-in a fraction of a second instead of importing them anew (seconds each, and several ranks share the cores), so
-the second and later calls in one program are cheap. Each rank takes the caller's current environment
-variables, working directory and ``sys.path`` first, as a freshly spawned process would.
+The ranks are forked from a process that imported torch once (and ``torch._dynamo``, which every optimizer's
+constructor imports: 2 s of a rank's start here), so a rank starts in a fraction of a second instead of importing
+them anew (seconds each, and several ranks share the cores). On Linux, where the caller has not initialised CUDA
+or a process group of its own, that process is the caller itself (``fork``): it imports what a rank needs once
+(:data:`_PRELOAD`) and forks. Otherwise it is multiprocessing's *forkserver*, started once per program with the
+same imports. Each rank takes the caller's current environment variables, working directory and ``sys.path``,
+one compute thread (a forked rank must not use the OpenMP pool its parent may have started: it would hang), and
+fresh ``sys.stdout``/``sys.stderr`` on file descriptors 1 and 2 (the caller's may be a notebook's, which only
+its own process can write to).
 """
 from __future__ import annotations
 
 import ast
+import importlib
+import io
 import os
 import pickle
 import queue
@@ -37,7 +43,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-#: what the forkserver imports once, so that no rank imports it again ("__main__": the caller's script, as spawn;
+#: what the ranks' parent imports once, so that no rank imports it again ("__main__": the caller's script, as spawn;
 #: labkit.train.run: what every rank that trains imports, models and data included)
 _PRELOAD = ["__main__", "torch", "torch.distributed", "torch._dynamo", "labkit.dist.group", "labkit.train.run"]
 
@@ -120,9 +126,27 @@ def start(procs) -> None:
         raise
 
 
+def _context():
+    """Where ranks come from (see the module's docstring): this process, forked, where that is safe; else the
+    forkserver."""
+    import torch.distributed as dist
+
+    if sys.platform.startswith("linux") and not torch.cuda.is_initialized() and not (
+            dist.is_available() and dist.is_initialized()):
+        for module in _PRELOAD[1:]:  # once here, not in every rank ("__main__" is this process's own)
+            importlib.import_module(module)
+        return mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _caller() -> dict:
     """The state a spawned process would inherit from the caller now (a forked rank starts from the server's)."""
     return {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
+
+
+_inherited: list = []
 
 
 def _become_rank(rank, world_size, port, caller):
@@ -133,6 +157,9 @@ def _become_rank(rank, world_size, port, caller):
     os.chdir(caller["cwd"])
     sys.path[:] = caller["sys_path"]
     torch.set_num_threads(1)
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        _inherited.append(getattr(sys, name))  # kept: freeing the parent's stream here could run its finaliser
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True))
 
 
 def _rank_main(payload, rank, world_size, port, timeout_s, results, caller):
@@ -167,8 +194,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     exit_if_bootstrapping()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     payload = pickle.dumps((fn, args, kwargs))
@@ -271,8 +297,7 @@ def run_cli_ranks(argv: list[str], world_size: int, timeout: float = 120.0) -> l
     exit_if_bootstrapping()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="labkit-ranks-") as tmp:
         paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world_size)]
