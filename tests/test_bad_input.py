@@ -209,7 +209,7 @@ def test_a_mesh_is_parsed_once_into_one_shape_every_reader_takes():
 
 def test_a_mesh_flag_with_another_strategy_is_one_line(capsys, tmp_path):
     assert _exit_code(["train", *QUICK, "--out", str(tmp_path), "--strategy", "ddp", "--mesh", "dp=2"]) == 2
-    assert _one_error_line(capsys) == "labkit: error: --mesh is a flag of --strategy mesh, not of --strategy ddp"
+    assert _one_error_line(capsys) == "labkit: error: --mesh is a flag of --strategy mesh and --strategy ft, not of --strategy ddp"
 
 
 class _Mesh:

@@ -26,15 +26,18 @@ def _exit_code(argv):
         return exc.code
 
 
-def test_a_bad_kill_or_a_replica_that_is_a_mesh_is_one_line(capsys, tmp_path):
+def test_a_bad_kill_or_what_a_replica_mesh_cannot_hold_is_one_line(capsys, tmp_path):
     assert parse_kill("1@12", 3) == (1, 12) and parse_kill(None, 3) is None
     for text, words in (("1", "is not REPLICA@STEP"), ("3@2", "there are 3 replicas"), ("0@0", "step 1 or later")):
         with pytest.raises(ConfigError, match=words):
             parse_kill(text, 3)
-    assert _exit_code(["train", "--ft-replicas", "2", "--mesh", "dp=2", "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == ("labkit: error: --ft-replicas runs each replica as one process; a "
-                                               "replica that is itself a mesh (--mesh dp=2) is not supported: "
-                                               "leave out --mesh")
+    assert _exit_code(["train", "--ft-replicas", "2", "--mesh", "dp=2", "--dp-shard", "zero2", "--model", "mlp",
+                       "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "labkit: error: --ft-replicas with --mesh dp=2 --dp-shard zero2: the replicas all-reduce whole gradients; "
+        "ZeRO/FSDP shards inside a replica are not supported (use --dp-shard none)")
+    assert _exit_code(["train", "--ft-replicas", "2", "--mesh", "tp=0", "--out", str(tmp_path)]) == 2
+    assert "--mesh" in capsys.readouterr().err
     assert _exit_code(["train", "--ft-replicas", "2", "--ft-kill", "2@3", "--model", "mlp", "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "labkit: error: --ft-kill 2@3: there are 2 replicas (0 to 1)"
     assert _exit_code(["train", "--ft-replicas", "2", "--resume", "--model", "mlp", "--out", str(tmp_path)]) == 2
@@ -90,3 +93,39 @@ def test_a_killed_replica_is_dropped_then_heals_and_no_sample_counts_twice(tmp_p
     # the uninterrupted run (one process, the full quorum's global batch) and the gap to it
     assert report["shards_trained"] == sum(r["quorum"] for r in rows if r["committed"]) < report["shards"] == 2 * steps
     assert abs(report["gap"]["test_loss"]) < 0.2, report["gap"]
+
+
+def test_replicas_that_are_meshes_train_as_one_process_and_heal_rank_by_rank(tmp_path, monkeypatch):
+    """Two replicas, each a ``tp=2`` mesh of two processes (the GPT's blocks split over them): until the drill, each
+    step's mean loss over the replicas is the one-process run's on their global batch (the reference the supervisor
+    trains, recorded here through the same ``fit``); rank 0 of replica 1 is killed in step 3, its partner is stopped
+    with it, the step is discarded, both restart and heal rank by rank from replica 0, and the two replicas end
+    with the same shards on each rank."""
+    from labkit.strategies.base import Strategy
+    from labkit.train.cli import config_from_argv
+    from labkit.train.ft_supervise import supervise
+
+    single, plain = [], Strategy.forward_backward
+
+    def recorded(self, *args):  # the reference: --strategy single in this process, after the replicas
+        loss, out = plain(self, *args)
+        single.append(float(loss))
+        return loss, out
+
+    monkeypatch.setattr(Strategy, "forward_backward", recorded)
+    steps = 6
+    cfg = config_from_argv(["--ft-replicas", "2", "--mesh", "tp=2", "--ft-kill", "1@3", "--ft-timeout-s", "2",
+                            "--model", "gpt-tiny", "--dataset", "text-sample", "--batch-size", "4", "--steps",
+                            str(steps), "--step-delay-s", "0.1", "--out", str(tmp_path)])
+    report = supervise(cfg)
+    rows = report["timeline"]
+    assert [r["committed"] for r in rows] == [True, True, True, False, True, True], rows
+    assert [(e["event"], e["replica"]) for e in report["events"]] == [("lost", 1), ("restarted", 1), ("healed", 1)]
+    assert report["events"][0]["exit"] == -9 and report["events"][2]["step"] >= 4
+    assert len(single) == steps  # the reference's steps (a full quorum's global batch each)
+    for row, loss in zip(rows[:3], single):
+        assert row["members"] == [0, 1] and abs(row["loss"] - loss) < 1e-5, (row, loss)
+    for rank in (0, 1):  # rank r of each replica: the same shard, after the same committed steps
+        a, b = (torch.load(tmp_path / f"replica{r}" / f"checkpoint.rank{rank}.pt", weights_only=True)["model"]
+                for r in (0, 1))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

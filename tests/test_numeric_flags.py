@@ -46,7 +46,10 @@ BAD = {
     "train --strategy ps": {"--ps-servers": ["0"], "--max-staleness": ["-1"], "--ps-momentum": ["-1", "1"],
                             "--ps-timeout-s": ["0"]},
     "train --strategy ft": {"--ft-replicas": ["0", "65"], "--ft-timeout-s": ["0"], "--ft-restart-delay-s": ["-1"],
-                            "--ft-restarts": ["-1"], "--ft-replica": ["-1"]},
+                            "--ft-restarts": ["-1"], "--ft-replica": ["-1"],  # and its replicas' mesh flags:
+                            "--num-microbatches": ["0"], "--balance": ["0"], "--trace-steps": ["-1"],
+                            "--pp-virtual": ["0"], "--bucket-mb": ["0"], "--sync-every": ["0"],
+                            "--outer-lr": ["0", "11"], "--outer-momentum": ["-0.1", "1"]},
     "train --optimizer lars": {"--lars-trust-coefficient": ["0"]},
     "train --optimizer lamb": {"--lamb-betas": ["-1", "1"], "--lamb-eps": ["0"]},
     "train --optimizer kfac": {"--kfac-update-freq": ["-1"], "--kfac-inv-update-freq": ["0"], "--kfac-damping": ["0"],
@@ -138,7 +141,7 @@ PAIRS = ("--lamb-betas", "--soap-betas")  # nargs=2
 def test_the_table_names_every_numeric_flag():
     flags = _all_numeric_flags()
     assert set(flags) == {f"{command} {flag}" for command, flag, _ in _cases()}
-    assert len(flags) == 171  # train 21, its strategies and optimizers 59, benchmarks 71, the others 20
+    assert len(flags) == 179  # train 21, its strategies and optimizers 67, benchmarks 71, the others 20
     for key, action in flags.items():  # each is checked as it is read, and its default is allowed
         assert hasattr(action.type, "range"), f"{key}: type=within(kind, interval) or a FLAGS 'range'"
         defaults = action.default if isinstance(action.default, (list, tuple)) else [action.default]

@@ -36,8 +36,8 @@ def _parser():
 
 
 #: SAMPLE's flags that a later strategy owns too (the mesh's pp dimension: the pipeline's --schedule; its dp
-#: dimension: ddp's --allreduce)
-SHARED = {"--schedule": ("mesh",), "--allreduce": ("mesh",)}
+#: dimension: ddp's --allreduce; ft, whose replicas may be meshes, has every mesh dimension's flags)
+SHARED = {"--schedule": ("mesh", "ft"), "--allreduce": ("mesh", "ft")}
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
@@ -57,7 +57,7 @@ def test_every_strategy_rejects_the_other_strategies_flags(strategy, capsys, tmp
 
 def test_the_examples_of_silently_accepted_flags_are_now_refused(capsys):
     assert _exit_code(["train", "--strategy", "hybrid", "--allreduce", "ring", "--mp-devices", "3"]) == 2
-    assert "--allreduce is a flag of --strategy ddp and --strategy mesh, not of --strategy hybrid" in \
+    assert "--allreduce is a flag of --strategy ddp and --strategy mesh and --strategy ft, not of --strategy hybrid" in \
         capsys.readouterr().err
     assert _exit_code(["train", "--optimizer", "sgd", "--kfac-update-freq", "5"]) == 2
     assert "--kfac-update-freq is a flag of --optimizer kfac, not of --optimizer sgd" in capsys.readouterr().err
@@ -73,7 +73,8 @@ def test_only_the_chosen_strategys_and_optimizers_flags_are_parsed():
     assert args.balance == [2, 4] and args.num_microbatches == 4 and args.kfac_damping == 0.01
     assert not hasattr(args, "schedule") and not hasattr(args, "allreduce") and not hasattr(args, "mp_devices")
     shared = flag_owners()
-    assert shared["--num-microbatches"] == ["--strategy gpipe", "--strategy pipeline", "--strategy mesh"]
+    assert shared["--num-microbatches"] == ["--strategy gpipe", "--strategy pipeline", "--strategy mesh",
+                                            "--strategy ft"]
     assert shared["--kfac-update-freq"] == ["--optimizer kfac"]
 
 

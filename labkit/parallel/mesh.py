@@ -36,6 +36,8 @@ FLAGS = [
      "help": "the device mesh, e.g. dp=2,tp=2 (dimensions pp, dp, ep, cp, tp; their product = the number of "
              "ranks; None: dp over every rank)"},
 ]
+#: every mesh dimension's flags are this strategy's too (labkit.strategies.strategy_flags)
+DIMENSION_FLAGS = True
 #: ``labkit bench suite``: ranks and extra ``labkit train`` flags of its run (the CNN on a dp mesh)
 BENCH = {"ranks": 2, "flags": ["--mesh", "dp=2"]}
 #: backend/device combinations refused before any work (labkit.strategies.backends); gloo's send/recv take CPU tensors only

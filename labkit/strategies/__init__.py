@@ -57,9 +57,10 @@ def get_strategy(name: str):
 
 def strategy_flags(name: str) -> tuple[dict, ...]:
     """The ``labkit train`` flags of strategy ``name`` (its module's ``FLAGS`` and ``SHARED_FLAGS``), read without
-    importing it; ``mesh`` also brings every mesh dimension's flags (:mod:`labkit.parallel`)."""
+    importing it; a strategy whose module says ``DIMENSION_FLAGS = True`` (the mesh, and ``ft``, whose replicas may
+    be meshes) also brings every mesh dimension's flags (:mod:`labkit.parallel`)."""
     flags = module_flags(_check(name).partition(":")[0])
-    if name == "mesh":
+    if read_literal(module_of(name), "DIMENSION_FLAGS", False):
         flags += tuple(f for d in dimensions_available() for f in dimension_flags(d))
     return flags
 

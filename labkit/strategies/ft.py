@@ -26,9 +26,19 @@ What a step means when the quorum shrinks:
   publishes its model, optimizer and schedule state at the start of the following step, which the joiner loads
   before it trains that step (``Strategy.join``).
 
-Each replica is one process: a replica that is itself a mesh (``--mesh``, tp/pp inside a replica) is not supported
-and ``labkit train`` says so. The gradients travel over gloo on CPU copies: a gloo group whose peer died can be
-dropped and a new one formed; an NCCL communicator would need an abort.
+**A replica that is itself a mesh** (``--mesh tp=2``, ``pp=2``, ``dp=2,tp=2``, ...: HSDP's shape, with the
+replicas as its outer, fault-tolerant data-parallel dimension): each replica is ``W`` processes, a process group of
+its own over which :class:`~labkit.parallel.mesh.MeshStrategy` trains as under torchrun; rank ``c`` of every
+replica holds the same part of the model, so the replicas' all-reduce, vote and healing run per coordinate ``c``
+(:mod:`labkit.strategies.ft_quorum`), after the mesh's own gradient synchronisation. Replica ``r``'s samples are
+``DistributedSampler(num_replicas=R × D, rank=r × D + d)`` for the mesh's ``D`` data-parallel shards (``d``: this
+rank's), the order ``--strategy ddp`` on ``R × D`` ranks trains. A replica lives or dies whole: when one of its
+processes ends, the supervisor stops the others and restarts all ``W``. ZeRO/FSDP shards (``--dp-shard``) and
+``--sync local-sgd|diloco`` inside a replica are refused: their gradients or their meetings are the replica's own
+data-parallel dimension's, which the replicas' all-reduce would have to follow shard by shard.
+
+The gradients travel over gloo on CPU copies: a gloo group whose peer died can be dropped and a new one formed; an
+NCCL communicator would need an abort.
 """
 from __future__ import annotations
 
@@ -40,12 +50,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from labkit.errors import ConfigError
 from labkit.strategies.base import Strategy
 from labkit.strategies.ft_quorum import Quorum, connect
 
+#: a replica may be a mesh: ``--mesh`` and every mesh dimension's flags (labkit.strategies.strategy_flags)
+SHARED_FLAGS = {"labkit.parallel.mesh": ["--mesh"]}
+DIMENSION_FLAGS = True
 FLAGS = [
     {"flag": "--ft-replicas", "type": "int", "range": "[1, 64]", "default": 2,
      "help": "replica groups (one process each) that train together and survive each other's loss"},
@@ -60,10 +74,29 @@ FLAGS = [
     {"flag": "--ft-restarts", "type": "int", "range": "[0, 100]", "default": 3,
      "help": "how many times the supervisor restarts each replica"},
     {"flag": "--ft-replica", "type": "int", "range": "[0, 63]", "default": None, "hidden": True,
-     "help": "this process is replica N (set by the supervisor, or by srun on a cluster)"},
+     "help": "this process is (a rank of) replica N (set by the supervisor, or by srun on a cluster)"},
     {"flag": "--ft-store", "default": None, "hidden": True, "help": "HOST:PORT of the job's store"},
     {"flag": "--ft-log", "default": None, "hidden": True, "help": "the replica's per-step record (JSON lines)"},
 ]
+
+
+def refuse_inside(options: dict) -> None:
+    """A ConfigError for what a replica's own mesh cannot hold (see the module's docstring), before any work."""
+    from labkit.dist.mesh import MeshShape
+
+    shape = MeshShape.parse(options["mesh"])
+    if shape["dp"] > 1 and options.get("dp_shard", "none") != "none":
+        raise ConfigError(f"--ft-replicas with --mesh {options['mesh']} --dp-shard {options['dp_shard']}: the "
+                          "replicas all-reduce whole gradients; ZeRO/FSDP shards inside a replica are not supported "
+                          "(use --dp-shard none)")
+    if shape["dp"] > 1 and options.get("sync", "every-step") != "every-step":
+        raise ConfigError(f"--ft-replicas with --sync {options['sync']}: the replicas meet every step; local SGD and "
+                          "DiLoCo inside a replica are not supported")
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as this rank holds it (a DTensor's local shard: the part the replicas' coordinate c shares)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def parse_kill(text: str | None, replicas: int) -> tuple[int, int] | None:
@@ -81,7 +114,8 @@ def parse_kill(text: str | None, replicas: int) -> tuple[int, int] | None:
 
 
 class FaultTolerantStrategy(Strategy):
-    """One replica of a fault-tolerant run (``--ft-replica r``); see the module's docstring."""
+    """One replica of a fault-tolerant run (``--ft-replica r``), or one rank of it when the replica is a mesh; see
+    the module's docstring."""
 
     name = "ft"
 
@@ -89,17 +123,24 @@ class FaultTolerantStrategy(Strategy):
         super().__init__(env, options)
         self.replicas = self.options.get("ft_replicas", 2)
         self.replica = self.options.get("ft_replica")
-        if env.distributed:
-            raise ConfigError("--strategy ft starts its replicas itself (one process each): run labkit train "
-                              "--ft-replicas R without torchrun; a replica that is itself a mesh is not supported")
         if self.replica is None or self.options.get("ft_store") is None:
             raise ConfigError("--strategy ft runs under its supervisor: labkit train --ft-replicas R ...")
+        self.inner = None  # the replica's own mesh (--mesh), whose rank this process is
+        if self.options.get("mesh"):
+            from labkit.parallel.mesh import MeshStrategy
+
+            refuse_inside(self.options)
+            self.inner = MeshStrategy(env, self.options)
+            self.replicated = self.inner.replicated
+        elif env.distributed:
+            raise ConfigError("--strategy ft starts its replicas itself: run labkit train --ft-replicas R without "
+                              "torchrun (a replica of several ranks: --mesh)")
         if self.replica >= self.replicas:
             raise ConfigError(f"--ft-replica {self.replica}: there are {self.replicas} replicas")
         self.kill = parse_kill(self.options.get("ft_kill"), self.replicas)
         timeout = float(self.options.get("ft_timeout_s", 10.0))
         self.quorum = Quorum(connect(self.options["ft_store"], max(timeout, 30.0)), self.replica, self.replicas,
-                             timeout)
+                             timeout, coordinate=env.rank, width=env.world_size)
         self.step = 0  # the step of the run (committed or discarded), the same on every member
         self.committed = True
         self.batch_size = 1
@@ -107,22 +148,88 @@ class FaultTolerantStrategy(Strategy):
         self._epoch_ids: list[int] = []
         self._pending = None  # a decision whose joiners this replica publishes for at the next step
         self._held = None  # (model, optimizer, scheduler): what a joiner copies
+        # the replica's per-step record (a mesh: one per rank, ft_replica<r>.rank<c>.jsonl; the timeline merges them)
         self._log = Path(self.options["ft_log"]) if self.options.get("ft_log") else None
+        if self._log is not None and env.world_size > 1:
+            self._log = self._log.with_name(f"{self._log.stem}.rank{env.rank}{self._log.suffix}")
         self._loss = None
+
+    # ----- what the replica's own mesh decides (one process: the single device's behaviour) --------------
+
+    @property
+    def input_device(self) -> torch.device:
+        return self.inner.input_device if self.inner is not None else super().input_device
+
+    @property
+    def target_device(self) -> torch.device:
+        return self.inner.target_device if self.inner is not None else super().target_device
+
+    def check_model(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
+        if self.inner is not None:
+            self.inner.check_model(model_name, seq_len, dropout)
+            self.sequential_model = self.inner.sequential_model
+
+    def check_batch(self, batch_size: int) -> None:
+        if self.inner is not None:
+            self.inner.check_batch(batch_size)
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return self.inner.prepare(model) if self.inner is not None else super().prepare(model)
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        return self.inner.forward(model, x) if self.inner is not None else super().forward(model, x)
+
+    def seed_rank(self, rank: int) -> int:
+        return self.inner.seed_rank(rank) if self.inner is not None else rank
+
+    def metric_owner(self) -> bool:
+        return self.inner.metric_owner() if self.inner is not None else True
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.inner.unwrap(model) if self.inner is not None else model
+
+    def devices(self) -> list[torch.device]:
+        return self.inner.devices() if self.inner is not None else super().devices()
+
+    def build_optimizer(self, model: nn.Module, spec):
+        return self.inner.build_optimizer(model, spec) if self.inner is not None else super().build_optimizer(
+            model, spec)
+
+    def state_dict(self, model: nn.Module, optimizer) -> dict:
+        return self.inner.state_dict(model, optimizer) if self.inner is not None else super().state_dict(
+            model, optimizer)
+
+    def load_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
+        if self.inner is not None:
+            self.inner.load_state_dict(model, optimizer, state)
+        else:
+            super().load_state_dict(model, optimizer, state)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+    # ----- data: replica r's shard of the global batch --------------------------------------------------
+
+    def _shards(self) -> tuple[int, int]:
+        """``(shards, this rank's)`` over the whole run: the replica's mesh's data-parallel shards within its own."""
+        inner, index = self.inner.data_shard() if self.inner is not None else (1, 0)
+        return self.replicas * inner, self.replica * inner + index
 
     @property
     def data_parallel_size(self) -> int:
-        return self.replicas
+        return self._shards()[0]
 
     def per_rank_batch_size(self, batch_size: int) -> int:
         self.batch_size = batch_size
         return batch_size
 
     def sampler(self, dataset: Dataset, train: bool, seed: int) -> Sampler | None:
-        if not train:
-            return None  # every replica evaluates the whole test set on the same weights
-        self._sampler = DistributedSampler(dataset, num_replicas=self.replicas, rank=self.replica, shuffle=True,
-                                           seed=seed, drop_last=True)
+        if not train:  # every replica evaluates the whole test set on the same weights (a mesh: as it shards it)
+            return self.inner.sampler(dataset, False, seed) if self.inner is not None else None
+        shards, index = self._shards()
+        self._sampler = DistributedSampler(dataset, num_replicas=shards, rank=index, shuffle=True, seed=seed,
+                                           drop_last=True)
         return self._sampler
 
     def set_epoch(self, epoch: int) -> None:
@@ -134,39 +241,49 @@ class FaultTolerantStrategy(Strategy):
     def steps_per_epoch(self) -> int:
         return len(self._sampler) // self.batch_size
 
+    # ----- healing and the step ---------------------------------------------------------------------------
+
+    def _state(self, model, optimizer, scheduler) -> dict:
+        return {**self.state_dict(model, optimizer),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None, "step": self.step}
+
     def join(self, model: nn.Module, optimizer, scheduler) -> dict | None:
         self._held = (model, optimizer, scheduler)
         if not self.quorum.live():
             return None
         state = self.quorum.join()
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        self.load_state_dict(model, optimizer, state)
         if scheduler is not None:
             scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         self._record({"event": "healed", "step": self.step, "incarnation": self.quorum.incarnation,
                       "members": list(self.quorum.members), "seconds": round(state["heal_s"], 3)})
         epoch, within = divmod(self.step, self.steps_per_epoch)
-        position = None if within == 0 else {"step": within, "rng": [torch.get_rng_state()],
-                                             "totals": [torch.zeros(3, dtype=torch.float64)], "cuda_rng": [[]]}
+        ranks = range(self.env.world_size)  # the position a resume reads, one entry per rank of the replica
+        position = None if within == 0 else {"step": within, "rng": [torch.get_rng_state() for _ in ranks],
+                                             "totals": [torch.zeros(3, dtype=torch.float64) for _ in ranks],
+                                             "cuda_rng": [[] for _ in ranks]}
         return {"epoch": epoch, "position": position}
 
     def forward_backward(self, model, x, y, criterion):
         if self._pending is not None:  # the members admitted joiners: the lowest voter hands them the state
-            model_, optimizer, scheduler = self._held
-            self.quorum.publish(self._pending, {
-                "model": model_.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None, "step": self.step})
+            self.quorum.publish(self._pending, self._state(*self._held))
             self._pending = None
-        loss, out = super().forward_backward(model, x, y, criterion)
+        if self.inner is not None:
+            loss, out = self.inner.forward_backward(model, x, y, criterion)
+        else:
+            loss, out = super().forward_backward(model, x, y, criterion)
         self._loss = loss
         return loss, out
 
     def sync_gradients(self, model: nn.Module) -> None:
+        if self.inner is not None:
+            self.inner.sync_gradients(model)  # the replica's own mesh first (its dp, tp, ... as under torchrun)
         if self.kill is not None and self.kill == (self.replica, self.step) and self.quorum.incarnation == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # the drill: this replica is lost mid-step
-        params = [p for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.detach().reshape(-1).cpu() for p in params])
+            if self.env.rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # the drill: (a process of) this replica is lost mid-step
+        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.detach().reshape(-1).cpu() for g in grads])
         members = self.quorum.members
         ok = self.quorum.all_reduce(flat)
         decision = self.quorum.vote(self.step, ok)
@@ -174,9 +291,9 @@ class FaultTolerantStrategy(Strategy):
         if self.committed:
             flat /= len(members)
             offset = 0
-            for p in params:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[offset:offset + n].view_as(g))
                 offset += n
         if decision.joiners and self.quorum.source(decision) == self.replica:
             self._pending = decision

@@ -1,24 +1,30 @@
 """How replica groups agree, step by step, through the job's store: who is in the quorum of the next step, whether
 this step is committed, and the state a joining replica copies from a live peer.
 
-One step ``k`` of ``--strategy ft`` (:mod:`labkit.strategies.ft`), on every member of its quorum:
+A replica is one process, or a mesh of W processes (``--mesh``: its ranks, "coordinates" ``c = 0 .. W-1``, each
+holding the same part of the model as coordinate ``c`` of every other replica). One step ``k`` of ``--strategy ft``
+(:mod:`labkit.strategies.ft`), on every coordinate of every member of its quorum:
 
-1. all-reduce the gradients over the quorum's own gloo group (:meth:`Quorum.all_reduce`; formed once per
-   membership, under the store prefix ``labkit/ft/pg/<id>``, with the ``--ft-timeout-s`` timeout);
-2. vote: ``labkit/ft/vote/<k>/<replica>`` = 1 when the all-reduce completed, 0 when it failed (:meth:`Quorum.vote`);
-3. the first member to see every vote, or the deadline, writes the decision with ``compare_set`` (first writer
-   wins, so every member reads the same one): the step is **committed** only if every member voted 1, else it is
-   **discarded** (not applied, on every member); the next quorum is the members that voted (a replica that died
-   never votes) plus the replicas that asked to join since the last decision.
+1. all-reduce the gradients over the quorum's own gloo group of coordinate ``c`` (:meth:`Quorum.all_reduce`; one
+   group per coordinate, formed once per membership under the store prefix ``labkit/ft/pg/<id>/<c>``, with the
+   ``--ft-timeout-s`` timeout);
+2. vote: ``labkit/ft/vote/<k>/<replica>/<c>`` = 1 when the all-reduce completed, 0 when it failed
+   (:meth:`Quorum.vote`);
+3. the first voter to see all ``Q × W`` votes, or the deadline, writes the decision with ``compare_set`` (first
+   writer wins, so every coordinate of every member reads the same one): the step is **committed** only if every
+   coordinate of every member voted 1, else it is **discarded** (not applied, anywhere); the next quorum is the
+   members all of whose coordinates voted (a replica with a dead process misses a vote) plus the replicas that
+   asked to join since the last decision.
 
-A joining replica (:meth:`Quorum.join`) asks with ``labkit/ft/want/<n>`` and waits for
-``labkit/ft/heal/<replica>/<incarnation>``: the weights, optimizer and schedule that the lowest surviving member
-publishes at the start of the step the joiner enters (:meth:`Quorum.publish`). Every wait has a deadline and ends in
-one :class:`FaultToleranceError` line, never a hang.
+A joining replica (:meth:`Quorum.join`) asks once, from coordinate 0, with ``labkit/ft/want/<n>``, and each of its
+coordinates waits for ``labkit/ft/heal/<replica>/<incarnation>/<c>``: the weights, optimizer and schedule that
+coordinate ``c`` of the lowest surviving member publishes at the start of the step the joiner enters
+(:meth:`Quorum.publish`). Every wait has a deadline and ends in one :class:`FaultToleranceError` line, never a hang.
 
-Store round trips per committed step of a quorum of Q: one ``set`` and one ``add`` per member, the last voter's
-``compare_set``, one ``get`` of the decision per member (plus a ``wait`` for the others), and the ``joins`` counter
-read by the decider: about ``4Q + 2``. No torch collective besides the gradients' all-reduce.
+Store round trips per committed step of a quorum of Q replicas of W coordinates: one ``set`` and one ``add`` per
+vote, the last voter's ``compare_set``, one ``get`` of the decision per voter (plus a ``wait`` for the others), and
+the ``joins`` counter read by the decider: about ``4QW + 2``. No torch collective besides the gradients'
+all-reduce.
 """
 from __future__ import annotations
 
@@ -75,14 +81,17 @@ def connect(address: str, timeout_s: float) -> dist.TCPStore:
 class Quorum:
     """This replica's view of the protocol: the members of the current step and their gloo group."""
 
-    def __init__(self, store: dist.Store, replica: int, replicas: int, timeout_s: float):
+    def __init__(self, store: dist.Store, replica: int, replicas: int, timeout_s: float, coordinate: int = 0,
+                 width: int = 1):
         self.store, self.replica, self.timeout_s = store, replica, timeout_s
+        self.coordinate, self.width = coordinate, width  # this process's rank in its replica, the replica's ranks
         self.members: tuple[int, ...] = tuple(range(replicas))
         self.group_id = 0  # the step the current membership began at: the group's store prefix
         self.joins = 0  # join requests served so far (from the last decision)
         self._group: dist.ProcessGroup | None = None
         self._group_of = -1
-        self.incarnation = int(store.add(self._key("incarnation", replica), 1))  # 1: first start; more: a restart
+        # 1: first start; more: a restart (a replica's coordinates restart together, so they count alike)
+        self.incarnation = int(store.add(self._key("incarnation", replica, coordinate), 1))
 
     def _key(self, *parts) -> str:
         return PREFIX + "/".join(map(str, parts))
@@ -104,7 +113,7 @@ class Quorum:
         try:
             if self._group_of != self.group_id:
                 timeout = FIRST_GROUP_S if self.group_id == 0 else self.timeout_s
-                prefixed = dist.PrefixStore(self._key("pg", self.group_id), self.store)
+                prefixed = dist.PrefixStore(self._key("pg", self.group_id, self.coordinate), self.store)
                 self._group = dist.ProcessGroupGloo(prefixed, self.members.index(self.replica), len(self.members),
                                                     datetime.timedelta(seconds=timeout))
                 self._group_of = self.group_id
@@ -116,10 +125,10 @@ class Quorum:
 
     def vote(self, step: int, ok: bool) -> Decision:
         """Post this member's vote on ``step`` and return the decision every member reads alike."""
-        self.store.set(self._key("vote", step, self.replica), "1" if ok else "0")
+        self.store.set(self._key("vote", step, self.replica, self.coordinate), "1" if ok else "0")
         arrived = int(self.store.add(self._key("votes", step), 1))
         key = self._key("decision", step)
-        if arrived < len(self.members):
+        if arrived < len(self.members) * self.width:
             try:
                 self.store.wait([key], datetime.timedelta(seconds=self.timeout_s))
             except (dist.DistError, RuntimeError):
@@ -128,19 +137,20 @@ class Quorum:
             self.store.compare_set(key, "", self._decide(step).text())
         decision = Decision.parse(step, self.store.get(key).decode())
         if self.replica not in decision.members:
-            raise FaultToleranceError(f"replica {self.replica} fell out of the quorum at step {step} (its vote came "
-                                      "after the deadline); it restarts and heals from a peer")
+            raise FaultToleranceError(f"replica {self.replica} fell out of the quorum at step {step} (a vote of its "
+                                      "came after the deadline, or one of its processes is gone); it restarts and "
+                                      "heals from a peer")
         if decision.members != self.members or not decision.committed:
             self.group_id = step + 1  # a new membership, or a group that failed: a fresh group next step
         self.members, self.joins = decision.members, decision.joins
         return decision
 
     def _decide(self, step: int) -> Decision:
-        votes = {}
+        votes = {}  # member -> all its coordinates voted 1; only members all of whose coordinates voted
         for m in self.members:
-            key = self._key("vote", step, m)
-            if self.store.check([key]):
-                votes[m] = self.store.get(key) == b"1"
+            keys = [self._key("vote", step, m, c) for c in range(self.width)]
+            if all(self.store.check([key]) for key in keys):
+                votes[m] = all(self.store.get(key) == b"1" for key in keys)
         committed = len(votes) == len(self.members) and all(votes.values())
         joins = int(self.store.add(self._key("joins"), 0))
         latest: dict[int, int] = {}
@@ -159,20 +169,23 @@ class Quorum:
         return min(voters) if voters else None
 
     def publish(self, decision: Decision, state: dict) -> None:
-        """Write ``state`` (taken before the step after ``decision.step``) for each of ``decision``'s joiners."""
+        """Write ``state`` (this coordinate's, taken before the step after ``decision.step``) for the same coordinate
+        of each of ``decision``'s joiners."""
         buffer = io.BytesIO()
         torch.save({**state, "members": decision.members, "group_id": self.group_id, "joins": decision.joins},
                    buffer)
         for replica, incarnation in decision.joiners:
-            self.store.set(self._key("heal", replica, incarnation), buffer.getvalue())
+            self.store.set(self._key("heal", replica, incarnation, self.coordinate), buffer.getvalue())
 
     def join(self) -> dict:
-        """Ask to join the live run and return the state a peer published for this replica (its ``members``,
-        ``group_id``, ``joins`` are taken over here)."""
-        n = int(self.store.add(self._key("joins"), 1))
-        self.store.set(self._key("want", n), f"{self.replica}:{self.incarnation}")
+        """Ask to join the live run (coordinate 0 asks for the whole replica) and return the state the same coordinate
+        of a peer published for this one (its ``members``, ``group_id``, ``joins`` are taken over here)."""
+        if self.coordinate == 0:
+            n = int(self.store.add(self._key("joins"), 1))
+            self.store.set(self._key("want", n), f"{self.replica}:{self.incarnation}")
         started = time.monotonic()
-        blob = self._wait(self._key("heal", self.replica, self.incarnation), max(self.timeout_s * 4, 30.0),
+        blob = self._wait(self._key("heal", self.replica, self.incarnation, self.coordinate),
+                          max(self.timeout_s * 4, 30.0),
                           "a peer's state to heal from")
         state = torch.load(io.BytesIO(blob), weights_only=True)
         self.members, self.group_id, self.joins = tuple(state["members"]), state["group_id"], state["joins"]

@@ -45,15 +45,12 @@ class TrainParser(argparse.ArgumentParser):
         chosen, _ = peek.parse_known_args(args)
         chosen.optimizer = chosen.optimizer or default_optimizer(chosen.model)
         if chosen.ft_replicas is not None and chosen.strategy in (None, "ft"):  # --ft-replicas means --strategy ft
-            if chosen.mesh is not None:
-                self.error(f"--ft-replicas runs each replica as one process; a replica that is itself a mesh "
-                           f"(--mesh {chosen.mesh}) is not supported: leave out --mesh")
             args = args if chosen.strategy == "ft" else [*args, "--strategy", "ft"]
             chosen.strategy = "ft"
         if chosen.strategy is None:  # --mesh alone means --strategy mesh
             chosen.strategy = "single" if chosen.mesh is None else "mesh"
             args = args if chosen.mesh is None else [*args, "--strategy", "mesh"]
-        if chosen.mesh is not None and chosen.strategy == "mesh":
+        if chosen.mesh is not None and chosen.strategy in ("mesh", "ft"):
             try:
                 MeshShape.parse(chosen.mesh)
             except ConfigError as exc:

@@ -6,8 +6,10 @@ restarts a replica that dies, and writes the run's timeline (:mod:`labkit.strate
 
 Replicas are forked from this process (torch is imported once), each running :func:`labkit.train.run.run` with
 ``--ft-replica r --ft-store HOST:PORT`` and its own results folder ``<out>/replica<r>``; their per-step records go to
-``<out>/ft_replica<r>.jsonl``. A replica that exits for any reason but success is started again (``--ft-restarts``
-times); it then asks to join and heals from a peer. After ``--ft-kill`` the supervisor also trains the uninterrupted
+``<out>/ft_replica<r>.jsonl``. A replica that is a mesh (``--mesh``) is that many processes, ranks of a process
+group of their own (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``: a fresh port per start, as torchrun would set them).
+A replica that exits for any reason but success (a mesh: any of its processes; the others are stopped) is started
+again, whole (``--ft-restarts`` times); it then asks to join and heals from a peer. After ``--ft-kill`` the supervisor also trains the uninterrupted
 reference (one process, the global batch R × b, the same order, seed and learning rate: what a full quorum trains at
 every step) into ``<out>/reference`` and reports the loss gap.
 
@@ -39,12 +41,17 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
     """Run ``cfg`` (strategy ``ft``) as its replicas, to the end; return (and write) the ``ft.json`` report."""
     import importlib
 
-    from labkit.strategies.ft import parse_kill
+    from labkit.dist.mesh import MeshShape
+    from labkit.strategies.ft import parse_kill, refuse_inside
 
     cfg.validate()
     options = cfg.strategy_options
     replicas = options.get("ft_replicas", 2)
     kill = parse_kill(options.get("ft_kill"), replicas)  # a bad --ft-kill: one line before any work
+    width = 1  # processes per replica
+    if options.get("mesh"):
+        refuse_inside(options)
+        width = MeshShape.parse(options["mesh"]).ranks
     if cfg.resume:
         raise ConfigError("--resume does not apply to --ft-replicas: a lost replica heals from its live peers, and a "
                           "run whose replicas all stopped starts again without --resume")
@@ -63,30 +70,37 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
     if not ours.poll(60):
         raise LabkitError("the job's store did not start within 60 s")
     address = f"127.0.0.1:{ours.recv()}"
-    print(f"labkit train --ft-replicas {replicas} | store {address} | replicas' results in {out}/replica<r>",
+    each = f" | each a mesh {options['mesh']} of {width} processes" if width > 1 else ""
+    print(f"labkit train --ft-replicas {replicas}{each} | store {address} | replicas' results in {out}/replica<r>",
           flush=True)
     started = time.monotonic()
     events: list[dict] = []
-    procs = {r: _start(cfg, r, address, out) for r in range(replicas)}
+    procs = {r: _start(cfg, r, address, out, width) for r in range(replicas)}
     restarts = dict.fromkeys(procs, 0)
     finished_at = None
     due: dict[int, float] = {}  # replica -> when it restarts
     while procs or due:
         time.sleep(poll_s)
-        for r, proc in list(procs.items()):
-            if proc.exitcode is None:
-                continue
+        for r, group in list(procs.items()):
+            codes = [p.exitcode for p in group]
+            failed = next((c for c in codes if c not in (None, 0)), None)
+            if failed is None and None in codes:
+                continue  # running (a mesh: all its processes, or those not yet done)
             del procs[r]
             seconds = round(time.monotonic() - started, 2)
-            if proc.exitcode == 0:
+            if failed is None:
                 finished_at = finished_at or time.monotonic()
                 continue
-            if proc.exitcode == 2:  # a configuration error is everyone's: stop
-                for other in [*procs.values(), holder]:
+            for p in group:  # a replica lives or dies whole: its other processes wait in collectives with the lost one
+                if p.exitcode is None:
+                    p.kill()
+                    p.join()
+            if failed == 2:  # a configuration error is everyone's: stop
+                for other in [*(p for g in procs.values() for p in g), holder]:
                     other.kill()
                 raise SystemExit(2)
-            events.append({"event": "lost", "replica": r, "exit": proc.exitcode, "s": seconds})
-            how = f"signal {-proc.exitcode}" if proc.exitcode < 0 else f"exit {proc.exitcode}"
+            events.append({"event": "lost", "replica": r, "exit": failed, "s": seconds})
+            how = f"signal {-failed}" if failed < 0 else f"exit {failed}"
             print(f"ft: replica {r} lost ({how}) at {seconds:.1f} s; the others go on", flush=True)
             if finished_at is None and restarts[r] < options.get("ft_restarts", 3):
                 restarts[r] += 1
@@ -95,13 +109,14 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
             if time.monotonic() >= when:
                 del due[r]
                 if finished_at is None:
-                    procs[r] = _start(cfg, r, address, out)
+                    procs[r] = _start(cfg, r, address, out, width)
                     events.append({"event": "restarted", "replica": r, "s": round(time.monotonic() - started, 2)})
                     print(f"ft: replica {r} restarted; it heals from a peer at the next step", flush=True)
         if finished_at is not None and procs and time.monotonic() - finished_at > 2 * timeout:
-            for r, proc in procs.items():  # e.g. a replica restarted too late to join before the end
-                proc.kill()
-                proc.join()
+            for r, group in procs.items():  # e.g. a replica restarted too late to join before the end
+                for proc in group:
+                    proc.kill()
+                    proc.join()
                 events.append({"event": "stopped at the end", "replica": r})
             procs.clear()
     holder.kill()
@@ -111,7 +126,9 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
     report_["events"] = events + report_.pop("healed")
     report_["final"] = _final(next(p for p in sorted(out.glob("replica*")) if (p / "summary.json").exists()))
     if kill is not None:
-        report_["reference"] = _final(_reference(cfg, replicas, report_["epoch_steps"], out / "reference"))
+        shape = MeshShape.parse(options["mesh"]) if width > 1 else MeshShape()
+        shards = replicas * shape["dp"] * shape["ep"]  # the data-parallel shards of a full quorum's step (ep: as dp)
+        report_["reference"] = _final(_reference(cfg, shards, report_["epoch_steps"], out / "reference"))
         report_["gap"] = {k: report_["final"][k] - report_["reference"][k] for k in report_["final"]}
     report_.update(schema=SCHEMA, replicas=replicas, kill=options.get("ft_kill"),
                    seconds=round(time.monotonic() - started, 2))
@@ -131,19 +148,30 @@ def _hold_store(pipe) -> None:
         time.sleep(3600)
 
 
-def _start(cfg, replica: int, address: str, out: Path) -> multiprocessing.Process:
+def _start(cfg, replica: int, address: str, out: Path, width: int) -> list[multiprocessing.Process]:
+    """Replica ``replica``'s processes: one, or the ``width`` ranks of its mesh on a fresh port."""
+    from labkit.dist.testing import free_port
+
     mine = copy.deepcopy(cfg)
     mine.out = str(out / f"replica{replica}")
     mine.strategy_options = {**cfg.strategy_options, "ft_replica": replica, "ft_store": address,
                              "ft_log": str(out / f"ft_replica{replica}.jsonl")}
-    proc = multiprocessing.get_context("fork").Process(target=_replica, args=(mine,), daemon=True)
-    proc.start()
-    return proc
+    port = free_port() if width > 1 else None
+    group = []
+    for rank in range(width):
+        ranks = ({"RANK": str(rank), "WORLD_SIZE": str(width), "LOCAL_RANK": str(rank),
+                  "LOCAL_WORLD_SIZE": str(width), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                 if width > 1 else {})
+        proc = multiprocessing.get_context("fork").Process(target=_replica, args=(mine, ranks), daemon=True)
+        proc.start()
+        group.append(proc)
+    return group
 
 
-def _replica(cfg) -> None:
+def _replica(cfg, ranks: dict) -> None:
     from labkit.train.run import run
 
+    os.environ.update(ranks)
     code = 0
     sys.stdout = open(os.devnull, "w")  # the replicas' banners and epoch lines: their run folders hold them
     sys.stderr = sys.__stderr__ or sys.stderr  # the process's own stream (a notebook kernel's would not reach it)
@@ -162,27 +190,31 @@ def _replica(cfg) -> None:
 
 def timeline(out: Path, replicas: int) -> dict:
     """The steps of the run from the replicas' records: per step its members, whether it was committed, their mean
-    loss; the ``healed`` events; the committed and discarded counts."""
+    loss; the ``healed`` events; the committed and discarded counts. A replica that is a mesh has one record per
+    rank (``ft_replica<r>.rank<c>.jsonl``): its loss is the mean over the ranks that hold one (a pipeline: the last
+    stage; dp inside: each rank's shard), and it heals once."""
     steps: dict[int, dict] = {}
-    healed, epoch_steps = [], None
+    healed, epoch_steps = {}, None
     for r in range(replicas):
-        path = out / f"ft_replica{r}.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            rec = json.loads(line)
-            if rec.get("event") == "healed":
-                healed.append(rec)
-                continue
-            step = steps.setdefault(rec["step"], {"step": rec["step"], "members": rec["members"],
-                                                  "committed": rec["committed"], "losses": {}})
-            epoch_steps = rec["epoch_steps"]
-            if step["members"] != rec["members"] or step["committed"] != rec["committed"]:
-                raise LabkitError(f"replicas disagree on step {rec['step']}: {step} vs {rec}")
-            step["losses"][rec["replica"]] = rec["loss"]
+        for path in sorted(out.glob(f"ft_replica{r}.jsonl")) + sorted(out.glob(f"ft_replica{r}.rank*.jsonl")):
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                if rec.get("event") == "healed":
+                    healed.setdefault((rec["replica"], rec["step"]), rec)
+                    continue
+                step = steps.setdefault(rec["step"], {"step": rec["step"], "members": rec["members"],
+                                                      "committed": rec["committed"], "losses": {}})
+                epoch_steps = rec["epoch_steps"]
+                if step["members"] != rec["members"] or step["committed"] != rec["committed"]:
+                    raise LabkitError(f"replicas disagree on step {rec['step']}: {step} vs {rec}")
+                if rec["loss"] is not None:
+                    step["losses"].setdefault(rec["replica"], []).append(rec["loss"])
+    healed = list(healed.values())
     rows = []
     for k in sorted(steps):
         step = steps.pop(k)
-        losses = step.pop("losses")
-        rows.append({**step, "quorum": len(step["members"]), "loss": sum(losses.values()) / len(losses)})
+        losses = [sum(ranks) / len(ranks) for ranks in step.pop("losses").values()]  # each replica's, then theirs
+        rows.append({**step, "quorum": len(step["members"]), "loss": sum(losses) / len(losses)})
     committed = sum(r["committed"] for r in rows)
     trained = sum(r["quorum"] for r in rows if r["committed"])  # shards trained on, of replicas × steps
     return {"timeline": rows, "committed": committed, "discarded": len(rows) - committed,
@@ -196,9 +228,10 @@ def _final(path: Path) -> dict:
 
 
 def _reference(cfg, replicas: int, epoch_steps: int, out: Path) -> Path:
-    """The uninterrupted run: one process, the global batch of a full quorum, the same learning rate, and the
-    replicas' ``epoch_steps`` full global batches per epoch (``--max-steps``: the data-parallel shards drop the last
-    partial one), so its step k trains the samples of a full quorum's step k."""
+    """The uninterrupted run: one process, the global batch of a full quorum (``replicas``: its data-parallel
+    shards, the replicas' meshes' own included), the same learning rate, and the replicas' ``epoch_steps`` full
+    global batches per epoch (``--max-steps``: the data-parallel shards drop the last partial one), so its step k
+    trains the samples of a full quorum's step k."""
     from labkit.train.run import run
 
     ref = copy.deepcopy(cfg)
