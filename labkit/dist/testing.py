@@ -126,27 +126,38 @@ def start(procs) -> None:
         raise
 
 
-def _context():
+def rank_context(preload: list[str] = _PRELOAD):
     """Where ranks come from (see the module's docstring): this process, forked, where that is safe; else the
-    forkserver."""
+    forkserver. ``preload``: what the parent imports once for its ranks. A rank started from it calls
+    :func:`fresh_stdio` and sets one compute thread first."""
     import torch.distributed as dist
 
     if sys.platform.startswith("linux") and not torch.cuda.is_initialized() and not (
             dist.is_available() and dist.is_initialized()):
-        for module in _PRELOAD[1:]:  # once here, not in every rank ("__main__" is this process's own)
-            importlib.import_module(module)
+        for module in preload:  # once here, not in every rank
+            if module != "__main__":  # this process's own script
+                importlib.import_module(module)
         return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(preload)
     return ctx
+
+
+_inherited: list = []
+
+
+def fresh_stdio() -> None:
+    """``sys.stdout``/``sys.stderr`` anew on file descriptors 1 and 2: a rank forked from a notebook kernel holds
+    the kernel's streams, which only the kernel's own threads can send (the old ones are kept: freeing them here
+    could run their finalisers)."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        _inherited.append(getattr(sys, name))
+        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True))
 
 
 def _caller() -> dict:
     """The state a spawned process would inherit from the caller now (a forked rank starts from the server's)."""
     return {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
-
-
-_inherited: list = []
 
 
 def _become_rank(rank, world_size, port, caller):
@@ -157,9 +168,7 @@ def _become_rank(rank, world_size, port, caller):
     os.chdir(caller["cwd"])
     sys.path[:] = caller["sys_path"]
     torch.set_num_threads(1)
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        _inherited.append(getattr(sys, name))  # kept: freeing the parent's stream here could run its finaliser
-        setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True))
+    fresh_stdio()
 
 
 def _rank_main(payload, rank, world_size, port, timeout_s, results, caller):
@@ -194,7 +203,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     exit_if_bootstrapping()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context()
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     payload = pickle.dumps((fn, args, kwargs))
@@ -297,7 +306,7 @@ def run_cli_ranks(argv: list[str], world_size: int, timeout: float = 120.0) -> l
     exit_if_bootstrapping()
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = _context()
+    ctx = rank_context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="labkit-ranks-") as tmp:
         paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world_size)]
