@@ -38,16 +38,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from labkit.dist.testing import (
-    NO_GUARD_MESSAGE,
-    exit_if_bootstrapping,
-    free_port,
-    fresh_stdio,
-    rank_context,
-    start,
-    unguarded,
-)
+from labkit.dist.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, start, unguarded
 from labkit.errors import ConfigError
 from labkit.faults import findings, fixed_source, get
 from labkit.faults.common import LOST
@@ -103,14 +96,13 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
     with open(Path(tmp) / f"rank{rank}.log", "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-    fresh_stdio()
     faulthandler.enable()  # a C++ abort (gloo's checks) prints each thread's Python stack: where the rank was
     os.environ.clear()
     os.environ.update(environ, **_launcher_env(launcher, rank, world_size, port), **extra_env)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if launcher == "srun" else ():
         os.environ.pop(name, None)
     torch.set_num_threads(1)
-    dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when the ranks' parent imported it
+    dist.set_debug_level_from_env()  # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it
     if seconds is not None:  # None: the program starts its own (labkit train --watchdog)
         Watchdog(seconds, Path(tmp) / "hang.json", echo=False).start()
     recorder.install()
@@ -155,7 +147,8 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
     exit_if_bootstrapping()
     if watchdog is not None and (env or {}).get("DEVICE", "cpu") == "cpu" and (why := refusal("gloo")) is not None:
         raise ConfigError(why)
-    ctx = rank_context(_PRELOAD)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="labkit-fault-") as tmp:
         port = free_port()
@@ -271,7 +264,6 @@ def _doctor_rank(argv, rank, world_size, port, tmp, environ):
     with open(Path(tmp) / f"rank{rank}.log", "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-    fresh_stdio()
     os.environ.clear()
     os.environ.update(environ, **_launcher_env("torchrun", rank, world_size, port))
     torch.set_num_threads(1)
@@ -286,7 +278,8 @@ def run_script(argv: list[str], ranks: int = 2, timeout: float = 120.0) -> dict[
     with torchrun's variables, as ``python -m labkit.dist.torchrun`` starts them, but forked from the process
     that imported torch once; each rank's exit code (None: killed at ``timeout``) and output."""
     exit_if_bootstrapping()
-    ctx = rank_context(_PRELOAD)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as tmp:
         port = free_port()
         procs = [ctx.Process(target=_doctor_rank, daemon=True,
