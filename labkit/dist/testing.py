@@ -126,27 +126,25 @@ def start(procs) -> None:
         raise
 
 
-def rank_context(preload: list[str] = _PRELOAD):
+def rank_context():
     """Where ranks come from (see the module's docstring): this process, forked, where that is safe; else the
-    forkserver. ``preload``: what the parent imports once for its ranks. A rank started from it calls
-    :func:`fresh_stdio` and sets one compute thread first."""
+    forkserver, with the same :data:`_PRELOAD`."""
     import torch.distributed as dist
 
     if sys.platform.startswith("linux") and not torch.cuda.is_initialized() and not (
             dist.is_available() and dist.is_initialized()):
-        for module in preload:  # once here, not in every rank
-            if module != "__main__":  # this process's own script
-                importlib.import_module(module)
+        for module in _PRELOAD[1:]:  # once here, not in every rank ("__main__": this process's own script)
+            importlib.import_module(module)
         return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(preload)
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
 _inherited: list = []
 
 
-def fresh_stdio() -> None:
+def _fresh_stdio() -> None:
     """``sys.stdout``/``sys.stderr`` anew on file descriptors 1 and 2: a rank forked from a notebook kernel holds
     the kernel's streams, which only the kernel's own threads can send (the old ones are kept: freeing them here
     could run their finalisers)."""
@@ -168,7 +166,7 @@ def _become_rank(rank, world_size, port, caller):
     os.chdir(caller["cwd"])
     sys.path[:] = caller["sys_path"]
     torch.set_num_threads(1)
-    fresh_stdio()
+    _fresh_stdio()
 
 
 def _rank_main(payload, rank, world_size, port, timeout_s, results, caller):
