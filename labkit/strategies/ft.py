@@ -125,16 +125,18 @@ class FaultTolerantStrategy(Strategy):
         self.replica = self.options.get("ft_replica")
         if self.replica is None or self.options.get("ft_store") is None:
             raise ConfigError("--strategy ft runs under its supervisor: labkit train --ft-replicas R ...")
-        self.inner = None  # the replica's own mesh (--mesh), whose rank this process is
-        if self.options.get("mesh"):
+        self.mesh = bool(self.options.get("mesh"))
+        if self.mesh:  # the replica's own mesh, whose rank this process is
             from labkit.parallel.mesh import MeshStrategy
 
             refuse_inside(self.options)
             self.inner = MeshStrategy(env, self.options)
-            self.replicated = self.inner.replicated
         elif env.distributed:
             raise ConfigError("--strategy ft starts its replicas itself: run labkit train --ft-replicas R without "
                               "torchrun (a replica of several ranks: --mesh)")
+        else:  # one process: the single device's behaviour
+            self.inner = Strategy(env, self.options)
+        self.replicated = self.inner.replicated
         if self.replica >= self.replicas:
             raise ConfigError(f"--ft-replica {self.replica}: there are {self.replicas} replicas")
         self.kill = parse_kill(self.options.get("ft_kill"), self.replicas)
@@ -154,66 +156,58 @@ class FaultTolerantStrategy(Strategy):
             self._log = self._log.with_name(f"{self._log.stem}.rank{env.rank}{self._log.suffix}")
         self._loss = None
 
-    # ----- what the replica's own mesh decides (one process: the single device's behaviour) --------------
+    # ----- what the replica's own strategy decides (a mesh, or the single device) -------------------------
 
     @property
     def input_device(self) -> torch.device:
-        return self.inner.input_device if self.inner is not None else super().input_device
+        return self.inner.input_device
 
     @property
     def target_device(self) -> torch.device:
-        return self.inner.target_device if self.inner is not None else super().target_device
+        return self.inner.target_device
 
     def check_model(self, model_name: str, seq_len: int | None = None, dropout: float = 0.0) -> None:
-        if self.inner is not None:
-            self.inner.check_model(model_name, seq_len, dropout)
-            self.sequential_model = self.inner.sequential_model
+        self.inner.check_model(model_name, seq_len, dropout)
+        self.sequential_model = self.inner.sequential_model
 
     def check_batch(self, batch_size: int) -> None:
-        if self.inner is not None:
-            self.inner.check_batch(batch_size)
+        self.inner.check_batch(batch_size)
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        return self.inner.prepare(model) if self.inner is not None else super().prepare(model)
+        return self.inner.prepare(model)
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        return self.inner.forward(model, x) if self.inner is not None else super().forward(model, x)
+        return self.inner.forward(model, x)
 
     def seed_rank(self, rank: int) -> int:
-        return self.inner.seed_rank(rank) if self.inner is not None else rank
+        return self.inner.seed_rank(rank)
 
     def metric_owner(self) -> bool:
-        return self.inner.metric_owner() if self.inner is not None else True
+        return self.inner.metric_owner()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return self.inner.unwrap(model) if self.inner is not None else model
+        return self.inner.unwrap(model)
 
     def devices(self) -> list[torch.device]:
-        return self.inner.devices() if self.inner is not None else super().devices()
+        return self.inner.devices()
 
     def build_optimizer(self, model: nn.Module, spec):
-        return self.inner.build_optimizer(model, spec) if self.inner is not None else super().build_optimizer(
-            model, spec)
+        return self.inner.build_optimizer(model, spec)
 
     def state_dict(self, model: nn.Module, optimizer) -> dict:
-        return self.inner.state_dict(model, optimizer) if self.inner is not None else super().state_dict(
-            model, optimizer)
+        return self.inner.state_dict(model, optimizer)
 
     def load_state_dict(self, model: nn.Module, optimizer, state: dict) -> None:
-        if self.inner is not None:
-            self.inner.load_state_dict(model, optimizer, state)
-        else:
-            super().load_state_dict(model, optimizer, state)
+        self.inner.load_state_dict(model, optimizer, state)
 
     def close(self) -> None:
-        if self.inner is not None:
-            self.inner.close()
+        self.inner.close()
 
     # ----- data: replica r's shard of the global batch --------------------------------------------------
 
     def _shards(self) -> tuple[int, int]:
         """``(shards, this rank's)`` over the whole run: the replica's mesh's data-parallel shards within its own."""
-        inner, index = self.inner.data_shard() if self.inner is not None else (1, 0)
+        inner, index = self.inner.data_shard() if self.mesh else (1, 0)
         return self.replicas * inner, self.replica * inner + index
 
     @property
@@ -226,7 +220,7 @@ class FaultTolerantStrategy(Strategy):
 
     def sampler(self, dataset: Dataset, train: bool, seed: int) -> Sampler | None:
         if not train:  # every replica evaluates the whole test set on the same weights (a mesh: as it shards it)
-            return self.inner.sampler(dataset, False, seed) if self.inner is not None else None
+            return self.inner.sampler(dataset, False, seed)
         shards, index = self._shards()
         self._sampler = DistributedSampler(dataset, num_replicas=shards, rank=index, shuffle=True, seed=seed,
                                            drop_last=True)
@@ -269,16 +263,12 @@ class FaultTolerantStrategy(Strategy):
         if self._pending is not None:  # the members admitted joiners: the lowest voter hands them the state
             self.quorum.publish(self._pending, self._state(*self._held))
             self._pending = None
-        if self.inner is not None:
-            loss, out = self.inner.forward_backward(model, x, y, criterion)
-        else:
-            loss, out = super().forward_backward(model, x, y, criterion)
+        loss, out = self.inner.forward_backward(model, x, y, criterion)
         self._loss = loss
         return loss, out
 
     def sync_gradients(self, model: nn.Module) -> None:
-        if self.inner is not None:
-            self.inner.sync_gradients(model)  # the replica's own mesh first (its dp, tp, ... as under torchrun)
+        self.inner.sync_gradients(model)  # the replica's own mesh first (its dp, tp, ... as under torchrun)
         if self.kill is not None and self.kill == (self.replica, self.step) and self.quorum.incarnation == 1:
             if self.env.rank == 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # the drill: (a process of) this replica is lost mid-step
