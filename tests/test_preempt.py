@@ -219,9 +219,11 @@ def test_ddp_killed_rank_restarts_then_sigterm_mid_epoch_resumes_bit_identically
     or a site wrapper signalling processes one by one); both ranks stop after the same step, rank 0 writes the
     mid-epoch checkpoint and a marker naming rank 1's signal, and the run exits 75 with one line.
     ``--resume`` finishes it, equal to an uninterrupted run (weights, momentum, every epoch's loss)."""
-    # slowed down (the delay changes no result) so that the signal lands mid-epoch
+    # slowed down (the delay changes no result) so that the signal lands mid-epoch: epoch 3's first line comes
+    # after its third step of six, and the last stop check is launched after the fourth, so the signal has about
+    # two delays to arrive on a loaded machine
     code, log, _ = _signal_when(_train("ddp", tmp_path / "int", "--resume", "--kill-rank-at", "1:8",
-                                       "--step-delay-s", "0.15", restarts=1), "train | epoch 3/3", signal.SIGTERM,
+                                       "--step-delay-s", "0.3", restarts=1), "train | epoch 3/3", signal.SIGTERM,
                                 only_rank=1)
     assert "rank 1: --kill-rank-at: SIGKILL before step 8" in log and "checkpoint.pt after epoch 1\n" in log, log
     assert code == EXIT_PREEMPTED and "Traceback" not in log, log
@@ -233,7 +235,8 @@ def test_pipeline_sigusr1_to_torchrun_mid_epoch_resumes_bit_identically(tmp_path
     """A non-replicated strategy, every rank writing its own mid-epoch checkpoint of the same step, and SIGUSR1
     to torchrun itself (SLURM's ``--signal=USR1`` without ``B:``): torchrun passes it on, the ranks stop after
     the same step, and torchrun exits 75 with the ranks' one line; no rank is left running."""
-    code, log, ranks = _signal_when(_train("pipeline", tmp_path / "int", "--step-delay-s", "0.15"),
+    # torchrun passes the signal on: more time to arrive than in the DDP test, where it goes to rank 1 itself
+    code, log, ranks = _signal_when(_train("pipeline", tmp_path / "int", "--step-delay-s", "0.4"),
                                     "train | epoch 3/3", signal.SIGUSR1)
     assert len(ranks) == 2 and _none_alive(ranks), ranks
     assert code == EXIT_PREEMPTED and "Traceback" not in log and "torchrun stopped" not in log, log
