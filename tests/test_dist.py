@@ -127,3 +127,37 @@ def test_run_ranks_at_the_top_of_a_script_without_main_guard_fails_fast(tmp_path
     assert proc.stderr.count("Traceback") == 1, proc.stderr  # the caller's own: no rank printed one
     assert proc.stderr.strip().splitlines()[-1].startswith("RuntimeError: the script that starts ranks runs again")
     assert 'under `if __name__ == "__main__":`' in proc.stderr
+
+
+def test_the_ranks_store_is_bound_before_they_start_and_gone_after():
+    """labkit.dist.store: the port is held from the moment it is chosen (no other process can take it before
+    rank 0 would have bound it), every rank connects as a client, and the store ends with the block."""
+    import datetime
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from labkit.dist.store import hosted_store
+
+    with hosted_store(mp.get_context("fork")) as rendezvous:
+        port = int(rendezvous["MASTER_PORT"])
+        assert rendezvous["TORCHELASTIC_USE_AGENT_STORE"] == "True" and rendezvous["MASTER_ADDR"] == "127.0.0.1"
+        with socket.socket() as sock, pytest.raises(OSError):
+            sock.bind(("127.0.0.1", port))
+        client = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+        client.set("key", "value")
+        assert client.get("key") == b"value"
+        del client
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0  # nobody listens there any more
+
+
+def test_free_port_is_below_the_range_the_system_hands_out():
+    """A port another process cannot get from bind(0) or an outgoing connection while it waits to be bound."""
+    from pathlib import Path
+
+    from labkit.dist.testing import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(20000 <= p < low and not 29000 <= p < 31000 for p in ports), ports

@@ -24,6 +24,7 @@ import io
 import os
 import pickle
 import queue
+import random
 import socket
 import sys
 import tempfile
@@ -35,10 +36,28 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from labkit.dist.store import hosted_store
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
+    """A TCP port on 127.0.0.1 that nothing uses right now, for a server that binds it later (a notebook server,
+    a multi-node rendezvous): one at random below the range the system hands out to ``bind(0)`` and to outgoing
+    connections (``ip_local_port_range``), so that between now and then only another caller of this function
+    could take it, not any connection on the machine. Ranks started here need none (:mod:`labkit.dist.store`)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    # below the system's range, and not torchrun's defaults (29500 and the job scripts' 29500 + job id mod 1000)
+    ports = [p for p in range(20000, low) if not 29000 <= p < 31000]
+    for port in random.SystemRandom().sample(ports, min(len(ports), 64)):  # not the seeded generator
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room below the system's range
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
@@ -158,19 +177,20 @@ def _caller() -> dict:
     return {"environ": dict(os.environ), "cwd": os.getcwd(), "sys_path": list(sys.path)}
 
 
-def _become_rank(rank, world_size, port, caller):
-    """Take the caller's state and the variables torchrun (or srun, through labkit's launch_info) gives a rank."""
+def _become_rank(rank, world_size, rendezvous, caller):
+    """Take the caller's state and the variables torchrun (or srun, through labkit's launch_info) gives a rank;
+    ``rendezvous``: where the store is (:func:`labkit.dist.store.hosted_store`)."""
     os.environ.clear()
     os.environ.update(caller["environ"], RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), **rendezvous)
     os.chdir(caller["cwd"])
     sys.path[:] = caller["sys_path"]
     torch.set_num_threads(1)
     _fresh_stdio()
 
 
-def _rank_main(payload, rank, world_size, port, timeout_s, results, caller):
-    _become_rank(rank, world_size, port, caller)
+def _rank_main(payload, rank, world_size, rendezvous, timeout_s, results, caller):
+    _become_rank(rank, world_size, rendezvous, caller)
     try:
         from labkit.dist.group import distributed
 
@@ -202,10 +222,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args, timeout: float = 1
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = rank_context()
+    with hosted_store(ctx) as rendezvous:
+        return _run_ranks(ctx, rendezvous, fn, world_size, args, kwargs, timeout)
+
+
+def _run_ranks(ctx, rendezvous, fn, world_size, args, kwargs, timeout):
     results = ctx.Queue()
-    port = free_port()
     payload = pickle.dumps((fn, args, kwargs))
-    procs = [ctx.Process(target=_rank_main, args=(payload, r, world_size, port, timeout, results, _caller()),
+    procs = [ctx.Process(target=_rank_main, args=(payload, r, world_size, rendezvous, timeout, results, _caller()),
                          daemon=True) for r in range(world_size)]
     start(procs)
     collected: dict[int, Any] = {}
@@ -267,9 +291,9 @@ def record_losses(strategy) -> list:
     return losses
 
 
-def _cli_rank_main(argv, rank, world_size, port, caller, out_path, err_path):
+def _cli_rank_main(argv, rank, world_size, rendezvous, caller, out_path, err_path):
     """``labkit ARGV`` as rank ``rank``: its output into two files, its exit code the process's."""
-    _become_rank(rank, world_size, port, caller)
+    _become_rank(rank, world_size, rendezvous, caller)
     for fd, path in ((1, out_path), (2, err_path)):  # the file descriptors: C++ warnings are caught too
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(file, fd)
@@ -305,11 +329,11 @@ def run_cli_ranks(argv: list[str], world_size: int, timeout: float = 120.0) -> l
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = rank_context()
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="labkit-ranks-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="labkit-ranks-") as tmp, hosted_store(ctx) as rendezvous:
         paths = [(os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err")) for r in range(world_size)]
-        procs = [ctx.Process(target=_cli_rank_main, args=(list(argv), r, world_size, port, _caller(), *paths[r]),
-                             daemon=True) for r in range(world_size)]
+        procs = [ctx.Process(target=_cli_rank_main, daemon=True,
+                             args=(list(argv), r, world_size, rendezvous, _caller(), *paths[r]))
+                 for r in range(world_size)]
         start(procs)
         deadline = time.monotonic() + timeout
         try:

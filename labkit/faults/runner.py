@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from labkit.dist.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, free_port, start, unguarded
+from labkit.dist.store import hosted_store
+from labkit.dist.testing import NO_GUARD_MESSAGE, exit_if_bootstrapping, start, unguarded
 from labkit.errors import ConfigError
 from labkit.faults import findings, fixed_source, get
 from labkit.faults.common import LOST
@@ -80,8 +81,9 @@ class Outcome:
         return lines
 
 
-def _launcher_env(launcher: str, rank: int, world_size: int, port: int) -> dict[str, str]:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+def _launcher_env(launcher: str, rank: int, world_size: int, rendezvous: dict[str, str]) -> dict[str, str]:
+    """What a rank gets from the launcher: its place, and where the store is (:mod:`labkit.dist.store`)."""
+    env = dict(rendezvous)
     if launcher == "srun":  # srun --ntasks-per-node N on one node: SLURM's variables, not torchrun's
         return {**env, "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world_size), "SLURM_LOCALID": str(rank),
                 "SLURM_NODEID": "0", "SLURMD_NODENAME": "node0"}
@@ -89,7 +91,7 @@ def _launcher_env(launcher: str, rank: int, world_size: int, port: int) -> dict[
             "LOCAL_WORLD_SIZE": str(world_size)}
 
 
-def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, environ, results):
+def _rank_main(path, rank, world_size, rendezvous, launcher, seconds, tmp, extra_env, environ, results):
     from labkit.faults import common, recorder
     from labkit.faults.watchdog import Watchdog
 
@@ -98,7 +100,7 @@ def _rank_main(path, rank, world_size, port, launcher, seconds, tmp, extra_env, 
         os.dup2(log.fileno(), 2)
     faulthandler.enable()  # a C++ abort (gloo's checks) prints each thread's Python stack: where the rank was
     os.environ.clear()
-    os.environ.update(environ, **_launcher_env(launcher, rank, world_size, port), **extra_env)
+    os.environ.update(environ, **_launcher_env(launcher, rank, world_size, rendezvous), **extra_env)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if launcher == "srun" else ():
         os.environ.pop(name, None)
     torch.set_num_threads(1)
@@ -150,10 +152,9 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="labkit-fault-") as tmp:
-        port = free_port()
+    with tempfile.TemporaryDirectory(prefix="labkit-fault-") as tmp, hosted_store(ctx) as rendezvous:
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(str(Path(path).resolve()), r, ranks, port, launcher, watchdog, tmp, env or {},
+                             args=(str(Path(path).resolve()), r, ranks, rendezvous, launcher, watchdog, tmp, env or {},
                                    dict(os.environ), results)) for r in range(ranks)]
         start(procs)
         done, failed, ended = _gather(procs, results, ranks, time.monotonic() + timeout)
@@ -258,14 +259,14 @@ def run_fault(name: str, fixed: bool = False, **kwargs) -> Outcome:
         return run_program(path, launcher=fault.launcher, lost=fault.lost, **kwargs)
 
 
-def _doctor_rank(argv, rank, world_size, port, tmp, environ):
+def _doctor_rank(argv, rank, world_size, rendezvous, tmp, environ):
     from labkit.cli import main
 
     with open(Path(tmp) / f"rank{rank}.log", "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
     os.environ.clear()
-    os.environ.update(environ, **_launcher_env("torchrun", rank, world_size, port))
+    os.environ.update(environ, **_launcher_env("torchrun", rank, world_size, rendezvous))
     torch.set_num_threads(1)
     code = main(["doctor", *argv])
     sys.stdout.flush()
@@ -280,10 +281,9 @@ def run_script(argv: list[str], ranks: int = 2, timeout: float = 120.0) -> dict[
     exit_if_bootstrapping()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
-    with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as tmp:
-        port = free_port()
+    with tempfile.TemporaryDirectory(prefix="labkit-doctor-") as tmp, hosted_store(ctx) as rendezvous:
         procs = [ctx.Process(target=_doctor_rank, daemon=True,
-                             args=(list(argv), r, ranks, port, tmp, dict(os.environ))) for r in range(ranks)]
+                             args=(list(argv), r, ranks, rendezvous, tmp, dict(os.environ))) for r in range(ranks)]
         start(procs)
         deadline = time.monotonic() + timeout
         for p in procs:

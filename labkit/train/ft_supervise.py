@@ -7,7 +7,8 @@ restarts a replica that dies, and writes the run's timeline (:mod:`labkit.strate
 Replicas are forked from this process (torch is imported once), each running :func:`labkit.train.run.run` with
 ``--ft-replica r --ft-store HOST:PORT`` and its own results folder ``<out>/replica<r>``; their per-step records go to
 ``<out>/ft_replica<r>.jsonl``. A replica that is a mesh (``--mesh``) is that many processes, ranks of a process
-group of their own (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``: a fresh port per start, as torchrun would set them).
+group of their own (``RANK``, ``WORLD_SIZE`` and a fresh store per start, as torchrun would set them:
+:mod:`labkit.dist.store`).
 A replica that exits for any reason but success (a mesh: any of its processes; the others are stopped) is started
 again, whole (``--ft-restarts`` times); it then asks to join and heals from a peer. After ``--ft-kill`` the supervisor also trains the uninterrupted
 reference (one process, the global batch R × b, the same order, seed and learning rate: what a full quorum trains at
@@ -22,6 +23,7 @@ held by a process that outlives them: ``python -m labkit.train.ft_supervise --se
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import multiprocessing
@@ -30,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from labkit.dist.store import hosted_store
 from labkit.errors import ConfigError, LabkitError, report
 from labkit.results import atomic_write_text, load_run, make_dirs
 
@@ -61,21 +64,18 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
     out = make_dirs(cfg.out_dir)
     for old in out.glob("ft_replica*.jsonl"):
         old.unlink()  # a fresh run's records
-    # the store lives in a process of its own: this one forks the replicas, and a fork must not copy the store's
-    # server thread mid-request (a lock it holds would stay held in the child)
+    # the stores live in processes of their own (labkit.dist.store): this one forks the replicas
     context = multiprocessing.get_context("fork")
-    ours, theirs = context.Pipe()
-    holder = context.Process(target=_hold_store, args=(theirs,), daemon=True)
-    holder.start()
-    if not ours.poll(60):
-        raise LabkitError("the job's store did not start within 60 s")
-    address = f"127.0.0.1:{ours.recv()}"
+    stores = contextlib.ExitStack()  # the job's, and one per start of a replica that is a mesh (keyed below)
+    job = stores.enter_context(hosted_store(context))
+    address = f"{job['MASTER_ADDR']}:{job['MASTER_PORT']}"
     each = f" | each a mesh {options['mesh']} of {width} processes" if width > 1 else ""
     print(f"labkit train --ft-replicas {replicas}{each} | store {address} | replicas' results in {out}/replica<r>",
           flush=True)
     started = time.monotonic()
     events: list[dict] = []
-    procs = {r: _start(cfg, r, address, out, width) for r in range(replicas)}
+    groups: dict[int, contextlib.ExitStack] = {}  # replica -> the store of its mesh's ranks, while they run
+    procs = {r: _start(cfg, r, address, out, width, groups) for r in range(replicas)}
     restarts = dict.fromkeys(procs, 0)
     finished_at = None
     due: dict[int, float] = {}  # replica -> when it restarts
@@ -88,16 +88,21 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
                 continue  # running (a mesh: all its processes, or those not yet done)
             del procs[r]
             seconds = round(time.monotonic() - started, 2)
+            if failed is not None:  # a replica lives or dies whole: its others wait in collectives with the lost one
+                for p in group:
+                    if p.exitcode is None:
+                        p.kill()
+                        p.join()
+            groups.pop(r, contextlib.ExitStack()).close()
             if failed is None:
                 finished_at = finished_at or time.monotonic()
                 continue
-            for p in group:  # a replica lives or dies whole: its other processes wait in collectives with the lost one
-                if p.exitcode is None:
-                    p.kill()
-                    p.join()
             if failed == 2:  # a configuration error is everyone's: stop
-                for other in [*(p for g in procs.values() for p in g), holder]:
+                for other in (p for g in procs.values() for p in g):
                     other.kill()
+                for group_store in groups.values():
+                    group_store.close()
+                stores.close()
                 raise SystemExit(2)
             events.append({"event": "lost", "replica": r, "exit": failed, "s": seconds})
             how = f"signal {-failed}" if failed < 0 else f"exit {failed}"
@@ -109,7 +114,7 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
             if time.monotonic() >= when:
                 del due[r]
                 if finished_at is None:
-                    procs[r] = _start(cfg, r, address, out, width)
+                    procs[r] = _start(cfg, r, address, out, width, groups)
                     events.append({"event": "restarted", "replica": r, "s": round(time.monotonic() - started, 2)})
                     print(f"ft: replica {r} restarted; it heals from a peer at the next step", flush=True)
         if finished_at is not None and procs and time.monotonic() - finished_at > 2 * timeout:
@@ -117,9 +122,10 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
                 for proc in group:
                     proc.kill()
                     proc.join()
+                groups.pop(r, contextlib.ExitStack()).close()
                 events.append({"event": "stopped at the end", "replica": r})
             procs.clear()
-    holder.kill()
+    stores.close()
     if finished_at is None:
         raise LabkitError(f"every replica of {out} failed; see their lines above")
     report_ = timeline(out, replicas)
@@ -137,32 +143,24 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
     return report_
 
 
-def _hold_store(pipe) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), False)  # the master, no wait
-    pipe.send(store.port)
-    while True:
-        time.sleep(3600)
-
-
-def _start(cfg, replica: int, address: str, out: Path, width: int) -> list[multiprocessing.Process]:
-    """Replica ``replica``'s processes: one, or the ``width`` ranks of its mesh on a fresh port."""
-    from labkit.dist.testing import free_port
-
+def _start(cfg, replica: int, address: str, out: Path, width: int,
+           groups: dict[int, contextlib.ExitStack]) -> list[multiprocessing.Process]:
+    """Replica ``replica``'s processes: one, or the ``width`` ranks of its mesh with a fresh store (held in
+    ``groups[replica]`` until the supervisor closes it)."""
     mine = copy.deepcopy(cfg)
     mine.out = str(out / f"replica{replica}")
     mine.strategy_options = {**cfg.strategy_options, "ft_replica": replica, "ft_store": address,
                              "ft_log": str(out / f"ft_replica{replica}.jsonl")}
-    port = free_port() if width > 1 else None
+    context = multiprocessing.get_context("fork")
+    rendezvous = {}
+    if width > 1:
+        groups[replica] = contextlib.ExitStack()
+        rendezvous = groups[replica].enter_context(hosted_store(context))
     group = []
     for rank in range(width):
         ranks = ({"RANK": str(rank), "WORLD_SIZE": str(width), "LOCAL_RANK": str(rank),
-                  "LOCAL_WORLD_SIZE": str(width), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-                 if width > 1 else {})
-        proc = multiprocessing.get_context("fork").Process(target=_replica, args=(mine, ranks), daemon=True)
+                  "LOCAL_WORLD_SIZE": str(width), **rendezvous} if width > 1 else {})
+        proc = context.Process(target=_replica, args=(mine, ranks), daemon=True)
         proc.start()
         group.append(proc)
     return group
