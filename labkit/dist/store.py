@@ -33,7 +33,8 @@ def _serve(conn) -> None:
     """The store's process: bind, say the port, serve until killed (or until its parent is gone)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    # host, port 0 (the system's choice, bound now), any world size, the server, its timeout, no wait for workers
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=60), False)
     conn.send(store.port)
     conn.close()
     parent = os.getppid()
