@@ -1,5 +1,6 @@
 """Test-run settings shared by tests/ and the notebooks nbval executes."""
 import atexit
+import importlib.util
 import os
 import shutil
 import sys
@@ -33,6 +34,14 @@ os.environ.setdefault("LABKIT_CACHE", os.path.join(tempfile.gettempdir(), "labki
 # process to import a module writes its .pyc; the install need not compile all 14,000 modules beforehand.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+# nbval's kernels are forked from a process per worker that imported torch, matplotlib, ipykernel and labkit once
+# (tests/forked_kernels.py): about 6 CPU-seconds less per notebook. LABKIT_FORKED_KERNELS=0: each a new Python.
+if os.environ.get("LABKIT_FORKED_KERNELS", "1") != "0":
+    _spec = importlib.util.spec_from_file_location("labkit_forked_kernels",
+                                                   Path(__file__).parent / "tests" / "forked_kernels.py")
+    _forked_kernels = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_forked_kernels)
+    _forked_kernels.install()
 
 
 # The system layer is two units of work, one per xdist worker at the start: everything on the session's SLURM
