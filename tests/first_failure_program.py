@@ -4,7 +4,8 @@ test_faults' first-failure test (run by labkit.faults.runner).
 * ``raise``: rank 1 raises before the all-reduce rank 0 is in;
 * ``unused``: rank 1's loss leaves out one of DDP's parameters, so its gradient is never all-reduced there;
 * ``dtype``: rank 1 all-reduces float32 where rank 0 all-reduces float64 (rank 1 receives 8-byte elements
-  into a 4-byte buffer).
+  into a 4-byte buffer);
+* ``before-init``: rank 1 raises before ``init_process_group``, where rank 0 then waits for it, in no collective.
 """
 import os
 
@@ -26,6 +27,8 @@ class TwoHeads(nn.Module):
 
 
 def main():
+    if os.environ["LABKIT_FAIL"] == "before-init" and os.environ["RANK"] == "1":
+        raise ValueError("rank 1 failed before init_process_group")
     dist.init_process_group("gloo")
     rank, how = dist.get_rank(), os.environ["LABKIT_FAIL"]
     if how == "raise":

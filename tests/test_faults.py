@@ -148,7 +148,7 @@ def test_the_rank_that_failed_first_is_named_not_the_lowest_numbered():
     ways = {"raise": "ValueError: rank 1 read a batch of the wrong shape",
             "unused": "This error indicates that your module has parameters that were not used in producing loss",
             "dtype": "8 vs 4. Received data size doesn't match expected size. Is there a distributed collective "
-                     "mismatch in your code? (killed by signal SIGABRT in first_failure_program.py:40, without a "
+                     "mismatch in your code? (killed by signal SIGABRT in first_failure_program.py:43, without a "
                      "Python exception)"}
     runs = {way: run_program(program, 2, env={"LABKIT_FAIL": way}, timeout=120) for way in ways}
     for way, run in runs.items():
@@ -156,7 +156,20 @@ def test_the_rank_that_failed_first_is_named_not_the_lowest_numbered():
         first, then = run.failure_report()
         assert first.startswith("rank 1 failed first, at ") and ways[way] in first, (way, first)
         assert then.startswith("then rank 0, ") and "by peer" in then, (way, then)
-    assert 'first_failure_program.py", line 33, in main' in runs["raise"].error  # the traceback shown is rank 1's
+    assert 'first_failure_program.py", line 36, in main' in runs["raise"].error  # the traceback shown is rank 1's
+
+
+def test_a_peer_waiting_outside_any_collective_is_stopped_soon_after_the_first_failure(monkeypatch):
+    """Rank 1 dies before ``init_process_group``; rank 0 waits there for it, where the watchdog does not look. The
+    runner stops rank 0 ``AFTER_FAILURE_S`` after rank 1's failure, not at its own timeout, and says why."""
+    from labkit.faults import runner
+
+    monkeypatch.setattr(runner, "AFTER_FAILURE_S", 2.0)
+    run = run_program(Path(__file__).with_name("first_failure_program.py"), 2, env={"LABKIT_FAIL": "before-init"},
+                      timeout=120)
+    assert (run.status, [f["rank"] for f in run.failures]) == ("failed", [1, 0]), run.failures
+    assert "ValueError: rank 1 failed before init_process_group" in run.failures[0]["message"]
+    assert "still running 2 s after rank 1 failed" in run.failures[1]["message"], run.failures[1]
 
 
 def test_failure_report_reads_plain_failures():

@@ -49,6 +49,10 @@ from labkit.faults.watchdog import refusal
 
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "labkit.faults.common", "labkit.faults.recorder",
             "labkit.faults.watchdog"]
+#: how long the other ranks may go on once one has failed: a peer of a failed rank fails within a second (its
+#: connections close), but one that waits outside any collective, where no watchdog looks (in
+#: ``init_process_group`` for a rank that died before it got there), would wait for the runner's whole timeout
+AFTER_FAILURE_S = 30.0
 
 
 @dataclass
@@ -157,11 +161,11 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
                              args=(str(Path(path).resolve()), r, ranks, rendezvous, launcher, watchdog, tmp, env or {},
                                    dict(os.environ), results)) for r in range(ranks)]
         start(procs)
-        done, failed, ended = _gather(procs, results, ranks, time.monotonic() + timeout)
+        done, failed, ended, first = _gather(procs, results, ranks, time.monotonic() + timeout)
         logs = {r: (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
                 for r in range(ranks) if (Path(tmp) / f"rank{r}.log").exists()}
         for r in set(range(ranks)) - set(done) - set(failed):
-            failed[r] = _silent(procs[r], Path(tmp) / f"rank{r}.log", logs.get(r, ""), ended.get(r))
+            failed[r] = _silent(procs[r], Path(tmp) / f"rank{r}.log", logs.get(r, ""), ended.get(r), first)
         hang_file = Path(tmp) / "hang.json"
         hang = json.loads(hang_file.read_text()) if hang_file.exists() else None
     if unguarded(procs):
@@ -182,15 +186,17 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
     return Outcome("finished", per_rank, findings=findings.silent(per_rank), logs=logs, lost=gone)
 
 
-def _silent(proc, log: Path, text: str, ended: float | None) -> dict:
+def _silent(proc, log: Path, text: str, ended: float | None, first: int | None = None) -> dict:
     """A rank that ended without a result or a Python exception: a C++ abort (gloo's ``EnforceNotMet`` in its
-    own thread), a signal, or the runner's timeout. Its last words are the last line of its output, written
+    own thread), a signal, or the runner's timeout (``first``: the rank whose failure cut it short). Its last words are the last line of its output, written
     just before it died, so the log's modification time dates them; with no output, the time it was seen gone."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     said = next((line.removeprefix("what():").strip() for line in lines if line.startswith("what():")),
                 next((line for line in lines if line.startswith("Fatal Python error")), lines[-1] if lines else ""))
     code = proc.exitcode
-    if ended is None or code is None:
+    if (ended is None or code is None) and first is not None:
+        how = f"still running {AFTER_FAILURE_S:.0f} s after rank {first} failed"
+    elif ended is None or code is None:
         how = "still running at the runner's timeout"
     elif code < 0:
         how = f"killed by signal {signal.Signals(-code).name if -code in iter(signal.Signals) else -code}"
@@ -213,11 +219,15 @@ def _user_line(text: str) -> str:
     return next((f"{Path(f).name}:{n}" for f, n in frames if not f.startswith(ours) and not f.startswith("<")), "")
 
 
-def _gather(procs, results, ranks: int, deadline: float) -> tuple[dict[int, dict], dict[int, dict], dict[int, float]]:
-    """The ranks' results, their failures and the time each rank was first seen gone without one."""
+def _gather(procs, results, ranks: int, deadline: float) -> tuple[dict[int, dict], dict[int, dict], dict[int, float],
+                                                                 int | None]:
+    """The ranks' results, their failures, the time each rank was first seen gone without one, and the rank
+    whose failure (reported, or gone without a result) ended the wait :data:`AFTER_FAILURE_S` later (None: the
+    ranks ended, or the runner's timeout came, before that)."""
     done: dict[int, dict] = {}
     failed: dict[int, dict] = {}
     ended: dict[int, float] = {}
+    first, cutoff = None, deadline
 
     def all_gone() -> bool:
         for r, p in enumerate(procs):
@@ -226,7 +236,7 @@ def _gather(procs, results, ranks: int, deadline: float) -> tuple[dict[int, dict
         return len(ended) == len(procs)
 
     try:
-        while len(done) + len(failed) < ranks and time.monotonic() < deadline:
+        while len(done) + len(failed) < ranks and time.monotonic() < cutoff:
             all_gone()
             try:
                 rank, ok, out = results.get(timeout=0.2)
@@ -237,15 +247,21 @@ def _gather(procs, results, ranks: int, deadline: float) -> tuple[dict[int, dict
                     except queue.Empty:
                         break
                 else:
-                    continue
-            (done if ok else failed)[rank] = pickle.loads(out)
+                    rank = None
+            if rank is not None:
+                (done if ok else failed)[rank] = pickle.loads(out)
+            if first is None:
+                gone = [r for r in ended if r not in done and procs[r].exitcode not in (0, LOST)]
+                culprits = sorted(failed, key=lambda r: failed[r]["time"]) or sorted(gone, key=ended.get)
+                if culprits:
+                    first, cutoff = culprits[0], min(deadline, time.monotonic() + AFTER_FAILURE_S)
     finally:
         for p in procs:
-            p.join(timeout=20 if p.is_alive() and time.monotonic() < deadline else 1)
+            p.join(timeout=20 if p.is_alive() and time.monotonic() < cutoff else 1)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return done, failed, ended
+    return done, failed, ended, first if cutoff < deadline else None
 
 
 def run_fault(name: str, fixed: bool = False, **kwargs) -> Outcome:
