@@ -10,7 +10,8 @@ A failure on one rank makes its peers fail soon after ("Connection closed by pee
 closed). The rank to read is the one that failed first, not the lowest-numbered one: each rank's error is
 stamped with the time it was raised (a rank that died without a Python exception, e.g. a C++ abort in gloo's
 thread, with the time of the last line it wrote), and :meth:`Outcome.failure_report` names the first and the
-ranks that failed after it, and why.
+ranks that failed after it, and why. Ranks still running :data:`AFTER_FAILURE_S` after the first failure are
+stopped (waiting where no watchdog looks, e.g. in ``init_process_group`` for a rank that never got there).
 
 The program is a plain script with a ``main()`` that calls ``init_process_group`` itself and returns
 ``{"model": ..., "losses": [...]}``; each rank runs it the way torchrun (or srun) would start it, with the
