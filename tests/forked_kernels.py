@@ -21,9 +21,11 @@ the kernel's group, as that SIGKILL would have. Nothing in these processes runs 
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,14 +65,25 @@ def _start_zygote() -> None:
     global _zygote
     if _zygote is not None and _zygote.poll() is None:
         return
-    path = os.path.join(tempfile.mkdtemp(prefix="labkit-kernels-"), "zygote.sock")
-    _zygote = subprocess.Popen([sys.executable, __file__, "--serve", path], stdin=subprocess.DEVNULL)
+    folder = tempfile.mkdtemp(prefix="labkit-kernels-")
+    path, log = os.path.join(folder, "zygote.sock"), os.path.join(folder, "zygote.log")
+    with open(log, "w") as out:  # not the worker's streams: nothing outlives the run holding them
+        _zygote = subprocess.Popen([sys.executable, __file__, "--serve", path], stdin=subprocess.DEVNULL,
+                                   stdout=out, stderr=out)
+    atexit.register(_stop_zygote, _zygote, folder)
     deadline = time.monotonic() + 60
     while not os.path.exists(path):  # it binds before it imports: requests wait in its backlog meanwhile
         if _zygote.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the kernel zygote did not start (exit code {_zygote.poll()})")
+            with open(log) as out:
+                raise RuntimeError(f"the kernel zygote did not start (exit code {_zygote.poll()}):\n{out.read()}")
         time.sleep(0.02)
     os.environ[_ENV] = path
+
+
+def _stop_zygote(zygote: subprocess.Popen, folder: str) -> None:
+    zygote.kill()
+    zygote.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 # --- the zygote -----------------------------------------------------------------------------------------------
