@@ -46,7 +46,10 @@ _zygote: subprocess.Popen | None = None
 
 
 def install() -> None:
-    """Make the kernel spec nbval uses (``--nbval-current-env``) start kernels through the zygote."""
+    """Make the kernel spec nbval uses (``--nbval-current-env``) start kernels through the zygote (on Linux: its
+    sockets carry file descriptors in packets, which not every system's Unix sockets do)."""
+    if not sys.platform.startswith("linux"):
+        return
     import ipykernel.kernelspec
 
     original = ipykernel.kernelspec.get_kernel_dict
