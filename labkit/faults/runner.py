@@ -189,8 +189,9 @@ def run_program(path: str | Path, ranks: int = 2, watchdog: float | None = 10.0,
 
 def _silent(proc, log: Path, text: str, ended: float | None, first: int | None = None) -> dict:
     """A rank that ended without a result or a Python exception: a C++ abort (gloo's ``EnforceNotMet`` in its
-    own thread), a signal, or the runner's timeout (``first``: the rank whose failure cut it short). Its last words are the last line of its output, written
-    just before it died, so the log's modification time dates them; with no output, the time it was seen gone."""
+    own thread), a signal, or the runner's timeout (``first``: the rank whose failure cut it short). Its last
+    words are the last line of its output, written just before it died, so the log's modification time dates
+    them; with no output, the time it was seen gone."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     said = next((line.removeprefix("what():").strip() for line in lines if line.startswith("what():")),
                 next((line for line in lines if line.startswith("Fatal Python error")), lines[-1] if lines else ""))

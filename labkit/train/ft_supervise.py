@@ -66,7 +66,7 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
         old.unlink()  # a fresh run's records
     # the stores live in processes of their own (labkit.dist.store): this one forks the replicas
     context = multiprocessing.get_context("fork")
-    stores = contextlib.ExitStack()  # the job's, and one per start of a replica that is a mesh (keyed below)
+    stores = contextlib.ExitStack()  # the job's, and one per start of a replica that is a mesh, till the end
     job = stores.enter_context(hosted_store(context))
     address = f"{job['MASTER_ADDR']}:{job['MASTER_PORT']}"
     each = f" | each a mesh {options['mesh']} of {width} processes" if width > 1 else ""
@@ -74,8 +74,7 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
           flush=True)
     started = time.monotonic()
     events: list[dict] = []
-    groups: dict[int, contextlib.ExitStack] = {}  # replica -> the store of its mesh's ranks, while they run
-    procs = {r: _start(cfg, r, address, out, width, groups) for r in range(replicas)}
+    procs = {r: _start(cfg, r, address, out, width, stores) for r in range(replicas)}
     restarts = dict.fromkeys(procs, 0)
     finished_at = None
     due: dict[int, float] = {}  # replica -> when it restarts
@@ -88,20 +87,16 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
                 continue  # running (a mesh: all its processes, or those not yet done)
             del procs[r]
             seconds = round(time.monotonic() - started, 2)
-            if failed is not None:  # a replica lives or dies whole: its others wait in collectives with the lost one
-                for p in group:
-                    if p.exitcode is None:
-                        p.kill()
-                        p.join()
-            groups.pop(r, contextlib.ExitStack()).close()
             if failed is None:
                 finished_at = finished_at or time.monotonic()
                 continue
+            for p in group:  # a replica lives or dies whole: its other processes wait in collectives with the lost one
+                if p.exitcode is None:
+                    p.kill()
+                    p.join()
             if failed == 2:  # a configuration error is everyone's: stop
                 for other in (p for g in procs.values() for p in g):
                     other.kill()
-                for group_store in groups.values():
-                    group_store.close()
                 stores.close()
                 raise SystemExit(2)
             events.append({"event": "lost", "replica": r, "exit": failed, "s": seconds})
@@ -114,7 +109,7 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
             if time.monotonic() >= when:
                 del due[r]
                 if finished_at is None:
-                    procs[r] = _start(cfg, r, address, out, width, groups)
+                    procs[r] = _start(cfg, r, address, out, width, stores)
                     events.append({"event": "restarted", "replica": r, "s": round(time.monotonic() - started, 2)})
                     print(f"ft: replica {r} restarted; it heals from a peer at the next step", flush=True)
         if finished_at is not None and procs and time.monotonic() - finished_at > 2 * timeout:
@@ -122,7 +117,6 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
                 for proc in group:
                     proc.kill()
                     proc.join()
-                groups.pop(r, contextlib.ExitStack()).close()
                 events.append({"event": "stopped at the end", "replica": r})
             procs.clear()
     stores.close()
@@ -144,18 +138,15 @@ def supervise(cfg, poll_s: float = 0.05) -> dict:
 
 
 def _start(cfg, replica: int, address: str, out: Path, width: int,
-           groups: dict[int, contextlib.ExitStack]) -> list[multiprocessing.Process]:
-    """Replica ``replica``'s processes: one, or the ``width`` ranks of its mesh with a fresh store (held in
-    ``groups[replica]`` until the supervisor closes it)."""
+           stores: contextlib.ExitStack) -> list[multiprocessing.Process]:
+    """Replica ``replica``'s processes: one, or the ``width`` ranks of its mesh with a fresh store (entered into
+    ``stores``, which the supervisor closes at the end)."""
     mine = copy.deepcopy(cfg)
     mine.out = str(out / f"replica{replica}")
     mine.strategy_options = {**cfg.strategy_options, "ft_replica": replica, "ft_store": address,
                              "ft_log": str(out / f"ft_replica{replica}.jsonl")}
     context = multiprocessing.get_context("fork")
-    rendezvous = {}
-    if width > 1:
-        groups[replica] = contextlib.ExitStack()
-        rendezvous = groups[replica].enter_context(hosted_store(context))
+    rendezvous = stores.enter_context(hosted_store(context)) if width > 1 else {}
     group = []
     for rank in range(width):
         ranks = ({"RANK": str(rank), "WORLD_SIZE": str(width), "LOCAL_RANK": str(rank),
