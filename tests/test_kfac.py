@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.errors import CheckpointError, ConfigError, LabkitError
+from labkit.optim.kfac.correlation import applies, conv_input_covariance
 from labkit.optim.kfac.layers import conv_patches
 from labkit.optim.kfac.linalg import precondition_eigen, symmetric_eigen, unvec, vec
 from labkit.optim.kfac.preconditioner import KFAC, from_options
@@ -129,6 +130,53 @@ def test_conv_patches_match_unfold(conv):
     pad = layer.padding if isinstance(layer.padding, tuple) else {"same": 1, "valid": 0}[layer.padding]
     unfolded = F.unfold(x, layer.kernel_size, layer.dilation, pad, layer.stride)  # (N, K, T)
     assert torch.equal(conv_patches(x, layer), unfolded.transpose(0, 1).reshape(unfolded.shape[1], -1))
+
+
+@pytest.mark.parametrize("conv", [dict(kernel_size=3, padding=1), dict(kernel_size=5), dict(kernel_size=(3, 5), padding=(1, 2)),
+                                  dict(kernel_size=1), dict(kernel_size=3, padding="same", bias=False),
+                                  dict(kernel_size=5, padding=2), dict(kernel_size=(1, 3)), dict(kernel_size=2),
+                                  dict(kernel_size=3, padding=2, bias=False), dict(kernel_size=4, padding=1)])
+def test_the_shifted_image_correlation_is_the_gram_of_the_unfolded_patches(conv):
+    """The input factor of a stride-1 convolution from shifted copies of the image equals 1/M Σ ā āᵀ over
+    PyTorch's own unfolded patches (``F.unfold``) with a 1 appended for the bias, for every kernel shape and
+    padding, including a 1x1 kernel (no frame) and padding wider than the kernel's reach."""
+    layer = nn.Conv2d(3, 2, **conv).double()
+    x = torch.randn(4, 3, 7, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    pad = layer.padding if isinstance(layer.padding, tuple) else (1, 1)
+    patches = F.unfold(x, layer.kernel_size, padding=pad).transpose(1, 2).reshape(-1, 3 * math.prod(layer.kernel_size))
+    if layer.bias is not None:
+        patches = torch.cat([patches, patches.new_ones(len(patches), 1)], 1)
+    assert applies(layer) is False  # 3 channels: labkit itself unfolds these, so the test calls the function
+    torch.testing.assert_close(conv_input_covariance(x, layer, layer.bias is not None),
+                               patches.T @ patches / len(patches), **TOL)
+
+
+def test_a_wide_convolution_takes_the_correlation_and_its_factors_agree_with_curvlinops(monkeypatch):
+    import curvlinops
+
+    from labkit.optim.kfac import layers as kfac_layers
+
+    calls = []
+    monkeypatch.setattr(kfac_layers, "conv_input_covariance",
+                        lambda *args: calls.append(args[1]) or conv_input_covariance(*args))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 5 * 5, 3)).double()
+    rec = Recorder(model)
+    kfac = KFAC(model, factor_decay=0.0, kl_clip=0)
+    x = torch.randn(6, 16, 5, 5, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    F.cross_entropy(model(x), y).backward()
+    kfac.step()
+    assert calls == [model[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        oracle = curvlinops.KFACLinearOperator(model, nn.CrossEntropyLoss(), list(model.parameters()), [(x, y)],
+                                               fisher_type="empirical", kfac_approx="expand",
+                                               separate_weight_and_bias=False, check_deterministic=False)
+        oracle.compute_kronecker_factors()
+    conv = kfac.layers[0]
+    torch.testing.assert_close(conv.A, oracle.state_dict()["input_covariances"]["0"], **TOL)
+    torch.testing.assert_close(conv.A, rec.factors("0")[0], **TOL)
 
 
 def dense_solve(matrix: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

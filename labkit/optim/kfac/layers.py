@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from labkit.errors import CheckpointError
+from labkit.optim.kfac.correlation import applies, conv_input_covariance, conv_padding
 from labkit.optim.kfac.linalg import (
     damped_inverse,
     eigen_operands,
@@ -77,7 +78,7 @@ def input_covariance(columns: Tensor, bias: bool) -> Tensor:
 def patch_view(x: Tensor, conv: nn.Conv2d) -> Tensor:
     """Every kernel patch of ``x`` as a strided view, no copy: (N, C, H, W) -> (N, C, H_out, W_out, kh, kw)."""
     (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-    ph, pw = _padding(conv)
+    ph, pw = conv_padding(conv)
     x = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
     patches = x.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)  # (N, C, Ho, Wo, kh', kw')
     return patches[..., ::dh, ::dw] if dh > 1 or dw > 1 else patches
@@ -92,16 +93,6 @@ def conv_patches(x: Tensor, conv: nn.Conv2d) -> Tensor:
     patches = patch_view(x, conv)
     n, c, ho, wo, kh, kw = patches.shape
     return patches.permute(1, 4, 5, 0, 2, 3).reshape(c * kh * kw, n * ho * wo)
-
-
-def _padding(conv: nn.Conv2d) -> tuple[int, int]:
-    if conv.padding == "valid":
-        return 0, 0
-    if conv.padding == "same":
-        # total padding d(k-1); PyTorch puts an odd pixel on the right, which symmetric F.pad cannot express,
-        # so supports() only accepts "same" when d(k-1) is even
-        return tuple(d * (k - 1) // 2 for k, d in zip(conv.kernel_size, conv.dilation))
-    return conv.padding
 
 
 class LayerFactors:
@@ -149,7 +140,11 @@ class LayerFactors:
         return grad.reshape(-1, grad.shape[-1]).t()
 
     def capture_input(self, x: Tensor) -> None:
-        self._a_batch.append(input_covariance(self.input_columns(x.detach().to(self.dtype)), self.bias))
+        x = x.detach().to(self.dtype)
+        if self.approx == "expand" and isinstance(self.module, nn.Conv2d) and applies(self.module):
+            self._a_batch.append(conv_input_covariance(x, self.module, self.bias))  # no unfolded patches
+        else:
+            self._a_batch.append(input_covariance(self.input_columns(x), self.bias))
 
     def capture_output_grad(self, grad: Tensor) -> None:
         columns = self.output_columns(grad.detach().to(self.dtype))

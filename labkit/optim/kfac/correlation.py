@@ -1,0 +1,152 @@
+r"""A convolution's input factor without unfolding its patches: the image correlated with itself, shifted.
+
+K-FAC's input factor of a Conv2d is ``A = 1/M Σ ā āᵀ`` over its ``M = N·H_out·W_out`` kernel patches
+(:mod:`labkit.optim.kfac.layers`). Unfolding the patches copies every pixel ``kh·kw`` times, and their
+product costs ``(C·kh·kw)²·M`` multiply-adds: for a 3x3 convolution, 81 C×C products per output position,
+more than the convolution's own forward and backward passes. But neighbouring patches overlap. For stride 1
+and dilation 1, the C×C block of ``A`` between kernel offsets ``o = (i, j)`` and ``o' = (i', j')`` is
+
+    Σ_A[o, o'] = Σ_n Σ_{p ∈ R(o)} x_p x_{p+δ}ᵀ,    δ = o' − o,    R(o) = [i, i + H_out) × [j, j + W_out)
+
+(in the padded image's coordinates): the image correlated with itself shifted by ``δ``, summed over the
+window ``R(o)`` of anchor pixels. A block depends on its offsets only through ``δ`` and the window, and
+``Σ_A[o', o] = Σ_A[o, o']ᵀ``, so one half of the ``(2kh−1)(2kw−1)`` shifts is enough: those with
+``dy > 0``, or ``dy = 0`` and ``dx ≥ 0`` (:func:`half_shifts`, D of them: 13 for 3x3, 41 for 5x5).
+
+1. **Every anchor.** ``F_δ = Σ_p x_p x_{p+s}ᵀ`` over the whole padded image, flattened over (sample, row,
+   column), against itself ``s = dy·W_p + dx`` places on: one matrix product on two views, no copy.
+2. **Minus the anchors outside the window.** They all lie in the *frame* outside the core
+   ``∩_o R(o) = [kh−1, H_out) × [kw−1, W_out)``. Its real (not padding) pixels are grouped by class: the row
+   (or "a middle row") and the column (or "a middle column"), so that a window holds a class whole or not at
+   all. Each class's ``Σ x_p x_{p+s}ᵀ`` for every shift is one product; each window subtracts the classes it
+   leaves out.
+
+A partner ``p + s`` that runs past the end of a row lands on the next row, and past the last sample on zeros.
+Anchors inside a window never do (their partners lie inside the window shifted by ``δ``), and step 2 subtracts
+exactly what step 1 added for the others, so the result is exact up to the order of summation.
+
+Cost, in multiply-adds: ``D·C²·N·(H_p·W_p + |frame|)`` against unfolding's ``(kh·kw·C)²·N·H_out·W_out``
+(three quarters of that from ``kh·kw·C = 96`` on, :func:`labkit.optim.kfac.layers.gram`). For a 3x3
+convolution with padding 1 on a 32x32 image that is ``13·(1156 + 124) = 16,640`` against
+``60.75·1024 = 62,208`` times ``C²·N``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor, nn
+
+
+def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
+    """The zero padding ``(rows, columns)`` on each side of the input, ``"valid"`` and ``"same"`` resolved."""
+    if conv.padding == "valid":
+        return 0, 0
+    if conv.padding == "same":
+        # total padding d(k-1); PyTorch puts an odd pixel on the right, which symmetric padding cannot express,
+        # so K-FAC only accepts "same" when d(k-1) is even (layers.supports)
+        return tuple(d * (k - 1) // 2 for k, d in zip(conv.kernel_size, conv.dilation))
+    return conv.padding
+
+
+#: fewer input channels than this: the C×C products are too thin to run near the matrix unit's peak, and the
+#: unfolded patches' one big product is faster (measured in ``labkit bench kfac``: LeNet's 3 and 6 channels)
+MIN_CHANNELS = 16
+
+
+def applies(conv: nn.Conv2d) -> bool:
+    """Stride 1, dilation 1 (the patches are the image's windows shifted by one pixel) and at least
+    :data:`MIN_CHANNELS` input channels."""
+    return tuple(conv.stride) == (1, 1) and tuple(conv.dilation) == (1, 1) and conv.in_channels >= MIN_CHANNELS
+
+
+@lru_cache(maxsize=None)
+def half_shifts(kh: int, kw: int) -> tuple[tuple[int, int], ...]:
+    """The shifts ``δ = (dy, dx)`` with ``dy > 0``, or ``dy = 0`` and ``dx ≥ 0``: ``kh·(2kw−1) − (kw−1)`` of them."""
+    return tuple((dy, dx) for dy in range(kh) for dx in range(1 - kw, kw) if dy > 0 or dx >= 0)
+
+
+@lru_cache(maxsize=None)
+def _assembly(kh: int, kw: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For each pair of kernel offsets ``(o, o')`` (row-major, o first): the index of its shift in
+    :func:`half_shifts`, the offset whose window anchors it, and whether the block is that shift's transpose."""
+    index = {s: k for k, s in enumerate(half_shifts(kh, kw))}
+    offsets = [(i, j) for i in range(kh) for j in range(kw)]
+    shift, window, flip = [], [], []
+    for o, (i, j) in enumerate(offsets):
+        for o2, (i2, j2) in enumerate(offsets):
+            forward = (i2 - i, j2 - j) in index
+            shift.append(index[(i2 - i, j2 - j)] if forward else index[(i - i2, j - j2)])
+            window.append(o if forward else o2)
+            flip.append(not forward)
+    return torch.tensor(shift), torch.tensor(window), torch.tensor(flip)
+
+
+def _edge_class(position: Tensor, low: int, high: int) -> Tensor:
+    """A row's (column's) class: itself if it is outside ``[low, high)``, where some window ends, else -1."""
+    return torch.where((position < low) | (position >= high), position, torch.full_like(position, -1))
+
+
+def conv_input_covariance(x: Tensor, conv: nn.Conv2d, bias: bool) -> Tensor:
+    """``1/M Σ ā āᵀ`` of the kernel patches of ``x`` (N, C, H, W) for a stride-1, dilation-1 ``conv``:
+    (C·kh·kw + bias, C·kh·kw + bias), rows in the order of ``conv.weight.reshape(C_out, -1)``, the bias last.
+
+    Equal, up to the order of summation, to ``input_covariance(conv_patches(x, conv), bias)``; the algorithm
+    is in the module docstring.
+    """
+    kh, kw = conv.kernel_size
+    ph, pw = conv_padding(conv)
+    n, c, h, w = x.shape
+    hp, wp = h + 2 * ph, w + 2 * pw
+    ho, wo = hp - kh + 1, wp - kw + 1
+    shifts = half_shifts(kh, kw)
+    steps = torch.tensor([dy * wp + dx for dy, dx in shifts])
+    plane, body = hp * wp, n * hp * wp
+    # a row per pixel (sample, row, column), then zeros for the last pixels' partners
+    image = x.new_zeros(body + int(steps.max()), c)
+    image[:body].view(n, hp, wp, c)[:, ph:ph + h, pw:pw + w] = x.permute(0, 2, 3, 1)
+
+    # 1. every anchor: F_δ = Σ_p x_p x_{p+s}ᵀ, (D, C, C)
+    full = torch.stack([image[:body].t() @ image[s:s + body] for s in steps.tolist()])
+
+    # 2. the frame's real pixels, grouped by (row class, column class); each class's Σ x_p x_{p+s}ᵀ
+    rows = torch.arange(hp).repeat_interleave(wp)
+    cols = torch.arange(wp).repeat(hp)
+    row_class, col_class = _edge_class(rows, kh - 1, ho), _edge_class(cols, kw - 1, wo)
+    real = (rows >= ph) & (rows < ph + h) & (cols >= pw) & (cols < pw + w)
+    pixels = torch.nonzero(real & ((row_class >= 0) | (col_class >= 0))).squeeze(1)
+    corrections = x.new_zeros(kh * kw, len(shifts), c, c)
+    if len(pixels):  # else a 1x1 kernel, or a frame of padding only: every window holds every anchor
+        key = (row_class[pixels] + 1) * (wp + 1) + col_class[pixels] + 1
+        key, order = key.sort(stable=True)
+        pixels = pixels[order]
+        _, counts = torch.unique_consecutive(key, return_counts=True)
+        at = (pixels[:, None] + plane * torch.arange(n)[None, :]).reshape(-1)  # (|frame|·N,), pixel-major
+        anchors = image.index_select(0, at)                                     # (|frame|·N, C)
+        partners = image.index_select(0, (at[:, None] + steps[None, :]).reshape(-1)).view(len(at), -1)  # (., D·C)
+        ends = (counts.cumsum(0) * n).tolist()
+        per_class = torch.stack([anchors[a:b].t() @ partners[a:b] for a, b in zip([0] + ends[:-1], ends)])
+        first = counts.cumsum(0) - counts  # each class's first pixel
+        cls_row, cls_col = row_class[pixels[first]], col_class[pixels[first]]
+        offsets = torch.arange(kh * kw)
+        i, j = (offsets // kw)[:, None], (offsets % kw)[:, None]
+        inside = (((cls_row < 0) | ((cls_row >= i) & (cls_row < i + ho)))
+                  & ((cls_col < 0) | ((cls_col >= j) & (cls_col < j + wo))))  # (kh·kw, classes)
+        corrections += ((~inside).to(x.dtype) @ per_class.view(len(counts), -1)).view(
+            kh * kw, c, len(shifts), c).transpose(1, 2)
+
+    # 3. the blocks: F_δ minus its window's outside anchors, transposed for the other half of the shifts
+    shift, window, flip = _assembly(kh, kw)
+    blocks = full[shift] - corrections[window, shift]  # (kh·kw·kh·kw, C, C)
+    blocks = torch.where(flip[:, None, None], blocks.transpose(1, 2), blocks)
+    d = c * kh * kw
+    cov = x.new_empty(d + int(bias), d + int(bias))
+    cov[:d, :d] = blocks.view(kh * kw, kh * kw, c, c).permute(2, 0, 3, 1).reshape(d, d)
+    count = n * ho * wo
+    if bias:
+        summed = image[:body].view(n, hp, wp, c).sum(0).permute(2, 0, 1)  # (C, H_p, W_p): Σ over samples
+        total = summed.unfold(1, ho, 1).unfold(2, wo, 1).sum((-1, -2)).reshape(-1)  # Σ ā per (c, i, j)
+        cov[:d, d] = total
+        cov[d, :d] = total
+        cov[d, d] = count
+    return cov.div_(count)
