@@ -35,6 +35,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -99,15 +100,19 @@ def conv_input_covariance(x: Tensor, conv: nn.Conv2d, bias: bool) -> Tensor:
     n, c, h, w = x.shape
     hp, wp = h + 2 * ph, w + 2 * pw
     ho, wo = hp - kh + 1, wp - kw + 1
+    # The layout: a row of C numbers per cell; padded pixel (n, r, col) at cell lead + n·P + r·W + col with
+    # W = w + pw and P = (h + ph)·W, so that a row's right padding is the next row's left padding and a sample's
+    # bottom padding the next one's top: zeros shared, not repeated.
+    row, lead = w + pw, kw - 1
+    sample = (h + ph) * row
     shifts = half_shifts(kh, kw)
-    steps = torch.tensor([dy * wp + dx for dy, dx in shifts])
-    plane, body = hp * wp, n * hp * wp
-    # a row per pixel (sample, row, column), then zeros for the last pixels' partners
-    image = x.new_zeros(body + int(steps.max()), c)
-    image[:body].view(n, hp, wp, c)[:, ph:ph + h, pw:pw + w] = x.permute(0, 2, 3, 1)
+    steps = [dy * row + dx for dy, dx in shifts]
+    end = lead + n * sample + ph * row + pw  # past the last padded pixel
+    image = x.new_zeros(end + (kh - 1) * row + 2 * (kw - 1), c)
+    image[lead:lead + n * sample].view(n, h + ph, row, c)[:, ph:ph + h, pw:] = x.permute(0, 2, 3, 1)
 
     # 1. every anchor: F_δ = Σ_p x_p x_{p+s}ᵀ, (D, C, C)
-    full = torch.stack([image[:body].t() @ image[s:s + body] for s in steps.tolist()])
+    full = torch.stack([image[:end].t() @ image[s:s + end] for s in steps])
 
     # 2. the frame's real pixels, grouped by (row class, column class); each class's Σ x_p x_{p+s}ᵀ
     rows = torch.arange(hp).repeat_interleave(wp)
@@ -121,11 +126,18 @@ def conv_input_covariance(x: Tensor, conv: nn.Conv2d, bias: bool) -> Tensor:
         key, order = key.sort(stable=True)
         pixels = pixels[order]
         _, counts = torch.unique_consecutive(key, return_counts=True)
-        at = (pixels[:, None] + plane * torch.arange(n)[None, :]).reshape(-1)  # (|frame|·N,), pixel-major
-        anchors = image.index_select(0, at)                                     # (|frame|·N, C)
-        partners = image.index_select(0, (at[:, None] + steps[None, :]).reshape(-1)).view(len(at), -1)  # (., D·C)
+        cells = lead + rows[pixels] * row + cols[pixels]
+        at = (cells[:, None] + sample * torch.arange(n)[None, :]).reshape(-1)  # (|frame|·N,), pixel-major
+        anchors = image.index_select(0, at)                                    # (|frame|·N, C)
+        # each anchor's partners one row of the kernel's reach at a time: 2kw - 1 neighbouring cells, one
+        # contiguous run of numbers, from a view whose rows overlap (dy = 0, dx < 0 come along, unused)
+        runs = image.view(-1).unfold(0, (2 * kw - 1) * c, c)
+        starts = at[:, None] + torch.arange(kh)[None, :] * row - (kw - 1)
+        partners = runs.index_select(0, starts.reshape(-1)).view(len(at), -1)  # (|frame|·N, kh·(2kw-1)·C)
         ends = (counts.cumsum(0) * n).tolist()
         per_class = torch.stack([anchors[a:b].t() @ partners[a:b] for a, b in zip([0] + ends[:-1], ends)])
+        per_class = per_class.view(len(counts), c, kh, 2 * kw - 1, c)[
+            :, :, [dy for dy, _ in shifts], [dx + kw - 1 for _, dx in shifts]]  # (classes, C, D, C)
         first = counts.cumsum(0) - counts  # each class's first pixel
         cls_row, cls_col = row_class[pixels[first]], col_class[pixels[first]]
         offsets = torch.arange(kh * kw)
@@ -144,7 +156,7 @@ def conv_input_covariance(x: Tensor, conv: nn.Conv2d, bias: bool) -> Tensor:
     cov[:d, :d] = blocks.view(kh * kw, kh * kw, c, c).permute(2, 0, 3, 1).reshape(d, d)
     count = n * ho * wo
     if bias:
-        summed = image[:body].view(n, hp, wp, c).sum(0).permute(2, 0, 1)  # (C, H_p, W_p): Σ over samples
+        summed = F.pad(x.sum(0), (pw, pw, ph, ph))  # (C, H_p, W_p): Σ over samples
         total = summed.unfold(1, ho, 1).unfold(2, wo, 1).sum((-1, -2)).reshape(-1)  # Σ ā per (c, i, j)
         cov[:d, d] = total
         cov[d, :d] = total
