@@ -14,21 +14,27 @@ window ``R(o)`` of anchor pixels. A block depends on its offsets only through ``
 ``dy > 0``, or ``dy = 0`` and ``dx ≥ 0`` (:func:`half_shifts`, D of them: 13 for 3x3, 41 for 5x5).
 
 1. **Every anchor.** ``F_δ = Σ_p x_p x_{p+s}ᵀ`` over the whole padded image, flattened over (sample, row,
-   column), against itself ``s = dy·W_p + dx`` places on: one matrix product on two views, no copy.
+   column), against itself ``s = dy·W + dx`` places on: one matrix product on two views, no copy. The
+   padding on a row's right is the next row's left padding (``W = W_in + p_w``), and a sample's bottom padding
+   the next sample's top, so the zeros are stored once.
 2. **Minus the anchors outside the window.** They all lie in the *frame* outside the core
    ``∩_o R(o) = [kh−1, H_out) × [kw−1, W_out)``. Its real (not padding) pixels are grouped by class: the row
    (or "a middle row") and the column (or "a middle column"), so that a window holds a class whole or not at
-   all. Each class's ``Σ x_p x_{p+s}ᵀ`` for every shift is one product; each window subtracts the classes it
-   leaves out.
+   all. Each class's ``Σ x_p x_{p+s}ᵀ`` for every shift is one product (with the ``kh·(2kw−1)`` shifts of
+   whole kernel rows, gathered as runs of neighbouring pixels); each window subtracts the classes it leaves out.
 
 A partner ``p + s`` that runs past the end of a row lands on the next row, and past the last sample on zeros.
 Anchors inside a window never do (their partners lie inside the window shifted by ``δ``), and step 2 subtracts
 exactly what step 1 added for the others, so the result is exact up to the order of summation.
 
-Cost, in multiply-adds: ``D·C²·N·(H_p·W_p + |frame|)`` against unfolding's ``(kh·kw·C)²·N·H_out·W_out``
-(three quarters of that from ``kh·kw·C = 96`` on, :func:`labkit.optim.kfac.layers.gram`). For a 3x3
-convolution with padding 1 on a 32x32 image that is ``13·(1156 + 124) = 16,640`` against
-``60.75·1024 = 62,208`` times ``C²·N``.
+Cost, in multiply-adds, against unfolding's ``(kh·kw·C)²·N·H_out·W_out`` (three quarters of that from
+``kh·kw·C = 96`` on, :func:`labkit.optim.kfac.layers.gram`)::
+
+    C²·N·(D·(H_in + p_h)(W_in + p_w) + kh·(2kw−1)·|frame|)
+
+For a 3x3 convolution with padding 1 on a 32x32 image that is ``13·1089 + 15·124 = 16,017`` against
+``60.75·1024 = 62,208`` times ``C²·N``. The products are C×C, too thin to run fast below
+:data:`MIN_CHANNELS` input channels, where labkit unfolds the patches instead.
 """
 from __future__ import annotations
 

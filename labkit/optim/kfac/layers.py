@@ -18,6 +18,9 @@ positions, ``ā_n = 1/T Σ_t ā_{n,t}``, and sums its output gradients, ``g_n = 
 ``A = 1/N Σ_n ā_n ā_nᵀ`` and ``G = N Σ_n g_n g_nᵀ``. For Conv2d that is T times less work (no patch matrix,
 no product over N·T rows); for Linear layers on (N, d) inputs both are the same. Its batch factors have rank
 at most N, so it usually wants more damping than ``expand`` (LeNet/MNIST: ten times as much).
+
+A stride-1 convolution with at least 16 input channels gets its ``expand`` A without the patches: from the image
+correlated with shifted copies of itself (:mod:`labkit.optim.kfac.correlation`, the same matrix).
 """
 from __future__ import annotations
 
