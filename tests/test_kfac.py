@@ -398,6 +398,8 @@ def test_bench_kfac_writes_timings(tmp_path, capsys):
     run = load_run(out)
     rows = {r["contender"]: r for r in run.records_of("bench")}
     assert list(rows) == ["sgd", "inverse/1", "inverse/2"] and rows["sgd"]["ratio"] == 1.0
+    assert rows["sgd"]["cpu_ratio_median"] == 1.0  # each round paired with SGD's own
+    assert all(r["cpu_ratio_min"] <= r["cpu_ratio_median"] <= r["cpu_ratio_max"] for r in rows.values())
     for name in ("inverse/1", "inverse/2"):
         assert rows[name]["steps"] == 2 and min(rows[name][f"{p}_ms"] for p in ("factors", "decomposition",
                                                                                  "precondition")) > 0

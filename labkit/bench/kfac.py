@@ -11,12 +11,15 @@ call each); the time per step is the total over all rounds divided by the steps,
 K-FAC's extra time is split with ``KFAC.timings`` into *factors* (capturing A and G in the hooks),
 *decomposition* (eigh or Cholesky) and *precondition* (applying them, KL clip); the rest is the
 forward/backward/SGD step every contender pays. Wall and CPU (process) time are both reported: on a
-shared machine the CPU time is the steadier of the two, and on CPU the phases are measured in CPU time.
+shared machine the CPU time is the steadier of the two, and on CPU the phases are measured in CPU time. The
+*paired* ratio is the median over rounds of a contender's CPU time over SGD's in the same round, run back to
+back: a machine whose speed drifts between rounds moves both alike.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import torch
@@ -109,8 +112,13 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, write
                      "approx": c.approx if c.method else None, "update_freq": c.freq, "batch_size": args.batch_size,
                      "steps": steps, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
                      **{f"{p}_ms": 1e3 * timings[p] / steps for p in PHASES}})
-    for row in rows:
+    sgd_rounds = [r["cpu_s"] for r in results.records if r["contender"] == "sgd"]
+    for c, row in zip(contenders, rows):
         row["ratio"], row["cpu_ratio"] = row["step_ms"] / rows[0]["step_ms"], row["cpu_ms"] / rows[0]["cpu_ms"]
+        # each round's CPU time over SGD's in the same round (run back to back): steadier on a drifting machine
+        paired = [r["cpu_s"] / s for r, s in zip([r for r in results.records if r["contender"] == c.name], sgd_rounds)]
+        row["cpu_ratio_median"], row["cpu_ratio_min"], row["cpu_ratio_max"] = (statistics.median(paired), min(paired),
+                                                                               max(paired))
         writer.log(row)
     return rows
 
@@ -130,15 +138,18 @@ def main(args: argparse.Namespace) -> int:
           f"{torch.get_num_threads()} threads | ms per step (CPU ms per step), K-FAC phases in "
           f"{'CPU' if device.type == 'cpu' else 'wall'} ms per step")
     header = f"{'model':<10}{'contender':<18}{'step ms':>10}{'cpu ms':>10}{'x SGD':>8}{'cpu x':>8}" + \
-        "".join(f"{p:>15}" for p in PHASES)
+        f"{'paired cpu x (min-max)':>26}" + "".join(f"{p:>15}" for p in PHASES)
     metrics = {}
     for name in args.models:
         rows = bench_model(name, args, device, writer)
         print(header)
         for row in rows:
+            paired = f"{row['cpu_ratio_median']:.2f} ({row['cpu_ratio_min']:.2f}-{row['cpu_ratio_max']:.2f})"
             print(f"{row['model']:<10}{row['contender']:<18}{row['step_ms']:>10.1f}{row['cpu_ms']:>10.1f}"
-                  f"{row['ratio']:>8.2f}{row['cpu_ratio']:>8.2f}" + "".join(f"{row[p + '_ms']:>15.1f}" for p in PHASES))
-            metrics[f"{name}/{row['contender']}"] = {k: row[k] for k in ("step_ms", "cpu_ms", "ratio", "cpu_ratio")}
+                  f"{row['ratio']:>8.2f}{row['cpu_ratio']:>8.2f}{paired:>26}"
+                  + "".join(f"{row[p + '_ms']:>15.1f}" for p in PHASES))
+            metrics[f"{name}/{row['contender']}"] = {k: row[k] for k in ("step_ms", "cpu_ms", "ratio", "cpu_ratio",
+                                                                          "cpu_ratio_median")}
     config = config_of(args)
     config["threads"] = torch.get_num_threads()
     writer.finish("bench-kfac", "bench", config, metrics, DistEnv(device=device))
