@@ -179,6 +179,39 @@ def test_a_wide_convolution_takes_the_correlation_and_its_factors_agree_with_cur
     torch.testing.assert_close(conv.A, rec.factors("0")[0], **TOL)
 
 
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_the_preconditioned_gradients_do_not_depend_on_how_the_factor_is_computed(monkeypatch, method):
+    """Three K-FAC steps on a net of two wide 3x3 convolutions: the factors and the preconditioned gradients from
+    the shifted-image correlation equal those from the unfolded patches, step by step."""
+    from labkit.optim.kfac import correlation
+
+    def run() -> list[list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False),
+                              nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5)).double()
+        kfac = KFAC(model, factor_update_freq=1, kl_clip=0, method=method)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 16, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,), generator=g)
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            kfac.step()
+            seen.append([layer.A.clone() for layer in kfac.layers] + [grad_matrix(l.module) for l in kfac.layers])
+            optimizer.step()
+        return seen
+
+    assert [correlation.applies(m) for m in (nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 8, 3, padding=1))] == \
+        [True, True]
+    shifted = run()
+    monkeypatch.setattr(correlation, "MIN_CHANNELS", 10 ** 9)  # every convolution unfolds its patches
+    unfolded = run()
+    for step_shifted, step_unfolded in zip(shifted, unfolded):
+        for a, b in zip(step_shifted, step_unfolded):
+            torch.testing.assert_close(a, b, **TOL)
+
+
 def dense_solve(matrix: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return unvec(torch.linalg.solve(matrix, vec(grad)), grad.shape[0])
 
