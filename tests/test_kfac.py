@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.errors import CheckpointError, ConfigError, LabkitError
-from labkit.optim.kfac.correlation import applies, conv_input_covariance
+from labkit.optim.kfac.correlation import applies, by_pixels, conv_input_covariance
 from labkit.optim.kfac.layers import conv_patches
 from labkit.optim.kfac.linalg import precondition_eigen, symmetric_eigen, unvec, vec
 from labkit.optim.kfac.preconditioner import KFAC, from_options
@@ -132,23 +132,33 @@ def test_conv_patches_match_unfold(conv):
     assert torch.equal(conv_patches(x, layer), unfolded.transpose(0, 1).reshape(unfolded.shape[1], -1))
 
 
+@pytest.mark.parametrize("channels", [3, 16])
 @pytest.mark.parametrize("conv", [dict(kernel_size=3, padding=1), dict(kernel_size=5), dict(kernel_size=(3, 5), padding=(1, 2)),
                                   dict(kernel_size=1), dict(kernel_size=3, padding="same", bias=False),
                                   dict(kernel_size=5, padding=2), dict(kernel_size=(1, 3)), dict(kernel_size=2),
                                   dict(kernel_size=3, padding=2, bias=False), dict(kernel_size=4, padding=1)])
-def test_the_shifted_image_correlation_is_the_gram_of_the_unfolded_patches(conv):
-    """The input factor of a stride-1 convolution from shifted copies of the image equals 1/M Σ ā āᵀ over
-    PyTorch's own unfolded patches (``F.unfold``) with a 1 appended for the bias, for every kernel shape and
-    padding, including a 1x1 kernel (no frame) and padding wider than the kernel's reach."""
-    layer = nn.Conv2d(3, 2, **conv).double()
-    x = torch.randn(4, 3, 7, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+def test_the_shifted_image_correlation_is_the_gram_of_the_unfolded_patches(conv, channels):
+    """The input factor of a stride-1 convolution from shifted copies of the image (pixels for 16 channels, rows
+    for 3) equals 1/M Σ ā āᵀ over PyTorch's own unfolded patches (``F.unfold``) with a 1 appended for the bias,
+    for every kernel shape and padding, including a 1x1 kernel (no frame) and padding wider than the kernel."""
+    layer = nn.Conv2d(channels, 2, **conv).double()
+    x = torch.randn(4, channels, 7, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     pad = layer.padding if isinstance(layer.padding, tuple) else (1, 1)
-    patches = F.unfold(x, layer.kernel_size, padding=pad).transpose(1, 2).reshape(-1, 3 * math.prod(layer.kernel_size))
+    patches = F.unfold(x, layer.kernel_size, padding=pad).transpose(1, 2)
+    patches = patches.reshape(-1, channels * math.prod(layer.kernel_size))
     if layer.bias is not None:
         patches = torch.cat([patches, patches.new_ones(len(patches), 1)], 1)
-    assert applies(layer) is False  # 3 channels: labkit itself unfolds these, so the test calls the function
+    assert by_pixels(layer) == (channels == 16)
     torch.testing.assert_close(conv_input_covariance(x, layer, layer.bias is not None),
                                patches.T @ patches / len(patches), **TOL)
+
+
+def test_which_convolutions_are_correlated():
+    assert applies(nn.Conv2d(3, 6, 5)) and not by_pixels(nn.Conv2d(3, 6, 5))  # LeNet's first: rows of 15
+    assert applies(nn.Conv2d(6, 16, 5))                                      # LeNet's second: rows of 30
+    assert not applies(nn.Conv2d(3, 16, 3, padding=1))                       # ResNet's first: rows of 9, unfolded
+    assert applies(nn.Conv2d(16, 16, 3, padding=1)) and by_pixels(nn.Conv2d(16, 16, 3, padding=1))
+    assert not applies(nn.Conv2d(16, 32, 3, stride=2, padding=1)) and not applies(nn.Conv2d(16, 16, 3, dilation=2))
 
 
 def test_a_wide_convolution_takes_the_correlation_and_its_factors_agree_with_curvlinops(monkeypatch):
@@ -181,20 +191,21 @@ def test_a_wide_convolution_takes_the_correlation_and_its_factors_agree_with_cur
 
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_the_preconditioned_gradients_do_not_depend_on_how_the_factor_is_computed(monkeypatch, method):
-    """Three K-FAC steps on a net of two wide 3x3 convolutions: the factors and the preconditioned gradients from
-    the shifted-image correlation equal those from the unfolded patches, step by step."""
-    from labkit.optim.kfac import correlation
+    """Three K-FAC steps on a net of a narrow 5x5 and a wide 3x3 convolution: the factors and the preconditioned
+    gradients from correlating rows (3 channels) and pixels (16) equal those from the unfolded patches, step by
+    step."""
+    from labkit.optim.kfac import layers as kfac_layers
 
     def run() -> list[list[torch.Tensor]]:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False),
+        model = nn.Sequential(nn.Conv2d(3, 16, 5, padding=2), nn.ReLU(), nn.Conv2d(16, 8, 3, padding=1, bias=False),
                               nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5)).double()
         kfac = KFAC(model, factor_update_freq=1, kl_clip=0, method=method)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         seen = []
         for step in range(3):
             g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 16, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,), generator=g)
+            x, y = torch.randn(8, 3, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,), generator=g)
             model.zero_grad()
             F.cross_entropy(model(x), y).backward()
             kfac.step()
@@ -202,10 +213,10 @@ def test_the_preconditioned_gradients_do_not_depend_on_how_the_factor_is_compute
             optimizer.step()
         return seen
 
-    assert [correlation.applies(m) for m in (nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 8, 3, padding=1))] == \
-        [True, True]
+    narrow, wide = nn.Conv2d(3, 16, 5, padding=2), nn.Conv2d(16, 8, 3, padding=1)
+    assert applies(narrow) and applies(wide) and [by_pixels(narrow), by_pixels(wide)] == [False, True]
     shifted = run()
-    monkeypatch.setattr(correlation, "MIN_CHANNELS", 10 ** 9)  # every convolution unfolds its patches
+    monkeypatch.setattr(kfac_layers, "applies", lambda conv: False)  # every convolution unfolds its patches
     unfolded = run()
     for step_shifted, step_unfolded in zip(shifted, unfolded):
         for a, b in zip(step_shifted, step_unfolded):

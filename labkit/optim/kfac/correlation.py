@@ -13,6 +13,8 @@ window ``R(o)`` of anchor pixels. A block depends on its offsets only through ``
 ``Σ_A[o', o] = Σ_A[o, o']ᵀ``, so one half of the ``(2kh−1)(2kw−1)`` shifts is enough: those with
 ``dy > 0``, or ``dy = 0`` and ``dx ≥ 0`` (:func:`half_shifts`, D of them: 13 for 3x3, 41 for 5x5).
 
+**Many channels: pixels.**
+
 1. **Every anchor.** ``F_δ = Σ_p x_p x_{p+s}ᵀ`` over the whole padded image, flattened over (sample, row,
    column), against itself ``s = dy·W + dx`` places on: one matrix product on two views, no copy. The
    padding on a row's right is the next row's left padding (``W = W_in + p_w``), and a sample's bottom padding
@@ -33,8 +35,16 @@ Cost, in multiply-adds, against unfolding's ``(kh·kw·C)²·N·H_out·W_out`` (
     C²·N·(D·(H_in + p_h)(W_in + p_w) + kh·(2kw−1)·|frame|)
 
 For a 3x3 convolution with padding 1 on a 32x32 image that is ``13·1089 + 15·124 = 16,017`` against
-``60.75·1024 = 62,208`` times ``C²·N``. The products are C×C, too thin to run fast below
-:data:`MIN_CHANNELS` input channels, where labkit unfolds the patches instead.
+``60.75·1024 = 62,208`` times ``C²·N``.
+
+**Few channels: whole rows.** The products above are C×C, too thin to run fast below :data:`MIN_CHANNELS`
+input channels (LeNet has 3 and 6). There the image is unfolded along its width only (``kw`` copies, not
+``kh·kw``): row ``r`` of a sample becomes ``W_out`` vectors of ``C·kw`` numbers, and the block of ``A``
+between kernel rows ``i`` and ``i' = i + dy`` is ``Σ_{r ∈ [i, i + H_out)} U_rᵀ U_{r+dy}``, a correlation of rows.
+One batched product per ``dy`` gives every row's (C·kw)×(C·kw) product with the row ``dy`` below; a running
+sum over the rows gives every window's block, with no frame to subtract. Cost ``kh·(C·kw)²·N·H_p·W_out``:
+for LeNet's first convolution (5x5, 32x32, no padding) ``5·15²·32·28`` against unfolding's ``75²·28·28``
+times N, 4.4 times fewer.
 """
 from __future__ import annotations
 
@@ -56,15 +66,24 @@ def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
     return conv.padding
 
 
-#: fewer input channels than this: the C×C products are too thin to run near the matrix unit's peak, and the
-#: unfolded patches' one big product is faster (measured in ``labkit bench kfac``: LeNet's 3 and 6 channels)
+#: from this many input channels on, pixels are correlated (C×C products); below it, whole rows (C·kw square)
 MIN_CHANNELS = 16
+#: rows narrower than this many numbers (C·kw): their products are too thin to beat the unfolded patches' one
+#: big product (measured: ResNet-20's first layer, 3 channels x 3, is slower correlated; LeNet's 3 x 5 faster)
+MIN_ROW = 12
 
 
 def applies(conv: nn.Conv2d) -> bool:
-    """Stride 1, dilation 1 (the patches are the image's windows shifted by one pixel) and at least
-    :data:`MIN_CHANNELS` input channels."""
-    return tuple(conv.stride) == (1, 1) and tuple(conv.dilation) == (1, 1) and conv.in_channels >= MIN_CHANNELS
+    """Stride 1 and dilation 1 (the patches are the image's windows shifted by one pixel), and either
+    :data:`MIN_CHANNELS` input channels or rows of at least :data:`MIN_ROW` numbers."""
+    return (tuple(conv.stride) == (1, 1) and tuple(conv.dilation) == (1, 1)
+            and (by_pixels(conv) or conv.in_channels * conv.kernel_size[1] >= MIN_ROW))
+
+
+def by_pixels(conv: nn.Conv2d) -> bool:
+    """Whether :func:`conv_input_covariance` correlates pixels (at least :data:`MIN_CHANNELS` input channels)
+    rather than rows."""
+    return conv.in_channels >= MIN_CHANNELS
 
 
 @lru_cache(maxsize=None)
@@ -98,11 +117,49 @@ def conv_input_covariance(x: Tensor, conv: nn.Conv2d, bias: bool) -> Tensor:
     """``1/M Σ ā āᵀ`` of the kernel patches of ``x`` (N, C, H, W) for a stride-1, dilation-1 ``conv``:
     (C·kh·kw + bias, C·kh·kw + bias), rows in the order of ``conv.weight.reshape(C_out, -1)``, the bias last.
 
-    Equal, up to the order of summation, to ``input_covariance(conv_patches(x, conv), bias)``; the algorithm
-    is in the module docstring.
+    Equal, up to the order of summation, to ``input_covariance(conv_patches(x, conv), bias)``; the algorithms
+    are in the module docstring.
     """
     kh, kw = conv.kernel_size
     ph, pw = conv_padding(conv)
+    n, c, h, w = x.shape
+    ho, wo = h + 2 * ph - kh + 1, w + 2 * pw - kw + 1
+    d = c * kh * kw
+    cov = x.new_empty(d + int(bias), d + int(bias))
+    cov[:d, :d] = (_pixel_sums if by_pixels(conv) else _row_sums)(x, kh, kw, ph, pw)
+    count = n * ho * wo
+    if bias:
+        summed = F.pad(x.sum(0), (pw, pw, ph, ph))  # (C, H_p, W_p): Σ over samples
+        total = summed.unfold(1, ho, 1).unfold(2, wo, 1).sum((-1, -2)).reshape(-1)  # Σ ā per (c, i, j)
+        cov[:d, d] = total
+        cov[d, :d] = total
+        cov[d, d] = count
+    return cov.div_(count)
+
+
+def _row_sums(x: Tensor, kh: int, kw: int, ph: int, pw: int) -> Tensor:
+    """``Σ ā āᵀ`` without the bias from rows unfolded along the width (module docstring, few channels)."""
+    n, c, h, w = x.shape
+    hp, wp = h + 2 * ph, w + 2 * pw
+    ho, wo = hp - kh + 1, wp - kw + 1
+    e = c * kw
+    padded = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
+    # U[r] (N·W_out, C·kw): row r of every sample, one (c, j) vector per output column
+    rows = padded.unfold(3, wo, 1).permute(2, 0, 4, 1, 3).reshape(hp, n * wo, e)
+    blocks = x.new_empty(c, kh, kw, c, kh, kw)
+    for dy in range(kh):
+        per_row = torch.bmm(rows[:hp - dy].transpose(1, 2), rows[dy:])  # (H_p − dy, e, e): U_rᵀ U_{r+dy}
+        running = torch.cat([per_row.new_zeros(1, e, e), per_row.cumsum(0)])
+        for i in range(kh - dy):
+            block = (running[i + ho] - running[i]).view(c, kw, c, kw)  # rows [i, i + H_out)
+            blocks[:, i, :, :, i + dy, :] = block
+            if dy:
+                blocks[:, i + dy, :, :, i, :] = block.permute(2, 3, 0, 1)
+    return blocks.view(c * kh * kw, c * kh * kw)
+
+
+def _pixel_sums(x: Tensor, kh: int, kw: int, ph: int, pw: int) -> Tensor:
+    """``Σ ā āᵀ`` without the bias from pixel correlations and their frame (module docstring, many channels)."""
     n, c, h, w = x.shape
     hp, wp = h + 2 * ph, w + 2 * pw
     ho, wo = hp - kh + 1, wp - kw + 1
@@ -158,13 +215,4 @@ def conv_input_covariance(x: Tensor, conv: nn.Conv2d, bias: bool) -> Tensor:
     blocks = full[shift] - corrections[window, shift]  # (kh·kw·kh·kw, C, C)
     blocks = torch.where(flip[:, None, None], blocks.transpose(1, 2), blocks)
     d = c * kh * kw
-    cov = x.new_empty(d + int(bias), d + int(bias))
-    cov[:d, :d] = blocks.view(kh * kw, kh * kw, c, c).permute(2, 0, 3, 1).reshape(d, d)
-    count = n * ho * wo
-    if bias:
-        summed = F.pad(x.sum(0), (pw, pw, ph, ph))  # (C, H_p, W_p): Σ over samples
-        total = summed.unfold(1, ho, 1).unfold(2, wo, 1).sum((-1, -2)).reshape(-1)  # Σ ā per (c, i, j)
-        cov[:d, d] = total
-        cov[d, :d] = total
-        cov[d, d] = count
-    return cov.div_(count)
+    return blocks.view(kh * kw, kh * kw, c, c).permute(2, 0, 3, 1).reshape(d, d)

@@ -19,8 +19,8 @@ positions, ``ā_n = 1/T Σ_t ā_{n,t}``, and sums its output gradients, ``g_n = 
 no product over N·T rows); for Linear layers on (N, d) inputs both are the same. Its batch factors have rank
 at most N, so it usually wants more damping than ``expand`` (LeNet/MNIST: ten times as much).
 
-A stride-1 convolution with at least 16 input channels gets its ``expand`` A without the patches: from the image
-correlated with shifted copies of itself (:mod:`labkit.optim.kfac.correlation`, the same matrix).
+A stride-1 convolution gets its ``expand`` A without unfolding every patch: from the image correlated with
+shifted copies of itself (:mod:`labkit.optim.kfac.correlation`, the same matrix).
 """
 from __future__ import annotations
 
