@@ -171,8 +171,11 @@ def _pixel_sums(x: Tensor, kh: int, kw: int, ph: int, pw: int) -> Tensor:
     shifts = half_shifts(kh, kw)
     steps = [dy * row + dx for dy, dx in shifts]
     end = lead + n * sample + ph * row + pw  # past the last padded pixel
-    image = x.new_zeros(end + (kh - 1) * row + 2 * (kw - 1), c)
-    image[lead:lead + n * sample].view(n, h + ph, row, c)[:, ph:ph + h, pw:] = x.permute(0, 2, 3, 1)
+    image = x.new_empty(end + (kh - 1) * row + 2 * (kw - 1), c)
+    grid = image[lead:lead + n * sample].view(n, h + ph, row, c)
+    grid[:, ph:, pw:] = x.permute(0, 2, 3, 1)
+    for padding in (image[:lead], grid[:, :ph], grid[:, ph:, :pw], image[lead + n * sample:]):
+        padding.zero_()  # the zeros only, not the whole buffer first
 
     # 1. every anchor: F_δ = Σ_p x_p x_{p+s}ᵀ, (D, C, C)
     full = torch.stack([image[:end].t() @ image[s:s + end] for s in steps])
