@@ -153,6 +153,14 @@ def test_the_shifted_image_correlation_is_the_gram_of_the_unfolded_patches(conv,
                                patches.T @ patches / len(patches), **TOL)
 
 
+@pytest.mark.parametrize("channels, kernel, padding", [(16, 3, 1), (3, 5, 0)])
+def test_the_correlation_keeps_every_tensor_on_the_inputs_device(channels, kernel, padding):
+    """On the meta device any index or mask left on the CPU raises, as it would on a GPU."""
+    conv = nn.Conv2d(channels, 4, kernel, padding=padding)
+    cov = conv_input_covariance(torch.empty(2, channels, 7, 6, device="meta"), conv, True)
+    assert cov.device.type == "meta" and cov.shape == (channels * kernel * kernel + 1,) * 2
+
+
 def test_which_convolutions_are_correlated():
     assert applies(nn.Conv2d(3, 6, 5)) and not by_pixels(nn.Conv2d(3, 6, 5))  # LeNet's first: rows of 15
     assert applies(nn.Conv2d(6, 16, 5))                                      # LeNet's second: rows of 30

@@ -193,12 +193,12 @@ def _pixel_sums(x: Tensor, kh: int, kw: int, ph: int, pw: int) -> Tensor:
         pixels = pixels[order]
         _, counts = torch.unique_consecutive(key, return_counts=True)
         cells = lead + rows[pixels] * row + cols[pixels]
-        at = (cells[:, None] + sample * torch.arange(n)[None, :]).reshape(-1)  # (|frame|·N,), pixel-major
+        at = (cells[:, None] + sample * torch.arange(n)[None, :]).reshape(-1).to(x.device)  # (|frame|·N,)
         anchors = image.index_select(0, at)                                    # (|frame|·N, C)
         # each anchor's partners one row of the kernel's reach at a time: 2kw - 1 neighbouring cells, one
         # contiguous run of numbers, from a view whose rows overlap (dy = 0, dx < 0 come along, unused)
         runs = image.view(-1).unfold(0, (2 * kw - 1) * c, c)
-        starts = at[:, None] + torch.arange(kh)[None, :] * row - (kw - 1)
+        starts = at[:, None] + torch.arange(kh, device=x.device)[None, :] * row - (kw - 1)
         partners = runs.index_select(0, starts.reshape(-1)).view(len(at), -1)  # (|frame|·N, kh·(2kw-1)·C)
         ends = (counts.cumsum(0) * n).tolist()
         per_class = torch.stack([anchors[a:b].t() @ partners[a:b] for a, b in zip([0] + ends[:-1], ends)])
@@ -210,11 +210,11 @@ def _pixel_sums(x: Tensor, kh: int, kw: int, ph: int, pw: int) -> Tensor:
         i, j = (offsets // kw)[:, None], (offsets % kw)[:, None]
         inside = (((cls_row < 0) | ((cls_row >= i) & (cls_row < i + ho)))
                   & ((cls_col < 0) | ((cls_col >= j) & (cls_col < j + wo))))  # (kh·kw, classes)
-        corrections += ((~inside).to(x.dtype) @ per_class.view(len(counts), -1)).view(
+        corrections += ((~inside).to(x.device, x.dtype) @ per_class.view(len(counts), -1)).view(
             kh * kw, c, len(shifts), c).transpose(1, 2)
 
     # 3. the blocks: F_δ minus its window's outside anchors, transposed for the other half of the shifts
-    shift, window, flip = _assembly(kh, kw)
+    shift, window, flip = (t.to(x.device) for t in _assembly(kh, kw))  # indices built on the CPU, once
     blocks = full[shift] - corrections[window, shift]  # (kh·kw·kh·kw, C, C)
     blocks = torch.where(flip[:, None, None], blocks.transpose(1, 2), blocks)
     d = c * kh * kw
