@@ -167,6 +167,7 @@ def test_which_convolutions_are_correlated():
     assert not applies(nn.Conv2d(3, 16, 3, padding=1))                       # ResNet's first: rows of 9, unfolded
     assert applies(nn.Conv2d(16, 16, 3, padding=1)) and by_pixels(nn.Conv2d(16, 16, 3, padding=1))
     assert not applies(nn.Conv2d(16, 32, 3, stride=2, padding=1)) and not applies(nn.Conv2d(16, 16, 3, dilation=2))
+    assert not applies(nn.Conv2d(16, 16, 3, padding=1, device="meta"))  # off the CPU: unfolded
 
 
 def test_a_wide_convolution_takes_the_correlation_and_its_factors_agree_with_curvlinops(monkeypatch):

@@ -58,7 +58,9 @@ def _full(strategy, model):
 def _train_all(env, steps, tmp=None):
     """Every strategy × optimizer through `fit` for `steps` steps; bytes sent per step and memory held;
     with ``tmp``, also the resume check (one spawn checks it all)."""
-    out = {"params": {}, "bytes": {}, "memory": {}, "calls": {},
+    from labkit.bench.zero import collective_costs
+
+    out = {"params": {}, "bytes": {}, "memory": {}, "calls": {}, "costs": collective_costs(54, env.device, repeats=2),
            "resume": _resume(env, tmp, "zero", {"zero_stage": 3}) if tmp else None,
            "resume_fsdp": _resume(env, tmp / "fsdp", "fsdp", {}) if tmp and FSDP_ON_CPU else None}
     for optimizer in ("sgd", "adam"):
@@ -123,6 +125,9 @@ def test_sharded_strategies_equal_ddp_and_one_process_with_the_formulas_bytes_an
                 continue
             params, grads, state = MEMORY[world][stage]
             assert held == {"params": params, "grads": grads, "optimizer": state * (2 if optimizer == "adam" else 1)}
+    # the collective costs the bench prints: each of the three timed, the slowest rank's, the same on every rank
+    assert set(ranks[0]["costs"]) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert all(t > 0 for t in ranks[0]["costs"].values()) and all(r["costs"] == ranks[0]["costs"] for r in ranks)
     # FSDP2 shards each tensor along dim 0: 53 floats over the ranks, rows of 6 and 5 (weights), 1 (biases)
     if FSDP_ON_CPU:
         fsdp = [r["memory"][("sgd", "fsdp", None, None, None)]["params"] for r in ranks]

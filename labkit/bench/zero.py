@@ -12,7 +12,9 @@ shard of a shared permutation); ``ddp``, ``zero-1``, ``zero-2``, ``zero-3`` (a b
 and ``fsdp`` train through :func:`labkit.train.loop.fit` over the same resident tensors, ZeRO in buckets of
 ``--bucket-mb``; ``zero-2/layer`` is ZeRO-2 with one bucket per layer (what it sent before buckets). The ratio to
 plain is the median over rounds of each back-to-back pair. Targets: ZeRO-1 and ZeRO-2 >= 0.95 of plain, ZeRO-3
->= 0.85. Collectives per step are counted (ZeRO's :class:`~labkit.parallel.zero_units.Comm`), not timed.
+>= 0.85. Collectives per step are counted (ZeRO's :class:`~labkit.parallel.zero_units.Comm`), not timed; what
+one bucket's all-reduce, reduce-scatter and all-gather cost on the backend is timed beside them
+(:func:`collective_costs`): where ZeRO's pair costs more than DDP's all-reduce, no bucketing closes the gap.
 
 Memory is what each rank holds after a step, counted tensor by tensor (parameters, gradients, optimizer state),
 largest over the ranks, beside the formula of :mod:`labkit.parallel.zero` with Ψ the model's parameters, N the
@@ -24,8 +26,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
+import time
 
 import torch
+import torch.distributed as dist
 
 TARGET = 0.15
 #: samples/s of a contender over plain DDP's it should reach
@@ -59,6 +64,37 @@ def formula_bytes(contender: str, psi: int, world: int, k: int) -> dict[str, flo
     stage = {"ddp": 0, "zero-1": 1, "zero-2": 2, "zero-2/layer": 2, "zero-3": 3, "fsdp": 3}[contender]
     return {"params": 4 * psi / (world if stage >= 3 else 1), "grads": 4 * psi / (world if stage >= 2 else 1),
             "optimizer": k * psi / (world if stage >= 1 else 1)}
+
+
+def collective_costs(numel: int, device: torch.device, repeats: int = 10) -> dict[str, float]:
+    """Seconds per call of the collectives DDP and ZeRO send a bucket with, on this backend: ``all_reduce`` (DDP),
+    ``reduce_scatter`` and ``all_gather`` (ZeRO) of ``numel`` float32 numbers (rounded up to a multiple of the
+    ranks), alternated ``repeats`` times after a barrier each; per collective the median of the slowest rank.
+
+    ZeRO-1 and ZeRO-2 move the bytes of an all-reduce as a reduce-scatter plus an all-gather; whether that costs
+    what the all-reduce costs depends on how the backend implements the two (gloo's are slower than its all-reduce).
+    """
+    from labkit.dist import group as kdist
+
+    world = dist.get_world_size()
+    numel = -(-numel // world) * world
+    full, gathered = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    shard = torch.empty(numel // world, device=device)
+    calls = {"all_reduce": lambda: kdist.all_reduce(full),
+             "reduce_scatter": lambda: kdist.reduce_scatter_tensor(shard, full),
+             "all_gather": lambda: kdist.all_gather_into_tensor(gathered, shard)}
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            dist.barrier()
+            started = time.perf_counter()
+            call()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds[name].append(time.perf_counter() - started)
+    slowest = torch.tensor([statistics.median(seconds[name]) for name in calls], dtype=torch.float64, device=device)
+    kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return dict(zip(calls, slowest.tolist()))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -177,6 +213,12 @@ def _worker(args: argparse.Namespace) -> int:
                    f"{r['state_mb']:>10.3f}{r['formula_mb']:>12.3f}{r['measured_over_formula']:>10.3f}"
                    + (f"{r['peak_mb']:>10.1f}" if r["peak_mb"] else ""))
             writer.log(r)
+        bucket = min(psi, int(args.bucket_mb * 1e6) // 4)  # float32 numbers in ZeRO's first bucket
+        costs = collective_costs(bucket, env.device)
+        print0(f"one bucket ({4 * bucket / 1e6:.3f} MB) on {dist.get_backend()}: all-reduce "
+               f"{costs['all_reduce'] * 1e3:.2f} ms, reduce-scatter {costs['reduce_scatter'] * 1e3:.2f} ms, "
+               f"all-gather {costs['all_gather'] * 1e3:.2f} ms: ZeRO's reduce-scatter + all-gather take "
+               f"{(costs['reduce_scatter'] + costs['all_gather']) / costs['all_reduce']:.2f}x DDP's all-reduce")
         worst = max(abs(r["measured_over_formula"] - 1) for r in rows)
         met = {n: rates[n]["ratio"] >= t for n, t in SPEED_TARGETS.items()}
         print0(f"largest gap between measured state memory and the formula: {worst:.1%} (target <= {TARGET:.0%}); "
@@ -184,5 +226,5 @@ def _worker(args: argparse.Namespace) -> int:
                                                    for n, t in SPEED_TARGETS.items()))
         writer.finish(f"bench-zero-{env.world_size}", "bench", config_of(args),
                       {"contenders": rows, "timing": rates, "largest_formula_gap": worst, "parameters": psi,
-                       "speed_targets_met": met}, env)
+                       "speed_targets_met": met, "collective_seconds": costs}, env)
     return 0
