@@ -41,8 +41,9 @@ For a 3x3 convolution with padding 1 on a 32x32 image that is ``13·1089 + 15·1
 input channels (LeNet has 3 and 6). There the image is unfolded along its width only (``kw`` copies, not
 ``kh·kw``): row ``r`` of a sample becomes ``W_out`` vectors of ``C·kw`` numbers, and the block of ``A``
 between kernel rows ``i`` and ``i' = i + dy`` is ``Σ_{r ∈ [i, i + H_out)} U_rᵀ U_{r+dy}``, a correlation of rows.
-One batched product per ``dy`` gives every row's (C·kw)×(C·kw) product with the row ``dy`` below; a running
-sum over the rows gives every window's block, with no frame to subtract. Cost ``kh·(C·kw)²·N·H_p·W_out``:
+One batched product gives every row's product with itself and the ``kh − 1`` rows below, side by side in
+memory, so the partners are a view; a running sum over the rows gives every window's block, with no frame to
+subtract. Cost ``kh·(C·kw)²·N·H_p·W_out``:
 for LeNet's first convolution (5x5, 32x32, no padding) ``5·15²·32·28`` against unfolding's ``75²·28·28``
 times N, 4.4 times fewer.
 """
@@ -69,8 +70,8 @@ def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
 #: from this many input channels on, pixels are correlated (C×C products); below it, whole rows (C·kw square)
 MIN_CHANNELS = 16
 #: rows narrower than this many numbers (C·kw): their products are too thin to beat the unfolded patches' one
-#: big product (measured: ResNet-20's first layer, 3 channels x 3, is slower correlated; LeNet's 3 x 5 faster)
-MIN_ROW = 12
+#: big product (measured, 3x3 on 32x32: 2 channels x 3 are slower correlated, 3 x 3 faster)
+MIN_ROW = 9
 
 
 def applies(conv: nn.Conv2d) -> bool:
@@ -146,19 +147,21 @@ def _row_sums(x: Tensor, kh: int, kw: int, ph: int, pw: int) -> Tensor:
     n, c, h, w = x.shape
     hp, wp = h + 2 * ph, w + 2 * pw
     ho, wo = hp - kh + 1, wp - kw + 1
-    e = c * kw
-    padded = F.pad(x, (pw, pw, ph, ph)) if ph or pw else x
-    # U[r] (N·W_out, C·kw): row r of every sample, one (c, j) vector per output column
-    rows = padded.unfold(3, wo, 1).permute(2, 0, 4, 1, 3).reshape(hp, n * wo, e)
+    e, k, height = c * kw, n * wo, hp + kh - 1
+    padded = F.pad(x, (pw, pw, ph, ph + kh - 1))  # and kh - 1 zero rows below, the last rows' partners
+    # (N·W_out, rows, C·kw): U_r = rows[:, r] holds row r's (c, j) vectors, and rows r … r + kh - 1 lie side by side
+    rows = padded.unfold(3, wo, 1).permute(0, 4, 2, 1, 3).reshape(k, height, e).contiguous()
+    anchors = rows.as_strided((hp, e, k), (e, 1, height * e))             # U_rᵀ, one per row r
+    partners = rows.as_strided((hp, k, kh * e), (e, height * e, 1))       # [U_r … U_{r+kh-1}]: a view, no copy
+    running = torch.bmm(anchors, partners).cumsum(0)                       # Σ_{r' <= r} U_r'ᵀ [U_r' … U_{r'+kh-1}]
+    running = torch.cat([running.new_zeros(1, e, kh * e), running])
     blocks = x.new_empty(c, kh, kw, c, kh, kw)
-    for dy in range(kh):
-        per_row = torch.bmm(rows[:hp - dy].transpose(1, 2), rows[dy:])  # (H_p − dy, e, e): U_rᵀ U_{r+dy}
-        running = torch.cat([per_row.new_zeros(1, e, e), per_row.cumsum(0)])
-        for i in range(kh - dy):
-            block = (running[i + ho] - running[i]).view(c, kw, c, kw)  # rows [i, i + H_out)
-            blocks[:, i, :, :, i + dy, :] = block
+    for i in range(kh):
+        window = (running[i + ho] - running[i]).view(c, kw, kh, c, kw)     # rows [i, i + H_out), every dy
+        for dy in range(kh - i):
+            blocks[:, i, :, :, i + dy, :] = window[:, :, dy]
             if dy:
-                blocks[:, i + dy, :, :, i, :] = block.permute(2, 3, 0, 1)
+                blocks[:, i + dy, :, :, i, :] = window[:, :, dy].permute(2, 3, 0, 1)
     return blocks.view(c * kh * kw, c * kh * kw)
 
 
