@@ -165,7 +165,8 @@ def test_which_convolutions_are_correlated():
     assert applies(nn.Conv2d(3, 6, 5)) and not by_pixels(nn.Conv2d(3, 6, 5))  # LeNet's first: rows of 15
     assert applies(nn.Conv2d(6, 16, 5))                                      # LeNet's second: rows of 30
     assert applies(nn.Conv2d(3, 16, 3, padding=1))                           # ResNet's first: rows of 9
-    assert not applies(nn.Conv2d(2, 16, 3, padding=1))                       # rows of 6: unfolded
+    assert applies(nn.Conv2d(2, 16, 3, padding=1))                           # rows of 6
+    assert not applies(nn.Conv2d(1, 16, 3, padding=1))                       # rows of 3: unfolded
     assert applies(nn.Conv2d(16, 16, 3, padding=1)) and by_pixels(nn.Conv2d(16, 16, 3, padding=1))
     assert not applies(nn.Conv2d(16, 32, 3, stride=2, padding=1)) and not applies(nn.Conv2d(16, 16, 3, dilation=2))
     assert not applies(nn.Conv2d(16, 16, 3, padding=1, device="meta"))  # off the CPU: unfolded

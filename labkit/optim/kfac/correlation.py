@@ -70,8 +70,8 @@ def conv_padding(conv: nn.Conv2d) -> tuple[int, int]:
 #: from this many input channels on, pixels are correlated (C×C products); below it, whole rows (C·kw square)
 MIN_CHANNELS = 16
 #: rows narrower than this many numbers (C·kw): their products are too thin to beat the unfolded patches' one
-#: big product (measured, 3x3 on 32x32: 2 channels x 3 are slower correlated, 3 x 3 faster)
-MIN_ROW = 9
+#: big product (measured, 3x3 on 32x32: 1 channel x 3 is slower correlated, 2 x 3 faster)
+MIN_ROW = 6
 
 
 def applies(conv: nn.Conv2d) -> bool:
@@ -148,20 +148,23 @@ def _row_sums(x: Tensor, kh: int, kw: int, ph: int, pw: int) -> Tensor:
     hp, wp = h + 2 * ph, w + 2 * pw
     ho, wo = hp - kh + 1, wp - kw + 1
     e, k, height = c * kw, n * wo, hp + kh - 1
-    padded = F.pad(x, (pw, pw, ph, ph + kh - 1))  # and kh - 1 zero rows below, the last rows' partners
-    # (N·W_out, rows, C·kw): U_r = rows[:, r] holds row r's (c, j) vectors, and rows r … r + kh - 1 lie side by side
-    rows = padded.unfold(3, wo, 1).permute(0, 4, 2, 1, 3).reshape(k, height, e).contiguous()
+    # channels last, and kh - 1 zero rows below (the last rows' partners): (N, H_p + kh - 1, W_p, C)
+    padded = F.pad(x, (pw, pw, ph, ph + kh - 1)).permute(0, 2, 3, 1).contiguous()
+    # (N·W_out, rows, kw·C): U_r = rows[:, r] holds row r's (j, c) vectors, each a run of kw·C neighbouring
+    # numbers of one image row; rows r … r + kh - 1 lie side by side
+    rows = padded.unfold(2, kw, 1).permute(0, 2, 1, 4, 3).reshape(k, height, e)
     anchors = rows.as_strided((hp, e, k), (e, 1, height * e))             # U_rᵀ, one per row r
     partners = rows.as_strided((hp, k, kh * e), (e, height * e, 1))       # [U_r … U_{r+kh-1}]: a view, no copy
     running = torch.bmm(anchors, partners).cumsum(0)                       # Σ_{r' <= r} U_r'ᵀ [U_r' … U_{r'+kh-1}]
     running = torch.cat([running.new_zeros(1, e, kh * e), running])
     blocks = x.new_empty(c, kh, kw, c, kh, kw)
     for i in range(kh):
-        window = (running[i + ho] - running[i]).view(c, kw, kh, c, kw)     # rows [i, i + H_out), every dy
+        window = (running[i + ho] - running[i]).view(kw, c, kh, kw, c)     # rows [i, i + H_out), every dy
         for dy in range(kh - i):
-            blocks[:, i, :, :, i + dy, :] = window[:, :, dy]
+            block = window[:, :, dy].permute(1, 0, 3, 2)                    # (j, c, j', c') -> (c, j, c', j')
+            blocks[:, i, :, :, i + dy, :] = block
             if dy:
-                blocks[:, i + dy, :, :, i, :] = window[:, :, dy].permute(2, 3, 0, 1)
+                blocks[:, i + dy, :, :, i, :] = block.permute(2, 3, 0, 1)
     return blocks.view(c * kh * kw, c * kh * kw)
 
 
