@@ -58,7 +58,7 @@ def _full(strategy, model):
 def _train_all(env, steps, tmp=None):
     """Every strategy × optimizer through `fit` for `steps` steps; bytes sent per step and memory held;
     with ``tmp``, also the resume check (one spawn checks it all)."""
-    from labkit.bench.zero import collective_costs
+    from labkit.lab.sharding import collective_costs
 
     out = {"params": {}, "bytes": {}, "memory": {}, "calls": {}, "costs": collective_costs(54, env.device, repeats=2),
            "resume": _resume(env, tmp, "zero", {"zero_stage": 3}) if tmp else None,

@@ -14,7 +14,8 @@ and ``fsdp`` train through :func:`labkit.train.loop.fit` over the same resident 
 plain is the median over rounds of each back-to-back pair. Targets: ZeRO-1 and ZeRO-2 >= 0.95 of plain, ZeRO-3
 >= 0.85. Collectives per step are counted (ZeRO's :class:`~labkit.parallel.zero_units.Comm`), not timed; what
 one bucket's all-reduce, reduce-scatter and all-gather cost on the backend is timed beside them
-(:func:`collective_costs`): where ZeRO's pair costs more than DDP's all-reduce, no bucketing closes the gap.
+(:func:`labkit.lab.sharding.collective_costs`): where ZeRO's pair costs more than DDP's all-reduce, no bucketing
+closes the gap.
 
 Memory is what each rank holds after a step, counted tensor by tensor (parameters, gradients, optimizer state),
 largest over the ranks, beside the formula of :mod:`labkit.parallel.zero` with Ψ the model's parameters, N the
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -66,37 +65,6 @@ def formula_bytes(contender: str, psi: int, world: int, k: int) -> dict[str, flo
             "optimizer": k * psi / (world if stage >= 1 else 1)}
 
 
-def collective_costs(numel: int, device: torch.device, repeats: int = 10) -> dict[str, float]:
-    """Seconds per call of the collectives DDP and ZeRO send a bucket with, on this backend: ``all_reduce`` (DDP),
-    ``reduce_scatter`` and ``all_gather`` (ZeRO) of ``numel`` float32 numbers (rounded up to a multiple of the
-    ranks), alternated ``repeats`` times after a barrier each; per collective the median of the slowest rank.
-
-    ZeRO-1 and ZeRO-2 move the bytes of an all-reduce as a reduce-scatter plus an all-gather; whether that costs
-    what the all-reduce costs depends on how the backend implements the two (gloo's are slower than its all-reduce).
-    """
-    from labkit.dist import group as kdist
-
-    world = dist.get_world_size()
-    numel = -(-numel // world) * world
-    full, gathered = torch.ones(numel, device=device), torch.empty(numel, device=device)
-    shard = torch.empty(numel // world, device=device)
-    calls = {"all_reduce": lambda: kdist.all_reduce(full),
-             "reduce_scatter": lambda: kdist.reduce_scatter_tensor(shard, full),
-             "all_gather": lambda: kdist.all_gather_into_tensor(gathered, shard)}
-    seconds: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, call in calls.items():
-            dist.barrier()
-            started = time.perf_counter()
-            call()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds[name].append(time.perf_counter() - started)
-    slowest = torch.tensor([statistics.median(seconds[name]) for name in calls], dtype=torch.float64, device=device)
-    kdist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return dict(zip(calls, slowest.tolist()))
-
-
 def main(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
@@ -129,7 +97,7 @@ def _worker(args: argparse.Namespace) -> int:
     from labkit.data.tensor import load_split
     from labkit.dist import group as kdist
     from labkit.dist.group import distributed, print0
-    from labkit.lab.sharding import held_bytes
+    from labkit.lab.sharding import collective_costs, held_bytes
     from labkit.models import cnn as models
     from labkit.optim import OptimizerSpec
     from labkit.results import RunWriter

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from labkit.advisor.topology import ring_counts
 from labkit.collectives.cost import fit_alpha_beta
+from labkit.dist import group as kdist
 from labkit.models import cnn as models
 from labkit.optim import OptimizerSpec
 from labkit.parallel.zero_units import Comm
@@ -87,13 +88,43 @@ def measure(env, model: str = "mlp", optimizer: str = "adam", steps: int = 2, ba
 
 def _median_seconds(fn, repeats: int) -> float:
     """Median wall seconds of ``fn`` over ``repeats`` calls, the ranks meeting before each."""
-    times = []
+    return _medians({"": fn}, repeats)[""]
+
+
+def _medians(calls: dict, repeats: int) -> dict[str, float]:
+    """Median wall seconds of each of ``calls`` (name -> function), alternated ``repeats`` times, the ranks meeting
+    before each call."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in calls.items():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def collective_costs(numel: int, device: torch.device, repeats: int = 10) -> dict[str, float]:
+    """Seconds per call of the collectives DDP and ZeRO send a bucket with, on this backend: ``all_reduce`` (DDP),
+    ``reduce_scatter`` and ``all_gather`` (ZeRO's :class:`~labkit.parallel.zero_units.Comm`) of ``numel`` float32
+    numbers (rounded up to a multiple of the ranks), alternated ``repeats`` times; per collective the median of
+    the slowest rank.
+
+    ZeRO-1 and ZeRO-2 move the bytes of an all-reduce as a reduce-scatter plus an all-gather; whether that costs
+    what the all-reduce costs depends on how the backend implements the two (gloo's are slower than its all-reduce).
+    """
+    world = torch.distributed.get_world_size()
+    comm = Comm(world, True)
+    numel = -(-numel // world) * world
+    full, gathered = torch.ones(numel, device=device), torch.empty(numel, device=device)
+    shard = torch.empty(numel // world, device=device)
+    done = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    seconds = _medians({"all_reduce": lambda: (kdist.all_reduce(full), done()),
+                        "reduce_scatter": lambda: (comm.reduce_scatter(shard, full), done()),
+                        "all_gather": lambda: (comm.all_gather(gathered, shard), done())}, repeats)
+    slowest = kdist.all_reduce(torch.tensor(list(seconds.values()), dtype=torch.float64, device=device),
+                               op=torch.distributed.ReduceOp.MAX)
+    return dict(zip(seconds, slowest.tolist()))
 
 
 def link_alpha_beta(env, sizes: tuple[int, ...] = (2**10, 2**16, 2**20), repeats: int = 7) -> dict:
