@@ -85,6 +85,12 @@ class Results:
         """Per round: rate of ``name`` / rate of ``reference`` (pairs measured back to back)."""
         return [a / b for a, b in zip(self.rates(name), self.rates(reference))]
 
+    def cpu_ratios(self, name: str, reference: str) -> list[float]:
+        """Per round: CPU seconds per sample of ``name`` / those of ``reference`` (pairs measured back to back)."""
+        def per_sample(who: str) -> list[float]:
+            return [r["cpu_s"] / r["samples"] for r in self.records if r["contender"] == who]
+        return [a / b for a, b in zip(per_sample(name), per_sample(reference))]
+
     def summary(self, reference: str | None = None) -> dict:
         """Metrics for ``summary.json``: per contender median samples/s and min/max; ratios to ``reference``."""
         metrics: dict = {}

@@ -112,11 +112,10 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, write
                      "approx": c.approx if c.method else None, "update_freq": c.freq, "batch_size": args.batch_size,
                      "steps": steps, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
                      **{f"{p}_ms": 1e3 * timings[p] / steps for p in PHASES}})
-    sgd_rounds = [r["cpu_s"] for r in results.records if r["contender"] == "sgd"]
     for c, row in zip(contenders, rows):
         row["ratio"], row["cpu_ratio"] = row["step_ms"] / rows[0]["step_ms"], row["cpu_ms"] / rows[0]["cpu_ms"]
         # each round's CPU time over SGD's in the same round (run back to back): steadier on a drifting machine
-        paired = [r["cpu_s"] / s for r, s in zip([r for r in results.records if r["contender"] == c.name], sgd_rounds)]
+        paired = results.cpu_ratios(c.name, "sgd")
         row["cpu_ratio_median"], row["cpu_ratio_min"], row["cpu_ratio_max"] = (statistics.median(paired), min(paired),
                                                                                max(paired))
         writer.log(row)
