@@ -43,6 +43,28 @@ if os.environ.get("LABKIT_FORKED_KERNELS", "1") != "0":
     _spec.loader.exec_module(_forked_kernels)
     _forked_kernels.install()
 
+# nbval's kernels talk to the worker over Unix sockets (ZeroMQ's ipc transport), each kernel under a name of its
+# own, not over five TCP ports each: jupyter_client picks a TCP port by binding to a free one and letting it go, and
+# until the kernel binds it again another process of the run (a worker's kernel, a rank's rendezvous, a SLURM
+# daemon) may take it, and the kernel dies before it answers.
+_ipc_dir = tempfile.mkdtemp(prefix="labkit-kernels-ipc-")
+atexit.register(shutil.rmtree, _ipc_dir, True)
+
+
+def _kernel_manager_over_ipc() -> None:
+    import uuid
+
+    import nbval.kernel
+
+    class KernelManagerOverIpc(nbval.kernel.KernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(transport="ipc", ip=os.path.join(_ipc_dir, uuid.uuid4().hex), **kwargs)
+
+    nbval.kernel.KernelManager = KernelManagerOverIpc
+
+
+_kernel_manager_over_ipc()
+
 
 # The system layer is two units of work, one per xdist worker at the start: everything on the session's SLURM
 # cluster (its job scripts, pre-emption, the Jupyter job, the two-node cluster) and the browser (JupyterLab and
