@@ -272,6 +272,32 @@ def test_preconditioned_gradient_is_the_dense_kronecker_solve(method):
         assert (plain - grad_matrix(layer.module)).abs().max() > 1e-3 * plain.abs().max()
 
 
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_layers_of_one_shape_are_one_product_into_buffers_kept_between_steps(method):
+    """Two layers of one (d_out, d_in), one of them with a bias column, one without: preconditioned together (one
+    batched product whose operand and result are views of the step's buffers), each still its own dense solve;
+    the buffers are the same memory at every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 8), nn.Tanh(), nn.Linear(8, 8, bias=False), nn.Tanh(), nn.Linear(8, 5)).double()
+    kfac = KFAC(model, damping=0.01, factor_update_freq=1, kl_clip=0, method=method)
+    reference = damped_kron if method == "eigen" else factored_kron
+    addresses = []
+    for step in range(3):
+        model.zero_grad()
+        x, y = torch.randn(6, 7, dtype=torch.float64), torch.randint(0, 5, (6,))
+        F.cross_entropy(model(x), y).backward()
+        grads = [grad_matrix(layer.module) for layer in kfac.layers]
+        kfac.step()
+        for layer, grad in zip(kfac.layers, grads):
+            torch.testing.assert_close(grad_matrix(layer.module),
+                                       dense_solve(reference(layer.A, layer.G, 0.01), grad), **TOL)
+        buffers = kfac._step_buffers[1]
+        assert [len(index) for _, index, _, _ in buffers.blocks] == [2, 1]  # the (8, 8) pair, then (5, 9)
+        addresses.append([p.data_ptr() for p in buffers.precond + buffers.grads])
+    assert addresses[0] == addresses[1] == addresses[2]
+    kfac.close()
+
+
 def test_seed_kronecker_example():
     a = torch.tensor([[1, 2], [3, 4]])
     b = torch.tensor([[5, 6], [7, 8], [9, 0]])

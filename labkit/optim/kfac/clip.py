@@ -56,13 +56,14 @@ class KLClip:
         """ν for ``vg = Σ⟨P, ∇W⟩``, as a tensor on vg's device (no host synchronisation)."""
         return torch.sqrt(self.kappa / (lr ** 2 * vg.abs()).clamp(min=1e-30)).clamp(max=1.0)
 
-    def apply(self, vg: Tensor, lr: float | None = None) -> None:
-        """Scale now if α is known, else just before the first optimizer step."""
+    def now(self, vg: Tensor, lr: float | None = None) -> Tensor | None:
+        """ν if α is known now (the caller scales); else None, and ``scale`` gets ν just before the first
+        optimizer step."""
         lr = lr if lr is not None else self.learning_rate()
         if lr is None:
             self._pending = vg
-        else:
-            self.scale(self.factor(vg, lr))
+            return None
+        return self.factor(vg, lr)
 
     def learning_rate(self) -> float | None:
         if self.optimizer is None:

@@ -179,14 +179,14 @@ class LayerFactors:
     def has_grad(self) -> bool:
         return self.module.weight.grad is not None
 
-    def grad_matrix(self) -> Tensor:
-        """∇W with the bias gradient as last column: (d_out, d_in), in the factors' dtype (without a bias and in
-        the same dtype, a view of ``weight.grad``)."""
+    def grad_matrix(self, out: Tensor | None = None) -> Tensor:
+        """∇W with the bias gradient as last column: (d_out, d_in), in the factors' dtype, written into ``out``
+        when given (without ``out``, a bias and another dtype: a view of ``weight.grad``)."""
         weight = self.module.weight
         grad = weight.grad.reshape(self.d_out, -1)
         if self.bias:
-            grad = torch.cat([grad, self.module.bias.grad.reshape(-1, 1)], dim=1)
-        return grad.to(self.dtype)
+            return torch.cat([grad, self.module.bias.grad.reshape(-1, 1)], dim=1, out=out).to(self.dtype)
+        return grad.to(self.dtype) if out is None else out.copy_(grad)
 
     def set_grad(self, matrix: Tensor) -> None:
         """Write a (d_out, d_in) matrix back into ``weight.grad`` (and ``bias.grad``) in place."""

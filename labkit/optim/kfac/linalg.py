@@ -73,16 +73,17 @@ def eigen_operands(qa: Tensor, la: Tensor, qg: Tensor, lg: Tensor, damping: floa
     return qg, qa, (lg[:, None] * la[None, :] + damping).reciprocal_()
 
 
-def precondition_batched(grads: Tensor, operands: tuple[Tensor, ...]) -> Tensor:
+def precondition_batched(grads: Tensor, operands: tuple[Tensor, ...], out: Tensor | None = None) -> Tensor:
     """Precondition k layers of one shape at once: ``grads`` (k, d_out, d_in) with ``operands`` stacked along a first
     dim of k: ``(Q_G, Q_A, scale)`` of :func:`eigen_operands` (``Q_G [(Q_Gᵀ ∇W Q_A) ⊙ scale] Q_Aᵀ``), or the damped
-    inverses ``(G_d⁻¹, A_d⁻¹)`` (``G_d⁻¹ ∇W A_d⁻¹``). Four (two) batched matrix products, whatever k."""
+    inverses ``(G_d⁻¹, A_d⁻¹)`` (``G_d⁻¹ ∇W A_d⁻¹``). Four (two) batched matrix products, whatever k; the last
+    one writes into ``out`` when given."""
     if len(operands) == 3:
         qg, qa, scale = operands
         v = torch.matmul(torch.matmul(qg.transpose(-1, -2), grads), qa).mul_(scale)
-        return torch.matmul(torch.matmul(qg, v), qa.transpose(-1, -2))
+        return torch.matmul(torch.matmul(qg, v), qa.transpose(-1, -2), out=out)
     g_inv, a_inv = operands
-    return torch.matmul(torch.matmul(g_inv, grads), a_inv)
+    return torch.matmul(torch.matmul(g_inv, grads), a_inv, out=out)
 
 
 def factored_damping(a: Tensor, g: Tensor, damping: float) -> tuple[float | Tensor, float | Tensor]:

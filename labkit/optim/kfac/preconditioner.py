@@ -134,6 +134,7 @@ class KFAC:
         self._closed = False
         self._arm(True)  # step 0 collects factors
         self._stacked: dict[tuple, tuple] = {}  # shape -> (decompositions, damping, stacked operands)
+        self._step_buffers: tuple[list, _Buffers] | None = None  # (layers and holds, their buffers)
         self.clip = (KLClip(self.kl_clip, self.layers[0].module.weight, self._scale_grads, optimizer)
                      if self.kl_clip > 0 else None)
 
@@ -245,10 +246,14 @@ class KFAC:
         started = self._clock()
         shared_grads = self.world_size > 1 and self.broadcast is Broadcast.GRADIENTS and self.kaisa is None
         work = [(l, o) for l, o in zip(self.layers, self.owners) if l.has_grad() and l.A is not None]
-        grads = [l.grad_matrix() for l, _ in work]
         holds = [self.kaisa.holds(o) if self.kaisa is not None else not shared_grads or o == self.rank
                  for _, o in work]
-        precond = self._apply([l for l, _ in work], grads, holds)
+        buffers = self._buffers([l for l, _ in work], holds)
+        for (layer, _), grad in zip(work, buffers.grads):
+            layer.grad_matrix(out=grad)
+        for key, index, grads, out in buffers.blocks:  # layers of one shape: one batched product
+            precondition_batched(grads, self._operands(key, [work[i][0] for i in index]), out=out)
+        precond = buffers.precond
         self.timings["precondition"] += self._clock() - started
         if self.kaisa is not None:
             started = self._clock()
@@ -260,31 +265,21 @@ class KFAC:
                                                                             [o for _, o in work])
             self.timings["communication"] += self._clock() - started
         started = self._clock()
-        # Σ⟨P, ∇W⟩ before set_grad: a bias-free layer's grad_matrix is a view of weight.grad
-        vg = inner_product(precond, grads, self.clip.anchor.device) if self.clip is not None and work else None
+        if self.clip is not None and work:  # ν = min(1, √(κ / (α² |Σ⟨P, ∇W⟩|))), see labkit.optim.kfac.clip
+            nu = self.clip.now(inner_product(buffers.flat_precond, buffers.flat_grads, self.clip.anchor.device), lr)
+            for flat in buffers.flat_precond if nu is not None else ():
+                flat.mul_(nu.to(flat.device, flat.dtype))  # every layer at once, before it is written back
         for (layer, _), p in zip(work, precond):
             layer.set_grad(p)
-        if vg is not None:
-            self.clip.apply(vg, lr)  # ν = min(1, √(κ / (α² |Σ⟨P, ∇W⟩|))), see labkit.optim.kfac.clip
         self.timings["precondition"] += self._clock() - started
 
-    def _apply(self, layers: list[LayerFactors], grads: list[Tensor], holds: list[bool]) -> list[Tensor]:
-        """Each held layer's preconditioned gradient; layers of one shape together, in one batched product
-        (:func:`~labkit.optim.kfac.linalg.precondition_batched`), with the operands stacked once per decomposition
-        (:meth:`_operands`); a layer not held: an empty matrix its owner's broadcast fills."""
-        out: list[Tensor | None] = [None] * len(layers)
-        groups: dict[tuple, list[int]] = {}
-        for i, (g, h) in enumerate(zip(grads, holds)):
-            if h:
-                groups.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
-            else:
-                out[i] = torch.empty_like(g)
-        for key, index in groups.items():
-            stacked = torch.stack([grads[i] for i in index]) if len(index) > 1 else grads[index[0]].unsqueeze(0)
-            result = precondition_batched(stacked, self._operands(key, [layers[i] for i in index]))
-            for j, i in enumerate(index):
-                out[i] = result[j]
-        return out
+    def _buffers(self, layers: list[LayerFactors], holds: list[bool]) -> _Buffers:
+        """Where this step's gradient matrices and preconditioned gradients go (:class:`_Buffers`), kept from step to
+        step while the same layers are preconditioned: no allocation per step."""
+        key = [(id(l), h) for l, h in zip(layers, holds)]
+        if self._step_buffers is None or self._step_buffers[0] != key:
+            self._step_buffers = (key, _Buffers(layers, holds))
+        return self._step_buffers[1]
 
     def _operands(self, key: tuple, layers: list[LayerFactors]) -> tuple[Tensor, ...]:
         """The stacked operands of ``layers`` (one shape), rebuilt only when a decomposition changed (a new
@@ -382,6 +377,50 @@ class KFAC:
         self.steps = int(state["steps"])
         self._arm(self.steps % self.factor_update_freq == 0)
         self._stale = not all(restored) or len(restored) < len(self.layers)
+
+
+class _Buffers:
+    """One step's gradient matrices and preconditioned gradients, in two flat buffers per (device, dtype): the
+    layers of one shape side by side, so that they are one batched product's operand and result as views (no
+    stacking), and the KL clip's ``Σ⟨P, ∇W⟩`` and its scaling are one operation per buffer, not per layer. They
+    hold ``2 Σ_ℓ d_out·d_in`` numbers (what a step used to allocate and free), not counted as optimizer state.
+
+    Attributes:
+        grads, precond: per layer, its (d_out, d_in) view of the buffers; a layer not held (its owner broadcasts
+            its preconditioned gradient) has its place too.
+        blocks: per group of held layers of one shape: ``(shape key, layer indices, grads (k, d_out, d_in),
+            precond (k, d_out, d_in))``.
+        flat_grads, flat_precond: the buffers, one per (device, dtype).
+    """
+
+    def __init__(self, layers: list[LayerFactors], holds: list[bool]):
+        groups: dict[tuple, list[int]] = {}
+        for i, (layer, held) in enumerate(zip(layers, holds)):
+            key = ((layer.d_out, layer.d_in), layer.dtype, layer.module.weight.device)
+            groups.setdefault((key, held), []).append(i)
+        sizes: dict[tuple, int] = {}
+        offsets = {}
+        for (key, held), index in groups.items():
+            (d_out, d_in), dtype, device = key
+            offsets[key, held] = sizes.get((dtype, device), 0)
+            sizes[dtype, device] = offsets[key, held] + len(index) * d_out * d_in
+        flats = {where: (torch.empty(n, dtype=where[0], device=where[1]), torch.empty(n, dtype=where[0],
+                                                                                    device=where[1]))
+                 for where, n in sizes.items()}
+        self.flat_grads = [g for g, _ in flats.values()]
+        self.flat_precond = [p for _, p in flats.values()]
+        self.grads: list[Tensor] = [torch.empty(0)] * len(layers)
+        self.precond: list[Tensor] = [torch.empty(0)] * len(layers)
+        self.blocks: list[tuple[tuple, list[int], Tensor, Tensor]] = []
+        for (key, held), index in groups.items():
+            (d_out, d_in), dtype, device = key
+            start, shape = offsets[key, held], (len(index), d_out, d_in)
+            grads, precond = (flat[start:start + len(index) * d_out * d_in].view(shape)
+                              for flat in flats[dtype, device])
+            for j, i in enumerate(index):
+                self.grads[i], self.precond[i] = grads[j], precond[j]
+            if held:
+                self.blocks.append((key, index, grads, precond))
 
 
 # ----- the `labkit train --optimizer kfac` side (flags in labkit.optim.kfac.options) ---------------------------
