@@ -61,6 +61,18 @@ def _kernel_manager_over_ipc() -> None:
             super().__init__(transport="ipc", ip=os.path.join(_ipc_dir, uuid.uuid4().hex), **kwargs)
 
     nbval.kernel.KernelManager = KernelManagerOverIpc
+    start = nbval.kernel.start_new_kernel
+
+    def start_new_kernel(*args, **kwargs):
+        """A kernel that dies before it answers is started once more (and said so): a second death fails the
+        notebook as before."""
+        try:
+            return start(*args, **kwargs)
+        except RuntimeError as exc:
+            print(f"nbval's kernel did not start ({exc}); starting it again", file=sys.stderr)
+            return start(*args, **kwargs)
+
+    nbval.kernel.start_new_kernel = start_new_kernel
 
 
 _kernel_manager_over_ipc()
