@@ -485,7 +485,14 @@ def test_bench_kfac_writes_timings(tmp_path, capsys):
         assert rows[name]["steps"] == 2 and min(rows[name][f"{p}_ms"] for p in ("factors", "decomposition",
                                                                                  "precondition")) > 0
     assert set(run.summary["metrics"]) == {"lenet/sgd", "lenet/inverse/1", "lenet/inverse/2"}
-    assert "x SGD" in capsys.readouterr().out
+    # the floor's products, counted: (6, 76), (16, 151), (120, 401), (84, 121), (10, 85), d_out²·d_in + d_out·d_in²
+    assert rows["inverse/1"]["precondition_madds"] == rows["inverse/2"]["precondition_madds"] == 27_675_754
+    for name, freq in (("inverse/1", 1), ("inverse/2", 2)):
+        row = rows[name]
+        assert row["floor_ms"] == pytest.approx(row["products_at_peak_ms"] + row["decomposition_step_ms"] / freq)
+        assert row["floor_ratio"] == pytest.approx(1 + row["floor_ms"] / rows["sgd"]["cpu_ms"])
+    printed = capsys.readouterr().out
+    assert "x SGD" in printed and "27.7 M multiply-adds" in printed
     assert main(["bench", "kfac", "--steps", "3", "--freqs", "2", "--out", str(out)]) == 2
     assert "--steps 3 must be a multiple of every --freqs value" in capsys.readouterr().err
 

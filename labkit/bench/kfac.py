@@ -14,6 +14,13 @@ forward/backward/SGD step every contender pays. Wall and CPU (process) time are 
 shared machine the CPU time is the steadier of the two, and on CPU the phases are measured in CPU time. The
 *paired* ratio is the median over rounds of a contender's CPU time over SGD's in the same round, run back to
 back: a machine whose speed drifts between rounds moves both alike.
+
+Below each model's table, K-FAC's *floor*: what a step cannot do without, before a single factor is collected. The
+preconditioning products are counted (:func:`precondition_madds`) and priced at the device's fp32 matmul rate,
+measured right after the contenders (:func:`labkit.train.peak.measure_matmul`, the best of five 1024 × 1024 products:
+no smaller product runs faster), one decomposition of every layer is timed (:func:`decomposition_seconds`) and
+divided by the update frequency. A target under ``1 + floor`` cannot be met
+on this machine with these layers, however fast the factors become.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ from labkit.dist.launch_info import resolve_device
 from labkit.errors import ConfigError
 from labkit.optim.kfac.preconditioner import KFAC
 from labkit.strategies.base import Strategy
+from labkit.train.peak import measure_matmul
 
 PHASES = ("factors", "decomposition", "precondition")
 
@@ -86,6 +94,41 @@ class Contender:
         return self.steps * len(self.batch[1])
 
 
+def precondition_madds(layers, method: str) -> int:
+    """Multiply-adds of one step's preconditioning products (:func:`labkit.optim.kfac.linalg.precondition_batched`)
+    over layers of shape (d_out, d_in): inverse ``G_d⁻¹ ∇W``, then ``· A_d⁻¹``: ``d_out²·d_in + d_out·d_in²`` a
+    layer; eigen twice that (``Q_Gᵀ ∇W · Q_A``, then ``Q_G · … · Q_Aᵀ``)."""
+    per_layer = sum(l.d_out ** 2 * l.d_in + l.d_out * l.d_in ** 2 for l in layers)
+    return 2 * per_layer if method == "eigen" else per_layer
+
+
+def decomposition_seconds(kfac: KFAC, repeats: int = 3) -> float:
+    """One decomposition of every layer of ``kfac`` from its current factors (what a decomposition step adds),
+    median of ``repeats``, on ``kfac.clock`` (a GPU synchronised around each). It leaves the same decompositions as
+    before."""
+    sync = torch.cuda.synchronize if kfac.layers[0].module.weight.is_cuda else (lambda: None)
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = kfac.clock()
+        for layer in kfac.layers:
+            layer.decompose(kfac.method.value, kfac.damping)
+        sync()
+        times.append(kfac.clock() - start)
+    return statistics.median(times)
+
+
+def floor_of(row: dict, kfac: KFAC, peak_flops: float, sgd_ms: float) -> dict:
+    """K-FAC's least cost per step (the module docstring): products at ``peak_flops`` + one decomposition ÷ the
+    update frequency, in ms and as a multiple of SGD's ``sgd_ms``."""
+    madds = precondition_madds(kfac.layers, kfac.method.value)
+    products_ms = 1e3 * 2 * madds / peak_flops
+    decomposition_ms = 1e3 * decomposition_seconds(kfac)
+    floor_ms = products_ms + decomposition_ms / row["update_freq"]
+    return {"precondition_madds": madds, "products_at_peak_ms": products_ms, "decomposition_step_ms": decomposition_ms,
+            "floor_ms": floor_ms, "floor_ratio": 1 + floor_ms / sgd_ms}
+
+
 def bench_model(name: str, args: argparse.Namespace, device: torch.device, writer) -> list[dict]:
     """Time every contender on one model; return one row per contender."""
     from labkit.data import datasets as data
@@ -112,8 +155,12 @@ def bench_model(name: str, args: argparse.Namespace, device: torch.device, write
                      "approx": c.approx if c.method else None, "update_freq": c.freq, "batch_size": args.batch_size,
                      "steps": steps, "step_ms": 1e3 * wall / steps, "cpu_ms": 1e3 * cpu / steps,
                      **{f"{p}_ms": 1e3 * timings[p] / steps for p in PHASES}})
+    peak = measure_matmul(device, torch.float32) if len(contenders) > 1 else None
     for c, row in zip(contenders, rows):
+        row["matmul_flops_per_s"] = peak
         row["ratio"], row["cpu_ratio"] = row["step_ms"] / rows[0]["step_ms"], row["cpu_ms"] / rows[0]["cpu_ms"]
+        if c.kfac is not None:  # the phases are CPU time on a CPU: so is SGD's step it is set beside
+            row.update(floor_of(row, c.kfac, peak, rows[0]["cpu_ms" if device.type == "cpu" else "step_ms"]))
         # each round's CPU time over SGD's in the same round (run back to back): steadier on a drifting machine
         paired = results.cpu_ratios(c.name, "sgd")
         row["cpu_ratio_median"], row["cpu_ratio_min"], row["cpu_ratio_max"] = (statistics.median(paired), min(paired),
@@ -149,6 +196,13 @@ def main(args: argparse.Namespace) -> int:
                   + "".join(f"{row[p + '_ms']:>15.1f}" for p in PHASES))
             metrics[f"{name}/{row['contender']}"] = {k: row[k] for k in ("step_ms", "cpu_ms", "ratio", "cpu_ratio",
                                                                           "cpu_ratio_median")}
+        if len(rows) > 1:
+            print(f"K-FAC's floor on {name}, before any factor: the preconditioning products at this device's fp32 matmul "
+                  f"rate ({rows[0]['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s) + one decomposition / frequency")
+            for row in rows[1:]:
+                print(f"{'':<10}{row['contender']:<18}{row['precondition_madds'] / 1e6:>7.1f} M multiply-adds "
+                      f"{row['products_at_peak_ms']:>6.2f} ms + {row['decomposition_step_ms']:.1f} ms / "
+                      f"{row['update_freq']} = {row['floor_ms']:.2f} ms: at least {row['floor_ratio']:.2f}x SGD")
     config = config_of(args)
     config["threads"] = torch.get_num_threads()
     writer.finish("bench-kfac", "bench", config, metrics, DistEnv(device=device))
