@@ -367,10 +367,14 @@ def _notebooks():
 
 @pytest.mark.parametrize("path", _notebooks(), ids=lambda p: p.stem)
 def test_notebook_is_stored_without_outputs(path):
+    """No outputs, and every cell with an id of its own (nbformat 4.5: a cell without one is a warning now and an
+    error in later nbformat releases)."""
     nb = json.loads(path.read_text())
     for i, cell in enumerate(nb["cells"]):
         if cell["cell_type"] == "code":
             assert cell.get("outputs") == [] and cell.get("execution_count") is None, f"{path.name} cell {i}"
+    ids = [cell.get("id") for cell in nb["cells"]]
+    assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: cells without an id, or an id twice"
 
 
 def exercise_cells():
