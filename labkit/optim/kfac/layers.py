@@ -179,14 +179,12 @@ class LayerFactors:
     def has_grad(self) -> bool:
         return self.module.weight.grad is not None
 
-    def grad_matrix(self, out: Tensor | None = None) -> Tensor:
-        """∇W with the bias gradient as last column: (d_out, d_in), in the factors' dtype, written into ``out``
-        when given (without ``out``, a bias and another dtype: a view of ``weight.grad``)."""
-        weight = self.module.weight
-        grad = weight.grad.reshape(self.d_out, -1)
+    def grad_matrix(self, out: Tensor) -> Tensor:
+        """∇W with the bias gradient as last column, written into ``out`` (d_out, d_in) of the factors' dtype."""
+        grad = self.module.weight.grad.reshape(self.d_out, -1)
         if self.bias:
-            return torch.cat([grad, self.module.bias.grad.reshape(-1, 1)], dim=1, out=out).to(self.dtype)
-        return grad.to(self.dtype) if out is None else out.copy_(grad)
+            return torch.cat([grad, self.module.bias.grad.reshape(-1, 1)], dim=1, out=out)
+        return out.copy_(grad)
 
     def set_grad(self, matrix: Tensor) -> None:
         """Write a (d_out, d_in) matrix back into ``weight.grad`` (and ``bias.grad``) in place."""
